@@ -1,0 +1,98 @@
+"""The `reap` command: one entry point that dispatches to each stage's subcommand.
+
+Each subcommand lives in the module that does the work and exposes two functions:
+`add_arguments(parser)` and `run(args) -> int` (the exit code). Modules are imported only when
+their subcommand runs, so `reap --help` stays fast and a broken optional stage cannot break the
+others. Errors a user can cause are `reap.errors.ReapError`: printed as one line, exit code from
+the error. Exit codes: 0 ok, 1 runtime failure, 2 bad input or arguments, 3 result not written,
+4 a routed expert failed to load, 5 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import sys
+
+from reap import __version__
+from reap.errors import EXIT_FAILURE, EXIT_INTERRUPTED, ReapError
+
+# name -> (module, one-line help). Order is the order `reap --help` lists them.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "info": ("reap.sizes", "parameter and byte census of a checkpoint or built-in config"),
+    "synth": ("reap.synth", "write a random but valid checkpoint of a built-in config"),
+    "corpora": ("reap.corpora.cli", "list, build and inspect calibration/evaluation corpora"),
+    "calibrate": ("reap.calibrate.cli", "stream corpora through a model, record expert statistics"),
+    "stats": ("reap.stats", "inspect and merge expert statistics files"),
+    "analyze": ("reap.analyze.cli", "expert overlap between corpora against chance, clusters, plots"),
+    "plan": ("reap.prune.plan", "choose the experts to keep (criteria, budgets, target size)"),
+    "prune": ("reap.prune.write", "write a pruned checkpoint from a plan, kept experts bit-identical"),
+    "verify": ("reap.prune.verify", "check a pruned checkpoint against its source"),
+    "run": ("reap.engine.cli", "generate text with the streaming engine under a memory budget"),
+    "serve": ("reap.engine.server", "OpenAI-compatible HTTP server on the streaming engine"),
+    "eval": ("reap.eval.cli", "compare builds side by side: perplexity, agreement, generations"),
+}
+
+EPILOG = """exit codes: 0 ok, 1 runtime failure, 2 bad arguments or input, 3 result not written,
+4 a routed expert failed to load (output untrustworthy), 5 interrupted"""
+
+
+def _available() -> dict[str, tuple[str, str]]:
+    """Commands whose module is present (stages land one by one)."""
+    return {n: c for n, c in COMMANDS.items() if _exists(c[0])}
+
+
+def _exists(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # a parent package is missing
+        return False
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The full parser; with `only`, import just that subcommand's module."""
+    parser = argparse.ArgumentParser(
+        prog="reap",
+        description="Prune the experts of Mixture-of-Experts language models.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"reap {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module, help_) in _available().items():
+        p = sub.add_parser(
+            name, help=help_, description=help_, epilog=EPILOG,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        if only == name:
+            mod = importlib.import_module(module)
+            mod.add_arguments(p)
+            p.set_defaults(_run=mod.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `reap` console script; returns the exit code."""
+    argv = sys.argv[1:] if argv is None else argv
+    only = next((a for a in argv if not a.startswith("-")), None)
+    try:
+        parser = build_parser(only if only in COMMANDS else None)
+        args = parser.parse_args(argv)
+        if not getattr(args, "_run", None):
+            parser.print_help()
+            return 0 if not argv else 2
+        return int(args._run(args) or 0)
+    except ReapError as e:
+        print(f"reap: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("reap: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except MemoryError:
+        print("reap: error: out of memory (lower --budget or the batch size)", file=sys.stderr)
+        return EXIT_FAILURE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

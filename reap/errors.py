@@ -1,0 +1,40 @@
+"""Errors that the CLI turns into one-line messages and documented exit codes.
+
+Library code raises `ReapError` (or a subclass) for anything a user can cause: a bad path, a
+corrupt file, an unknown config. `reap.cli` prints `reap: error: <message>` and exits with the
+error's `exit_code`; nothing else reaches the user as a traceback.
+"""
+
+EXIT_OK = 0
+EXIT_FAILURE = 1  # a forward, binding or runtime failure
+EXIT_USAGE = 2  # bad arguments, unknown config, unreadable or corrupt input, refused plan
+EXIT_WRITE = 3  # the work finished but its result could not be written
+EXIT_EXPERT_LOAD = 4  # a routed expert failed to load: results are not trustworthy
+EXIT_INTERRUPTED = 5  # Ctrl-C
+
+
+class ReapError(Exception):
+    """A user-facing failure with a one-line message and an exit code."""
+
+    exit_code = EXIT_USAGE
+
+    def __init__(self, message: str, exit_code: int | None = None):
+        super().__init__(message)
+        if exit_code is not None:
+            self.exit_code = exit_code
+
+
+class CheckpointError(ReapError):
+    """A checkpoint file is missing, corrupt, truncated or inconsistent."""
+
+
+class WriteError(ReapError):
+    """An output could not be written."""
+
+    exit_code = EXIT_WRITE
+
+
+class ExpertLoadError(ReapError):
+    """A routed expert could not be read: tokens computed without it are untrustworthy."""
+
+    exit_code = EXIT_EXPERT_LOAD

@@ -1,0 +1,177 @@
+"""Expert statistics: the artifact calibration writes and analysis and planning read.
+
+One `ExpertStats` holds what one corpus did to one model: per MoE layer, per routed expert,
+sums that merge exactly by addition (and one maximum). Means are derived, never stored, so
+statistics from separate runs or corpus shards combine with `merge` (`reap stats merge`).
+
+Dimension letters: L recorded MoE layers, E routed experts, S calibration sequences.
+
+File format: one safetensors file; tensors by field name, provenance as JSON in the header's
+`__metadata__["reap"]`. Sums are float64 and counts int64, so a merge of shards equals the stats
+of the concatenated corpus to float64 rounding (counts exactly).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from dataclasses import dataclass, field, fields
+
+import torch
+
+from reap.errors import ReapError, WriteError
+
+FORMAT = "reap.expert_stats/1"
+
+# field -> (dtype, merge rule). Shapes: [L, E] unless noted.
+_TENSORS = {
+    "count": (torch.int64, "sum"),  # tokens routed to the expert
+    "gate_sum": (torch.float64, "sum"),  # sum of routing weights over routed tokens
+    "reap_sum": (torch.float64, "sum"),  # sum of weight * ||expert output|| (model space)
+    "reap_latent_sum": (torch.float64, "sum"),  # same, output norm in the latent space
+    "ean_sum": (torch.float64, "sum"),  # sum of ||expert output|| (model space)
+    "ean_latent_sum": (torch.float64, "sum"),  # sum of ||expert output|| (latent space)
+    "max_act": (torch.float32, "max"),  # max |activation| of the expert's output
+    "prob_mass": (torch.float64, "sum"),  # sum over ALL tokens of the router probability
+    "coact": (torch.int64, "sum"),  # [L, E, E] tokens routed to both i and j (diagonal = count)
+    "seq_count": (torch.int32, "cat"),  # [S, L, E] optional: per-sequence routed counts
+}
+
+
+@dataclass
+class ExpertStats:
+    """Per-layer, per-expert routing statistics of one corpus on one model.
+
+    `layers[l]` is the model layer index of row l. `tokens` counts every token that passed
+    the layers (routed or not). `meta` is provenance: model fingerprint, corpus name and sha256,
+    arguments, code version.
+    """
+
+    layers: list[int]
+    n_experts: int
+    top_k: int
+    tokens: int
+    count: torch.Tensor
+    gate_sum: torch.Tensor
+    reap_sum: torch.Tensor
+    reap_latent_sum: torch.Tensor
+    ean_sum: torch.Tensor
+    ean_latent_sum: torch.Tensor
+    max_act: torch.Tensor
+    prob_mass: torch.Tensor
+    coact: torch.Tensor
+    seq_count: torch.Tensor | None = None
+    meta: dict = field(default_factory=dict)
+
+    @classmethod
+    def zeros(cls, layers: list[int], n_experts: int, top_k: int, meta: dict | None = None):
+        """Empty statistics to accumulate into."""
+        L, E = len(layers), n_experts
+        t = {n: torch.zeros((L, E, E) if n == "coact" else (L, E), dtype=d)
+             for n, (d, _) in _TENSORS.items() if n != "seq_count"}
+        return cls(list(layers), E, top_k, 0, meta=dict(meta or {}), **t)
+
+    # Derived per-expert scores, [L, E]; experts never routed score 0.
+    def reap(self, latent: bool = False) -> torch.Tensor:
+        """REAP saliency: mean over routed tokens of weight * ||output|| (model space default)."""
+        s = self.reap_latent_sum if latent else self.reap_sum
+        return s / self.count.clamp(min=1)
+
+    def ean(self, latent: bool = False) -> torch.Tensor:
+        """Mean expert-output norm over routed tokens."""
+        s = self.ean_latent_sum if latent else self.ean_sum
+        return s / self.count.clamp(min=1)
+
+    def frequency(self) -> torch.Tensor:
+        """Share of tokens routed to each expert."""
+        return self.count.double() / max(self.tokens, 1)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {n: getattr(self, n) for n in _TENSORS if getattr(self, n) is not None}
+
+    def header(self) -> dict:
+        return {"format": FORMAT, "layers": self.layers, "n_experts": self.n_experts,
+                "top_k": self.top_k, "tokens": self.tokens, "meta": self.meta}
+
+    def save(self, path: str | os.PathLike) -> str:
+        """Write atomically (temp file, then rename); returns the path."""
+        from safetensors.torch import save_file
+
+        path = os.fspath(path)
+        tmp = f"{path}.tmp.{os.getpid()}"
+        try:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            tensors = {k: v.contiguous() for k, v in self.tensors().items()}
+            save_file(tensors, tmp, metadata={"reap": json.dumps(self.header())})
+            os.replace(tmp, path)
+        except OSError as e:
+            raise WriteError(f"cannot write statistics {path}: {e.strerror or e}") from e
+        return path
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "ExpertStats":
+        """Read a statistics file; a clear error if it is not one."""
+        from safetensors import safe_open
+
+        path = os.fspath(path)
+        try:
+            with safe_open(path, "pt") as f:
+                head = json.loads((f.metadata() or {})["reap"])
+                tensors = {k: f.get_tensor(k) for k in f.keys()}
+        except (OSError, KeyError, ValueError, json.JSONDecodeError) as e:
+            raise ReapError(f"{path}: not a reap statistics file ({e})") from e
+        if head.get("format") != FORMAT:
+            raise ReapError(f"{path}: unknown statistics format {head.get('format')!r}")
+        missing = [n for n in _TENSORS if n != "seq_count" and n not in tensors]
+        if missing:
+            raise ReapError(f"{path}: statistics file lacks {', '.join(missing)}")
+        return cls(head["layers"], head["n_experts"], head["top_k"], head["tokens"],
+                   meta=head.get("meta", {}), **tensors)
+
+
+def merge(parts: list[ExpertStats], meta: dict | None = None) -> ExpertStats:
+    """Statistics of the union of the parts' tokens (same model and layers required)."""
+    if not parts:
+        raise ReapError("nothing to merge")
+    a = parts[0]
+    for b in parts[1:]:
+        if (b.layers, b.n_experts, b.top_k) != (a.layers, a.n_experts, a.top_k):
+            raise ReapError("cannot merge statistics of different models or layer sets")
+        if b.meta.get("model") != a.meta.get("model"):
+            raise ReapError("cannot merge statistics of different model fingerprints")
+    out = {}
+    for name, (_, rule) in _TENSORS.items():
+        vals = [getattr(p, name) for p in parts]
+        if rule == "sum":
+            out[name] = torch.stack(vals).sum(0)
+        elif rule == "max":
+            out[name] = torch.stack(vals).amax(0)
+        elif all(v is not None for v in vals):
+            out[name] = torch.cat(vals)
+    m = dict(meta if meta is not None else a.meta)
+    m["merged_from"] = [p.meta for p in parts]
+    return ExpertStats(list(a.layers), a.n_experts, a.top_k, sum(p.tokens for p in parts),
+                       meta=m, **out)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="action", required=True)
+    show = sub.add_parser("show", help="print a summary of a statistics file")
+    show.add_argument("path")
+    mg = sub.add_parser("merge", help="merge statistics of corpus shards or runs exactly")
+    mg.add_argument("paths", nargs="+")
+    mg.add_argument("--out", required=True, help="output .safetensors path")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.action == "merge":
+        merged = merge([ExpertStats.load(p) for p in args.paths])
+        print(merged.save(args.out))
+        return 0
+    s = ExpertStats.load(args.path)
+    print(json.dumps({**s.header(), "fields": sorted(s.tensors())}, indent=1))
+    used = (s.count > 0).sum(1).tolist()
+    for layer, n in zip(s.layers, used):
+        print(f"layer {layer:3d}: {n}/{s.n_experts} experts used")
+    return 0
