@@ -1,0 +1,80 @@
+"""Contracts between model families and the stages that drive them (calibrate, engine, eval).
+
+Every family module under `reap.models` (one file each, e.g. `kimi_k3.py`) provides:
+
+- `Config` dataclass whose field names are the `config.json` names, `Config.from_dict(d)`;
+- `layout(config_dict) -> list[TensorSpec]`: every tensor of the released checkpoint layout, in
+  file order, names without any `language_model.` prefix, tagged with component/layer/expert;
+- `expert_key(name) -> (layer, expert) | None`, `router_tensors(cfg, layer) -> {name: axis}`
+  (tensors sliced along the expert axis when pruning) and `with_experts(config_dict, n) -> dict`;
+- `Model(cfg)`: holds no weights. Weights are pulled by name through a `Weights` getter, so the
+  same code runs fully in memory (tests, the reference forward) and one layer at a time with
+  weights streamed from disk (calibration, the engine).
+
+Driving a model layer by layer (shapes: B batch, T tokens, D hidden, V vocab):
+
+    state = model.embed(get, ids)                      # ids [B, T] -> State
+    for i in range(model.n_layers):
+        state, x = model.attn_block(i, get, state, cache=caches[i])  # x [B, T, D], MLP input
+        y = model.mlp_block(i, get, x, experts=experts, observer=observer)  # [B, T, D]
+        state = model.finish_layer(i, state, y)
+    logits = model.head(get, state)                    # [B, T, V]
+
+`model.forward(get, ids, caches=None, experts=None, observer=None)` is that loop. MoE layers
+dispatch expert-major: experts in ascending id order, each run once on all of its tokens, its
+weights fetched by `experts(layer, expert)`; weighted outputs are accumulated in that fixed order so
+results do not depend on caching or memory budgets.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Mapping, Protocol
+
+import torch
+
+# (layer, expert) -> that expert's tensors by short name, e.g. "w1.weight_packed", "w1.weight_scale".
+ExpertSource = Callable[[int, int], Mapping[str, torch.Tensor]]
+
+# name (without prefix) -> tensor; raises reap.errors.CheckpointError for unknown names.
+Weights = Callable[[str], torch.Tensor]
+
+
+@dataclass
+class MoERecord:
+    """What one MoE layer did to N tokens (N = B*T, row-major over [B, T]); K = top_k.
+
+    `model_norm[n, k]` is the norm of expert k's contribution to the layer output divided by its
+    routing weight (for LatentMoE: after the routed-expert norm's per-token scale and the shared
+    up-projection), so REAP saliency = mean over routed tokens of weights * model_norm.
+    Norm fields are None unless the observer sets `wants_norms`.
+    """
+
+    layer: int
+    ids: torch.Tensor  # [N, K] int64 routed expert ids
+    weights: torch.Tensor  # [N, K] float32 routing weights (renormalized, times scaling factor)
+    probs: torch.Tensor  # [N, E] float32 router probabilities (sigmoid, before the bias)
+    latent_norm: torch.Tensor | None = None  # [N, K] ||expert output|| in the expert space
+    model_norm: torch.Tensor | None = None  # [N, K] ||contribution|| / weight, model space
+    max_act: torch.Tensor | None = None  # [N, K] max |expert output| (expert space)
+
+
+class Observer(Protocol):
+    """Receives each MoE layer's routing (and optional per-expert output norms)."""
+
+    wants_norms: bool
+
+    def on_moe(self, record: MoERecord) -> None: ...
+
+
+def dict_weights(tensors: Mapping[str, torch.Tensor]) -> Weights:
+    """A strict getter over an in-memory dict (prefix-free names)."""
+    from reap.errors import CheckpointError
+
+    def get(name: str) -> torch.Tensor:
+        try:
+            return tensors[name]
+        except KeyError:
+            raise CheckpointError(f"tensor {name!r} is missing from the weights") from None
+
+    return get
