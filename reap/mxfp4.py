@@ -47,8 +47,9 @@ _MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 # byte -> the two decoded values (low nibble first)  [256, 2]
 _PAIR_LUT = torch.stack([FP4_VALUES[torch.arange(256) & 15], FP4_VALUES[torch.arange(256) >> 4]], 1)
 # byte -> 2 ** (byte - 127), NaN at 255; 2**-127 is an exact float32 subnormal  [256]
-_SCALE_LUT = torch.tensor([2.0 ** (i - E8M0_BIAS) for i in range(255)] + [float("nan")],
-                          dtype=torch.float32)
+_SCALE_LUT = torch.tensor(
+    [2.0 ** (i - E8M0_BIAS) for i in range(255)] + [float("nan")], dtype=torch.float32
+)
 
 
 def _check_uint8(t: torch.Tensor, what: str) -> None:
@@ -78,12 +79,15 @@ def _check_pair(packed: torch.Tensor, scales: torch.Tensor) -> None:
     _check_uint8(packed, "packed")
     _check_uint8(scales, "scales")
     if packed.shape[:-1] != scales.shape[:-1] or packed.shape[-1] * 2 != scales.shape[-1] * BLOCK:
-        raise ReapError(f"mxfp4: packed {tuple(packed.shape)} does not match scales "
-                        f"{tuple(scales.shape)} (expected [..., N//2] and [..., N//32])")
+        raise ReapError(
+            f"mxfp4: packed {tuple(packed.shape)} does not match scales "
+            f"{tuple(scales.shape)} (expected [..., N//2] and [..., N//32])"
+        )
 
 
-def dequantize(packed: torch.Tensor, scales: torch.Tensor,
-               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize(
+    packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """Decode MXFP4: packed uint8 [..., N//2] and scales uint8 [..., N//32] -> dtype [..., N].
 
     Exact: every decoded value is representable in bf16 and float32 (float16 may overflow)."""
@@ -152,8 +156,9 @@ def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     Returns (packed uint8 [..., N//2], scales uint8 [..., N//32])."""
     n = w.shape[-1] if w.dim() else 0
     if w.dim() == 0 or n % BLOCK:
-        raise ReapError(f"mxfp4: last dimension must be a multiple of {BLOCK}, got shape "
-                        f"{tuple(w.shape)}")
+        raise ReapError(
+            f"mxfp4: last dimension must be a multiple of {BLOCK}, got shape {tuple(w.shape)}"
+        )
     lead = w.shape[:-1]
     x = w.detach().to(torch.float32).reshape(*lead, n // BLOCK, BLOCK)  # [..., B, 32]
     amax = x.abs().amax(dim=-1)  # [..., B]
@@ -163,8 +168,11 @@ def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scaled = x * torch.exp2(-shared.to(torch.float32)).unsqueeze(-1)  # [..., B, 32]
     codes = _round_e2m1(scaled)
     codes = torch.where(finite.unsqueeze(-1), codes, torch.zeros_like(codes))
-    scales = torch.where(finite, (shared + E8M0_BIAS).to(torch.uint8),
-                         torch.full_like(shared, E8M0_NAN, dtype=torch.uint8))
+    scales = torch.where(
+        finite,
+        (shared + E8M0_BIAS).to(torch.uint8),
+        torch.full_like(shared, E8M0_NAN, dtype=torch.uint8),
+    )
     packed = pack_nibbles(codes.reshape(*lead, n))
     return packed, scales
 

@@ -106,8 +106,9 @@ def test_dequantize_matches_reference_on_random_bytes():
     ok = ~torch.isnan(ref)
     assert torch.equal(fast[ok], ref[ok])
     assert torch.equal(dequantize(packed, scales)[ok], ref.float()[ok])
-    assert torch.equal(dequantize(packed, scales, dtype=torch.bfloat16)[ok],
-                       ref.to(torch.bfloat16)[ok])
+    assert torch.equal(
+        dequantize(packed, scales, dtype=torch.bfloat16)[ok], ref.to(torch.bfloat16)[ok]
+    )
 
 
 def _naive_quantize_block(block):
@@ -175,8 +176,14 @@ def test_mlx_dequantizes_our_bytes_identically():
     g = torch.Generator().manual_seed(3)
     packed = torch.randint(0, 256, (255, 64), dtype=torch.uint8, generator=g)
     scales = torch.arange(255, dtype=torch.uint8).reshape(255, 1).repeat(1, 4)  # bytes 0..254
-    theirs = mx.dequantize(_to_mlx_packed(packed), mx.array(scales.numpy()), group_size=32,
-                           bits=4, mode="mxfp4", dtype=mx.float32)
+    theirs = mx.dequantize(
+        _to_mlx_packed(packed),
+        mx.array(scales.numpy()),
+        group_size=32,
+        bits=4,
+        mode="mxfp4",
+        dtype=mx.float32,
+    )
     assert torch.equal(dequantize(packed, scales), torch.from_numpy(np.array(theirs)))
 
 
