@@ -28,7 +28,7 @@ results do not depend on caching or memory budgets.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Mapping, Protocol
 
 import torch
@@ -38,6 +38,23 @@ ExpertSource = Callable[[int, int], Mapping[str, torch.Tensor]]
 
 # name (without prefix) -> tensor; raises reap.errors.CheckpointError for unknown names.
 Weights = Callable[[str], torch.Tensor]
+
+
+@dataclass
+class State:
+    """The residual stream between layers, everything a later layer needs (spillable with `to`).
+
+    `hidden` [B, T, D]: the residual stream; for AttnRes families the running partial sum of the
+    current block. `blocks`: AttnRes block snapshots, oldest first, each [B, T, D] (empty for a
+    plain residual stream).
+    """
+
+    hidden: torch.Tensor
+    blocks: list[torch.Tensor] = field(default_factory=list)
+
+    def to(self, device: str | torch.device) -> "State":
+        """A copy on `device` (e.g. "cpu" to spill between layers)."""
+        return State(self.hidden.to(device), [b.to(device) for b in self.blocks])
 
 
 @dataclass

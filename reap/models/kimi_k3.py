@@ -1,0 +1,254 @@
+"""Kimi K3 (`model_type` kimi_k3 wrapping a kimi_linear `text_config`): config, checkpoint layout
+and the torch model driven layer by layer through the protocol of `reap.models.base`.
+
+Architecture (reference: mlx-lm 0.32.2 `models/kimi_k3.py`): layer 0 dense, layers 1.. LatentMoE;
+attention is KDA (gated delta rule, `linear_attn_config.kda_layers`, one-based) or gated NoPE MLA;
+the residual stream is AttnRes (softmax mix over block snapshots). Shapes: B batch, T tokens,
+D hidden, V vocab, E n_experts, K top_k.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from dataclasses import dataclass, field, fields
+
+import torch
+
+from reap.checkpoint import TensorSpec
+from reap.errors import ReapError
+# (model imports land with the model)
+
+
+EXPERT_TENSORS = ("w1.weight_packed", "w1.weight_scale", "w2.weight_packed", "w2.weight_scale",
+                  "w3.weight_packed", "w3.weight_scale")
+_EXPERT_RE = re.compile(r"(?:^|\.)model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.")
+_DTYPES = {"bfloat16": "BF16", "float32": "F32", "float16": "F16"}
+
+
+@dataclass
+class Config:
+    """The text config of a K3 checkpoint; field names are the `config.json` names."""
+
+    vocab_size: int = 163840
+    hidden_size: int = 7168
+    num_hidden_layers: int = 93
+    num_attention_heads: int = 96
+    num_key_value_heads: int = 96
+    intermediate_size: int = 33792
+    rms_norm_eps: float = 1e-5
+    linear_attn_config: dict = field(default_factory=dict)
+    hidden_act: str = "situ"
+    activation_situ_beta: float | None = None
+    activation_situ_linear_beta: float | None = None
+    attn_res_block_size: int | None = None
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    mla_use_nope: bool = True
+    mla_use_output_gate: bool = False
+    num_experts: int = 0
+    num_experts_per_token: int = 16
+    num_shared_experts: int = 0
+    moe_intermediate_size: int = 0
+    moe_router_activation_func: str = "sigmoid"
+    moe_renormalize: bool = True
+    routed_scaling_factor: float = 1.0
+    first_k_dense_replace: int = 0
+    moe_layer_freq: int = 1
+    num_expert_group: int = 1
+    topk_group: int = 1
+    routed_expert_hidden_size: int | None = None
+    latent_moe_use_norm: bool = False
+    tie_word_embeddings: bool = False
+    torch_dtype: str = "bfloat16"
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Config":
+        """From a full config.json (with `text_config`) or a bare text config; unknown keys ignored."""
+        text = d.get("text_config", d)
+        names = {f.name for f in fields(cls)}
+        cfg = cls(**{k: v for k, v in text.items() if k in names})
+        cfg._check()
+        return cfg
+
+    def _check(self) -> None:
+        unsupported = []
+        if self.hidden_act != "situ":
+            unsupported.append(f"hidden_act={self.hidden_act!r}")
+        if self.moe_router_activation_func != "sigmoid":
+            unsupported.append(f"moe_router_activation_func={self.moe_router_activation_func!r}")
+        if self.num_expert_group != 1 or not self.mla_use_nope:
+            unsupported.append("grouped routing or RoPE MLA")
+        if not self.linear_attn_config.get("use_full_rank_gate", False):
+            unsupported.append("low-rank KDA output gate")
+        if unsupported:
+            raise ReapError(f"kimi_k3 config: unsupported {', '.join(unsupported)}")
+
+    # -- derived facts ------------------------------------------------------------------------
+    def is_kda(self, layer: int) -> bool:
+        """Whether decoder layer `layer` (zero-based) uses KDA (else MLA)."""
+        return layer + 1 in self.linear_attn_config.get("kda_layers", [])
+
+    def is_moe(self, layer: int) -> bool:
+        """Whether decoder layer `layer` is a LatentMoE layer (else the dense MLP)."""
+        return (self.num_experts > 0 and layer >= self.first_k_dense_replace
+                and layer % self.moe_layer_freq == 0)
+
+    @property
+    def kda_heads(self) -> int:
+        return self.linear_attn_config["num_heads"]
+
+    @property
+    def kda_head_dim(self) -> int:
+        return self.linear_attn_config["head_dim"]
+
+    @property
+    def latent(self) -> int:
+        return self.routed_expert_hidden_size or self.hidden_size
+
+
+# -- layout ------------------------------------------------------------------------------------
+def layout(config_dict: dict) -> list[TensorSpec]:
+    """Every tensor of the released layout in file order (names without `language_model.`).
+
+    A `vision_config` in the config adds the vision tower as generic tensors (see `_vision`)."""
+    cfg = Config.from_dict(config_dict)
+    fdt = _DTYPES.get(cfg.torch_dtype, "BF16")
+    D, V = cfg.hidden_size, cfg.vocab_size
+    specs = [TensorSpec("model.embed_tokens.weight", fdt, (V, D), "embed_head")]
+    for i in range(cfg.num_hidden_layers):
+        specs += _layer_specs(cfg, i, fdt)
+    specs += [TensorSpec("model.norm.weight", fdt, (D,), "norms")]
+    if cfg.attn_res_block_size is not None:
+        specs += [TensorSpec("model.output_attn_res_proj.weight", fdt, (1, D), "attn_res"),
+                  TensorSpec("model.output_attn_res_norm.weight", fdt, (D,), "attn_res")]
+    if not cfg.tie_word_embeddings:
+        specs.append(TensorSpec("lm_head.weight", fdt, (V, D), "embed_head"))
+    vision = config_dict.get("vision_config")
+    return specs + (_vision(vision, fdt) if vision else [])
+
+
+def _layer_specs(cfg: Config, i: int, fdt: str) -> list[TensorSpec]:
+    D, p = cfg.hidden_size, f"model.layers.{i}."
+
+    def t(name, shape, comp, dtype=fdt):
+        return TensorSpec(p + name, dtype, tuple(shape), comp, i)
+
+    out = [t("input_layernorm.weight", (D,), "norms")]
+    out += _kda_specs(cfg, t) if cfg.is_kda(i) else _mla_specs(cfg, t)
+    out.append(t("post_attention_layernorm.weight", (D,), "norms"))
+    if cfg.attn_res_block_size is not None:
+        for r in ("self_attention_res", "mlp_res"):
+            out += [t(f"{r}_proj.weight", (1, D), "attn_res"), t(f"{r}_norm.weight", (D,), "attn_res")]
+    if not cfg.is_moe(i):
+        return out + _mlp_specs(t, "mlp.", D, cfg.intermediate_size, "dense_mlp")
+    return out + _moe_specs(cfg, i, t, fdt)
+
+
+def _mlp_specs(t, p: str, D: int, F: int, comp: str) -> list[TensorSpec]:
+    return [t(p + "gate_proj.weight", (F, D), comp), t(p + "up_proj.weight", (F, D), comp),
+            t(p + "down_proj.weight", (D, F), comp)]
+
+
+def _kda_specs(cfg: Config, t) -> list[TensorSpec]:
+    D, H, Dk = cfg.hidden_size, cfg.kda_heads, cfg.kda_head_dim
+    P, K, a = H * Dk, cfg.linear_attn_config.get("short_conv_kernel_size", 4), "self_attn."
+    out = [t(a + f"{n}_proj.weight", (P, D), "kda") for n in "qkv"]
+    out += [t(a + f"{n}_conv1d.weight", (P, 1, K), "kda", "F32") for n in "qkv"]
+    out += [t(a + "f_a_proj.weight", (Dk, D), "kda"), t(a + "f_b_proj.weight", (P, Dk), "kda"),
+            t(a + "b_proj.weight", (H, D), "kda"), t(a + "g_proj.weight", (P, D), "kda"),
+            t(a + "A_log", (max(H, Dk),), "kda", "F32"), t(a + "dt_bias", (P,), "kda", "F32"),
+            t(a + "o_norm.weight", (Dk,), "kda", "F32"), t(a + "o_proj.weight", (D, P), "kda")]
+    return out
+
+
+def _mla_specs(cfg: Config, t) -> list[TensorSpec]:
+    D, H, a = cfg.hidden_size, cfg.num_attention_heads, "self_attn."
+    q_dim, kv = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.kv_lora_rank
+    if cfg.q_lora_rank:
+        r = cfg.q_lora_rank
+        out = [t(a + "q_a_proj.weight", (r, D), "mla"), t(a + "q_a_layernorm.weight", (r,), "mla"),
+               t(a + "q_b_proj.weight", (H * q_dim, r), "mla")]
+    else:
+        out = [t(a + "q_proj.weight", (H * q_dim, D), "mla")]
+    out += [t(a + "kv_a_proj_with_mqa.weight", (kv + cfg.qk_rope_head_dim, D), "mla"),
+            t(a + "kv_a_layernorm.weight", (kv,), "mla"),
+            t(a + "kv_b_proj.weight", (H * (cfg.qk_nope_head_dim + cfg.v_head_dim), kv), "mla"),
+            t(a + "o_proj.weight", (D, H * cfg.v_head_dim), "mla")]
+    if cfg.mla_use_output_gate:
+        out.append(t(a + "g_proj.weight", (H * cfg.v_head_dim, D), "mla"))
+    return out
+
+
+def _moe_specs(cfg: Config, i: int, t, fdt: str) -> list[TensorSpec]:
+    D, E, m = cfg.hidden_size, cfg.num_experts, "block_sparse_moe."
+    out = [t(m + "gate.weight", (E, D), "router"),
+           t(m + "gate.e_score_correction_bias", (E,), "router", "F32")]
+    if cfg.num_shared_experts:
+        F = cfg.moe_intermediate_size * cfg.num_shared_experts
+        out += _mlp_specs(t, m + "shared_experts.", D, F, "shared_experts")
+    if cfg.routed_expert_hidden_size:
+        Lt = cfg.routed_expert_hidden_size
+        out.append(t(m + "routed_expert_down_proj.weight", (Lt, D), "latent_proj"))
+        if cfg.latent_moe_use_norm:
+            out.append(t(m + "routed_expert_norm.weight", (Lt,), "latent_proj"))
+        out.append(t(m + "routed_expert_up_proj.weight", (D, Lt), "latent_proj"))
+    for e in range(E):
+        out += expert_specs(cfg, i, e)
+    return out
+
+
+def expert_specs(cfg: Config, layer: int, expert: int) -> list[TensorSpec]:
+    """The six MXFP4 tensors of one routed expert, in file order (w1 gate, w2 down, w3 up)."""
+    Lt, F = cfg.latent, cfg.moe_intermediate_size
+    shapes = {"w1": (F, Lt), "w2": (Lt, F), "w3": (F, Lt)}  # [out, in]
+    names = expert_tensor_names(layer, expert)
+    out = []
+    for name, short in zip(names, EXPERT_TENSORS):
+        rows, cols = shapes[short[:2]]
+        shape = (rows, cols // 2) if short.endswith("packed") else (rows, cols // 32)
+        out.append(TensorSpec(name, "U8", shape, "routed_experts", layer, expert))
+    return out
+
+
+def _vision(vc: dict, fdt: str) -> list[TensorSpec]:
+    """The vision tower as generic transformer-block tensors, for size accounting only: the real
+    MoonViT-V2 names and shapes are not public here; the stand-in's block count and widths are
+    chosen so its tensor count (12 per block) and parameters match the release (168, ~401 M)."""
+    W, M, n = vc["hidden_size"], vc["intermediate_size"], vc["num_hidden_layers"]
+    shapes = {"norm1.weight": (W,), "norm1.bias": (W,), "attn.qkv.weight": (3 * W, W),
+              "attn.qkv.bias": (3 * W,), "attn.proj.weight": (W, W), "attn.proj.bias": (W,),
+              "norm2.weight": (W,), "norm2.bias": (W,), "mlp.fc1.weight": (M, W),
+              "mlp.fc1.bias": (M,), "mlp.fc2.weight": (W, M), "mlp.fc2.bias": (W,)}
+    return [TensorSpec(f"vision_tower.blocks.{b}.{k}", fdt, s, "vision")
+            for b in range(n) for k, s in shapes.items()]
+
+
+def expert_key(name: str) -> tuple[int, int] | None:
+    """(layer, expert) of a routed-expert tensor name (prefix optional), else None."""
+    m = _EXPERT_RE.search(name)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def expert_tensor_names(layer: int, expert: int) -> list[str]:
+    """The six tensor names of routed expert `expert` of `layer`, file order (contiguous)."""
+    p = f"model.layers.{layer}.block_sparse_moe.experts.{expert}."
+    return [p + s for s in EXPERT_TENSORS]
+
+
+def router_tensors(cfg: Config | dict, layer: int) -> dict[str, int]:
+    """Tensors of `layer` indexed by expert id -> the axis to slice when pruning experts."""
+    p = f"model.layers.{layer}.block_sparse_moe.gate."
+    return {p + "weight": 0, p + "e_score_correction_bias": 0}
+
+
+def with_experts(config_dict: dict, n_experts: int) -> dict:
+    """A copy of the config with `n_experts` routed experts per layer (top_k capped at n)."""
+    out = copy.deepcopy(config_dict)
+    text = out.get("text_config", out)
+    text["num_experts"] = n_experts
+    text["num_experts_per_token"] = min(text["num_experts_per_token"], n_experts)
+    return out
