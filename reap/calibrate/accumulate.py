@@ -1,0 +1,145 @@
+"""Turn MoE routing records into per-corpus, per-layer expert statistics.
+
+`StatsAccumulator` is the observer calibration hands to `model.mlp_block`: each `MoERecord` covers
+the tokens of a contiguous span of calibration sequences (set with `span`), and every statistic is
+added only for the experts each token was actually routed to. Sums are float64 and counts int64,
+accumulated in token order, so results are deterministic on the CPU and shards merge exactly.
+
+Dimension letters: N tokens of a record, K top_k, E n_experts, S sequences, T seq_len.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from reap.models.base import MoERecord
+
+# Tokens per bincount of co-activation pairs: bounds the [n, K, K] int64 temporary.
+_PAIR_CHUNK = 8192
+
+
+@dataclass
+class LayerRow:
+    """One layer's statistics for one corpus; [E] unless noted (fields as in `ExpertStats`)."""
+
+    count: torch.Tensor
+    gate_sum: torch.Tensor
+    reap_sum: torch.Tensor
+    reap_latent_sum: torch.Tensor
+    ean_sum: torch.Tensor
+    ean_latent_sum: torch.Tensor
+    max_act: torch.Tensor
+    prob_mass: torch.Tensor
+    coact: torch.Tensor  # [E, E]
+    seq_count: torch.Tensor | None  # [S_c, E] int32, sequences of this corpus
+
+    @classmethod
+    def zeros(cls, n_experts: int, n_seq: int | None) -> "LayerRow":
+        E, f64 = n_experts, torch.float64
+        return cls(
+            count=torch.zeros(E, dtype=torch.int64),
+            gate_sum=torch.zeros(E, dtype=f64),
+            reap_sum=torch.zeros(E, dtype=f64),
+            reap_latent_sum=torch.zeros(E, dtype=f64),
+            ean_sum=torch.zeros(E, dtype=f64),
+            ean_latent_sum=torch.zeros(E, dtype=f64),
+            max_act=torch.zeros(E, dtype=torch.float32),
+            prob_mass=torch.zeros(E, dtype=f64),
+            coact=torch.zeros(E, E, dtype=torch.int64),
+            seq_count=None if n_seq is None else torch.zeros(n_seq, E, dtype=torch.int32),
+        )
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Field name -> tensor, omitting an absent seq_count."""
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if getattr(self, f.name) is not None}
+
+
+class StatsAccumulator:
+    """Observer that accumulates `LayerRow`s per (layer, corpus) from MoE records.
+
+    `seq_corpus[s]` is the corpus index (0..n_corpora-1) of calibration sequence s; every
+    sequence has `seq_len` tokens. Before each `mlp_block` call, `span(s0, s1)` says which
+    sequences the record's N = (s1 - s0) * seq_len tokens belong to (row-major [S, T]).
+    """
+
+    wants_norms = True
+
+    def __init__(self, n_experts: int, top_k: int, seq_corpus: list[int], seq_len: int,
+                 n_corpora: int, seq_counts: bool = True):
+        self.n_experts, self.top_k, self.seq_len = n_experts, top_k, seq_len
+        self.n_corpora = n_corpora
+        self.seq_corpus = torch.tensor(seq_corpus, dtype=torch.int64)  # [S]
+        # position of each sequence among its corpus's sequences
+        local = torch.zeros(len(seq_corpus), dtype=torch.int64)
+        sizes = [0] * n_corpora
+        for s, c in enumerate(seq_corpus):
+            local[s], sizes[c] = sizes[c], sizes[c] + 1
+        self.seq_local, self.corpus_sizes = local, sizes
+        self.seq_counts = seq_counts
+        self.rows: dict[int, list[LayerRow]] = {}  # layer -> row per corpus
+        self._span = (0, len(seq_corpus))
+
+    def span(self, s0: int, s1: int) -> None:
+        """The next records cover sequences s0..s1-1 (all of their tokens, in order)."""
+        self._span = (s0, s1)
+
+    def layer(self, layer: int) -> list[LayerRow]:
+        """The rows of a layer, one per corpus (created empty on first use)."""
+        if layer not in self.rows:
+            self.rows[layer] = [LayerRow.zeros(self.n_experts, n if self.seq_counts else None)
+                                for n in self.corpus_sizes]
+        return self.rows[layer]
+
+    def on_moe(self, record: MoERecord) -> None:
+        """Add one record's routed tokens to its layer's rows."""
+        s0, s1 = self._span
+        n_tok = (s1 - s0) * self.seq_len
+        if record.ids.shape[0] != n_tok:
+            raise RuntimeError(f"MoE record of layer {record.layer} has {record.ids.shape[0]} "
+                               f"tokens, expected {n_tok} for sequences {s0}..{s1 - 1}")
+        if record.latent_norm is None or record.model_norm is None or record.max_act is None:
+            raise RuntimeError(f"MoE record of layer {record.layer} lacks expert output norms")
+        rec = _to_cpu(record)
+        seq = torch.arange(s0, s1).repeat_interleave(self.seq_len)  # [N]
+        tok_corpus = self.seq_corpus[seq]  # [N]
+        rows = self.layer(record.layer)
+        for c in torch.unique(tok_corpus).tolist():
+            sel = (tok_corpus == c).nonzero().squeeze(1)  # [n]
+            self._add(rows[c], rec, sel, seq[sel])
+
+    def _add(self, row: LayerRow, rec: MoERecord, sel: torch.Tensor, seq: torch.Tensor) -> None:
+        E = self.n_experts
+        ids = rec.ids[sel]  # [n, K]
+        flat = ids.reshape(-1)  # [n*K]
+        w = rec.weights[sel].double()  # [n, K]
+        model_norm = rec.model_norm[sel].double()  # [n, K]
+        latent_norm = rec.latent_norm[sel].double()  # [n, K]
+        row.count += torch.bincount(flat, minlength=E)
+        row.gate_sum.index_add_(0, flat, w.reshape(-1))
+        row.reap_sum.index_add_(0, flat, (w * model_norm).reshape(-1))
+        row.reap_latent_sum.index_add_(0, flat, (w * latent_norm).reshape(-1))
+        row.ean_sum.index_add_(0, flat, model_norm.reshape(-1))
+        row.ean_latent_sum.index_add_(0, flat, latent_norm.reshape(-1))
+        row.max_act.scatter_reduce_(0, flat, rec.max_act[sel].float().reshape(-1), "amax")
+        row.prob_mass += rec.probs[sel].double().sum(0)
+        for i in range(0, ids.shape[0], _PAIR_CHUNK):
+            part = ids[i:i + _PAIR_CHUNK]  # [m, K]
+            pairs = part[:, :, None] * E + part[:, None, :]  # [m, K, K]
+            row.coact += torch.bincount(pairs.reshape(-1), minlength=E * E).view(E, E)
+        if row.seq_count is not None:
+            local = self.seq_local[seq]  # [n]
+            keys = (local[:, None] * E + ids).reshape(-1)  # [n*K]
+            lo, hi = int(local.min()), int(local.max()) + 1
+            part = torch.bincount(keys - lo * E, minlength=(hi - lo) * E).view(hi - lo, E)
+            row.seq_count[lo:hi] += part.to(torch.int32)
+
+
+def _to_cpu(r: MoERecord) -> MoERecord:
+    def cpu(t):
+        return None if t is None else t.detach().to("cpu")
+
+    return MoERecord(r.layer, cpu(r.ids).long(), cpu(r.weights), cpu(r.probs),
+                     cpu(r.latent_norm), cpu(r.model_norm), cpu(r.max_act))
