@@ -24,9 +24,9 @@ import itertools
 import json
 import os
 import struct
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Iterable
 from typing import NamedTuple
 
 import torch
