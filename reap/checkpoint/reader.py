@@ -1,20 +1,9 @@
-"""Checkpoint store: the only code that knows safetensors file layouts.
+"""Checkpoint reader: index safetensors shards from their headers alone, then fetch tensors by
+name with positioned reads (one `pread` per tensor, or per run of adjacent tensors).
 
-Reading pulls tensors by name from a lazily indexed checkpoint (a Hugging Face style directory,
-a directory holding one `model.safetensors`, or a single `.safetensors` file). Opening parses
-only the safetensors headers (8-byte little-endian length + JSON); tensor bytes are fetched
-with positioned reads, never by loading or mapping whole shards:
-
-    with Checkpoint.open("path/to/model") as ck:
-        w = ck.read("model.layers.3.mlp.gate.weight")          # one pread
-        expert = ck.read_many([...six tensors of one expert...])   # one coalesced pread
-
-Writing streams tensors, declared up front as `TensorSpec`s, into deterministic shards under
-`<out>.partial/` and renames the directory into place on `close()`; a killed job resumes from
-the shards it completed (see `CheckpointWriter`).
-
-Names: a tensor's `name` never carries the `language_model.` prefix that the release puts on
-text tensors; the stored `key` does. Vision tensors keep their stored names.
+    with Checkpoint.open("path/to/model") as ck:     # HF dir, dir with model.safetensors, or file
+        w = ck.read("model.layers.3.mlp.gate.weight")
+        expert = ck.read_many(names_of_one_expert)      # contiguous: one read
 """
 
 from __future__ import annotations
@@ -25,102 +14,22 @@ import json
 import os
 import struct
 from collections.abc import Iterable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 
+from reap.checkpoint.spec import (
+    DTYPE_SIZES,
+    INDEX_NAME,
+    SINGLE_NAME,
+    TEXT_PREFIX,
+    TORCH_DTYPES,
+    TensorInfo,
+)
 from reap.errors import CheckpointError
 
-# safetensors dtype code -> bytes per element
-DTYPE_SIZES = {
-    "BOOL": 1,
-    "U8": 1,
-    "I8": 1,
-    "F8_E4M3": 1,
-    "F8_E5M2": 1,
-    "I16": 2,
-    "U16": 2,
-    "F16": 2,
-    "BF16": 2,
-    "I32": 4,
-    "U32": 4,
-    "F32": 4,
-    "I64": 8,
-    "U64": 8,
-    "F64": 8,
-}
-
-TORCH_DTYPES = {
-    "BOOL": torch.bool,
-    "U8": torch.uint8,
-    "I8": torch.int8,
-    "I16": torch.int16,
-    "U16": torch.uint16,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I32": torch.int32,
-    "U32": torch.uint32,
-    "F32": torch.float32,
-    "I64": torch.int64,
-    "U64": torch.uint64,
-    "F64": torch.float64,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-}
-DTYPE_CODES = {v: k for k, v in TORCH_DTYPES.items()}
-
-TEXT_PREFIX = "language_model."
-INDEX_NAME = "model.safetensors.index.json"
-SINGLE_NAME = "model.safetensors"
 _FIRST_READ = 1 << 16  # header bytes fetched speculatively with the length prefix
 _ALIGN = 4096  # O_DIRECT offset/length/buffer alignment
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    """One tensor of a checkpoint layout: name (without any `language_model.` prefix),
-    safetensors dtype code, shape, and where it belongs (for size census and pruning).
-
-    component: routed_experts | shared_experts | latent_proj | router | kda | mla |
-    dense_mlp | embed_head | attn_res | norms | vision | other.
-    layer: decoder layer index or None; expert: routed expert id or None.
-    """
-
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    component: str = "other"
-    layer: int | None = None
-    expert: int | None = None
-
-    @property
-    def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * DTYPE_SIZES[self.dtype]
-
-
-class TensorInfo(NamedTuple):
-    """Where one stored tensor lives: `start`/`end` are absolute byte offsets in `file`."""
-
-    name: str  # without the text prefix
-    key: str  # as stored in the file
-    dtype: str  # safetensors dtype code
-    shape: tuple[int, ...]
-    file: str  # absolute path of the shard
-    start: int
-    end: int
-
-    @property
-    def nbytes(self) -> int:
-        return self.end - self.start
 
 
 def file_size(path: str | os.PathLike) -> int:

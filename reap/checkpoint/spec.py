@@ -1,0 +1,95 @@
+"""Checkpoint vocabulary shared by the reader and the writer: dtype tables, `TensorSpec` (a
+declared tensor of a layout) and `TensorInfo` (where a stored tensor lives)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+DTYPE_SIZES = {
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "I16": 2,
+    "U16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "I32": 4,
+    "U32": 4,
+    "F32": 4,
+    "I64": 8,
+    "U64": 8,
+    "F64": 8,
+}
+
+TORCH_DTYPES = {
+    "BOOL": torch.bool,
+    "U8": torch.uint8,
+    "I8": torch.int8,
+    "I16": torch.int16,
+    "U16": torch.uint16,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I32": torch.int32,
+    "U32": torch.uint32,
+    "F32": torch.float32,
+    "I64": torch.int64,
+    "U64": torch.uint64,
+    "F64": torch.float64,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+DTYPE_CODES = {v: k for k, v in TORCH_DTYPES.items()}
+
+TEXT_PREFIX = "language_model."
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One tensor of a checkpoint layout: name (without any `language_model.` prefix),
+    safetensors dtype code, shape, and where it belongs (for size census and pruning).
+
+    component: routed_experts | shared_experts | latent_proj | router | kda | mla |
+    dense_mlp | embed_head | attn_res | norms | vision | other.
+    layer: decoder layer index or None; expert: routed expert id or None.
+    """
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    component: str = "other"
+    layer: int | None = None
+    expert: int | None = None
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * DTYPE_SIZES[self.dtype]
+
+
+class TensorInfo(NamedTuple):
+    """Where one stored tensor lives: `start`/`end` are absolute byte offsets in `file`."""
+
+    name: str  # without the text prefix
+    key: str  # as stored in the file
+    dtype: str  # safetensors dtype code
+    shape: tuple[int, ...]
+    file: str  # absolute path of the shard
+    start: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start

@@ -1,0 +1,270 @@
+"""Checkpoint writer: stream declared tensors into deterministic safetensors shards, atomically
+and resumably.
+
+    specs = [TensorSpec("model.embed_tokens.weight", "BF16", (V, D)), ...]   # in write order
+    w = CheckpointWriter(out, specs, max_shard_bytes=5e9, prefix="language_model.")
+    for s in specs:
+        if not w.done(s.name):              # a resumed job skips completed shards
+            w.write(s.name, tensor_or_bytes)
+    w.close(config, extra_files={"tokenizer.json": text})
+
+Every shard's assignment and header are fixed from the specs before any data is written. Files
+are written under `<out>.partial/` (each shard under a temporary name, renamed when complete);
+`close()` adds the index, config and extra files and renames the directory to `<out>`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from reap.checkpoint.spec import DTYPE_CODES, DTYPE_SIZES, INDEX_NAME, SINGLE_NAME, TensorSpec
+from reap.errors import EXIT_USAGE, ReapError, WriteError
+
+_PLAN_FILE = ".reap-plan"  # identity of the shard plan a partial directory belongs to
+
+
+@dataclass
+class _Shard:
+    file: str  # file name inside the output directory
+    names: list[str]  # tensor names in write order
+    header: bytes  # 8-byte length + padded JSON
+    size: int  # total file size in bytes
+    done: bool = False
+
+
+def _header_bytes(entries: dict) -> bytes:
+    """safetensors header: little-endian u64 length + JSON padded with spaces to 8 bytes."""
+    text = json.dumps(entries, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text
+
+
+def _plan_shards(specs: list[TensorSpec], max_shard_bytes: int, prefix: str) -> list[_Shard]:
+    """Assign tensors to shards greedily in declared order; compute every header up front."""
+    groups: list[list[TensorSpec]] = []
+    used = 0
+    for s in specs:
+        if not groups or (used + s.nbytes > max_shard_bytes and groups[-1]):
+            groups.append([])
+            used = 0
+        groups[-1].append(s)
+        used += s.nbytes
+    n, shards = len(groups), []
+    for i, group in enumerate(groups):
+        entries: dict = {"__metadata__": {"format": "pt"}}
+        offset = 0
+        for s in group:
+            key = s.name if s.component == "vision" else prefix + s.name
+            entries[key] = {
+                "dtype": s.dtype,
+                "shape": list(s.shape),
+                "data_offsets": [offset, offset + s.nbytes],
+            }
+            offset += s.nbytes
+        file = SINGLE_NAME if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+        header = _header_bytes(entries)
+        shards.append(_Shard(file, [s.name for s in group], header, len(header) + offset))
+    return shards
+
+
+def _as_bytes(spec: TensorSpec, data) -> memoryview:
+    """A tensor or raw buffer -> its bytes, checked against the declared spec."""
+    if isinstance(data, torch.Tensor):
+        if DTYPE_CODES.get(data.dtype) != spec.dtype or tuple(data.shape) != spec.shape:
+            raise WriteError(
+                f"tensor {spec.name}: got {data.dtype} {tuple(data.shape)}, "
+                f"declared {spec.dtype} {spec.shape}",
+                exit_code=EXIT_USAGE,
+            )
+        flat = data.detach().cpu().contiguous().reshape(-1).view(torch.uint8)  # [nbytes]
+        return memoryview(flat.numpy())
+    view = memoryview(data).cast("B")
+    if len(view) != spec.nbytes:
+        raise WriteError(
+            f"tensor {spec.name}: got {len(view)} bytes, declared {spec.nbytes}",
+            exit_code=EXIT_USAGE,
+        )
+    return view
+
+
+def _check_specs(specs: list[TensorSpec]) -> None:
+    seen: set[str] = set()
+    for s in specs:
+        if s.dtype not in DTYPE_SIZES:
+            raise ReapError(f"tensor {s.name}: unknown dtype {s.dtype!r}")
+        if s.name in seen:
+            raise ReapError(f"tensor {s.name} declared twice")
+        seen.add(s.name)
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class CheckpointWriter:
+    """Write a checkpoint whose tensors (name, dtype, shape, in write order) are declared up front.
+
+    Shards hold at most `max_shard_bytes` of tensor data (a single larger tensor gets its own);
+    text tensors are stored as `prefix + name`, vision tensors under their own names. A new
+    writer for the same `out_dir` and identical specs resumes: completed shards are kept and
+    `done(name)` is True for their tensors. An existing `out_dir` is refused unless `overwrite`."""
+
+    def __init__(
+        self,
+        out_dir: str | os.PathLike,
+        specs: list[TensorSpec],
+        max_shard_bytes: int = 5_000_000_000,
+        prefix: str = "",
+        overwrite: bool = False,
+    ):
+        self.out_dir = Path(out_dir)
+        self.partial = Path(f"{self.out_dir}.partial")
+        self.specs = list(specs)
+        self.overwrite = overwrite
+        _check_specs(self.specs)
+        if self.out_dir.exists() and not overwrite:
+            raise WriteError(
+                f"{self.out_dir}: already exists (pass overwrite=True to replace it)",
+                exit_code=EXIT_USAGE,
+            )
+        self.shards = _plan_shards(self.specs, int(max_shard_bytes), prefix)
+        self._shard_of = {n: i for i, sh in enumerate(self.shards) for n in sh.names}
+        self._next = 0  # index in specs of the next tensor to write
+        self._file = None  # the open temporary file of the shard being written
+        try:
+            self._prepare_partial()
+        except OSError as e:
+            raise WriteError(f"{self.partial}: cannot prepare ({e.strerror})") from None
+
+    def _plan_id(self) -> str:
+        h = hashlib.sha256()
+        for sh in self.shards:
+            h.update(sh.file.encode() + b"\0" + sh.header)
+        return h.hexdigest()
+
+    def _prepare_partial(self) -> None:
+        """Create `<out>.partial/`, or resume it when it belongs to the same plan."""
+        plan_path = self.partial / _PLAN_FILE
+        if self.partial.exists():
+            if not plan_path.exists():
+                raise WriteError(
+                    f"{self.partial}: exists but was not made by this writer; remove it",
+                    exit_code=EXIT_USAGE,
+                )
+            if plan_path.read_text() != self._plan_id():
+                shutil.rmtree(self.partial)  # a stale attempt at a different layout
+        self.partial.mkdir(parents=True, exist_ok=True)
+        if not plan_path.exists():
+            _write_atomic(plan_path, self._plan_id().encode())
+        for sh in self.shards:
+            sh.done = self._shard_complete(sh)
+
+    def _shard_complete(self, sh: _Shard) -> bool:
+        path = self.partial / sh.file
+        if not path.is_file() or path.stat().st_size != sh.size:
+            return False
+        with open(path, "rb") as f:
+            return f.read(len(sh.header)) == sh.header
+
+    def done(self, name: str) -> bool:
+        """True when tensor `name` is already on disk (its shard was completed earlier)."""
+        try:
+            return self.shards[self._shard_of[name]].done
+        except KeyError:
+            raise ReapError(f"tensor {name} was not declared") from None
+
+    def write(self, name: str, data: torch.Tensor | bytes | bytearray | memoryview) -> None:
+        """Append one tensor (a torch tensor of the declared dtype and shape, or its raw bytes
+        copied verbatim). Tensors come in declared order; those of completed shards are
+        skipped."""
+        if self.done(name):
+            return
+        while self.done(self.specs[self._next].name):
+            self._next += 1
+        spec = self.specs[self._next]
+        if spec.name != name:
+            raise ReapError(f"write order: expected tensor {spec.name}, got {name}")
+        view = _as_bytes(spec, data)
+        shard = self.shards[self._shard_of[name]]
+        tmp = self.partial / (shard.file + ".tmp")
+        try:
+            if self._file is None:
+                self._file = open(tmp, "wb")  # noqa: SIM115 - held open across write() calls
+                self._file.write(shard.header)
+            self._file.write(view)
+            if name == shard.names[-1]:
+                self._finish(shard, tmp)
+        except OSError as e:
+            raise WriteError(f"{tmp}: cannot write tensor {name} ({e.strerror})") from None
+        self._next += 1
+
+    def _finish(self, shard: _Shard, tmp: Path) -> None:
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        self._file = None
+        os.replace(tmp, self.partial / shard.file)
+        shard.done = True
+
+    def close(
+        self, config: dict | None = None, extra_files: dict[str, bytes | str] | None = None
+    ) -> str:
+        """Write the index (with metadata total_size), config.json and extra files, then move
+        the finished checkpoint to `out_dir`. Returns its path."""
+        missing = [s.name for s in self.specs if not self.done(s.name)]
+        if missing:
+            raise WriteError(
+                f"{self.out_dir}: {len(missing)} declared tensors not written (first: {missing[0]})"
+            )
+        files = {"config.json": json.dumps(config, indent=2) if config is not None else None}
+        files.update(extra_files or {})
+        weight_map = {}
+        for sh in self.shards:
+            weight_map.update((k, sh.file) for k in json.loads(sh.header[8:]) if k[:2] != "__")
+        index = {
+            "metadata": {"total_size": sum(s.nbytes for s in self.specs)},
+            "weight_map": dict(sorted(weight_map.items())),
+        }
+        files[INDEX_NAME] = json.dumps(index, indent=2)
+        try:
+            for fname, content in files.items():
+                if content is None:
+                    continue
+                if (
+                    os.path.basename(fname) != fname
+                    or fname == SINGLE_NAME
+                    or fname in weight_map.values()
+                ):
+                    raise WriteError(
+                        f"extra file {fname!r}: must be a plain, unused file name",
+                        exit_code=EXIT_USAGE,
+                    )
+                data = content.encode() if isinstance(content, str) else bytes(content)
+                _write_atomic(self.partial / fname, data)
+            (self.partial / _PLAN_FILE).unlink()
+            self._move_into_place()
+        except OSError as e:
+            raise WriteError(f"{self.out_dir}: cannot finish checkpoint ({e.strerror})") from None
+        return str(self.out_dir)
+
+    def _move_into_place(self) -> None:
+        old = None
+        if self.out_dir.exists():  # only reachable with overwrite=True
+            old = Path(f"{self.out_dir}.old-{os.getpid()}")
+            os.replace(self.out_dir, old)
+        os.replace(self.partial, self.out_dir)
+        if old is not None:
+            shutil.rmtree(old)
