@@ -1,0 +1,542 @@
+"""`reap serve`: an OpenAI-compatible HTTP server on the streaming engine (standard library only).
+
+Routes: GET /v1/models, GET /v1/models/{id}, POST /v1/completions, POST /v1/chat/completions
+(both with `stream: true` as server-sent events), GET /health. Errors use OpenAI's shape
+`{"error": {"message", "type", "param", "code"}}`: 400 bad request, 404 unknown route or model,
+413 body too large, 503 queue full, 500 generation failure.
+
+One model instance serves everything: a single worker thread owns the engine and runs one request
+at a time; HTTP threads only parse, enqueue and format, so a long generation can never interleave
+with another request's state. Requests wait in a bounded queue (503 when it is full).
+
+The worker drives a `Backend`: a tokenizer, a chat template and a token iterator
+(`tokens(ids, max_tokens, temperature, top_p, seed)`); detokenization, stop strings, EOS and
+`max_tokens` are handled here, identically for every backend. Generation stops early by closing
+the backend's iterator. With no `seed`, requests use seed 0, so the same request gives the same
+text (the engine's decoding is deterministic).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import json
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Iterator, Protocol
+
+from reap.engine.chat import (ChatError, ChatTemplate, ReasoningSplitter, parse_messages,
+                              template_kwargs, thinking_option)
+from reap.errors import ReapError
+
+MAX_BODY = 8 << 20  # bytes of JSON per request
+
+
+class Backend(Protocol):
+    """What the server needs from a model: ids <-> text, a chat template, a token iterator."""
+
+    model_id: str
+    template: ChatTemplate
+    eos_id: int | None
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+    def tokens(self, ids: list[int], *, max_tokens: int, temperature: float, top_p: float,
+               seed: int) -> Iterator[int]: ...
+
+    def close(self) -> None: ...
+
+
+class ApiError(Exception):
+    """An HTTP error with OpenAI's error body."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.type, self.param, self.code = status, type_, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": str(self), "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+# --------------------------------------------------------------------------- requests
+
+@dataclass
+class Params:
+    """Validated sampling parameters of one request."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int = 0
+    stop: tuple[str, ...] = ()
+
+
+def parse_params(body: dict, default_max: int, limit: int) -> Params:
+    """Sampling parameters from a request body; ApiError(400) naming the bad field."""
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    max_tokens = default_max if max_tokens is None else max_tokens
+    _check(_is_int(max_tokens) and 1 <= max_tokens <= limit, "max_tokens",
+           f"must be an integer in [1, {limit}]")
+    temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
+    top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
+    _check(top_p > 0, "top_p", "must be in (0, 1]")
+    seed = body.get("seed")
+    seed = 0 if seed is None else seed
+    _check(_is_int(seed) and -(2**63) <= seed < 2**63, "seed", "must be a 64-bit integer")
+    stop = body.get("stop")
+    stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
+    _check(isinstance(stop, list) and len(stop) <= 4
+           and all(isinstance(s, str) and s for s in stop), "stop",
+           "must be a non-empty string or a list of at most 4 non-empty strings")
+    n = body.get("n", 1)
+    _check(n == 1 and _is_int(n), "n", "only n=1 is supported")
+    for name in ("logprobs", "echo", "tools", "functions", "best_of", "suffix"):
+        value = body.get(name)
+        _check(value in (None, False, [], 1) or (name == "best_of" and value == 1), name,
+               "is not supported by this server")
+    return Params(max_tokens, temperature, top_p, seed, tuple(stop))
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _number(body: dict, name: str, default: float, lo: float, hi: float) -> float:
+    v = body.get(name)
+    if v is None:
+        return default
+    _check(isinstance(v, (int, float)) and not isinstance(v, bool) and lo <= v <= hi, name,
+           f"must be a number in [{lo:g}, {hi:g}]")
+    return float(v)
+
+
+def _check(ok: bool, param: str, message: str) -> None:
+    if not ok:
+        raise ApiError(400, f"'{param}' {message}", param=param)
+
+
+def completion_prompt(body: dict, backend: Backend) -> list[int]:
+    """Prompt token ids of a /v1/completions body: a string or a list of token ids (one prompt)."""
+    p = body.get("prompt")
+    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
+        p = p[0]
+    if isinstance(p, str):
+        ids = backend.encode(p)
+    elif isinstance(p, list) and p and all(_is_int(t) and t >= 0 for t in p):
+        ids = list(p)
+    else:
+        raise ApiError(400, "'prompt' must be one string or one list of token ids", param="prompt")
+    _check(bool(ids), "prompt", "is empty")
+    return ids
+
+
+# --------------------------------------------------------------------------- text stream
+
+class TextStream:
+    """Token ids -> text deltas, holding back bytes of unfinished characters and any tail that
+    could still become a stop string; `done` is set once a stop string appears."""
+
+    def __init__(self, decode, stop: tuple[str, ...]):
+        self.decode, self.stop = decode, stop
+        self.ids: list[int] = []
+        self.text = ""  # all text decoded so far (cut at a stop string once found)
+        self.sent = 0  # characters of `text` already emitted
+        self._prefix, self._read = 0, 0
+        self.done = False
+
+    def feed(self, token: int) -> str:
+        """Add one generated token; return the text that is now safe to emit."""
+        self.ids.append(token)
+        prefix = self.decode(self.ids[self._prefix:self._read])
+        full = self.decode(self.ids[self._prefix:])
+        if full.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for more bytes
+            return ""
+        old = len(self.text)
+        self.text += full[len(prefix):]
+        self._prefix, self._read = self._read, len(self.ids)
+        return self._emit(old)
+
+    def _emit(self, old: int) -> str:
+        width = max((len(s) for s in self.stop), default=0)
+        start = max(0, old - width + 1)
+        hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+        if hits:
+            self.text, self.done = self.text[: min(hits)], True
+            return self.flush()
+        hold = max((_overlap(self.text, s) for s in self.stop), default=0)
+        end = max(self.sent, len(self.text) - hold)
+        out, self.sent = self.text[self.sent:end], end
+        return out
+
+    def flush(self) -> str:
+        """The rest of the text (at the end of generation)."""
+        out, self.sent = self.text[self.sent:], len(self.text)
+        return out
+
+
+def _overlap(text: str, stop: str) -> int:
+    for n in range(min(len(stop) - 1, len(text)), 0, -1):
+        if text.endswith(stop[:n]):
+            return n
+    return 0
+
+
+# --------------------------------------------------------------------------- worker
+
+@dataclass
+class Job:
+    """One queued generation; the worker posts ("delta", text), ("done", finish_reason, n_tokens)
+    or ("error", ApiError) to `events`."""
+
+    ids: list[int]
+    params: Params
+    stop: tuple[str, ...] = ()
+    events: queue.Queue = field(default_factory=queue.Queue)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+
+class Worker:
+    """The one thread that owns the backend; runs queued jobs one at a time, in order."""
+
+    def __init__(self, backend: Backend, queue_size: int = 16):
+        self.backend = backend
+        self.jobs: queue.Queue = queue.Queue(maxsize=queue_size)
+        self.thread = threading.Thread(target=self._loop, name="reap-engine", daemon=True)
+        self.served = 0
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def submit(self, job: Job) -> None:
+        """Enqueue `job`; ApiError(503) when the queue is full."""
+        try:
+            self.jobs.put_nowait(job)
+        except queue.Full:
+            raise ApiError(503, "the server is busy: request queue is full, retry later",
+                           type_="server_error", code="queue_full") from None
+
+    def stop(self) -> None:
+        self.jobs.put(None)
+        self.thread.join(timeout=30)
+
+    def _loop(self) -> None:
+        while (job := self.jobs.get()) is not None:
+            try:
+                self._run(job)
+            except ApiError as e:
+                job.events.put(("error", e))
+            except Exception as e:  # a failed generation must not kill the server
+                job.events.put(("error", ApiError(500, f"generation failed: {e}", "server_error")))
+            self.served += 1
+
+    def _run(self, job: Job) -> None:
+        p, b = job.params, self.backend
+        stream = TextStream(b.decode, job.stop + p.stop)
+        it = b.tokens(job.ids, max_tokens=p.max_tokens, temperature=p.temperature,
+                      top_p=p.top_p, seed=p.seed)
+        n, reason = 0, "length"
+        try:
+            for token in it:
+                if job.cancelled.is_set():
+                    reason = "cancelled"
+                    break
+                if token == b.eos_id:
+                    reason = "stop"
+                    break
+                n += 1
+                delta = stream.feed(token)
+                if delta:
+                    job.events.put(("delta", delta))
+                if stream.done:
+                    reason = "stop"
+                    break
+                if n >= p.max_tokens:
+                    break
+        finally:
+            close = getattr(it, "close", None)
+            if close:
+                close()
+        tail = stream.flush()
+        if tail:
+            job.events.put(("delta", tail))
+        job.events.put(("done", reason, n))
+
+
+# --------------------------------------------------------------------------- responses
+
+class Reply:
+    """Formats one job's events as an OpenAI completion (`chat=False`) or chat completion."""
+
+    def __init__(self, model: str, prompt_tokens: int, chat: bool, thinking: bool = False):
+        self.model, self.prompt_tokens, self.chat = model, prompt_tokens, chat
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        self.created = int(time.time())
+        self.splitter = ReasoningSplitter(thinking) if chat else None
+
+    def _head(self, stream: bool) -> dict:
+        kind = "chat.completion" + (".chunk" if stream else "") if self.chat else "text_completion"
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model,
+                "system_fingerprint": "reap"}
+
+    def chunk(self, text: str, finish: str | None = None, first: bool = False) -> dict:
+        """One streamed chunk carrying `text` (may be empty) and an optional finish reason."""
+        if not self.chat:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+            return {**self._head(True), "choices": [choice]}
+        delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
+        reasoning, content = self.splitter.feed(text) if text else ("", "")
+        if finish is not None:
+            r, c = self.splitter.flush()
+            reasoning, content = reasoning + r, content + c
+        if reasoning:
+            delta["reasoning_content"] = reasoning
+        if content:
+            delta["content"] = content
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        return {**self._head(True), "choices": [choice]}
+
+    def usage(self, n: int) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": n,
+                "total_tokens": self.prompt_tokens + n}
+
+    def whole(self, text: str, finish: str, n: int) -> dict:
+        """The non-streamed response."""
+        if not self.chat:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        else:
+            r1, c1 = self.splitter.feed(text)
+            r2, c2 = self.splitter.flush()
+            message = {"role": "assistant", "content": c1 + c2}
+            if r1 + r2:
+                message["reasoning_content"] = r1 + r2
+            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
+        return {**self._head(False), "choices": [choice], "usage": self.usage(n)}
+
+
+class App:
+    """Request handling independent of HTTP plumbing: validation, queueing, models list."""
+
+    def __init__(self, backend: Backend, queue_size: int = 16, max_tokens_limit: int = 4096):
+        self.backend = backend
+        self.limit = max_tokens_limit
+        self.worker = Worker(backend, queue_size)
+        self.created = int(time.time())
+
+    def models(self) -> dict:
+        card = {"id": self.backend.model_id, "object": "model", "created": self.created,
+                "owned_by": "reap"}
+        return {"object": "list", "data": [card]}
+
+    def _check_model(self, body: dict) -> None:
+        model = body.get("model")
+        if model not in (None, "", self.backend.model_id):
+            raise ApiError(404, f"model {model!r} does not exist; this server serves "
+                                f"{self.backend.model_id!r}", param="model", code="model_not_found")
+
+    def prepare(self, route: str, body: dict) -> tuple[Job, Reply]:
+        """Validate a POST body and build its job and reply formatter (ApiError on bad input)."""
+        self._check_model(body)
+        if route == "completions":
+            params = parse_params(body, default_max=16, limit=self.limit)
+            ids = completion_prompt(body, self.backend)
+            return Job(ids, params), Reply(self.backend.model_id, len(ids), chat=False)
+        params = parse_params(body, default_max=self.limit, limit=self.limit)
+        tpl = self.backend.template
+        try:
+            thinking = thinking_option(body)
+            prompt = tpl.render(parse_messages(body.get("messages")), thinking,
+                                template_kwargs(body))
+        except ChatError as e:
+            raise ApiError(400, str(e), param="messages") from None
+        ids = self.backend.encode(prompt)
+        reply = Reply(self.backend.model_id, len(ids), chat=True,
+                      thinking=tpl.opens_thinking(prompt))
+        return Job(ids, params, stop=tpl.stop), reply
+
+
+def wait_events(job: Job) -> Iterator[tuple]:
+    """The job's events until its final one."""
+    while True:
+        ev = job.events.get()
+        yield ev
+        if ev[0] != "delta":
+            return
+
+
+# --------------------------------------------------------------------------- HTTP
+
+class Handler(BaseHTTPRequestHandler):
+    """Routes HTTP requests to the `App` set on the server as `server.app`."""
+
+    protocol_version = "HTTP/1.1"
+    server_version = "reap"
+    ROUTES = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
+
+    def log_message(self, format: str, *args: Any) -> None:  # quiet unless asked
+        if getattr(self.server, "verbose", False):
+            super().log_message(format, *args)
+
+    @property
+    def app(self) -> App:
+        return self.server.app  # type: ignore[attr-defined]
+
+    def do_GET(self) -> None:
+        path = self.path.split("?", 1)[0].rstrip("/")
+        if path == "/v1/models":
+            return self._json(200, self.app.models())
+        if path.startswith("/v1/models/"):
+            card = self.app.models()["data"][0]
+            if path[len("/v1/models/"):] == card["id"]:
+                return self._json(200, card)
+            return self._error(ApiError(404, "no such model", code="model_not_found"))
+        if path == "/health":
+            return self._json(200, {"status": "ok", "queued": self.app.worker.jobs.qsize(),
+                                    "served": self.app.worker.served})
+        self._error(ApiError(404, f"no route GET {path}"))
+
+    def do_POST(self) -> None:
+        route = self.ROUTES.get(self.path.split("?", 1)[0].rstrip("/"))
+        try:
+            if route is None:
+                raise ApiError(404, f"no route POST {self.path}")
+            body = self._body()
+            job, reply = self.app.prepare(route, body)
+            stream = body.get("stream", False)
+            _check(isinstance(stream, bool), "stream", "must be true or false")
+            self.app.worker.submit(job)
+        except ApiError as e:
+            return self._error(e)
+        if stream:
+            opts = body.get("stream_options") or {}
+            self._stream(job, reply, isinstance(opts, dict) and opts.get("include_usage") is True)
+        else:
+            self._collect(job, reply)
+
+    def _body(self) -> dict:
+        try:
+            length = int(self.headers.get("Content-Length", ""))
+        except ValueError:
+            raise ApiError(400, "a JSON body with Content-Length is required") from None
+        if length > MAX_BODY:
+            self.close_connection = True
+            raise ApiError(413, f"request body over {MAX_BODY} bytes")
+        try:
+            body = json.loads(self.rfile.read(length))
+        except ValueError as e:
+            raise ApiError(400, f"request body is not valid JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, "request body must be a JSON object")
+        return body
+
+    def _collect(self, job: Job, reply: Reply) -> None:
+        parts = []
+        for ev in wait_events(job):
+            if ev[0] == "delta":
+                parts.append(ev[1])
+            elif ev[0] == "error":
+                return self._error(ev[1])
+            else:
+                self._json(200, reply.whole("".join(parts), ev[1], ev[2]))
+
+    def _stream(self, job: Job, reply: Reply, include_usage: bool) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Connection", "close")
+        self.end_headers()
+        self.close_connection = True
+        try:
+            if reply.chat:
+                self._event(reply.chunk("", first=True))
+            for ev in wait_events(job):
+                if ev[0] == "delta":
+                    self._event(reply.chunk(ev[1]))
+                elif ev[0] == "error":
+                    self._event(ev[1].body())
+                else:
+                    self._event(reply.chunk("", finish=ev[1]))
+                    if include_usage:
+                        self._event({**reply.chunk(""), "choices": [], "usage": reply.usage(ev[2])})
+            self.wfile.write(b"data: [DONE]\n\n")
+            self.wfile.flush()
+        except (BrokenPipeError, ConnectionResetError):
+            job.cancelled.set()  # the client left: stop generating for it
+
+    def _event(self, obj: dict) -> None:
+        self.wfile.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
+        self.wfile.flush()
+
+    def _json(self, status: int, obj: dict) -> None:
+        data = json.dumps(obj).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _error(self, e: ApiError) -> None:
+        self._json(e.status, e.body())
+
+
+class Server:
+    """A running server: `Server(backend, host, port).start()`; `.url`; `.stop()`."""
+
+    def __init__(self, backend: Backend, host: str = "127.0.0.1", port: int = 8000,
+                 queue_size: int = 16, max_tokens_limit: int = 4096, allow_remote: bool = False,
+                 verbose: bool = False):
+        check_host(host, allow_remote)
+        self.app = App(backend, queue_size, max_tokens_limit)
+        try:
+            self.httpd = ThreadingHTTPServer((host, port), Handler)
+        except OSError as e:
+            raise ReapError(f"cannot listen on {host}:{port}: {e.strerror or e}", 1) from None
+        self.httpd.daemon_threads = True
+        self.httpd.app, self.httpd.verbose = self.app, verbose  # type: ignore[attr-defined]
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        host, port = self.httpd.server_address[:2]
+        host = f"[{host}]" if ":" in str(host) else host
+        return f"http://{host}:{port}/v1"
+
+    def start(self) -> "Server":
+        """Serve in a background thread (tests, notebooks)."""
+        self.app.worker.start()
+        self._thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self._thread.start()
+        return self
+
+    def serve_forever(self) -> None:
+        """Serve in this thread until interrupted."""
+        self.app.worker.start()
+        self.httpd.serve_forever()
+
+    def stop(self) -> None:
+        """Stop accepting, finish the current job, close the backend."""
+        if self._thread is not None:
+            self.httpd.shutdown()
+        self.httpd.server_close()
+        self.app.worker.stop()
+        self.app.backend.close()
+
+
+def check_host(host: str, allow_remote: bool) -> None:
+    """Refuse a non-loopback bind address unless `allow_remote` (ReapError, exit 2)."""
+    if allow_remote or host == "localhost":
+        return
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    if not loopback:
+        raise ReapError(f"--host {host} is not a loopback address: the server has no "
+                        "authentication; pass --allow-remote to expose it anyway")

@@ -1,0 +1,342 @@
+"""`reap serve`: chat format, text streaming and the OpenAI-compatible HTTP layer.
+
+The HTTP tests run a live server on 127.0.0.1 (ephemeral port) and talk to it with the official
+`openai` client. Most use a small fake backend (byte-level tokens, scripted or seeded output) so
+that every expected answer is known exactly; the end-to-end test serves a real k3-tiny engine.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from reap.engine.chat import (ChatTemplate, ReasoningSplitter, parse_messages, render_k3,
+                              split_reasoning)
+from reap.engine.server import Server, TextStream, check_host
+from reap.errors import ReapError
+
+openai = pytest.importorskip("openai")
+
+ALPHABET = "ab cdé中🙂\n"
+
+
+class FakeBackend:
+    """Byte tokens (0-255), EOS 256. Greedy output is `script(prompt)`; sampled output is seeded
+    random text. Records prompts; detects concurrent use."""
+
+    model_id = "fake-model"
+    eos_id = 256
+
+    def __init__(self, delay: float = 0.0, template: ChatTemplate | None = None):
+        self.template = template or ChatTemplate()
+        self.delay = delay
+        self.prompts: list[str] = []
+        self.inside = 0
+        self.overlap = False
+        self.closed = 0
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode())
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+    @staticmethod
+    def script(prompt: str) -> str:
+        if prompt.endswith("<think>"):
+            return "I ponder.</think>The answer is 42.<|im_end|>never sent"
+        if prompt.endswith("<think></think>"):
+            return "Quick answer.<|im_end|>"
+        return "echo:" + prompt[-12:] + " STOP tail" + "." * 100
+
+    def tokens(self, ids, *, max_tokens, temperature, top_p, seed):
+        self.inside += 1
+        self.overlap |= self.inside > 1
+        try:
+            prompt = self.decode(ids)
+            self.prompts.append(prompt)
+            if temperature == 0:
+                text = self.script(prompt)
+            else:
+                rng = random.Random(seed)
+                text = "".join(rng.choice(ALPHABET) for _ in range(max_tokens))
+            for b in text.encode():
+                if self.delay:
+                    time.sleep(self.delay)
+                yield b
+            yield self.eos_id
+        finally:
+            self.inside -= 1
+
+    def close(self) -> None:
+        self.closed += 1
+
+
+@pytest.fixture
+def served():
+    servers = []
+
+    def start(backend=None, **kw):
+        s = Server(backend or FakeBackend(), "127.0.0.1", 0, **kw).start()
+        servers.append(s)
+        client = openai.OpenAI(base_url=s.url, api_key="none", max_retries=0, timeout=20)
+        return s, client
+
+    yield start
+    for s in servers:
+        s.stop()
+
+
+def post(url: str, body, timeout: float = 20) -> tuple[int, dict]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+# --------------------------------------------------------------------------- chat format
+
+# Reference: the Kimi K2.5-style template written independently as Jinja (rendered by jinja2).
+KIMI_JINJA = """
+{%- set ns = namespace(last_user=-1) -%}
+{%- for m in messages -%}{%- if m.role == 'user' -%}{%- set ns.last_user = loop.index0 -%}
+{%- endif -%}{%- endfor -%}
+{%- for m in messages -%}
+{%- if m.role == 'system' -%}<|im_system|>system<|im_middle|>{{ m.content }}<|im_end|>
+{%- elif m.role == 'user' -%}<|im_user|>user<|im_middle|>{{ m.content }}<|im_end|>
+{%- else -%}<|im_assistant|>assistant<|im_middle|><think>
+{%- if loop.index0 > ns.last_user -%}{{ m.reasoning_content or '' }}{%- endif -%}
+</think>{{ m.content }}<|im_end|>
+{%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>
+{%- if thinking is defined and thinking is false -%}<think></think>{%- else -%}<think>{%- endif -%}
+{%- endif -%}"""
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "Hi"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}],
+    [{"role": "user", "content": "a"},
+     {"role": "assistant", "content": "b", "reasoning_content": "old thought"},
+     {"role": "user", "content": [{"type": "text", "text": "c"}, {"type": "text", "text": "d"}]}],
+    [{"role": "user", "content": "continue"},
+     {"role": "assistant", "content": "partial", "reasoning_content": "kept"}],
+]
+
+
+def test_k3_format_golden():
+    msgs = parse_messages([{"role": "system", "content": "S"}, {"role": "user", "content": "U"}])
+    assert render_k3(msgs) == ("<|im_system|>system<|im_middle|>S<|im_end|>"
+                               "<|im_user|>user<|im_middle|>U<|im_end|>"
+                               "<|im_assistant|>assistant<|im_middle|><think>")
+    assert render_k3(msgs, thinking=False).endswith("<|im_middle|><think></think>")
+
+
+@pytest.mark.parametrize("thinking", [True, False])
+def test_builtin_format_matches_jinja_reference(thinking):
+    jinja = ChatTemplate(KIMI_JINJA)
+    for conv in CONVERSATIONS:
+        msgs = parse_messages(conv)
+        assert render_k3(msgs, thinking) == jinja.render(msgs, thinking)
+        assert ChatTemplate().render(msgs, thinking) == render_k3(msgs, thinking)
+
+
+def test_checkpoint_template_is_used(tmp_path):
+    chatml = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+              "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+              "{% if not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps({"chat_template": chatml, "eos_token": {"content": "<|im_end|>"}}))
+    tpl = ChatTemplate.from_dir(tmp_path)
+    msgs = parse_messages([{"role": "user", "content": "x"}])
+    assert tpl.render(msgs) == "<|im_start|>user\nx<|im_end|>\n<|im_start|>assistant\n"
+    assert tpl.render(msgs, thinking=False).endswith("<think>\n\n</think>\n\n")
+    assert tpl.stop == ("<|im_end|>",)
+    (tmp_path / "chat_template.jinja").write_text("{{ messages[0].content }}|{{ custom }}")
+    assert ChatTemplate.from_dir(tmp_path).render(msgs, extra={"custom": 7}) == "x|7"
+    assert ChatTemplate.from_dir(tmp_path / "missing").source is None  # no files: built-in K3
+
+
+@pytest.mark.parametrize("bad", [[], [{"role": "robot", "content": "x"}],
+                                 [{"role": "user", "content": [{"type": "image_url"}]}],
+                                 [{"role": "user", "content": 5}], "hello"])
+def test_bad_messages_rejected(bad):
+    with pytest.raises(ReapError):
+        parse_messages(bad)
+
+
+def test_reasoning_splitter_any_chunking():
+    rng = random.Random(0)
+    texts = ["abc</think>def", "no close at all <", "x</thi", "</think>", "a</think>b</think>c",
+             "<</think>>"]
+    for text in texts:
+        want = (text.split("</think>", 1) + [""])[:2] if "</think>" in text else [text, ""]
+        assert split_reasoning(text, True) == tuple(want)
+        assert split_reasoning(text, False) == ("", text)
+        for _ in range(30):
+            cuts = sorted(rng.sample(range(len(text) + 1), rng.randint(0, len(text))))
+            pieces = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
+            s = ReasoningSplitter(True)
+            outs = [s.feed(p) for p in pieces] + [s.flush()]
+            assert ("".join(o[0] for o in outs), "".join(o[1] for o in outs)) == tuple(want)
+
+
+# --------------------------------------------------------------------------- text stream
+
+def test_text_stream_matches_naive_decode():
+    """Concatenated deltas == full decode cut at the first stop string, for any token split."""
+    be = FakeBackend()
+    rng = random.Random(1)
+    for trial in range(200):
+        text = "".join(rng.choice(ALPHABET + "XY") for _ in range(rng.randint(0, 30)))
+        ids = list(text.encode())
+        stop = tuple(rng.sample(["XY", "中🙂", "b c", "Y"], rng.randint(0, 2)))
+        ts = TextStream(be.decode, stop)
+        out = ""
+        for t in ids:
+            out += ts.feed(t)
+            assert "\ufffd" not in out
+            if ts.done:
+                break
+        out += ts.flush()
+        cut = min([text.find(s) for s in stop if s in text], default=len(text))
+        assert out == text[:cut], (trial, text, stop)
+        assert ts.done == (cut < len(text))
+
+
+# --------------------------------------------------------------------------- HTTP
+
+def test_models_completion_and_errors(served):
+    s, client = served()
+    assert [m.id for m in client.models.list().data] == ["fake-model"]
+    r = client.completions.create(model="fake-model", prompt="hello there", max_tokens=8,
+                                  temperature=0)
+    assert r.choices[0].text == "echo:hell"[:8] and r.choices[0].finish_reason == "length"
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (11, 8)
+    r = client.completions.create(model="fake-model", prompt=[list(b"hi")], max_tokens=40,
+                                  temperature=0, stop=[" STOP"])
+    assert r.choices[0].text == "echo:hi" and r.choices[0].finish_reason == "stop"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="fake-model", prompt="x", max_tokens=0)
+    assert e.value.status_code == 400 and e.value.body["param"] == "max_tokens"
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="fake-model", prompt="x", temperature=3)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="other", prompt="x")
+    status, body = post(s.url + "/completions", b"{not json")
+    assert status == 400 and body["error"]["type"] == "invalid_request_error"
+    status, body = post(s.url + "/nowhere", {})
+    assert status == 404 and "message" in body["error"]
+
+
+def test_chat_thinking_and_streaming(served):
+    s, client = served()
+    be = s.app.backend
+    msgs = [{"role": "user", "content": "What is 6*7?"}]
+    r = client.chat.completions.create(model="fake-model", messages=msgs, temperature=0)
+    assert be.prompts[-1] == render_k3(parse_messages(msgs), thinking=True)
+    m = r.choices[0].message
+    assert m.content == "The answer is 42." and m.reasoning_content == "I ponder."
+    assert r.choices[0].finish_reason == "stop"
+    for extra in ({"thinking": False}, {"chat_template_kwargs": {"thinking": False}}):
+        r = client.chat.completions.create(model="fake-model", messages=msgs, temperature=0,
+                                           extra_body=extra)
+        assert be.prompts[-1].endswith("<think></think>")
+        assert r.choices[0].message.content == "Quick answer."
+    chunks = list(client.chat.completions.create(
+        model="fake-model", messages=msgs, temperature=0, stream=True,
+        stream_options={"include_usage": True}))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert deltas[0].role == "assistant"
+    assert "".join(d.content or "" for d in deltas) == "The answer is 42."
+    assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == "I ponder."
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    assert chunks[-1].usage.completion_tokens == len(
+        b"I ponder.</think>The answer is 42.<|im_end|>")  # the stop string's tokens count
+
+
+def test_seed_determinism_and_streamed_text(served):
+    s, client = served()
+    msgs = [{"role": "user", "content": "random please"}]
+
+    def chat(seed, stream=False):
+        r = client.chat.completions.create(model="fake-model", messages=msgs, seed=seed,
+                                           temperature=1.0, max_tokens=24, stream=stream,
+                                           extra_body={"thinking": False})
+        if stream:
+            return "".join(c.choices[0].delta.content or "" for c in r if c.choices)
+        return r.choices[0].message.content
+
+    a, b, c = chat(7), chat(7), chat(8)
+    assert a == b and a != c
+    assert chat(7, stream=True) == a  # multi-byte characters arrive whole when streamed
+    sampled = list(FakeBackend().tokens([0], max_tokens=24, temperature=1, top_p=1, seed=7))
+    # 24 tokens; a character cut by the limit is not emitted
+    assert a == bytes(sampled[:24]).decode("utf-8", "ignore")
+
+
+def test_stop_string_never_leaks_when_streamed(served):
+    s, client = served()
+    r = client.completions.create(model="fake-model", prompt="abc", max_tokens=60,
+                                  temperature=0, stop=["STOP"], stream=True)
+    pieces = [c.choices[0].text for c in r]
+    assert "".join(pieces) == "echo:abc " and not any("S" in p for p in pieces)
+
+
+def test_two_concurrent_clients_queue_on_one_engine(served):
+    be = FakeBackend(delay=0.002)
+    s, client = served(be)
+    prompts = ["first prompt", "second prompt"]
+    solo = {p: client.completions.create(model="fake-model", prompt=p, max_tokens=50,
+                                         temperature=0.8, seed=3).choices[0].text
+            for p in prompts}
+    results: dict[str, str] = {}
+
+    def ask(p):
+        stream = client.completions.create(model="fake-model", prompt=p, max_tokens=50,
+                                           temperature=0.8, seed=3, stream=True)
+        results[p] = "".join(c.choices[0].text for c in stream)
+
+    threads = [threading.Thread(target=ask, args=(p,)) for p in prompts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert results == solo and not be.overlap
+    assert s.app.worker.served == 4
+
+
+def test_queue_full_gives_503(served):
+    be = FakeBackend(delay=0.01)
+    s, client = served(be, queue_size=1)
+    body = {"prompt": "slow", "max_tokens": 40, "temperature": 0}
+    threads = [threading.Thread(target=post, args=(s.url + "/completions", body))
+               for _ in range(2)]
+    threads[0].start()
+    while be.inside == 0:  # the first job runs; the second fills the queue
+        time.sleep(0.005)
+    threads[1].start()
+    while s.app.worker.jobs.qsize() == 0:
+        time.sleep(0.005)
+    status, err = post(s.url + "/completions", body)
+    assert status == 503 and err["error"]["code"] == "queue_full"
+    for t in threads:
+        t.join(30)
+
+
+def test_loopback_only_unless_allowed():
+    check_host("127.0.0.1", False)
+    check_host("::1", False)
+    for host in ("0.0.0.0", "::", "192.168.1.5", "example.com"):
+        with pytest.raises(ReapError, match="--allow-remote"):
+            check_host(host, False)
+    check_host("0.0.0.0", True)
