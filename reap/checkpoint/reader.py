@@ -205,7 +205,7 @@ class Checkpoint:
             )
         if weight_map is not None:
             for t in tensors.values():
-                if weight_map[t.key] != os.path.basename(t.file):
+                if weight_map.get(t.key) != os.path.basename(t.file):
                     raise CheckpointError(
                         _index_mismatch(str(p / INDEX_NAME), weight_map, tensors, prefix)
                     )
