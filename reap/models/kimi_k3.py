@@ -17,8 +17,8 @@ import torch
 
 from reap.checkpoint import TensorSpec
 from reap.errors import ReapError
-# (model imports land with the model)
-
+from reap.models import blocks as B
+from reap.models.base import ExpertSource, MoERecord, Observer, State, Weights
 
 EXPERT_TENSORS = ("w1.weight_packed", "w1.weight_scale", "w2.weight_packed", "w2.weight_scale",
                   "w3.weight_packed", "w3.weight_scale")
@@ -252,3 +252,143 @@ def with_experts(config_dict: dict, n_experts: int) -> dict:
     text["num_experts"] = n_experts
     text["num_experts_per_token"] = min(text["num_experts_per_token"], n_experts)
     return out
+
+
+# -- the model ---------------------------------------------------------------------------------
+def default_experts(get: Weights) -> ExpertSource:
+    """An ExpertSource pulling each expert's six MXFP4 tensors through the weight getter."""
+
+    def source(layer: int, expert: int) -> dict[str, torch.Tensor]:
+        return {s: get(n) for s, n in zip(EXPERT_TENSORS, expert_tensor_names(layer, expert))}
+
+    return source
+
+
+class Model:
+    """Kimi K3 text model; holds no weights (see `reap.models.base` for the driving protocol).
+
+    Compute runs in `dtype` on `device` (fp32 tensors of the checkpoint stay fp32 where used);
+    the KDA state, router, norms and AttnRes mix are always fp32."""
+
+    def __init__(self, cfg: Config, device: str | torch.device = "cpu",
+                 dtype: torch.dtype = torch.float32):
+        self.cfg, self.device, self.dtype = cfg, torch.device(device), dtype
+        self.n_layers = cfg.num_hidden_layers
+        self.mla_dims = B.MLADims(cfg.num_attention_heads, cfg.qk_nope_head_dim,
+                                  cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank,
+                                  cfg.q_lora_rank, cfg.mla_use_output_gate)
+        self.beta = cfg.activation_situ_beta or 1.0
+
+    def _w(self, get: Weights, prefix: str) -> B.WeightFn:
+        def w(name: str) -> torch.Tensor:
+            t = get(prefix + name)
+            return t.to(self.device) if t.dtype == torch.float32 else t.to(self.device, self.dtype)
+
+        return w
+
+    def new_caches(self) -> list[B.KDACache | B.MLACache]:
+        """Empty per-layer decode caches (KDA conv/recurrent state or MLA latent KV)."""
+        return [B.KDACache() if self.cfg.is_kda(i) else B.MLACache() for i in range(self.n_layers)]
+
+    def embed(self, get: Weights, ids: torch.Tensor) -> State:
+        """ids [B, T] int -> State with hidden [B, T, D]."""
+        table = self._w(get, "model.")("embed_tokens.weight")
+        return State(table[ids.to(self.device)].to(self.dtype))
+
+    def attn_block(self, i: int, get: Weights, state: State, cache=None
+                   ) -> tuple[State, torch.Tensor]:
+        """Attention of layer i with its AttnRes mixes; returns (state, MLP input [B, T, D])."""
+        cfg, w = self.cfg, self._w(get, f"model.layers.{i}.")
+        partial, blocks = state.hidden, list(state.blocks)
+        res = cfg.attn_res_block_size is not None
+        h = self._mix(w, "self_attention_res", blocks, partial) if res else partial
+        if res and i % cfg.attn_res_block_size == 0:
+            blocks, partial = blocks + [partial], None
+        x = B.rms_norm(h, w("input_layernorm.weight"), cfg.rms_norm_eps)
+        sub = self._w(get, f"model.layers.{i}.self_attn.")
+        if cfg.is_kda(i):
+            lac = cfg.linear_attn_config
+            a = B.kda_attention(x, sub, cfg.kda_heads, cfg.kda_head_dim,
+                                lac.get("gate_lower_bound"), cfg.rms_norm_eps, cache)
+        else:
+            a = B.mla_attention(x, sub, self.mla_dims, cache)
+        partial = a if partial is None else partial + a
+        h = self._mix(w, "mlp_res", blocks, partial) if res else partial
+        return State(partial, blocks), B.rms_norm(h, w("post_attention_layernorm.weight"),
+                                                  cfg.rms_norm_eps)
+
+    def _mix(self, w: B.WeightFn, name: str, blocks: list, partial: torch.Tensor) -> torch.Tensor:
+        return B.attn_res_mix(blocks, partial, w(f"{name}_proj.weight"), w(f"{name}_norm.weight"),
+                              self.cfg.rms_norm_eps)
+
+    def mlp_block(self, i: int, get: Weights, x: torch.Tensor, experts: ExpertSource | None = None,
+                  observer: Observer | None = None) -> torch.Tensor:
+        """Dense MLP or LatentMoE of layer i: x [B, T, D] -> [B, T, D]."""
+        cfg = self.cfg
+        if not cfg.is_moe(i):
+            w = self._w(get, f"model.layers.{i}.mlp.")
+            return B.glu_mlp(x, w("gate_proj.weight"), w("up_proj.weight"), w("down_proj.weight"),
+                             self.beta, cfg.activation_situ_linear_beta)
+        w = self._w(get, f"model.layers.{i}.block_sparse_moe.")
+        y = self._moe(i, w, x.reshape(-1, x.shape[-1]), experts or default_experts(get), observer)
+        return y.reshape(x.shape)
+
+    def _moe(self, i: int, w: B.WeightFn, x: torch.Tensor, experts: ExpertSource,
+             observer: Observer | None) -> torch.Tensor:
+        """LatentMoE on x [N, D]: route, down-project, experts, norm, up-project, shared."""
+        cfg = self.cfg
+        lb = cfg.activation_situ_linear_beta
+        ids, weights, probs = B.route(B.linear(x, w("gate.weight")),
+                                      w("gate.e_score_correction_bias"), cfg.num_experts_per_token,
+                                      cfg.routed_scaling_factor, cfg.moe_renormalize)
+        latent = cfg.routed_expert_hidden_size is not None
+        up = w("routed_expert_up_proj.weight") if latent else None
+        g = w("routed_expert_norm.weight") if latent and cfg.latent_moe_use_norm else None
+        to_model = None
+        if observer is not None and observer.wants_norms:
+            to_model = lambda o: (B.linear(o * g.float() if g is not None else o, up)  # noqa: E731
+                                  if up is not None else o)
+        xl = B.linear(x, w("routed_expert_down_proj.weight")) if latent else x  # [N, Dl]
+        run = lambda e, xs: B.expert_glu(xs, experts(i, e), self.beta, lb)  # noqa: E731
+        y, stats = B.dispatch(xl, ids, weights, run, to_model)
+        y = y.to(x.dtype)
+        rms = torch.ones(y.shape[0], device=y.device)
+        if g is not None:
+            rms = (y.float().pow(2).mean(-1) + cfg.rms_norm_eps).sqrt()  # [N]
+            y = B.rms_norm(y, g, cfg.rms_norm_eps)
+        y = B.linear(y, up) if latent else y
+        if cfg.num_shared_experts:
+            y = y + B.glu_mlp(x, w("shared_experts.gate_proj.weight"),
+                              w("shared_experts.up_proj.weight"),
+                              w("shared_experts.down_proj.weight"), self.beta, lb)
+        if observer is not None:
+            rec = MoERecord(i, ids, weights, probs)
+            if stats is not None:
+                rec.latent_norm, rec.max_act = stats.latent_norm, stats.max_act
+                rec.model_norm = stats.model_norm / rms[:, None]
+            observer.on_moe(rec)
+        return y
+
+    def finish_layer(self, i: int, state: State, y: torch.Tensor) -> State:
+        """Add the MLP output y [B, T, D] to the running sum."""
+        return State(state.hidden + y, state.blocks)
+
+    def head(self, get: Weights, state: State) -> torch.Tensor:
+        """Final AttnRes mix, norm and output head: -> logits [B, T, V]."""
+        cfg, w = self.cfg, self._w(get, "model.")
+        h = state.hidden
+        if cfg.attn_res_block_size is not None:
+            h = self._mix(w, "output_attn_res", state.blocks, h)
+        h = B.rms_norm(h, w("norm.weight"), cfg.rms_norm_eps)
+        name = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+        return B.linear(h, self._w(get, "")(name))
+
+    def forward(self, get: Weights, ids: torch.Tensor, caches: list | None = None,
+                experts: ExpertSource | None = None, observer: Observer | None = None
+                ) -> torch.Tensor:
+        """The whole model: ids [B, T] -> logits [B, T, V] (decode: pass the same caches again)."""
+        state = self.embed(get, ids)
+        for i in range(self.n_layers):
+            state, x = self.attn_block(i, get, state, None if caches is None else caches[i])
+            state = self.finish_layer(i, state, self.mlp_block(i, get, x, experts, observer))
+        return self.head(get, state)

@@ -1,0 +1,321 @@
+"""Shared torch blocks for the model families: norms, the SiTU GLU, Kimi Delta Attention (KDA,
+gated delta rule: a per-step recurrence and a chunked WY form), gated NoPE MLA with a latent KV
+cache, the sigmoid router with expert-major dispatch, and the AttnRes residual mix.
+
+Functions take tensors, not modules: families pull weights by name and pass them in. Dimension
+letters: B batch, T new tokens, S all tokens (cache + new), N = B*T, H heads, Dk key/query head
+width, Dv value head width, R latent KV width, E n_experts, K top_k, C chunk length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Mapping
+
+import torch
+import torch.nn.functional as F
+
+from reap import mxfp4
+
+Tensor = torch.Tensor
+WeightFn = Callable[[str], Tensor]  # short name -> tensor in the compute dtype/device
+
+
+# -- elementwise and dense ---------------------------------------------------------------------
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """x * weight / rms(x) over the last axis, computed in fp32, returned in x's dtype."""
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (y * weight.float()).to(x.dtype)
+
+
+def linear(x: Tensor, w: Tensor) -> Tensor:
+    """x [..., in] @ w[out, in].T -> [..., out]."""
+    return x @ w.to(x.dtype).T
+
+
+def situ(x: Tensor, gate: Tensor, beta: float, linear_beta: float | None) -> Tensor:
+    """SiTU GLU activation: beta*tanh(gate/beta)*sigmoid(gate) * (soft-clipped x), in fp32."""
+    g, xf = gate.float(), x.float()
+    a = beta * torch.tanh(g / beta) * torch.sigmoid(g)
+    if linear_beta is not None:
+        xf = linear_beta * torch.tanh(xf / linear_beta)
+    return (a * xf).to(x.dtype)
+
+
+def glu_mlp(x: Tensor, gate_w: Tensor, up_w: Tensor, down_w: Tensor, beta: float,
+            linear_beta: float | None) -> Tensor:
+    """down(situ(up(x), gate(x))): [..., D] -> [..., D] (weights [F, D], [F, D], [D, F])."""
+    return linear(situ(linear(x, up_w), linear(x, gate_w), beta, linear_beta), down_w)
+
+
+# -- KDA ---------------------------------------------------------------------------------------
+@dataclass
+class KDACache:
+    """Decode state of one KDA layer: conv tail [B, k-1, 3*H*Dk], recurrent state [B, H, Dv, Dk]
+    fp32."""
+
+    conv: Tensor | None = None
+    state: Tensor | None = None
+
+
+def short_conv(x: Tensor, w: Tensor, tail: Tensor | None) -> tuple[Tensor, Tensor]:
+    """Causal depthwise conv + SiLU. x [B, T, C], w [C, 1, k], tail [B, k-1, C] (previous inputs,
+    zeros at the start). Returns (silu(conv) [B, T, C], new tail [B, k-1, C])."""
+    k = w.shape[-1]
+    if tail is None:
+        tail = x.new_zeros(x.shape[0], k - 1, x.shape[2])
+    xp = torch.cat([tail.to(x.dtype), x], dim=1)  # [B, k-1+T, C]
+    y = F.conv1d(xp.transpose(1, 2), w.to(x.dtype), groups=x.shape[2])  # [B, C, T]
+    return F.silu(y.transpose(1, 2)), xp[:, xp.shape[1] - (k - 1):]
+
+
+def kda_log_decay(a: Tensor, A_log: Tensor, dt_bias: Tensor, lower_bound: float | None) -> Tensor:
+    """Per-channel log decay log g [..., H, Dk] (fp32) from a [..., H, Dk], A_log [H], dt_bias
+    [H, Dk]: lower_bound * sigmoid(exp(A_log) * (a + dt_bias)); unbounded form without a bound."""
+    A = A_log.float().exp()[:, None]  # [H, 1]
+    z = a.float() + dt_bias.float()
+    if lower_bound is None:
+        return -A * F.softplus(z)
+    return lower_bound * torch.sigmoid(A * z)
+
+
+def l2_normalize(x: Tensor, eps: float = 1e-6) -> Tensor:
+    """x / sqrt(sum(x^2) + eps) over the last axis (fp32 inside)."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def kda_recurrent(q: Tensor, k: Tensor, v: Tensor, log_g: Tensor, beta: Tensor,
+                  state: Tensor) -> tuple[Tensor, Tensor]:
+    """Gated delta rule, one step at a time (decode; the slow reference of `kda_chunked`).
+
+    q, k [B, T, H, Dk] (q already scaled), v [B, T, H, Dv], log_g [B, T, H, Dk], beta [B, T, H],
+    state [B, H, Dv, Dk]; all fp32. Returns (o [B, T, H, Dv], final state)."""
+    outs = []
+    for t in range(q.shape[1]):
+        state = state * log_g[:, t].exp()[:, :, None, :]
+        kv = torch.einsum("bhvk,bhk->bhv", state, k[:, t])
+        delta = (v[:, t] - kv) * beta[:, t, :, None]  # [B, H, Dv]
+        state = state + delta[..., None] * k[:, t, :, None, :]
+        outs.append(torch.einsum("bhvk,bhk->bhv", state, q[:, t]))
+    return torch.stack(outs, dim=1), state
+
+
+def kda_chunked(q: Tensor, k: Tensor, v: Tensor, log_g: Tensor, beta: Tensor, state: Tensor,
+                chunk: int = 16) -> tuple[Tensor, Tensor]:
+    """The same recurrence in chunks of `chunk` tokens (prefill/training), WY form.
+
+    Within a chunk, the delta-rule updates U [C, Dv] solve (I + A) U = beta*(V - (k*a) S0^T) with
+    A[t, s] = beta_t sum_d k_td k_sd exp(G_td - G_sd) (s < t), G the in-chunk cumulative log decay;
+    then o_t = S0 (q_t*a_t) + sum_{s<=t} u_s (k_s . q_t*exp(G_t-G_s)). Exponent differences are
+    taken against the chunk midpoint so nothing overflows for |log g| * C / 2 < 80. Only a loop
+    over chunks remains (the state passes between them). Shapes/dtypes as `kda_recurrent`."""
+    Bn, T, H, Dk = q.shape
+    pad = (-T) % chunk
+    if pad:  # zero k, v, beta and log g leave the state untouched
+        q, k, v, log_g = (F.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v, log_g))
+        beta = F.pad(beta, (0, 0, 0, pad))
+    n, C = (T + pad) // chunk, chunk
+
+    def split(x):  # [B, T, H, X] -> [B, H, n, C, X]
+        return x.reshape(Bn, n, C, H, -1).permute(0, 3, 1, 2, 4)
+
+    q, k, v, G = split(q), split(k), split(v), split(log_g).cumsum(-2)
+    b = split(beta[..., None])  # [B, H, n, C, 1]
+    Gm = G[..., C // 2: C // 2 + 1, :]  # [B, H, n, 1, Dk] reference point
+    k_fwd, k_bwd = k * (G - Gm).exp(), k * (Gm - G).exp()
+    incl = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+    strict = incl.tril(-1)
+    A = (b * (k_fwd @ k_bwd.transpose(-1, -2))).masked_fill(~strict, 0)  # [B, H, n, C, C]
+    M = A + torch.eye(C, dtype=A.dtype, device=A.device)
+    W_v = torch.linalg.solve_triangular(M, b * v, upper=False, unitriangular=True)  # [.., C, Dv]
+    W_k = torch.linalg.solve_triangular(M, b * k * G.exp(), upper=False, unitriangular=True)
+    Aq = ((q * (G - Gm).exp()) @ k_bwd.transpose(-1, -2)).masked_fill(~incl, 0)  # s <= t
+    q_dec = q * G.exp()
+    G_last = G[..., -1:, :]  # [B, H, n, 1, Dk]
+    k_end = k * (G_last - G).exp()
+    outs = []
+    for c in range(n):
+        U = W_v[:, :, c] - W_k[:, :, c] @ state.transpose(-1, -2)  # [B, H, C, Dv]
+        outs.append(q_dec[:, :, c] @ state.transpose(-1, -2) + Aq[:, :, c] @ U)
+        state = state * G_last[:, :, c].exp() + U.transpose(-1, -2) @ k_end[:, :, c]
+    o = torch.stack(outs, dim=2).permute(0, 2, 3, 1, 4).reshape(Bn, n * C, H, -1)  # [B, T', H, Dv]
+    return o[:, :T], state
+
+
+def kda_attention(x: Tensor, w: WeightFn, heads: int, head_dim: int, lower_bound: float | None,
+                  eps: float, cache: KDACache | None = None, chunk: int = 16) -> Tensor:
+    """Kimi Delta Attention: x [B, T, D] -> [B, T, D]. Weights (short names): {q,k,v}_proj,
+    {q,k,v}_conv1d, f_a_proj, f_b_proj, b_proj, g_proj, A_log (padded), dt_bias, o_norm, o_proj.
+    Updates `cache` in place when given (decode)."""
+    Bn, T, _ = x.shape
+    H, Dk, P = heads, head_dim, heads * head_dim
+    qkv = torch.cat([linear(x, w(f"{n}_proj.weight")) for n in "qkv"], -1)  # [B, T, 3P]
+    conv_w = torch.cat([w(f"{n}_conv1d.weight") for n in "qkv"], 0)  # [3P, 1, k]
+    qkv, tail = short_conv(qkv, conv_w, cache.conv if cache else None)
+    q, k, v = (t.reshape(Bn, T, H, Dk) for t in qkv.split(P, dim=-1))  # [B, T, H, Dk]
+    q, k = l2_normalize(q) * Dk**-0.5, l2_normalize(k)
+    a = linear(linear(x, w("f_a_proj.weight")), w("f_b_proj.weight")).reshape(Bn, T, H, Dk)
+    log_g = kda_log_decay(a, w("A_log")[:H], w("dt_bias").reshape(H, Dk), lower_bound)
+    beta = torch.sigmoid(linear(x, w("b_proj.weight")).float())  # [B, T, H]
+    state = cache.state if cache and cache.state is not None else x.new_zeros(
+        Bn, H, Dk, Dk, dtype=torch.float32)
+    core = kda_recurrent if T == 1 else kda_chunked
+    o, state = core(q.float(), k.float(), v.float(), log_g, beta, state)
+    if cache is not None:
+        cache.conv, cache.state = tail, state
+    gate = torch.sigmoid(linear(x, w("g_proj.weight")).float()).reshape(Bn, T, H, Dk)
+    o = rms_norm(o, w("o_norm.weight"), eps).float() * gate
+    return linear(o.reshape(Bn, T, P).to(x.dtype), w("o_proj.weight"))
+
+
+# -- MLA ---------------------------------------------------------------------------------------
+@dataclass
+class MLACache:
+    """Compressed KV cache of one MLA layer: normalized latent [B, S, R] and k_pe [B, S, rope]."""
+
+    kv_latent: Tensor | None = None
+    k_pe: Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        return 0 if self.kv_latent is None else self.kv_latent.shape[1]
+
+
+@dataclass
+class MLADims:
+    heads: int
+    nope: int
+    rope: int
+    v: int
+    kv_lora: int
+    q_lora: int | None
+    output_gate: bool
+
+
+def mla_attention(x: Tensor, w: WeightFn, d: MLADims, cache: MLACache | None = None,
+                  absorbed: bool | None = None) -> Tensor:
+    """Gated NoPE multi-head latent attention: x [B, T, D] -> [B, T, D], causal over the cache
+    plus the new tokens. `absorbed` (default: when T == 1) folds kv_b into the query and output
+    so attention runs in the R-wide latent space; otherwise keys/values are expanded per head."""
+    Bn, T, _ = x.shape
+    H = d.heads
+    if d.q_lora:
+        q = linear(rms_norm(linear(x, w("q_a_proj.weight")), w("q_a_layernorm.weight"), 1e-6),
+                   w("q_b_proj.weight"))
+    else:
+        q = linear(x, w("q_proj.weight"))
+    q = q.reshape(Bn, T, H, d.nope + d.rope)  # [B, T, H, nope+rope]
+    q_nope, q_pe = q.split([d.nope, d.rope], dim=-1)
+    c, k_pe = linear(x, w("kv_a_proj_with_mqa.weight")).split([d.kv_lora, d.rope], dim=-1)
+    c = rms_norm(c, w("kv_a_layernorm.weight"), 1e-6)  # [B, T, R]
+    if cache is not None:
+        if cache.kv_latent is not None:
+            c, k_pe = torch.cat([cache.kv_latent, c], 1), torch.cat([cache.k_pe, k_pe], 1)
+        cache.kv_latent, cache.k_pe = c, k_pe
+    kv_b = w("kv_b_proj.weight").reshape(H, d.nope + d.v, d.kv_lora)  # [H, nope+v, R]
+    wk, wv = kv_b[:, : d.nope], kv_b[:, d.nope:]  # [H, nope, R], [H, v, R]
+    scale = (d.nope + d.rope) ** -0.5
+    scores = torch.einsum("bthr,bsr->bhts", q_pe, k_pe)  # [B, H, T, S]
+    if absorbed if absorbed is not None else T == 1:
+        q_lat = torch.einsum("bthn,hnr->bthr", q_nope, wk)
+        p = _causal_softmax((scores + torch.einsum("bthr,bsr->bhts", q_lat, c)) * scale)
+        o = torch.einsum("bhtr,hvr->bthv", p @ c[:, None], wv)  # [B, T, H, v]
+    else:
+        k = torch.einsum("bsr,hnr->bhsn", c, wk)  # [B, H, S, nope]
+        vv = torch.einsum("bsr,hvr->bhsv", c, wv)  # [B, H, S, v]
+        p = _causal_softmax((scores + q_nope.transpose(1, 2) @ k.transpose(-1, -2)) * scale)
+        o = (p @ vv).transpose(1, 2)  # [B, T, H, v]
+    o = o.reshape(Bn, T, H * d.v)
+    if d.output_gate:
+        o = o * torch.sigmoid(linear(x, w("g_proj.weight")))
+    return linear(o, w("o_proj.weight"))
+
+
+def _causal_softmax(scores: Tensor) -> Tensor:
+    """Softmax over keys [..., T, S] where query t (the last T of S positions) sees keys <= it."""
+    T, S = scores.shape[-2:]
+    visible = torch.ones(T, S, dtype=torch.bool, device=scores.device).tril(S - T)
+    return torch.softmax(scores.float().masked_fill(~visible, float("-inf")), -1).to(scores.dtype)
+
+
+# -- router and expert-major MoE ---------------------------------------------------------------
+def route(logits: Tensor, bias: Tensor | None, top_k: int, scaling: float,
+          renormalize: bool = True) -> tuple[Tensor, Tensor, Tensor]:
+    """Sigmoid router with selection bias. logits [N, E] -> (ids [N, K] int64, weights [N, K]
+    fp32: raw sigmoid scores of the chosen, renormalized, times `scaling`, probs [N, E] fp32)."""
+    probs = torch.sigmoid(logits.float())
+    sel = probs + bias.float() if bias is not None else probs
+    ids = sel.topk(top_k, dim=-1).indices  # [N, K]
+    weights = probs.gather(-1, ids)
+    if renormalize and top_k > 1:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return ids, weights * scaling, probs
+
+
+def expert_glu(x: Tensor, t: Mapping[str, Tensor], beta: float, linear_beta: float | None
+               ) -> Tensor:
+    """One routed expert on its tokens: x [M, Dl] -> [M, Dl]. `t` holds w{1,2,3}.weight_packed and
+    .weight_scale (MXFP4, dequantized here, nothing cached) or plain w{1,2,3}.weight."""
+    def weight(n):
+        if f"{n}.weight_packed" in t:
+            return mxfp4.dequantize(t[f"{n}.weight_packed"].to(x.device),
+                                    t[f"{n}.weight_scale"].to(x.device), dtype=x.dtype)
+        return t[f"{n}.weight"].to(x.device, x.dtype)
+
+    return glu_mlp(x, weight("w1"), weight("w3"), weight("w2"), beta, linear_beta)
+
+
+@dataclass
+class ExpertOutputs:
+    """Per (token, slot) facts gathered during dispatch (only when norms are wanted)."""
+
+    latent_norm: Tensor  # [N, K] ||o_e||
+    max_act: Tensor  # [N, K] max |o_e|
+    model_norm: Tensor  # [N, K] ||to_model(o_e)||, not yet divided by the norm's rms
+
+
+def dispatch(xl: Tensor, ids: Tensor, weights: Tensor, run: Callable[[int, Tensor], Tensor],
+             to_model: Callable[[Tensor], Tensor] | None = None
+             ) -> tuple[Tensor, ExpertOutputs | None]:
+    """Expert-major MoE: each used expert, in ascending id order, runs once on all its tokens;
+    weighted outputs accumulate in that order (fp32). xl [N, Dl], ids/weights [N, K],
+    run(e, x [M, Dl]) -> [M, Dl]. With `to_model`, also measures each output. Returns y [N, Dl]."""
+    N, K = ids.shape
+    y = torch.zeros(N, xl.shape[1], dtype=torch.float32, device=xl.device)
+    stats = None
+    if to_model is not None:
+        stats = ExpertOutputs(*(torch.zeros(N, K, device=xl.device) for _ in range(3)))
+    flat = ids.reshape(-1)  # [N*K]
+    order = torch.argsort(flat, stable=True)
+    experts, counts = torch.unique_consecutive(flat[order], return_counts=True)
+    for e, pos in zip(experts.tolist(), order.split(counts.tolist())):
+        tok, slot = pos // K, pos % K  # a token routes to an expert at most once
+        out = run(e, xl[tok]).float()  # [M, Dl]
+        y.index_add_(0, tok, out * weights[tok, slot, None].float())
+        if stats is not None:
+            stats.latent_norm[tok, slot] = out.norm(dim=-1)
+            stats.max_act[tok, slot] = out.abs().amax(dim=-1)
+            stats.model_norm[tok, slot] = to_model(out).float().norm(dim=-1)
+    return y, stats
+
+
+# -- AttnRes -----------------------------------------------------------------------------------
+def attn_res_mix(blocks: list[Tensor], partial: Tensor, proj: Tensor, norm_w: Tensor,
+                 eps: float) -> Tensor:
+    """Softmax mix of the block snapshots and the running partial sum ([B, T, D] each), with
+    logits <RMSNorm(x), proj> per token (norm weight folded into proj), fp32, fixed order."""
+    if not blocks:
+        return partial
+    w_eff = norm_w.float() * proj.float().reshape(-1)  # [D]
+
+    def logit(x):
+        xf = x.float()
+        return (xf @ w_eff) * torch.rsqrt(xf.pow(2).mean(-1) + eps)  # [B, T]
+
+    p = torch.softmax(torch.stack([logit(x) for x in [*blocks, partial]]), dim=0)  # [n+1, B, T]
+    out = p[-1, ..., None] * partial.float()
+    for i, b in enumerate(blocks):
+        out = out + p[i, ..., None] * b.float()
+    return out.to(partial.dtype)

@@ -1,0 +1,174 @@
+"""`reap synth`: write a random but valid checkpoint of a built-in config (or a config.json) in
+the released layout, for tests, benchmarks and size checks without the real weights.
+
+Every tensor is drawn from its own generator seeded by (seed, name), so the same seed gives
+byte-identical files whatever the sharding. Values are scaled so activations stay O(1) through
+the layers: weights ~ N(0, 1/fan_in), norm weights ~ 1, realistic KDA decay parameters, a small
+router bias. Routed experts are MXFP4: small experts are drawn in floats and quantized with
+`reap.mxfp4.quantize`; large ones (k3-full) get random E2M1 codes and scales directly, one expert
+at a time, so memory stays bounded and writing runs at disk speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+from pathlib import Path
+
+import torch
+
+from reap import mxfp4
+from reap.checkpoint import CheckpointWriter, TensorSpec
+from reap.errors import ReapError
+from reap.models import BUILTIN, builtin_config, family
+from reap.tokenizer import byte_tokenizer_files
+
+SIZES = "k3-tiny ~0.7 MB (seconds), k3-small ~0.34 GB, k3-full ~1.56 TB (~15.7 GB of experts " \
+        "per MoE layer: use --layers N)"
+_TORCH = {"BF16": torch.bfloat16, "F32": torch.float32, "F16": torch.float16, "U8": torch.uint8}
+_DIRECT_CODES_ABOVE = 1 << 22  # expert matrices with more params get codes drawn directly
+_E2M1_RMS = math.sqrt(68.5 / 8)  # rms of a uniformly drawn E2M1 code value
+
+
+def load_config(config: str | dict, layers: int | None = None) -> dict:
+    """A config.json dict from a built-in name or a path to a config.json (or its directory)."""
+    if isinstance(config, dict):
+        return config
+    if config in BUILTIN:
+        return builtin_config(config, layers)
+    p = Path(config)
+    p = p / "config.json" if p.is_dir() else p
+    try:
+        d = json.loads(p.read_text())
+    except (OSError, ValueError) as e:
+        raise ReapError(f"{config}: not a built-in config ({', '.join(BUILTIN)}) and not a "
+                        f"readable config.json ({e})") from None
+    if layers is not None:
+        raise ReapError("--layers applies to built-in configs only")
+    return d
+
+
+def synth(config: str | dict, out: str | Path, seed: int = 0, layers: int | None = None,
+          dtype: str = "bfloat16", overwrite: bool = False,
+          max_shard_bytes: int = 5_000_000_000, progress: bool = False) -> str:
+    """Write a random checkpoint (shards, index, config.json, byte-level tokenizer) to `out`.
+    dtype: "bfloat16" or "float32" for the non-expert tensors. Returns the directory."""
+    if dtype not in ("bfloat16", "float32"):
+        raise ReapError(f"--dtype must be bfloat16 or float32, got {dtype!r}")
+    cfgd = json.loads(json.dumps(load_config(config, layers)))
+    cfgd.setdefault("text_config", cfgd)["torch_dtype"] = dtype
+    fam = family(cfgd)
+    specs = fam.layout(cfgd)
+    writer = CheckpointWriter(out, specs, max_shard_bytes, prefix="language_model.",
+                              overwrite=overwrite)
+    from tqdm import tqdm
+
+    bar = tqdm(total=sum(s.nbytes for s in specs), unit="B", unit_scale=True, disable=not progress,
+               desc="synth")
+    i = 0
+    while i < len(specs):
+        group = [specs[i]] if specs[i].expert is None else _expert_group(specs, i)
+        if not writer.done(group[0].name):
+            for s, t in zip(group, _draw(group, seed)):
+                writer.write(s.name, t)
+        bar.update(sum(s.nbytes for s in group))
+        i += len(group)
+    bar.close()
+    return writer.close(cfgd, byte_tokenizer_files())
+
+
+def _expert_group(specs: list[TensorSpec], i: int) -> list[TensorSpec]:
+    """The consecutive tensors of the expert starting at specs[i]."""
+    key = (specs[i].layer, specs[i].expert)
+    j = i
+    while j < len(specs) and (specs[j].layer, specs[j].expert) == key:
+        j += 1
+    return specs[i:j]
+
+
+def _gen(seed: int, name: str) -> torch.Generator:
+    digest = hashlib.sha256(f"{seed}/{name}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+
+
+def _draw(group: list[TensorSpec], seed: int) -> list[torch.Tensor]:
+    if group[0].expert is None:
+        s = group[0]
+        return [_float_tensor(s, _gen(seed, s.name))]
+    out = []
+    for packed, scale in zip(group[0::2], group[1::2]):  # (weight_packed, weight_scale) pairs
+        g = _gen(seed, packed.name)
+        rows, cols = packed.shape[0], packed.shape[1] * 2
+        if rows * cols > _DIRECT_CODES_ABOVE:
+            out += _direct_codes(packed, scale, cols, g)
+        else:
+            out += list(mxfp4.quantize(torch.randn(rows, cols, generator=g) / math.sqrt(cols)))
+    return out
+
+
+def _direct_codes(packed: TensorSpec, scale: TensorSpec, fan_in: int, g: torch.Generator
+                  ) -> list[torch.Tensor]:
+    """Uniform random E2M1 code pairs; E8M0 scales near 2^round(log2(1/(rms*sqrt(fan_in))))
+    (about 2^-7 at K3 widths), jittered by one step, so outputs keep unit variance."""
+    base = 127 + round(math.log2(1 / (_E2M1_RMS * math.sqrt(fan_in))))
+    codes = torch.randint(0, 256, packed.shape, generator=g, dtype=torch.uint8)
+    scales = (base + torch.randint(-1, 2, scale.shape, generator=g)).to(torch.uint8)
+    return [codes, scales]
+
+
+def _float_tensor(s: TensorSpec, g: torch.Generator) -> torch.Tensor:
+    """A plausible random value for a non-expert tensor, chosen by its role in the name."""
+    leaf = s.name.rsplit(".", 2)
+    last = leaf[-2] if leaf[-1] == "weight" else leaf[-1]
+    if last == "A_log":  # decay rates exp(A) in [1, 16] for the real heads, zero padding after
+        n = s.shape[0]
+        return torch.log(1 + 15 * torch.rand(n, generator=g)).to(_TORCH[s.dtype])
+    if last == "dt_bias":  # with A in [1, 16]: per-step decays from ~0.01 to ~0.999
+        return (-0.5 + 0.3 * torch.randn(s.shape, generator=g)).to(_TORCH[s.dtype])
+    if last.endswith("correction_bias"):
+        return (0.01 * torch.randn(s.shape, generator=g)).to(_TORCH[s.dtype])
+    if last.endswith("norm") or "norm" in last.split("_"):
+        return (1 + 0.1 * torch.randn(s.shape, generator=g)).to(_TORCH[s.dtype])
+    if last.endswith("conv1d"):  # [C, 1, k]
+        return (torch.randn(s.shape, generator=g) / math.sqrt(s.shape[-1])).to(_TORCH[s.dtype])
+    std = 1.0 if last == "embed_tokens" else 1 / math.sqrt(s.shape[-1])
+    if last == "f_b_proj":  # keep the decay input small so dt_bias sets the decay range
+        std *= 0.3
+    return _randn_rows(s, std, g)
+
+
+def _randn_rows(s: TensorSpec, std: float, g: torch.Generator) -> torch.Tensor:
+    """N(0, std^2) in the spec's dtype, drawn a block of rows at a time (bounded fp32 memory)."""
+    out = torch.empty(s.shape, dtype=_TORCH[s.dtype])
+    rows = max(1, (1 << 24) // max(1, s.numel // max(1, s.shape[0])))
+    flat = out.reshape(s.shape[0], -1) if s.shape else out.reshape(1, 1)
+    for r in range(0, flat.shape[0], rows):
+        block = flat[r: r + rows]
+        block.copy_(torch.randn(block.shape, generator=g) * std)
+    return out
+
+
+# -- CLI ---------------------------------------------------------------------------------------
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Arguments of `reap synth`."""
+    p.description = f"Write a random but valid checkpoint. Sizes: {SIZES}."
+    p.add_argument("config", metavar="CONFIG",
+                   help=f"built-in config ({', '.join(BUILTIN)}) or a config.json path")
+    p.add_argument("--out", required=True, help="output checkpoint directory")
+    p.add_argument("--seed", type=int, default=0, help="random seed (same seed: same bytes)")
+    p.add_argument("--layers", type=int, help="keep only the first N decoder layers")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                   help="dtype of the non-expert tensors (experts are always MXFP4)")
+    p.add_argument("--shard-gb", type=float, default=5.0, help="max shard size in GB (default 5)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Entry point of `reap synth`."""
+    path = synth(args.config, args.out, seed=args.seed, layers=args.layers, dtype=args.dtype,
+                 overwrite=args.overwrite, max_shard_bytes=int(args.shard_gb * 1e9),
+                 progress=True)
+    print(path)
+    return 0
