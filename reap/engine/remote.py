@@ -1,0 +1,436 @@
+"""Checkpoints over HTTP(S): fetch on demand with Range requests into a resumable disk cache.
+
+    ck = RemoteCheckpoint.open("https://host/models/k3")   # same interface as Checkpoint
+    w = ck.read("model.layers.3.mlp.gate.weight")           # fetches only that tensor's bytes
+
+Opening fetches the small files (config.json, the index, tokenizer files) whole and only the
+safetensors headers of the shards; a tensor's bytes are fetched the first time it is read. The
+cache lives in `~/.cache/reap/http/<sanitized host+path>-<hash>/` (or `cache_dir`): each shard is a
+sparse file of its full size beside a sidecar `<shard>.ranges.json` listing the byte ranges already
+present. Data is written before the sidecar names it and sidecars are replaced atomically, so an
+interrupted download keeps every byte it received and resumes from there; a later open of the same
+URL makes no request for anything already cached.
+
+Every answer is checked: status (404/416/other errors named with the URL), Content-Range against
+the requested range and the file's size seen so far, and the number of bytes actually received.
+Shard names from the server's index must be plain file names (no `..`, no directories).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import http.client
+import json
+import os
+import re
+import threading
+import urllib.parse
+from pathlib import Path
+
+from reap.checkpoint import INDEX_NAME, SINGLE_NAME, Checkpoint
+from reap.errors import CheckpointError
+
+# Small files fetched whole when present; the first two decide the layout.
+SMALL_FILES = ("config.json", INDEX_NAME, "tokenizer.json", "tokenizer_config.json",
+               "chat_template.jinja", "generation_config.json", "special_tokens_map.json")
+_SAFE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
+_PIECE = 1 << 20  # bytes per write while streaming a response body
+
+
+def is_url(model: str | os.PathLike) -> bool:
+    """Whether a MODEL argument is an http(s) URL rather than a local path."""
+    return isinstance(model, str) and model.lower().startswith(("http://", "https://"))
+
+
+def default_cache_dir(url: str) -> Path:
+    """`~/.cache/reap/http/<sanitized host+path>-<8 hex of the URL's sha256>`."""
+    parts = urllib.parse.urlsplit(url)
+    host = (parts.hostname or "host") + (f"_{parts.port}" if parts.port else "")
+    name = re.sub(r"[^A-Za-z0-9._-]+", "_", host + parts.path).strip("._")[:96]
+    digest = hashlib.sha256(url.encode()).hexdigest()[:8]
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "reap" / "http" / f"{name or 'model'}-{digest}"
+
+
+def safe_name(name: str, where: str) -> str:
+    """`name` if it is a plain file name, else CheckpointError naming `where`."""
+    if not isinstance(name, str) or not _SAFE_NAME.fullmatch(name) or ".." in name:
+        raise CheckpointError(f"{where}: unsafe file name {name!r} (plain names only)")
+    return name
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
+def _merge(ranges: list[list[int]]) -> list[list[int]]:
+    out: list[list[int]] = []
+    for a, b in sorted(ranges):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        elif b > a:
+            out.append([a, b])
+    return out
+
+
+def _missing(have: list[list[int]], start: int, end: int) -> list[tuple[int, int]]:
+    """Sub-ranges of [start, end) not covered by the merged ranges `have`."""
+    out, at = [], start
+    for a, b in have:
+        if b <= at or a >= end:
+            continue
+        if a > at:
+            out.append((at, a))
+        at = max(at, b)
+    if at < end:
+        out.append((at, end))
+    return out
+
+
+class HttpClient:
+    """Minimal keep-alive HTTP(S) GET with Range and redirects; counts requests and bytes."""
+
+    def __init__(self, timeout: float = 60.0):
+        self.timeout = timeout
+        self.requests = 0
+        self.bytes = 0
+        self._conns: dict[tuple[str, str], http.client.HTTPConnection] = {}
+
+    def get(self, url: str, start: int | None = None, end: int | None = None):
+        """Open a GET of `url` (bytes [start, end) when given); returns the response, following
+        up to 5 redirects. Connection failures are CheckpointError."""
+        headers = {"Accept-Encoding": "identity"}
+        if start is not None:
+            headers["Range"] = f"bytes={start}-{end - 1}"
+        for _ in range(6):
+            resp = self._send(url, headers)
+            if resp.status not in (301, 302, 303, 307, 308):
+                return resp
+            resp.read()
+            url = urllib.parse.urljoin(url, resp.getheader("Location", ""))
+        raise CheckpointError(f"{url}: too many redirects")
+
+    def _send(self, url: str, headers: dict):
+        parts = urllib.parse.urlsplit(url)
+        key = (parts.scheme, parts.netloc)
+        path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        for attempt in range(2):  # a kept-alive connection the server closed: retry once
+            conn = self._conns.get(key) or self._connect(parts)
+            self._conns[key] = conn
+            try:
+                conn.request("GET", path, headers=headers)
+                self.requests += 1
+                return conn.getresponse()
+            except (OSError, http.client.HTTPException) as e:
+                conn.close()
+                self._conns.pop(key, None)
+                if attempt:
+                    raise CheckpointError(f"{url}: request failed ({e})") from None
+        raise AssertionError("unreachable")
+
+    def _connect(self, parts) -> http.client.HTTPConnection:
+        if parts.scheme == "https":
+            return http.client.HTTPSConnection(parts.hostname, parts.port, timeout=self.timeout)
+        return http.client.HTTPConnection(parts.hostname, parts.port, timeout=self.timeout)
+
+    def drop(self) -> None:
+        """Close all connections (after an error mid-body the connection is unusable)."""
+        for c in self._conns.values():
+            c.close()
+        self._conns.clear()
+
+
+class _Transient(CheckpointError):
+    """A failure worth retrying (connection dropped, short body): what arrived is kept."""
+
+
+class HttpCache:
+    """The disk cache of one remote checkpoint directory (see the module docstring).
+
+    block: fetches are widened to multiples of this many bytes (fewer small requests for small
+    tensors); max_request: the largest single Range request; retries: extra attempts after a
+    transient failure, each resuming where the previous one stopped."""
+
+    def __init__(self, url: str, cache_dir: str | os.PathLike | None = None,
+                 client: HttpClient | None = None, block: int = 1 << 20,
+                 max_request: int = 64 << 20, retries: int = 2):
+        self.url = url.rstrip("/")
+        self.dir = Path(cache_dir) if cache_dir else default_cache_dir(self.url)
+        self.client = client or HttpClient()
+        self.block, self.max_request, self.retries = max(1, block), max_request, retries
+        self._states: dict[str, dict] = {}
+        self._lock = threading.RLock()
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise CheckpointError(f"{self.dir}: cannot create the HTTP cache ({e.strerror})") from None
+
+    def _file_url(self, name: str) -> str:
+        return f"{self.url}/{urllib.parse.quote(name)}"
+
+    # ---- small files and layout ------------------------------------------------------------
+
+    def prepare(self) -> list[str]:
+        """Fetch the small files and every shard's header (once); returns the shard names."""
+        manifest_path = self.dir / "remote.json"
+        manifest = _read_manifest(manifest_path, self.url)
+        if manifest is None:
+            present = {n: self._fetch_small(n) for n in SMALL_FILES}
+            shards = self._shard_names(present[INDEX_NAME])
+            manifest = {"url": self.url, "files": present, "shards": shards}
+        for name in manifest["shards"]:
+            self.ensure_header(name)
+        _write_atomic(manifest_path, json.dumps(manifest, indent=1).encode())
+        return manifest["shards"]
+
+    def _fetch_small(self, name: str, limit: int = 256 << 20) -> bool:
+        """Fetch a small file whole into the cache; False if the server has none (404)."""
+        url = self._file_url(name)
+        resp = self.client.get(url)
+        if resp.status == 404:
+            resp.read()
+            return False
+        if resp.status != 200:
+            resp.read()
+            raise CheckpointError(f"{url}: HTTP {resp.status} {resp.reason}")
+        length = resp.getheader("Content-Length")
+        if length is not None and int(length) > limit:
+            raise CheckpointError(f"{url}: {length} bytes is too large for a metadata file")
+        try:
+            data = resp.read()
+        except (OSError, http.client.HTTPException) as e:
+            self.client.drop()
+            raise CheckpointError(f"{url}: download failed ({type(e).__name__})") from None
+        self.client.bytes += len(data)
+        _write_atomic(self.dir / name, data)
+        return True
+
+    def _shard_names(self, has_index: bool) -> list[str]:
+        if not has_index:
+            return [SINGLE_NAME]
+        where = f"{self.url}/{INDEX_NAME}"
+        try:
+            weight_map = json.loads((self.dir / INDEX_NAME).read_text())["weight_map"]
+            names = sorted(set(weight_map.values()))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise CheckpointError(f"{where}: not a safetensors index with a weight_map") from None
+        return [safe_name(n, where) for n in names]
+
+    # ---- shards ----------------------------------------------------------------------------
+
+    def ensure_header(self, name: str) -> None:
+        """Make the shard's header present and check the size the server reports against it."""
+        st = self._state(name)
+        self.ensure(name, 0, min(8, st["size"]))
+        raw = _pread(self.dir / name, 0, 8)
+        n = int.from_bytes(raw, "little") if len(raw) == 8 else -1
+        if not 0 <= n <= st["size"] - 8:
+            raise CheckpointError(f"{self._file_url(name)}: bad safetensors header length "
+                                  f"{n} for a file of {st['size']} bytes")
+        self.ensure(name, 8, 8 + n)
+        header = _pread(self.dir / name, 8, n)
+        try:
+            ends = [v["data_offsets"][1] for k, v in json.loads(header).items()
+                    if k != "__metadata__"]
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError):
+            raise CheckpointError(f"{self._file_url(name)}: invalid safetensors header") from None
+        if 8 + n + max(ends, default=0) != st["size"]:
+            raise CheckpointError(
+                f"{self._file_url(name)}: server says {st['size']} bytes but the header "
+                f"describes {8 + n + max(ends, default=0)}")
+
+    def ensure(self, name: str, start: int, end: int) -> None:
+        """Make bytes [start, end) of shard `name` present in the cache file (fetching what is
+        missing, widened to whole blocks); CheckpointError if the server cannot supply them."""
+        if end <= start:
+            return
+        with self._lock:
+            for attempt in range(self.retries + 1):
+                try:
+                    st = self._state(name)
+                    if end > st["size"]:
+                        raise CheckpointError(f"{self._file_url(name)}: bytes {start}-{end} "
+                                              f"asked of a file of {st['size']} bytes")
+                    lo = start // self.block * self.block
+                    hi = min(st["size"], -(-end // self.block) * self.block)
+                    for a, b in _missing(st["ranges"], lo, hi):
+                        for c in range(a, b, self.max_request):
+                            self._fetch_range(name, st, c, min(b, c + self.max_request))
+                    return
+                except _Transient:
+                    if attempt == self.retries:
+                        raise
+
+    def _state(self, name: str) -> dict:
+        """The shard's {size, ranges}; probes the server for its size on first use."""
+        st = self._states.get(name)
+        if st is None:
+            st = _read_sidecar(self._sidecar(name), self._file_url(name))
+            if st is None or not (self.dir / name).is_file():
+                st = self._probe(name)
+            self._states[name] = st
+        return st
+
+    def _probe(self, name: str) -> dict:
+        """Learn a shard's size from its first block (fetched with it); create the sparse file."""
+        url = self._file_url(name)
+        resp = self._open_range(url, 0, self.block, None)
+        size = _content_range(resp, url, 0, self.block, None)
+        with open(self.dir / name, "wb") as f:
+            f.truncate(size)  # sparse: only fetched ranges take disk space
+        st = {"url": url, "size": size, "ranges": []}
+        self._save(name, st)
+        self._receive(name, st, resp, 0, min(self.block, size))
+        return st
+
+    def _open_range(self, url: str, a: int, b: int, size: int | None):
+        """A checked 206 response for bytes [a, b) (the connection is dropped on a bad one)."""
+        resp = self.client.get(url, a, b)
+        try:
+            _check_status(resp, url, a, b)
+            _content_range(resp, url, a, b, size)
+        except CheckpointError:
+            self.client.drop()
+            raise
+        return resp
+
+    def _fetch_range(self, name: str, st: dict, a: int, b: int) -> None:
+        url = self._file_url(name)
+        self._receive(name, st, self._open_range(url, a, b, st["size"]), a, b)
+
+    def _receive(self, name: str, st: dict, resp, a: int, b: int) -> None:
+        """Stream a response body into the cache file at [a, b); record what arrived."""
+        got = a
+        fd = os.open(self.dir / name, os.O_WRONLY)
+        try:
+            while got < b:
+                piece = resp.read(min(_PIECE, b - got))
+                if not piece:
+                    break
+                os.pwrite(fd, piece, got)
+                got += len(piece)
+        except (OSError, http.client.HTTPException):
+            pass  # keep what arrived; reported as a short read below
+        finally:
+            self.client.bytes += got - a
+            if got > a:
+                os.fsync(fd)  # data reaches the disk before the sidecar claims it
+                st["ranges"] = _merge(st["ranges"] + [[a, got]])
+                self._save(name, st)
+            os.close(fd)
+        if got < b:
+            self.client.drop()
+            raise _Transient(f"{st['url']}: short read: got {got - a} of {b - a} bytes at "
+                             f"offset {a}")
+
+    def _sidecar(self, name: str) -> Path:
+        return self.dir / f"{name}.ranges.json"
+
+    def _save(self, name: str, st: dict) -> None:
+        _write_atomic(self._sidecar(name), json.dumps(st).encode())
+
+    def cached_bytes(self) -> int:
+        """Bytes of shard data present in the cache (as recorded by the sidecars)."""
+        return sum(b - a for st in self._states.values() for a, b in st["ranges"])
+
+
+def _pread(path: Path, offset: int, n: int) -> bytes:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return os.pread(fd, n, offset)
+    finally:
+        os.close(fd)
+
+
+def _check_status(resp, url: str, a: int, b: int) -> None:
+    if resp.status == 206:
+        return
+    if resp.status == 404:
+        raise CheckpointError(f"{url}: not found (HTTP 404)")
+    if resp.status == 416:
+        raise CheckpointError(f"{url}: bytes {a}-{b - 1} not satisfiable (HTTP 416): the "
+                              "server's file is shorter than expected")
+    if resp.status == 200:
+        raise CheckpointError(f"{url}: the server ignored the Range request (HTTP 200); "
+                              "serving weights over HTTP needs Range support")
+    raise CheckpointError(f"{url}: HTTP {resp.status} {resp.reason}")
+
+
+def _content_range(resp, url: str, a: int, b: int, size: int | None) -> int:
+    """Check a 206 answer's Content-Range (and Content-Length) against the request; returns the
+    file size it states."""
+    value = resp.getheader("Content-Range", "")
+    m = re.fullmatch(r"bytes (\d+)-(\d+)/(\d+)", value.strip())
+    if m is None:
+        raise CheckpointError(f"{url}: missing or malformed Content-Range {value!r}")
+    first, last, total = map(int, m.groups())
+    if size is not None and total != size:
+        raise CheckpointError(f"{url}: server now says {total} bytes, earlier {size} "
+                              "(the file changed; clear the cache)")
+    if first != a or last != min(b, total) - 1:
+        raise CheckpointError(f"{url}: asked bytes {a}-{b - 1}, server sent {first}-{last}")
+    length = resp.getheader("Content-Length")
+    if length is not None and int(length) != last - first + 1:
+        raise CheckpointError(f"{url}: Content-Length {length} does not match {value}")
+    return total
+
+
+def _read_json_file(path: Path) -> dict | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None  # missing or torn: treated as absent and rebuilt
+    return data if isinstance(data, dict) else None
+
+
+def _read_sidecar(path: Path, url: str) -> dict | None:
+    st = _read_json_file(path)
+    if st is None or st.get("url") != url or not isinstance(st.get("size"), int):
+        return None
+    st["ranges"] = _merge([[int(a), int(b)] for a, b in st.get("ranges", [])])
+    return st
+
+
+def _read_manifest(path: Path, url: str) -> dict | None:
+    m = _read_json_file(path)
+    if m is None or m.get("url") != url or not isinstance(m.get("shards"), list):
+        return None
+    if any(ok and not (path.parent / n).is_file() for n, ok in m.get("files", {}).items()):
+        return None
+    for n in m["shards"]:
+        safe_name(n, str(path))
+    return m
+
+
+class RemoteCheckpoint(Checkpoint):
+    """A `Checkpoint` whose shards live at an http(s) URL; reads fetch missing bytes first.
+
+    Extra attributes: url, cache (the `HttpCache`; its client counts requests and bytes)."""
+
+    cache: HttpCache
+    url: str
+
+    @classmethod
+    def open(cls, url: str, cache_dir: str | os.PathLike | None = None,  # type: ignore[override]
+             direct: bool = False, **cache_options) -> "RemoteCheckpoint":
+        """Open the checkpoint directory at `url` through the cache in `cache_dir`."""
+        cache = HttpCache(url, cache_dir, **cache_options)
+        cache.prepare()
+        ck = super().open(cache.dir, direct=direct)
+        ck.cache, ck.url = cache, cache.url
+        return ck
+
+    def _read_span(self, file: str, start: int, end: int, what: str):
+        self.cache.ensure(os.path.basename(file), start, end)
+        return super()._read_span(file, start, end, what)
+
+
+def open_checkpoint(model: str | os.PathLike, cache_dir: str | os.PathLike | None = None,
+                    direct: bool = False) -> Checkpoint:
+    """A local checkpoint path or an http(s) URL -> an open `Checkpoint`."""
+    if is_url(str(model)):
+        return RemoteCheckpoint.open(str(model), cache_dir, direct=direct)
+    return Checkpoint.open(model, direct=direct)
