@@ -1,0 +1,255 @@
+"""Size model: parameter and byte census of a checkpoint layout, and byte predictions for
+pruned builds (`reap info`, and `reap plan --target-size`).
+
+Everything is computed from the family's `layout(config)` (every tensor's name, dtype, shape,
+component, layer, expert), so a config alone answers the full-scale questions without weights.
+Routed experts are counted per layer; an expert's unit cost includes its rows of the router
+tensors (sliced when pruning), so `predict_bytes` of a plan is what `reap prune` writes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from reap.checkpoint import TensorSpec
+from reap.errors import ReapError
+
+# Bytes of safetensors header JSON per tensor beyond its name: {"dtype":"..","shape":[..],
+# "data_offsets":[..,..]} plus separators; shapes and offsets add their digits.
+_HEADER_FIXED = 48
+
+
+@dataclass
+class SizeModel:
+    """Bytes and parameters of a layout as a function of experts kept per MoE layer.
+
+    An expert's unit cost (`expert_bytes`, `expert_params`) includes its rows of the router
+    tensors; `expert_own_*` are its own tensors alone. MXFP4 tensors count the weights they
+    hold (two per packed byte, none per scale byte) as parameters.
+    """
+
+    n_experts: int
+    top_k: int
+    moe_layers: list[int]
+    fixed_bytes: int  # everything but routed experts and their router rows
+    fixed_params: int
+    expert_bytes: dict[int, int]
+    expert_params: dict[int, int]
+    expert_own_bytes: dict[int, int]
+    expert_own_params: dict[int, int]
+    header_bytes_fixed: int  # safetensors header bytes of the fixed tensors
+    header_bytes_expert: dict[int, int]  # per expert
+    census: dict[str, dict[str, int]] = field(default_factory=dict)  # component -> params/bytes
+    n_tensors: int = 0
+    input_embedding_params: int = 0
+
+    @classmethod
+    def from_config(cls, config: dict) -> "SizeModel":
+        """Size model of a config.json dict (any family with a `layout`)."""
+        from reap.models import family
+
+        fam = family(config)
+        return cls.from_layout(fam.layout(config), fam, config)
+
+    @classmethod
+    def from_layout(cls, specs: list[TensorSpec], fam, config: dict) -> "SizeModel":
+        cfg = fam.Config.from_dict(config)
+        moe_layers = sorted({s.layer for s in specs if s.component == "routed_experts"})
+        router = {}
+        for layer in moe_layers:
+            router.update(fam.router_tensors(cfg, layer))
+        census: dict[str, dict[str, int]] = defaultdict(lambda: {"params": 0, "bytes": 0})
+        unit = {k: defaultdict(int) for k in ("b", "p", "ob", "op", "h")}
+        fixed = {"b": 0, "p": 0, "h": 0}
+        n_exp = 0
+        for s in specs:
+            census[s.component]["params"] += _params(s)
+            census[s.component]["bytes"] += s.nbytes
+            if s.expert is not None:
+                n_exp = max(n_exp, s.expert + 1)
+                if s.expert == 0:
+                    for k, v in (("b", s.nbytes), ("ob", s.nbytes), ("p", _params(s)),
+                                 ("op", _params(s)), ("h", _header_bytes(s))):
+                        unit[k][s.layer] += v
+                continue
+            fixed["h"] += _header_bytes(s)
+            if s.name in router:
+                rows = s.shape[router[s.name]]
+                unit["b"][s.layer] += s.nbytes // rows
+                unit["p"][s.layer] += s.numel // rows
+                fixed["b"] += s.nbytes - s.nbytes // rows * rows
+                continue
+            fixed["b"] += s.nbytes
+            fixed["p"] += _params(s)
+        top_k = int(getattr(cfg, "num_experts_per_token", 0) or 0)
+        d = {k: dict(v) for k, v in unit.items()}
+        embed = sum(s.numel for s in specs if s.name.endswith("embed_tokens.weight"))
+        return cls(n_exp, top_k, moe_layers, fixed["b"], fixed["p"], d["b"], d["p"], d["ob"],
+                   d["op"], fixed["h"], d["h"], dict(census), len(specs), embed)
+
+    @property
+    def total_params(self) -> int:
+        return sum(c["params"] for c in self.census.values())
+
+    @property
+    def active_params(self) -> int:
+        """Parameters that multiply a text token's activations: all but the vision tower, the
+        unchosen experts and the input embedding table (a row lookup, not a matmul)."""
+        vision = self.census.get("vision", {}).get("params", 0)
+        routed = self.census.get("routed_experts", {}).get("params", 0)
+        chosen = sum(self.expert_own_params[la] * self.top_k for la in self.moe_layers)
+        return self.total_params - vision - routed + chosen - self.input_embedding_params
+
+    def keep_all(self) -> dict[int, int]:
+        return {layer: self.n_experts for layer in self.moe_layers}
+
+    def predict_bytes(self, keep: dict[int, int] | int | None = None) -> int:
+        """Checkpoint bytes (tensor data + safetensors headers) with `keep` experts per layer."""
+        keep = self._keep(keep)
+        data = self.fixed_bytes + sum(self.expert_bytes[la] * k for la, k in keep.items())
+        head = self.header_bytes_fixed + sum(self.header_bytes_expert[la] * k
+                                             for la, k in keep.items())
+        return data + head
+
+    def predict_params(self, keep: dict[int, int] | int | None = None) -> int:
+        """Parameters with `keep` experts per layer."""
+        keep = self._keep(keep)
+        return self.fixed_params + sum(self.expert_params[la] * k for la, k in keep.items())
+
+    def max_uniform_keep(self, target_bytes: int) -> int:
+        """Largest per-layer expert count whose checkpoint fits in `target_bytes` (0 if none)."""
+        lo, hi = 0, self.n_experts
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.predict_bytes(mid) <= target_bytes:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def _keep(self, keep) -> dict[int, int]:
+        if keep is None:
+            return self.keep_all()
+        if isinstance(keep, int):
+            return {layer: keep for layer in self.moe_layers}
+        return keep
+
+
+def _params(s: TensorSpec) -> int:
+    """Weights a tensor stores: an MXFP4 packed byte holds two, a scale byte none."""
+    if s.name.endswith("weight_packed"):
+        return s.numel * 2
+    if s.name.endswith("weight_scale"):
+        return 0
+    return s.numel
+
+
+def _header_bytes(s: TensorSpec, prefix: str = "language_model.") -> int:
+    digits = sum(len(str(d)) + 1 for d in s.shape) + 2 * 12
+    return len(prefix) + len(s.name) + len(s.dtype) + _HEADER_FIXED + digits
+
+
+def parse_size(text: str) -> int:
+    """'350GB' -> 350e9 bytes; accepts B, KB, MB, GB, TB (powers of 1000) and KiB..TiB."""
+    units = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+    t = text.strip().upper().replace(" ", "")
+    for u in sorted(units, key=len, reverse=True):
+        if t.endswith(u):
+            try:
+                return int(float(t[: -len(u)]) * units[u])
+            except ValueError:
+                break
+    raise ReapError(f"cannot read size {text!r} (use e.g. 350GB, 8GiB, 1.5TB)")
+
+
+def fmt_bytes(n: float) -> str:
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.3f} {unit}"
+    return f"{int(n)} B"
+
+
+def fmt_params(n: float) -> str:
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return str(int(n))
+
+
+def resolve_config(model: str, layers: int | None = None) -> tuple[dict, str | None]:
+    """A built-in config name or a checkpoint path -> (config.json dict, checkpoint path)."""
+    from reap.models import builtin_config
+
+    if os.path.exists(model):
+        from reap.checkpoint import Checkpoint
+
+        with Checkpoint.open(model) as ck:
+            if not ck.config:
+                raise ReapError(f"{model}: no config.json")
+            return ck.config, model
+    return builtin_config(model, layers=layers), None
+
+
+def info(model: str, layers: int | None = None) -> dict:
+    """Census of a checkpoint or built-in config as a JSON-able dict."""
+    config, path = resolve_config(model, layers)
+    m = SizeModel.from_config(config)
+    first = m.moe_layers[0] if m.moe_layers else None
+    out = {
+        "model": model,
+        "components": {k: dict(v) for k, v in sorted(m.census.items())},
+        "total_params": m.total_params,
+        "active_params": m.active_params,
+        "routed_params": m.census.get("routed_experts", {}).get("params", 0),
+        "routed_bytes": m.census.get("routed_experts", {}).get("bytes", 0),
+        "n_experts": m.n_experts,
+        "top_k": m.top_k,
+        "moe_layers": len(m.moe_layers),
+        "params_per_routed_expert": m.expert_own_params.get(first, 0),
+        "bytes_per_routed_expert": m.expert_own_bytes.get(first, 0),
+        "checkpoint_bytes": m.predict_bytes(),
+        "tensors": m.n_tensors,
+    }
+    if path is not None:
+        from reap.checkpoint import Checkpoint
+
+        with Checkpoint.open(path) as ck:
+            files = {t.file for t in ck.tensors.values()}
+            out["bytes_on_disk"] = sum(os.path.getsize(f) for f in files)
+            out["tensors_on_disk"] = len(ck.tensors)
+    return out
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", metavar="MODEL_OR_CONFIG",
+                   help="checkpoint directory/file, or a built-in config: k3-tiny, k3-small, k3-full")
+    p.add_argument("--layers", type=int, default=None,
+                   help="built-in configs only: keep the first N layers")
+    p.add_argument("--json", action="store_true", help="print the census as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    out = info(args.model, args.layers)
+    if args.json:
+        print(json.dumps(out, indent=1))
+        return 0
+    total = out["total_params"]
+    print(f"{out['model']}: {fmt_params(total)} parameters, {fmt_bytes(out['checkpoint_bytes'])}"
+          f" checkpoint, {out['tensors']:,} tensors")
+    print(f"{'component':<16}{'params':>14}{'share':>8}{'bytes':>14}")
+    for name, c in out["components"].items():
+        print(f"{name:<16}{fmt_params(c['params']):>14}{c['params'] / total:>8.1%}"
+              f"{fmt_bytes(c['bytes']):>14}")
+    print(f"active per token: {fmt_params(out['active_params'])} "
+          f"({out['active_params'] / total:.1%}); routed experts: {out['n_experts']} per layer, "
+          f"top-{out['top_k']}, {out['moe_layers']} MoE layers")
+    print(f"per routed expert: {out['params_per_routed_expert']:,} params, "
+          f"{out['bytes_per_routed_expert']:,} bytes")
+    if "bytes_on_disk" in out:
+        print(f"on disk: {fmt_bytes(out['bytes_on_disk'])} in {out['tensors_on_disk']:,} tensors")
+    return 0
