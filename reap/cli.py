@@ -89,6 +89,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("reap: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except BrokenPipeError:  # output piped into `head` and closed: not an error
+        sys.stderr.close()
+        return 0
     except MemoryError:
         print("reap: error: out of memory (lower --budget or the batch size)", file=sys.stderr)
         return EXIT_FAILURE
