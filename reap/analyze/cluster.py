@@ -1,0 +1,205 @@
+"""Clusters: corpora by usage, experts by their per-corpus profile, co-activation communities.
+
+- Corpora: distance = Jensen-Shannon distance (sqrt of the divergence, a metric) between their
+  routing distributions, averaged over layers; average-linkage hierarchical clustering (scipy),
+  drawn as a dendrogram.
+- Experts: each (layer, expert) used enough is a point whose coordinates are its corpus shares
+  (see `reap.analyze.specialists`); k-means with k chosen by the silhouette score.
+- Co-activation: per layer, the graph whose edge weight is how many tokens routed to both
+  experts (coact, diagonal dropped). Modularity compares each edge with the co-occurrence
+  expected from the experts' own loads (the configuration model: d_i d_j / 2W with d_i =
+  count_i x (top_k - 1)), so communities are groups that co-fire more than their loads predict.
+  Greedy agglomerative modularity maximization (Clauset-Newman-Moore) on a dense matrix. Its
+  chance baseline: the same algorithm on a graph of Poisson co-occurrences at the expected
+  rates (an approximation of independent routing), since greedy search finds some modularity
+  in pure noise.
+
+Dimension letters: C corpora, L layers, E experts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from reap.analyze.overlap import CorpusUsage, jsd
+from reap.analyze.specialists import ExpertProfiles
+
+
+@dataclass
+class CorpusClustering:
+    """Hierarchical clustering of corpora by routing similarity."""
+
+    corpora: list[str]  # [C]
+    distance: np.ndarray  # [C, C] mean over layers of the Jensen-Shannon distance
+    linkage: np.ndarray  # [C-1, 4] scipy linkage matrix (average linkage)
+    order: list[str]  # leaf order of the dendrogram
+
+
+def cluster_corpora(corpora: list[CorpusUsage]) -> CorpusClustering:
+    """Average-linkage clustering of corpora on the mean Jensen-Shannon distance."""
+    from scipy.cluster.hierarchy import leaves_list, linkage
+    from scipy.spatial.distance import squareform
+
+    u = np.stack([c.usage() for c in corpora])  # [C, L, E]
+    C = len(corpora)
+    d = np.zeros((C, C))
+    for i in range(C):
+        for j in range(i + 1, C):
+            d[i, j] = d[j, i] = float(np.sqrt(jsd(u[i], u[j])).mean())
+    z = linkage(squareform(d, checks=False), method="average")
+    names = [c.name for c in corpora]
+    return CorpusClustering(names, d, z, [names[i] for i in leaves_list(z)])
+
+
+@dataclass
+class ExpertClustering:
+    """k-means clusters of experts by their corpus shares."""
+
+    corpora: list[str]  # [C] feature order
+    k: int  # chosen by silhouette
+    silhouette: dict[int, float]  # k -> mean silhouette score tried
+    labels: np.ndarray  # [L, E] cluster of each expert, -1 = too rarely used to place
+    centroids: np.ndarray  # [k, C] mean corpus shares of each cluster
+    points: np.ndarray  # [n, C] the clustered shares (experts with labels >= 0, row-major)
+
+
+def cluster_experts(profiles: ExpertProfiles, k_max: int = 8, seed: int = 0,
+                    sample: int = 4000) -> ExpertClustering | None:
+    """Cluster used experts by share profile; None when fewer points than needed.
+
+    Experts count as used when their mean usage rate over corpora is at least `min_load` times
+    uniform. Silhouette scores are computed on a seeded sample of at most `sample` points.
+    """
+    from sklearn.cluster import KMeans
+    from sklearn.metrics import silhouette_score
+
+    E = profiles.freq.shape[1]
+    top_k = profiles.freq[0, :, :].sum(0).mean()  # usage rates of a layer sum to top_k
+    used = profiles.freq.mean(-1) >= profiles.min_load * top_k / E  # [L, E]
+    x = profiles.share[used]  # [n, C]
+    ks = [k for k in range(2, k_max + 1) if k < len(x)]
+    if not ks or len(np.unique(x.round(12), axis=0)) < 3:
+        return None
+    scores, models = {}, {}
+    for k in ks:
+        km = KMeans(n_clusters=k, n_init=4, random_state=seed).fit(x)
+        if len(np.unique(km.labels_)) < 2:
+            continue
+        scores[k] = float(silhouette_score(x, km.labels_, sample_size=min(sample, len(x)),
+                                           random_state=seed))
+        models[k] = km
+    if not scores:
+        return None
+    best = max(scores, key=lambda k: (scores[k], -k))
+    labels = np.full(used.shape, -1)
+    labels[used] = models[best].labels_
+    return ExpertClustering(profiles.corpora, best, scores, labels,
+                            models[best].cluster_centers_, x)
+
+
+def modularity(w: np.ndarray, labels: np.ndarray) -> float:
+    """Newman modularity of a partition of a weighted undirected graph (diagonal ignored)."""
+    w = np.array(w, dtype=np.float64)
+    np.fill_diagonal(w, 0.0)
+    total = w.sum()
+    if total <= 0:
+        return 0.0
+    deg = w.sum(1)
+    same = labels[:, None] == labels[None, :]
+    return float(((w - np.outer(deg, deg) / total) * same).sum() / total)
+
+
+def greedy_modularity(w: np.ndarray) -> tuple[np.ndarray, float]:
+    """Clauset-Newman-Moore greedy modularity communities of a weighted graph.
+
+    w: [E, E] symmetric non-negative weights (diagonal ignored). Repeatedly merges the two
+    communities whose merge raises modularity most, until no merge helps. Returns (labels [E],
+    numbered by decreasing community size, modularity).
+    """
+    w = np.array(w, dtype=np.float64)
+    np.fill_diagonal(w, 0.0)
+    n, total = len(w), w.sum()
+    if total <= 0:
+        return np.arange(n), 0.0
+    e = w / total  # [E, E] fraction of edge ends between communities i and j
+    a = e.sum(1)  # [E] fraction of edge ends in community i
+    dq = 2 * (e - np.outer(a, a))  # modularity gain of merging i and j
+    np.fill_diagonal(dq, -np.inf)
+    owner, alive = np.arange(n), np.ones(n, dtype=bool)
+    q = float(np.trace(e) - (a * a).sum())
+    while True:
+        flat = int(np.argmax(dq))
+        i, j = divmod(flat, n)
+        gain = dq[i, j]
+        if not gain > 1e-12:
+            break
+        e[i, :] += e[j, :]
+        e[:, i] += e[:, j]
+        a[i] += a[j]
+        e[j, :] = e[:, j] = a[j] = 0.0
+        owner[owner == j] = i
+        alive[j] = False
+        q += gain
+        row = np.where(alive, 2 * (e[i] - a[i] * a), -np.inf)
+        dq[i, :], dq[:, i] = row, row
+        dq[j, :] = dq[:, j] = -np.inf
+        dq[i, i] = -np.inf
+    return _relabel(owner), q
+
+
+def _relabel(owner: np.ndarray) -> np.ndarray:
+    ids, inv, sizes = np.unique(owner, return_inverse=True, return_counts=True)
+    rank = np.empty(len(ids), dtype=np.int64)
+    rank[np.lexsort((ids, -sizes))] = np.arange(len(ids))
+    return rank[inv]
+
+
+@dataclass
+class Communities:
+    """Co-activation communities of one layer, pooled over corpora."""
+
+    layer: int  # model layer index
+    labels: np.ndarray  # [E] community of each expert (0 = largest)
+    modularity: float
+    null_modularity: float  # same algorithm on a Poisson graph of expected co-occurrences
+    share: np.ndarray  # [G, C] each community's usage split over corpora (rows sum to 1)
+
+    @property
+    def n_communities(self) -> int:
+        return int(self.labels.max()) + 1
+
+
+def expected_coact_graph(w: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """A random graph with each edge Poisson at its configuration-model rate d_i d_j / 2W."""
+    w = np.array(w, dtype=np.float64)
+    np.fill_diagonal(w, 0.0)
+    deg = w.sum(1)
+    rate = np.outer(deg, deg) / max(deg.sum(), 1e-300)  # [E, E]
+    g = np.triu(rng.poisson(rate).astype(np.float64), 1)
+    return g + g.T
+
+
+def layer_communities(corpora: list[CorpusUsage], li: int, rng: np.random.Generator,
+                      with_null: bool = True) -> Communities:
+    """Communities of layer row li of the pooled co-activation graph, with their chance Q."""
+    w = sum(c.stats.coact[li].double().numpy() for c in corpora)  # [E, E]
+    labels, q = greedy_modularity(w)
+    q0 = greedy_modularity(expected_coact_graph(w, rng))[1] if with_null else float("nan")
+    freq = np.stack([c.count[li] / c.tokens for c in corpora], -1)  # [E, C]
+    use = np.stack([freq[labels == g].sum(0) for g in range(labels.max() + 1)])  # [G, C]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        share = use / use.sum(-1, keepdims=True)
+    return Communities(corpora[0].stats.layers[li], labels, q, q0, share)
+
+
+def communities(corpora: list[CorpusUsage], seed: int = 0, with_null: bool = True,
+                progress: bool = False) -> list[Communities]:
+    """Co-activation communities of every layer (progress bar over layers)."""
+    from tqdm.auto import tqdm
+
+    rng = np.random.default_rng(seed)
+    L = len(corpora[0].stats.layers)
+    return [layer_communities(corpora, li, rng, with_null)
+            for li in tqdm(range(L), desc="communities", disable=not progress)]

@@ -1,0 +1,122 @@
+"""Specialist and generalist experts: whose usage is concentrated on one corpus, who serves all.
+
+Per layer and expert, a corpus's usage rate is freq_c = count_c / tokens_c (the share of the
+corpus's tokens routed to the expert; the rates of a layer sum to top_k), so corpora of
+different sizes weigh alike. Against the equal-weight mix of the corpora:
+    lift_c = freq_c / mean_c' freq_c'   and   share_c = freq_c / sum_c' freq_c' = lift_c / C.
+An expert is a specialist of corpus c when c uses it at least `ratio` times as often as any other
+corpus and at least `min_load` times the uniform rate top_k / E (rarely used experts are noise);
+a generalist when every corpus uses it at least `min_load` times the uniform rate and it is no
+specialist.
+
+Sampling noise alone makes "specialists" among corpora that route identically, so the count is
+given next to a chance baseline: the same count after shuffling whole calibration sequences
+between corpora (sizes kept), which destroys any real corpus effect. That needs `seq_count`.
+
+Dimension letters: C corpora, L layers, E experts, S sequences, P permutations.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from reap.analyze.overlap import CorpusUsage
+
+
+@dataclass
+class ExpertProfiles:
+    """How each corpus uses each expert, and the resulting specialist/generalist labels."""
+
+    corpora: list[str]  # [C]
+    layers: list[int]  # [L] model layer indices
+    freq: np.ndarray  # [L, E, C] share of each corpus's tokens routed to the expert
+    share: np.ndarray  # [L, E, C] freq / sum over corpora (rows sum to 1; NaN if unused)
+    lift: np.ndarray  # [L, E, C] freq / equal-weight mix = C x share
+    specialist_of: np.ndarray  # [L, E] int: corpus index, -1 = not a specialist
+    generalist: np.ndarray  # [L, E] bool
+    ratio: float
+    min_load: float
+
+    def specialist_counts(self) -> np.ndarray:
+        """Specialists per layer and corpus: [L, C]."""
+        C = len(self.corpora)
+        return np.stack([(self.specialist_of == c).sum(-1) for c in range(C)], -1)
+
+
+@dataclass
+class SpecialistNull:
+    """Specialist counts when sequences are shuffled between corpora (no real corpus effect)."""
+
+    n_permutations: int
+    mean: np.ndarray  # [C] specialists of each corpus, mean over permutations (all layers)
+    hi: np.ndarray  # [C] 95th percentile over permutations
+    total_mean: float  # all corpora together
+    total_hi: float
+    p_value: np.ndarray  # [C] (1 + #perm >= observed) / (1 + P), one-sided
+
+
+def classify(freq: np.ndarray, top_k: int, ratio: float = 3.0,
+             min_load: float = 0.5) -> tuple[np.ndarray, np.ndarray]:
+    """Specialist corpus index (-1 none) and generalist flag from usage rates freq [..., E, C]."""
+    E, C = freq.shape[-2:]
+    floor = min_load * top_k / E
+    top = freq.argmax(-1)  # [..., E]
+    srt = np.sort(freq, -1)
+    best, second = srt[..., -1], srt[..., -2] if C > 1 else np.zeros_like(srt[..., -1])
+    spec = (best >= floor) & (best >= ratio * second) & (best > 0)
+    specialist_of = np.where(spec, top, -1)
+    generalist = (freq.min(-1) >= floor) & ~spec
+    return specialist_of, generalist
+
+
+def expert_profiles(corpora: list[CorpusUsage], ratio: float = 3.0,
+                    min_load: float = 0.5) -> ExpertProfiles:
+    """Usage rates, shares, lifts and labels of every expert of every layer."""
+    freq = np.stack([c.count / c.tokens for c in corpora], -1)  # [L, E, C]
+    return _profiles_from_freq(freq, corpora, ratio, min_load)
+
+
+def _profiles_from_freq(freq, corpora, ratio, min_load) -> ExpertProfiles:
+    total = freq.sum(-1, keepdims=True)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        share = np.where(total > 0, freq / np.where(total > 0, total, 1), np.nan)
+    spec, gen = classify(freq, corpora[0].stats.top_k, ratio, min_load)
+    return ExpertProfiles([c.name for c in corpora], list(corpora[0].stats.layers), freq, share,
+                          share * len(corpora), spec, gen, ratio, min_load)
+
+
+def specialist_null(corpora: list[CorpusUsage], profiles: ExpertProfiles,
+                    n_permutations: int = 100, seed: int = 0,
+                    progress: bool = False) -> SpecialistNull | None:
+    """Chance baseline for specialist counts by shuffling sequences between corpora.
+
+    The same P shuffles serve every layer (layer by layer, to bound memory). p-values are
+    permutation p-values, so their resolution is 1 / (P + 1). Returns None when a corpus lacks
+    `seq_count` (no baseline rather than an invented one).
+    """
+    from tqdm.auto import tqdm
+
+    if n_permutations < 1 or any(c.stats.seq_count is None for c in corpora):
+        return None
+    top_k, C = corpora[0].stats.top_k, len(corpora)
+    starts = np.cumsum([0] + [c.n_sequences for c in corpora])[:-1]  # [C] first sequence
+    first = np.concatenate([c.stats.seq_count[:, 0, :].double().numpy() for c in corpora])
+    seq_tokens = first.sum(-1) / top_k  # [S] tokens of each sequence
+    rng = np.random.default_rng(seed)
+    perms = np.stack([rng.permutation(len(seq_tokens)) for _ in range(n_permutations)])  # [P, S]
+    tokens = np.add.reduceat(seq_tokens[perms], starts, axis=1)  # [P, C]
+    counts = np.zeros((n_permutations, C))
+    for li in tqdm(range(len(profiles.layers)), desc="specialist null", disable=not progress):
+        seqs = np.concatenate([c.stats.seq_count[:, li, :].double().numpy()
+                               for c in corpora])  # [S, E]
+        for p in range(n_permutations):
+            freq = np.add.reduceat(seqs[perms[p]], starts, axis=0) / tokens[p][:, None]  # [C, E]
+            spec, _ = classify(freq.T, top_k, profiles.ratio, profiles.min_load)
+            counts[p] += np.bincount(spec[spec >= 0], minlength=C)
+    observed = profiles.specialist_counts().sum(0)  # [C]
+    tot = counts.sum(1)
+    return SpecialistNull(n_permutations, counts.mean(0), np.percentile(counts, 95, axis=0),
+                          float(tot.mean()), float(np.percentile(tot, 95)),
+                          (1 + (counts >= observed).sum(0)) / (1 + n_permutations))
