@@ -16,9 +16,10 @@ import urllib.request
 
 import pytest
 
-from reap.engine.chat import (ChatTemplate, ReasoningSplitter, parse_messages, render_k3,
+from reap.engine.chat import (ChatTemplate, ReasoningSplitter, TextStream, encode_prompt,
+                              parse_messages, render_k3,
                               split_reasoning)
-from reap.engine.server import Server, TextStream, check_host
+from reap.engine.server import Server, check_host
 from reap.errors import ReapError
 
 openai = pytest.importorskip("openai")
@@ -32,11 +33,13 @@ class FakeBackend:
 
     model_id = "fake-model"
     eos_id = 256
+    special = {"<|im_end|>": 257}  # a chat marker that is one special token
 
     def __init__(self, delay: float = 0.0, template: ChatTemplate | None = None):
         self.template = template or ChatTemplate()
         self.delay = delay
         self.prompts: list[str] = []
+        self.prompt_ids: list[list[int]] = []
         self.inside = 0
         self.overlap = False
         self.closed = 0
@@ -61,15 +64,16 @@ class FakeBackend:
         try:
             prompt = self.decode(ids)
             self.prompts.append(prompt)
+            self.prompt_ids.append(list(ids))
             if temperature == 0:
                 text = self.script(prompt)
             else:
                 rng = random.Random(seed)
                 text = "".join(rng.choice(ALPHABET) for _ in range(max_tokens))
-            for b in text.encode():
+            for t in encode_prompt(text, self.encode, self.special):
                 if self.delay:
                     time.sleep(self.delay)
-                yield b
+                yield t
             yield self.eos_id
         finally:
             self.inside -= 1
@@ -174,6 +178,14 @@ def test_bad_messages_rejected(bad):
         parse_messages(bad)
 
 
+def test_encode_prompt_maps_special_tokens():
+    specials = {"<|a|>": 1000, "<|ab|>": 1001}
+    enc = FakeBackend().encode
+    assert encode_prompt("x<|ab|>y<|a|><|a|>", enc, specials) == [120, 1001, 121, 1000, 1000]
+    assert encode_prompt("<|a|", enc, specials) == list(b"<|a|")
+    assert encode_prompt("x<|ab|>", enc, {}) == list(b"x<|ab|>")
+
+
 def test_reasoning_splitter_any_chunking():
     rng = random.Random(0)
     texts = ["abc</think>def", "no close at all <", "x</thi", "</think>", "a</think>b</think>c",
@@ -243,7 +255,8 @@ def test_chat_thinking_and_streaming(served):
     be = s.app.backend
     msgs = [{"role": "user", "content": "What is 6*7?"}]
     r = client.chat.completions.create(model="fake-model", messages=msgs, temperature=0)
-    assert be.prompts[-1] == render_k3(parse_messages(msgs), thinking=True)
+    want = encode_prompt(render_k3(parse_messages(msgs), thinking=True), be.encode, be.special)
+    assert be.prompt_ids[-1] == want and 257 in want  # <|im_end|> as its special id
     m = r.choices[0].message
     assert m.content == "The answer is 42." and m.reasoning_content == "I ponder."
     assert r.choices[0].finish_reason == "stop"
@@ -261,7 +274,7 @@ def test_chat_thinking_and_streaming(served):
     assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == "I ponder."
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
     assert chunks[-1].usage.completion_tokens == len(
-        b"I ponder.</think>The answer is 42.<|im_end|>")  # the stop string's tokens count
+        b"I ponder.</think>The answer is 42.") + 1  # + the <|im_end|> token
 
 
 def test_seed_determinism_and_streamed_text(served):

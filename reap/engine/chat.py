@@ -20,16 +20,20 @@ No default system message is inserted. Assistant turns before the last user turn
 reasoning (an empty thinking block), as Kimi's template does. A checkpoint that ships its own
 template overrides all of this, so a differing K3 release only needs its own files.
 
-`ReasoningSplitter` separates generated text into the thinking channel and the answer, also when
-the text arrives piece by piece (streaming).
+Output side: `TextStream` turns generated token ids into text deltas (whole characters only,
+cut at stop strings, never emitting a tail that could still become a stop string) and
+`ReasoningSplitter` separates that text into the thinking channel and the answer, also when it
+arrives piece by piece (streaming). `encode_prompt` tokenizes a rendered prompt so that the
+model's special tokens (chat markers) spelled in it become their single ids.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from reap.errors import ReapError
 
@@ -288,3 +292,75 @@ def template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
             and k not in ("messages", "add_generation_prompt")
             and (v is None or isinstance(v, (str, int, float, bool)))}
 
+
+class TextStream:
+    """Token ids -> text deltas, holding back bytes of unfinished characters and any tail that
+    could still become a stop string; `done` is set once a stop string appears."""
+
+    def __init__(self, decode, stop: tuple[str, ...]):
+        self.decode, self.stop = decode, stop
+        self.ids: list[int] = []
+        self.text = ""  # all text decoded so far (cut at a stop string once found)
+        self.sent = 0  # characters of `text` already emitted
+        self._prefix, self._read = 0, 0
+        self.done = False
+
+    def feed(self, token: int) -> str:
+        """Add one generated token; return the text that is now safe to emit."""
+        self.ids.append(token)
+        prefix = self.decode(self.ids[self._prefix:self._read])
+        full = self.decode(self.ids[self._prefix:])
+        if full.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for more bytes
+            return ""
+        old = len(self.text)
+        self.text += full[len(prefix):]
+        self._prefix, self._read = self._read, len(self.ids)
+        return self._emit(old)
+
+    def _emit(self, old: int) -> str:
+        width = max((len(s) for s in self.stop), default=0)
+        start = max(0, old - width + 1)
+        hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+        if hits:
+            self.text, self.done = self.text[: min(hits)], True
+            return self.flush()
+        hold = max((_partial_suffix(self.text, s) for s in self.stop), default=0)
+        end = max(self.sent, len(self.text) - hold)
+        out, self.sent = self.text[self.sent:end], end
+        return out
+
+    def flush(self) -> str:
+        """The rest of the text (at the end of generation)."""
+        out, self.sent = self.text[self.sent:], len(self.text)
+        return out
+
+
+def special_tokens(tokenizer: Any) -> dict[str, int]:
+    """Special tokens (text -> id) of a `reap.tokenizer.Tokenizer`-like object: its
+    `special_tokens` mapping if it has one, else those of its wrapped `tokenizers.Tokenizer`."""
+    specials = getattr(tokenizer, "special_tokens", None)
+    if isinstance(specials, dict):
+        return dict(specials)
+    inner = getattr(tokenizer, "_tok", None)
+    if inner is None or not hasattr(inner, "get_added_tokens_decoder"):
+        return {}
+    return {t.content: i for i, t in inner.get_added_tokens_decoder().items() if t.special}
+
+
+def encode_prompt(text: str, encode: Callable[[str], list[int]],
+                  specials: dict[str, int]) -> list[int]:
+    """Token ids of a rendered prompt: special tokens spelled in it map to their ids, the text
+    between them goes through `encode` (which treats everything as plain text)."""
+    if not specials:
+        return encode(text)
+    pattern = "|".join(re.escape(s) for s in sorted(specials, key=len, reverse=True))
+    ids: list[int] = []
+    at = 0
+    for m in re.finditer(pattern, text):
+        if m.start() > at:
+            ids += encode(text[at:m.start()])
+        ids.append(specials[m.group()])
+        at = m.end()
+    if at < len(text):
+        ids += encode(text[at:])
+    return ids

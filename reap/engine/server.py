@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Iterator, Protocol
 
-from reap.engine.chat import (ChatError, ChatTemplate, ReasoningSplitter, parse_messages,
-                              template_kwargs, thinking_option)
+from reap.engine.chat import (ChatError, ChatTemplate, ReasoningSplitter, TextStream,
+                              encode_prompt, parse_messages, template_kwargs, thinking_option)
 from reap.errors import ReapError
 
 MAX_BODY = 8 << 20  # bytes of JSON per request
@@ -42,6 +42,7 @@ class Backend(Protocol):
     model_id: str
     template: ChatTemplate
     eos_id: int | None
+    special: dict[str, int]  # special tokens spelled in prompts -> their ids
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -129,64 +130,13 @@ def completion_prompt(body: dict, backend: Backend) -> list[int]:
     if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
         p = p[0]
     if isinstance(p, str):
-        ids = backend.encode(p)
+        ids = encode_prompt(p, backend.encode, backend.special)
     elif isinstance(p, list) and p and all(_is_int(t) and t >= 0 for t in p):
         ids = list(p)
     else:
         raise ApiError(400, "'prompt' must be one string or one list of token ids", param="prompt")
     _check(bool(ids), "prompt", "is empty")
     return ids
-
-
-# --------------------------------------------------------------------------- text stream
-
-class TextStream:
-    """Token ids -> text deltas, holding back bytes of unfinished characters and any tail that
-    could still become a stop string; `done` is set once a stop string appears."""
-
-    def __init__(self, decode, stop: tuple[str, ...]):
-        self.decode, self.stop = decode, stop
-        self.ids: list[int] = []
-        self.text = ""  # all text decoded so far (cut at a stop string once found)
-        self.sent = 0  # characters of `text` already emitted
-        self._prefix, self._read = 0, 0
-        self.done = False
-
-    def feed(self, token: int) -> str:
-        """Add one generated token; return the text that is now safe to emit."""
-        self.ids.append(token)
-        prefix = self.decode(self.ids[self._prefix:self._read])
-        full = self.decode(self.ids[self._prefix:])
-        if full.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for more bytes
-            return ""
-        old = len(self.text)
-        self.text += full[len(prefix):]
-        self._prefix, self._read = self._read, len(self.ids)
-        return self._emit(old)
-
-    def _emit(self, old: int) -> str:
-        width = max((len(s) for s in self.stop), default=0)
-        start = max(0, old - width + 1)
-        hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
-        if hits:
-            self.text, self.done = self.text[: min(hits)], True
-            return self.flush()
-        hold = max((_overlap(self.text, s) for s in self.stop), default=0)
-        end = max(self.sent, len(self.text) - hold)
-        out, self.sent = self.text[self.sent:end], end
-        return out
-
-    def flush(self) -> str:
-        """The rest of the text (at the end of generation)."""
-        out, self.sent = self.text[self.sent:], len(self.text)
-        return out
-
-
-def _overlap(text: str, stop: str) -> int:
-    for n in range(min(len(stop) - 1, len(text)), 0, -1):
-        if text.endswith(stop[:n]):
-            return n
-    return 0
 
 
 # --------------------------------------------------------------------------- worker
@@ -199,6 +149,7 @@ class Job:
     ids: list[int]
     params: Params
     stop: tuple[str, ...] = ()
+    stop_ids: set = field(default_factory=set)  # token ids that end generation (EOS, <|im_end|>)
     events: queue.Queue = field(default_factory=queue.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
 
@@ -248,10 +199,10 @@ class Worker:
                 if job.cancelled.is_set():
                     reason = "cancelled"
                     break
-                if token == b.eos_id:
+                n += 1
+                if token in job.stop_ids:
                     reason = "stop"
                     break
-                n += 1
                 delta = stream.feed(token)
                 if delta:
                     job.events.put(("delta", delta))
@@ -347,7 +298,8 @@ class App:
         if route == "completions":
             params = parse_params(body, default_max=16, limit=self.limit)
             ids = completion_prompt(body, self.backend)
-            return Job(ids, params), Reply(self.backend.model_id, len(ids), chat=False)
+            job = Job(ids, params, stop_ids={self.backend.eos_id})
+            return job, Reply(self.backend.model_id, len(ids), chat=False)
         params = parse_params(body, default_max=self.limit, limit=self.limit)
         tpl = self.backend.template
         try:
@@ -356,10 +308,11 @@ class App:
                                 template_kwargs(body))
         except ChatError as e:
             raise ApiError(400, str(e), param="messages") from None
-        ids = self.backend.encode(prompt)
+        ids = encode_prompt(prompt, self.backend.encode, self.backend.special)
         reply = Reply(self.backend.model_id, len(ids), chat=True,
                       thinking=tpl.opens_thinking(prompt))
-        return Job(ids, params, stop=tpl.stop), reply
+        stop_ids = {self.backend.special[s] for s in tpl.stop if s in self.backend.special}
+        return Job(ids, params, tpl.stop, stop_ids | {self.backend.eos_id}), reply
 
 
 def wait_events(job: Job) -> Iterator[tuple]:
