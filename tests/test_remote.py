@@ -146,7 +146,16 @@ def test_open_reads_headers_only_then_tensors_on_demand(remote):
     got = ck.read_many(names)  # one contiguous span: one Range request
     assert fs.range_requests() == before + 1
     assert all(torch.equal(got[n], local.read(n)) for n in names)
+    info = ck.tensors["model.layers.3.norm.weight"]  # a reader doing its own pread (the engine)
+    ck.ensure(info.file, info.start, info.end)
+    fd = os.open(info.file, os.O_RDONLY)
+    assert os.pread(fd, info.nbytes, info.start) == local.read_raw(info.name)
+    os.close(fd)
     same_tensors(ck, local, local.tensors)
+    info = ck.tensors["lm_head.weight"]
+    n = len(fs.requests)
+    ck.ensure(info.file, info.start, info.end)  # the hook for readers doing their own preads
+    assert len(fs.requests) == n  # already present
     for f in {t.file for t in local.tensors.values()}:  # cache files are byte-identical now
         assert (cache / Path(f).name).read_bytes() == Path(f).read_bytes()
 

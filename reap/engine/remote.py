@@ -423,8 +423,13 @@ class RemoteCheckpoint(Checkpoint):
         ck.cache, ck.url = cache, cache.url
         return ck
 
-    def _read_span(self, file: str, start: int, end: int, what: str):
+    def ensure(self, file: str, start: int, end: int) -> None:
+        """Make bytes [start, end) of shard `file` (a `TensorInfo.file` path) present locally.
+        Readers that pread the shard files themselves call this first."""
         self.cache.ensure(os.path.basename(file), start, end)
+
+    def _read_span(self, file: str, start: int, end: int, what: str):
+        self.ensure(file, start, end)
         return super()._read_span(file, start, end, what)
 
 
