@@ -3,11 +3,14 @@ bad input. Everything runs on k3-tiny checkpoints synthesized once per session (
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from reap.calibrate.accumulate import StatsAccumulator
-from reap.calibrate.spill import SpillStore, flatten, unflatten
+from reap.calibrate.spill import SpillStore, state_arrays, state_from_arrays
+from reap.checkpoint import Checkpoint
 from reap.models.base import MoERecord, State
+from reap.stats import ExpertStats
 
 
 # -- naive per-token reference for the accumulator ---------------------------------------------
@@ -49,7 +52,7 @@ def naive_rows(records, spans, seq_corpus, seq_len, E, n_corpora):
 
 def random_record(layer, n, E, K, gen):
     ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(n)])
-    f = lambda *s: torch.rand(*s, generator=gen)  # noqa: E731
+    f = lambda *s: torch.rand(*s, generator=gen)
     return MoERecord(layer, ids, f(n, K), f(n, E), f(n, K), f(n, K), f(n, K) * 5)
 
 
@@ -80,9 +83,9 @@ def test_accumulator_matches_per_token_loops():
 # -- spill store --------------------------------------------------------------------------------
 def test_flatten_roundtrip_and_spill_generations(tmp_path):
     st = State(torch.randn(3, 4, 2), [torch.randn(3, 4, 2), torch.randn(3, 4, 2)])
-    flat, spec = flatten(st)
+    flat = state_arrays(st)
     assert sorted(flat) == ["blocks.0", "blocks.1", "hidden"]
-    back = unflatten(spec, flat)
+    back = state_from_arrays(flat)
     assert isinstance(back, State) and back.blocks[1] is st.blocks[1]
 
     store = SpillStore(str(tmp_path), n_seq=3)
@@ -104,3 +107,162 @@ def test_flatten_roundtrip_and_spill_generations(tmp_path):
     assert torch.equal(again.read("blocks.1", 0, 3), flat["blocks.1"])
     assert len(list(tmp_path.glob("*.bin"))) == 3  # the superseded hidden file is gone
     again.close()
+
+
+# -- end to end on k3-tiny ----------------------------------------------------------------------
+T_LEN, N_TOK = 32, 320  # 10 sequences of 32 tokens
+
+
+def _write_corpus(path, kind, n=400):
+    import json
+    import random
+
+    rng = random.Random(kind)
+    with open(path, "w") as f:
+        for i in range(n):
+            if kind == "zh":
+                text = "".join(chr(0x4E00 + rng.randrange(2000)) for _ in range(rng.randrange(20, 60)))
+            else:
+                text = "\n".join(f"def f{rng.randrange(999)}(x):\n    return x * {rng.randrange(99)}"
+                                 for _ in range(rng.randrange(2, 6)))
+            f.write(json.dumps({"id": f"{kind}-{i}", "text": text}) + "\n")
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def env(tmp_path_factory):
+    """A float32 k3-tiny checkpoint and a two-corpus spec of local jsonl files."""
+    from reap.synth import synth
+
+    root = tmp_path_factory.mktemp("cal")
+    model = synth("k3-tiny", root / "model", seed=3, dtype="float32")
+    spec = f"{_write_corpus(root / 'zh.jsonl', 'zh')}+{_write_corpus(root / 'code.jsonl', 'code')}"
+    return {"root": root, "model": model, "spec": spec}
+
+
+def _cal(env, out, **kw):
+    from reap.calibrate.pipeline import calibrate
+
+    args = {"model": env["model"], "corpus": env["spec"], "tokens": N_TOK, "seq_len": T_LEN,
+            "batch": 3, "save_token_experts": True, "progress": False, **kw}
+    return calibrate(out=str(env["root"] / out), **args)
+
+
+@pytest.fixture(scope="session")
+def base(env):
+    """The uninterrupted reference run: one MLP pass, attention batches of 3 sequences."""
+    return _cal(env, "base")
+
+
+def naive_moe_record(x, t, cfg, layer):
+    """Routing and expert output norms of one MoE layer recomputed from its input x [N, D] in
+    float64 from the raw tensors, every statistic from its definition (REAP-style hooks)."""
+    from reap.models import blocks
+    from reap.mxfp4 import dequantize_reference
+
+    p = f"model.layers.{layer}.block_sparse_moe."
+    d = lambda n: t[p + n].double()  # noqa: E731
+    x = x.double()
+    probs = torch.sigmoid(x @ d("gate.weight").T)  # [N, E]
+    ids = (probs + d("gate.e_score_correction_bias")).topk(cfg.num_experts_per_token).indices
+    w = probs.gather(1, ids)
+    w = w / w.sum(1, keepdim=True) * cfg.routed_scaling_factor  # [N, K]
+    xl = x @ d("routed_expert_down_proj.weight").T  # [N, Dl]
+    outs = torch.zeros(*ids.shape, xl.shape[1], dtype=torch.float64)  # [N, K, Dl]
+    for e in ids.unique().tolist():
+        q = {n: dequantize_reference(t[f"{p}experts.{e}.{n}.weight_packed"],
+                                     t[f"{p}experts.{e}.{n}.weight_scale"]) for n in ("w1", "w2", "w3")}
+        o = blocks.glu_mlp(xl, q["w1"], q["w3"], q["w2"], cfg.activation_situ_beta,
+                           cfg.activation_situ_linear_beta)  # every token through expert e
+        outs[ids == e] = o[(ids == e).any(1)]
+    y = (outs * w[..., None]).sum(1)  # [N, Dl]
+    rms = (y.pow(2).mean(-1) + cfg.rms_norm_eps).sqrt()  # [N]
+    up = (outs * d("routed_expert_norm.weight")) @ d("routed_expert_up_proj.weight").T
+    return MoERecord(layer, ids, w, probs, outs.norm(dim=-1), up.norm(dim=-1) / rms[:, None],
+                     outs.abs().amax(-1))
+
+
+def brute_force(env):
+    """Statistics of a plain whole-model in-memory forward (all sequences in one batch) with
+    per-token loops: {(layer, corpus index): {field: list}}, plus the sequences' corpora."""
+    from reap.checkpoint import Checkpoint
+    from reap.corpora import calibration_sequences, parse_spec
+    from reap.models import family
+    from reap.models.base import dict_weights
+    from reap.tokenizer import load_tokenizer
+
+    names = [n for n, _ in parse_spec(env["spec"])]
+    seqs = calibration_sequences(env["spec"], load_tokenizer(env["model"]), N_TOK, T_LEN, 0)
+    seq_corpus = [names.index(s.corpus) for s in seqs]
+    with Checkpoint.open(env["model"]) as ck:
+        t = {n: ck.read(n) for n in ck.tensors}
+        fam = family(ck.config)
+        cfg = fam.Config.from_dict(ck.config)
+    model, get = fam.Model(cfg), dict_weights(t)
+    state = model.embed(get, torch.tensor([s.ids for s in seqs]))
+    records = []
+
+    class Keep:
+        wants_norms = True
+
+        def on_moe(self, rec):
+            records.append(rec)
+
+    for i in range(model.n_layers):
+        state, x = model.attn_block(i, get, state)
+        if cfg.is_moe(i):
+            records.append(naive_moe_record(x.reshape(-1, x.shape[-1]), t, cfg, i))
+        state = model.finish_layer(i, state, model.mlp_block(i, get, x, observer=Keep()))
+    for ref, got in zip(records[0::2], records[1::2]):  # the model's own record agrees
+        assert torch.equal(ref.ids, got.ids)
+        for f in ("weights", "probs", "latent_norm", "model_norm", "max_act"):
+            torch.testing.assert_close(getattr(got, f).double(), getattr(ref, f), rtol=2e-4,
+                                       atol=1e-5)
+    rows = naive_rows(records[0::2], [(0, len(seqs))] * (len(records) // 2), seq_corpus, T_LEN,
+                      cfg.num_experts, len(names))
+    return rows, names, seq_corpus
+
+
+@pytest.fixture(scope="session")
+def brute(env):
+    return brute_force(env)
+
+
+def _check_against(files, brute):
+    rows, names, seq_corpus = brute
+    for c, name in enumerate(names):
+        st = ExpertStats.load(files[name])
+        assert st.tokens == seq_corpus.count(c) * T_LEN
+        for li, layer in enumerate(st.layers):
+            for field, want in rows[(layer, c)].items():
+                got = getattr(st, field)
+                got = got[:, li] if field == "seq_count" else got[li]
+                exact = field in ("count", "coact", "seq_count")
+                torch.testing.assert_close(got.double(), torch.tensor(want, dtype=torch.float64),
+                                           rtol=0 if exact else 2e-4, atol=0 if exact else 1e-4,
+                                           msg=f"{name} layer {layer} {field}")
+
+
+def test_streamed_statistics_equal_brute_force(base, brute, env):
+    _check_against(base.files, brute)
+    several = _cal(env, "passes", max_pass_seqs=3, batch=4)  # 4 MLP passes, other batches
+    assert several.passes == 4
+    _check_against(several.files, brute)
+    merged = ExpertStats.load(base.files["all"])
+    parts = [ExpertStats.load(base.files[n]) for n in brute[1]]
+    assert torch.equal(merged.count, sum(p.count for p in parts))
+    assert merged.tokens == N_TOK and merged.meta["corpus"] == env["spec"]
+
+
+def test_each_expert_read_once_and_checkpoint_read_once(base):
+    st = ExpertStats.load(base.files["all"])
+    used = int((st.count > 0).sum())
+    assert base.expert_reads_max == 1
+    assert st.meta["expert_reads"] == used  # every routed expert read exactly once, no other
+    assert base.checkpoint_bytes == sum(t.nbytes for t in Checkpoint.open(base_model(st)).tensors.values())
+    assert 0.85 <= base.read_ratio <= 1.05, base.read_ratio
+    assert st.meta["bytes_read"] == base.bytes_read and st.meta["passes"] == 1
+
+
+def base_model(st):
+    return st.meta["arguments"]["model"]

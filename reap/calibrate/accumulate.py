@@ -81,6 +81,8 @@ class StatsAccumulator:
         self.seq_counts = seq_counts
         self.rows: dict[int, list[LayerRow]] = {}  # layer -> row per corpus
         self._span = (0, len(seq_corpus))
+        # optional: ids_sink(layer, first_token, ids [N, K]) receives every record's routing
+        self.ids_sink = None
 
     def span(self, s0: int, s1: int) -> None:
         """The next records cover sequences s0..s1-1 (all of their tokens, in order)."""
@@ -103,6 +105,8 @@ class StatsAccumulator:
         if record.latent_norm is None or record.model_norm is None or record.max_act is None:
             raise RuntimeError(f"MoE record of layer {record.layer} lacks expert output norms")
         rec = _to_cpu(record)
+        if self.ids_sink is not None:
+            self.ids_sink(record.layer, s0 * self.seq_len, rec.ids)
         seq = torch.arange(s0, s1).repeat_interleave(self.seq_len)  # [N]
         tok_corpus = self.seq_corpus[seq]  # [N]
         rows = self.layer(record.layer)

@@ -9,9 +9,9 @@ cache serves re-reads when the state fits in memory). A file is written once per
 never modified after `commit`, so a crash mid-layer leaves the last committed layer intact:
 `manifest()` / `from_manifest()` restore it.
 
-The model's `State` object is turned into named tensors with `flatten` (dataclasses, lists,
-tuples, dicts of tensors with a leading batch axis) and rebuilt with `unflatten`; a tensor the
-model passed through unchanged (the same object) is not written again.
+The model's `State` becomes named arrays with `state_arrays` and is rebuilt with
+`state_from_arrays`; the caller skips writing a tensor the model passed through unchanged (the same
+object, e.g. an AttnRes block snapshot), so each snapshot is written once.
 """
 
 from __future__ import annotations
@@ -22,65 +22,18 @@ import os
 import torch
 
 from reap.errors import WriteError
+from reap.models.base import State
 
 
-def flatten(obj, prefix: str = "") -> tuple[dict[str, torch.Tensor], object]:
-    """Split a state into {dotted key: tensor} and a structure with the tensors replaced by keys."""
-    if isinstance(obj, torch.Tensor):
-        return {prefix: obj}, _Leaf(prefix)
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        out, spec = {}, {}
-        for f in dataclasses.fields(obj):
-            t, spec[f.name] = flatten(getattr(obj, f.name), _join(prefix, f.name))
-            out.update(t)
-        return out, _Node(type(obj), spec)
-    if isinstance(obj, (list, tuple)):
-        out, spec = {}, []
-        for i, v in enumerate(obj):
-            t, s = flatten(v, _join(prefix, str(i)))
-            out.update(t)
-            spec.append(s)
-        return out, _Node(type(obj), spec)
-    if isinstance(obj, dict):
-        out, spec = {}, {}
-        for k, v in obj.items():
-            t, spec[k] = flatten(v, _join(prefix, str(k)))
-            out.update(t)
-        return out, _Node(dict, spec)
-    return {}, _Const(obj)
+def state_arrays(state: State) -> dict[str, torch.Tensor]:
+    """A model `State` as named arrays: "hidden" and "blocks.0", "blocks.1", ... (each [B, ...])."""
+    return {"hidden": state.hidden, **{f"blocks.{j}": b for j, b in enumerate(state.blocks)}}
 
 
-def unflatten(spec, tensors: dict[str, torch.Tensor]):
-    """Inverse of `flatten`: rebuild the state from a structure and {key: tensor}."""
-    if isinstance(spec, _Leaf):
-        return tensors[spec.key]
-    if isinstance(spec, _Const):
-        return spec.value
-    if spec.kind in (list, tuple):
-        return spec.kind(unflatten(s, tensors) for s in spec.children)
-    if spec.kind is dict:
-        return {k: unflatten(s, tensors) for k, s in spec.children.items()}
-    return spec.kind(**{k: unflatten(s, tensors) for k, s in spec.children.items()})
-
-
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
-
-
-@dataclasses.dataclass
-class _Leaf:
-    key: str
-
-
-@dataclasses.dataclass
-class _Const:
-    value: object
-
-
-@dataclasses.dataclass
-class _Node:
-    kind: type
-    children: object
+def state_from_arrays(arrays: dict[str, torch.Tensor]) -> State:
+    """Inverse of `state_arrays` (keys other than hidden/blocks.* are ignored)."""
+    n = sum(1 for k in arrays if k.startswith("blocks."))
+    return State(arrays["hidden"], [arrays[f"blocks.{j}"] for j in range(n)])
 
 
 @dataclasses.dataclass
@@ -115,6 +68,7 @@ class SpillStore:
         self.bytes_written = 0
 
     def keys(self) -> list[str]:
+        """Names of the committed arrays."""
         return list(self.current)
 
     def nbytes(self, key: str) -> int:
@@ -173,7 +127,7 @@ class SpillStore:
                     "row_shape": list(a.row_shape)} for k, a in self.current.items()}
 
     @classmethod
-    def from_manifest(cls, work_dir: str, n_seq: int, manifest: dict) -> "SpillStore":
+    def from_manifest(cls, work_dir: str, n_seq: int, manifest: dict) -> SpillStore:
         """Reopen the committed arrays of an earlier run."""
         store = cls(work_dir, n_seq)
         for k, m in manifest.items():

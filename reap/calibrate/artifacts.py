@@ -1,0 +1,177 @@
+"""Files calibration writes: per-layer partial results, the resume record, and the final
+statistics (one `ExpertStats` per corpus plus their merge) and optional per-token expert ids.
+
+Work files live in `OUT/.work/` and are written atomically (temp name, then rename):
+- `progress.json`: the run's identity (arguments, model and corpus fingerprints, code version),
+  the last completed layer, the hidden-state spill manifest and the I/O counters so far;
+- `rows.<layer>.safetensors`: one MoE layer's statistics for every corpus;
+- `tokexp.<layer>.i16`: that layer's routed expert ids, int16 [N, K] (with --save-token-experts).
+Final artifacts in `OUT/`: `<corpus>.safetensors` per mixture component, `all.safetensors`,
+`token_experts.safetensors` (optional) and `run.json` (timings and peak RSS: the only output that
+differs between an interrupted-and-resumed run and an uninterrupted one).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import struct
+from pathlib import Path
+
+import torch
+
+from reap import __version__
+from reap.calibrate.accumulate import LayerRow
+from reap.errors import WriteError
+from reap.stats import ExpertStats, merge
+
+
+def write_json(path: str, obj: dict) -> str:
+    """Write JSON atomically (temp file, then rename); returns the path."""
+    tmp = f"{path}.tmp.{os.getpid()}"
+    try:
+        with open(tmp, "w") as f:
+            json.dump(obj, f, indent=1, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        raise WriteError(f"cannot write {path}: {e.strerror or e}") from e
+    return path
+
+
+def read_json(path: str) -> dict | None:
+    """The JSON object in `path`, or None if the file does not exist."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return None
+
+
+def code_version() -> str:
+    """`reap <version>` plus the git commit of the source tree when run from a checkout."""
+    root = Path(__file__).resolve().parents[2] / ".git"
+    try:
+        head = (root / "HEAD").read_text().strip()
+        if head.startswith("ref: "):
+            ref = head[5:]
+            path = root / ref
+            if path.exists():
+                head = path.read_text().strip()
+            else:
+                packed = (root / "packed-refs").read_text()
+                head = next(ln.split()[0] for ln in packed.splitlines() if ln.endswith(" " + ref))
+        return f"reap {__version__} ({head[:12]})"
+    except (OSError, StopIteration):
+        return f"reap {__version__}"
+
+
+def safe_name(corpus: str) -> str:
+    """A file-name stem for a corpus name, path or hf: source."""
+    stem = Path(corpus).stem if ("/" in corpus or "." in corpus) and ":" not in corpus else corpus
+    return re.sub(r"[^A-Za-z0-9_.+-]+", "_", stem).strip("_") or "corpus"
+
+
+# -- per-layer rows -----------------------------------------------------------------------------
+def save_rows(work: str, layer: int, rows: list[LayerRow]) -> str:
+    """Save one layer's rows (one per corpus) atomically; returns the path."""
+    from safetensors.torch import save_file
+
+    path = os.path.join(work, f"rows.{layer}.safetensors")
+    tensors = {f"{c}.{k}": v.contiguous() for c, row in enumerate(rows)
+               for k, v in row.tensors().items()}
+    tmp = f"{path}.tmp.{os.getpid()}"
+    try:
+        save_file(tensors, tmp)
+        os.replace(tmp, path)
+    except OSError as e:
+        raise WriteError(f"cannot write {path}: {e.strerror or e}") from e
+    return path
+
+
+def load_rows(work: str, layer: int, n_corpora: int) -> list[dict[str, torch.Tensor]]:
+    """One layer's saved rows: a {field: tensor} dict per corpus."""
+    from safetensors.torch import load_file
+
+    flat = load_file(os.path.join(work, f"rows.{layer}.safetensors"))
+    out: list[dict[str, torch.Tensor]] = [{} for _ in range(n_corpora)]
+    for key, t in flat.items():
+        c, name = key.split(".", 1)
+        out[int(c)][name] = t
+    return out
+
+
+def write_stats(out: str, work: str, *, names: list[str], layers: list[int], n_experts: int,
+                top_k: int, tokens: list[int], metas: list[dict], run_meta: dict) -> dict[str, str]:
+    """Assemble the saved rows into one statistics file per corpus and their merge.
+
+    Returns {corpus name: path} plus {"all": path}. seq_count, when recorded, is [S_c, L, E].
+    """
+    per_layer = [load_rows(work, layer, len(names)) for layer in layers]
+    parts, files = [], {}
+    for c, name in enumerate(names):
+        fields = {k: torch.stack([rows[c][k] for rows in per_layer]) for k in per_layer[0][c]}
+        if "seq_count" in fields:
+            fields["seq_count"] = fields["seq_count"].transpose(0, 1).contiguous()  # [S_c, L, E]
+        st = ExpertStats(list(layers), n_experts, top_k, tokens[c], meta=metas[c], **fields)
+        files[name] = st.save(os.path.join(out, f"{safe_name(name)}.safetensors"))
+        parts.append(st)
+    files["all"] = merge(parts, meta=run_meta).save(os.path.join(out, "all.safetensors"))
+    return files
+
+
+# -- per-token expert ids -----------------------------------------------------------------------
+class TokenExperts:
+    """Routed expert ids of every token per MoE layer, int16, spilled one file per layer."""
+
+    def __init__(self, work: str, n_tokens: int, top_k: int):
+        self.work, self.n_tokens, self.top_k = work, n_tokens, top_k
+        self._fds: dict[int, int] = {}
+
+    def path(self, layer: int) -> str:
+        return os.path.join(self.work, f"tokexp.{layer}.i16")
+
+    def write(self, layer: int, first_token: int, ids: torch.Tensor) -> None:
+        """Store ids [n, K] of tokens first_token.. of layer `layer`."""
+        fd = self._fds.get(layer)
+        if fd is None:
+            fd = self._fds[layer] = os.open(self.path(layer), os.O_RDWR | os.O_CREAT | os.O_TRUNC,
+                                            0o644)
+            os.ftruncate(fd, self.n_tokens * self.top_k * 2)
+        data = ids.to("cpu", torch.int16).contiguous().numpy()
+        os.pwrite(fd, memoryview(data).cast("B"), first_token * self.top_k * 2)
+
+    def commit(self, layer: int) -> None:
+        """Make a layer's file durable and close it."""
+        fd = self._fds.pop(layer, None)
+        if fd is not None:
+            os.fsync(fd)
+            os.close(fd)
+
+    def assemble(self, path: str, layers: list[int], seq_corpus: list[int], meta: dict) -> str:
+        """Write `ids` [L, N, K] int16 and `seq_corpus` [S] int64 (sequence s owns tokens
+        s*T..(s+1)*T-1) as one safetensors file, streaming layer by layer; returns the path."""
+        L, N, K = len(layers), self.n_tokens, self.top_k
+        sc = torch.tensor(seq_corpus, dtype=torch.int64).numpy().tobytes()
+        n_ids = L * N * K * 2
+        header = {"ids": {"dtype": "I16", "shape": [L, N, K], "data_offsets": [0, n_ids]},
+                  "seq_corpus": {"dtype": "I64", "shape": [len(seq_corpus)],
+                                 "data_offsets": [n_ids, n_ids + len(sc)]},
+                  "__metadata__": {"reap": json.dumps(meta, sort_keys=True)}}
+        head = json.dumps(header, separators=(",", ":")).encode()
+        head += b" " * (-len(head) % 8)
+        tmp = f"{path}.tmp.{os.getpid()}"
+        try:
+            with open(tmp, "wb") as f:
+                f.write(struct.pack("<Q", len(head)) + head)
+                for layer in layers:
+                    with open(self.path(layer), "rb") as src:
+                        while chunk := src.read(1 << 24):
+                            f.write(chunk)
+                f.write(sc)
+            os.replace(tmp, path)
+        except OSError as e:
+            raise WriteError(f"cannot write {path}: {e.strerror or e}") from e
+        return path

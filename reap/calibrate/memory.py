@@ -1,0 +1,96 @@
+"""How calibration fits a memory budget: batch sizes from the checkpoint layout and the config.
+
+Peak RSS during calibration is the sum of
+- the baseline (interpreter, torch, the checkpoint index), measured when the plan is made;
+- resident weights: one layer's trunk tensors (cached for the layer's duration; the embedding
+  while embedding), plus one routed expert at a time (read, used, dropped);
+- one attention batch: the hidden state of `batch` sequences and the attention temporaries;
+- one MLP pass: the MLP inputs/outputs and router tensors of `pass_seqs` sequences (every token
+  of a pass goes through the layer's experts together, so an expert is read once per pass).
+The hidden states of all sequences never need to fit: they live in the disk-backed spill
+(`reap.calibrate.spill`). The per-token terms below are estimates (fp32 activations, generous
+constant factors); `experiments/bench_calibrate.py` measures the real peak against the budget.
+"""
+
+from __future__ import annotations
+
+import math
+import resource
+from dataclasses import dataclass
+
+from reap.errors import ReapError
+
+_F32 = 4
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Batch sizes chosen for a budget; all sizes in bytes."""
+
+    budget: int
+    baseline: int  # RSS when the plan was made
+    weights: int  # largest resident weight set (layer trunk or embedding, plus one expert)
+    per_seq_attn: int  # working bytes of one sequence in an attention batch
+    per_seq_mlp: int  # working bytes of one sequence in an MLP pass
+    state_bytes: int  # hidden states of all sequences, kept on disk
+    batch: int  # sequences per attention batch
+    pass_seqs: int  # sequences per MLP pass (each expert is read once per pass)
+    passes: int
+
+    def estimate_peak(self) -> int:
+        """Predicted peak RSS of a run with this plan."""
+        work = max(self.batch * self.per_seq_attn, self.pass_seqs * self.per_seq_mlp)
+        return self.baseline + self.weights + work
+
+
+def current_rss() -> int:
+    """Resident set size of this process now, bytes (Linux /proc; 0 where unavailable)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * resource.getpagesize()
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def peak_rss() -> int:
+    """Peak resident set size of this process so far, bytes (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def plan_memory(*, weight_bytes: dict, hidden: int, heads: int, n_experts: int, top_k: int,
+                n_blocks: int, n_seq: int, seq_len: int, budget: int,
+                batch: int | None = None, max_pass_seqs: int | None = None,
+                baseline: int | None = None) -> MemoryPlan:
+    """Choose the attention batch and the MLP pass size for `budget` bytes.
+
+    weight_bytes: {"trunk": largest layer's non-expert bytes, "embed": embedding bytes,
+    "expert": one routed expert's bytes}, all as resident in memory (fp32 where converted).
+    n_blocks: most AttnRes block snapshots carried (0 for a plain residual stream).
+    max_pass_seqs caps the sequences per MLP pass. Raises ReapError (exit 2) when not even one
+    sequence fits.
+    """
+    baseline = current_rss() if baseline is None else baseline
+    weights = max(weight_bytes["trunk"], weight_bytes["embed"]) + weight_bytes["expert"]
+    T = seq_len
+    state_tok = _F32 * hidden * (n_blocks + 2)  # partial sum, snapshots, MLP input
+    per_seq_attn = T * (state_tok + _F32 * 16 * hidden + _F32 * 2 * heads * T)
+    per_seq_mlp = T * _F32 * (8 * hidden + 4 * n_experts + 8 * top_k)
+    free = budget - baseline - weights
+    need = baseline + weights + max(per_seq_attn, per_seq_mlp)
+    if free < max(per_seq_attn, per_seq_mlp):
+        raise ReapError(f"--budget {_gb(budget)} is too small for this model and --seq-len {T}: "
+                        f"one layer's weights and one sequence need about {_gb(need)}")
+    fit_attn = max(1, free // per_seq_attn)
+    if batch is None:
+        batch = int(min(n_seq, fit_attn, 64))
+    elif batch > fit_attn:
+        raise ReapError(f"--batch {batch} does not fit --budget {_gb(budget)}: at most "
+                        f"{fit_attn} sequences of {T} tokens fit")
+    pass_seqs = int(min(n_seq, max(1, free // per_seq_mlp), max_pass_seqs or n_seq))
+    return MemoryPlan(budget, baseline, weights, per_seq_attn, per_seq_mlp,
+                      n_seq * T * state_tok, int(batch), pass_seqs,
+                      math.ceil(n_seq / pass_seqs) if n_seq else 0)
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.2f} GB"

@@ -1,0 +1,229 @@
+"""`calibrate(...)`: resolve the model and corpus, plan memory, resume or start, run the layer loop
+(`reap.calibrate.runner`), and write the statistics with provenance.
+
+The default model (no MODEL given) is the bundled one; until a trained model ships, that is a
+k3-tiny synthesized on first use into the cache directory (`$REAP_CACHE`, else
+`$XDG_CACHE_HOME/reap`, else `~/.cache/reap`) under `models/k3-tiny`.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import torch
+
+from reap.calibrate import artifacts as art
+from reap.calibrate import runner as R
+from reap.calibrate.accumulate import StatsAccumulator
+from reap.calibrate.memory import peak_rss, plan_memory
+from reap.calibrate.spill import SpillStore
+from reap.checkpoint import Checkpoint
+from reap.errors import ReapError
+
+DEFAULT_MODEL = "k3-tiny"  # synthesized until a trained default model ships
+SPLIT = "calibration"
+# progress in whole calibrated tokens (token-layers scaled by 1/layers), tokens/s and ETA
+_BAR = "{desc}: {percentage:3.0f}%|{bar}| {n:.0f}/{total:.0f} tok [{elapsed}<{remaining}, " \
+    "{rate_fmt}{postfix}]"
+# seq_count [S, L, E] int32 is recorded automatically up to this size
+SEQ_COUNT_AUTO_BYTES = 256 << 20
+
+
+def cache_dir() -> str:
+    """Where reap keeps downloaded or synthesized models."""
+    base = os.environ.get("REAP_CACHE")
+    if not base:
+        xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        base = os.path.join(xdg, "reap")
+    return base
+
+
+def default_model(log=print) -> str:
+    """Path of the default model, synthesizing it on first use (says so through `log`)."""
+    path = os.path.join(cache_dir(), "models", DEFAULT_MODEL)
+    if not os.path.exists(os.path.join(path, "config.json")):
+        from reap.synth import synth
+
+        log(f"reap: no trained default model ships yet; synthesizing a random {DEFAULT_MODEL} "
+            f"into {path} (statistics of a random model are for trying the pipeline only)")
+        synth(DEFAULT_MODEL, out=path, seed=0)
+    return path
+
+
+def calibrate(*, corpus: str, tokens: int, seq_len: int, out: str, model: str | None = None,
+              budget: int = 4_000_000_000, device: str = "cpu", dtype: str = "float32",
+              seed: int = 0, batch: int | None = None, save_token_experts: bool = False,
+              seq_counts: bool | None = None, shard: tuple[int, int] = (1, 1),
+              max_pass_seqs: int | None = None, progress: bool = True,
+              hooks=None) -> R.CalibrateResult:
+    """Stream `tokens` calibration tokens of corpus mixture `corpus` (e.g. "zh:3+code:1")
+    through `model` in sequences of `seq_len` and write per-corpus expert statistics to `out`.
+
+    budget: bytes of RSS to stay within (see `reap.calibrate.memory`). seq_counts: record
+    per-sequence counts (None: when they take at most 256 MB). shard (k, n): only the k-th of n
+    contiguous parts of the sampled sequences (merge the parts with `reap stats merge`).
+    max_pass_seqs: cap the sequences per MLP pass below what the budget allows (tests use it
+    to force several passes).
+    hooks(layer) runs after each committed layer. Re-running with the same arguments resumes
+    after the last completed layer. Returns what was written and measured.
+    """
+    t0 = time.perf_counter()
+    from reap.corpora import calibration_sequences, corpus_fingerprint, parse_spec
+
+    parts = parse_spec(corpus)  # unknown corpora fail here, before any model work
+    R.check_lengths({}, tokens, seq_len)
+    path = model if model is not None else default_model(lambda m: print(m, file=sys.stderr))
+    ckpt = Checkpoint.open(path)
+    try:
+        setup = _setup(ckpt, path, parts, corpus, tokens, seq_len, seed, shard, device, dtype)
+        names = [name for name, _ in parts]
+        from reap.tokenizer import load_tokenizer
+
+        seqs = calibration_sequences(corpus, load_tokenizer(path), tokens, seq_len, seed)
+        s0, s1 = R.resolve_shard(shard, len(seqs))
+        seqs = seqs[s0:s1]
+        if not seqs:
+            raise ReapError(f"--shard {shard[0]}/{shard[1]} holds no sequences")
+        ids = torch.tensor([s.ids for s in seqs], dtype=torch.int64)  # [S, T]
+        seq_corpus = [names.index(s.corpus) for s in seqs]
+        if seq_counts is None:
+            size = setup["size"]
+            seq_counts = len(seqs) * len(size.moe_layers) * size.n_experts * 4 \
+                <= SEQ_COUNT_AUTO_BYTES
+        args = {"model": path, "corpus": corpus, "tokens": tokens, "seq_len": seq_len,
+                "seed": seed, "budget": budget, "device": device, "dtype": dtype, "batch": batch,
+                "shard": list(shard), "save_token_experts": save_token_experts,
+                "seq_counts": seq_counts, "max_pass_seqs": max_pass_seqs}
+        identity = {"arguments": args, "model": ckpt.fingerprint(),
+                    "corpus_sha256": corpus_fingerprint(corpus, SPLIT),
+                    "code_version": art.code_version(), "sequences": [s0, s1]}
+        run = _make_run(ckpt, setup, ids, seq_corpus, len(names), identity, out, budget, batch,
+                        seq_counts, save_token_experts)
+        result = _execute(run, setup, seqs, names, progress, hooks, t0)
+    finally:
+        ckpt.close()
+    return result
+
+
+def _setup(ckpt, path, parts, corpus, tokens, seq_len, seed, shard, device, dtype) -> dict:
+    """Family, model, layout and size facts of the checkpoint (bad input -> ReapError)."""
+    from reap.models import family
+    from reap.sizes import SizeModel
+
+    if not ckpt.config:
+        raise ReapError(f"{path}: no config.json: not a model checkpoint")
+    R.check_lengths(ckpt.config, tokens, seq_len)
+    fam = family(ckpt.config)
+    specs = fam.layout(ckpt.config)
+    missing = [s.name for s in specs if s.name not in ckpt.tensors]
+    if missing:
+        raise ReapError(f"{path}: tensor {missing[0]} is missing ({len(missing)} missing in all)")
+    size = SizeModel.from_layout(specs, fam, ckpt.config)
+    if not size.moe_layers:
+        raise ReapError(f"{path}: the model has no MoE layers to calibrate")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ReapError("--device cuda: no CUDA device is available")
+    if dtype not in ("float32", "bfloat16"):
+        raise ReapError(f"--dtype must be float32 or bfloat16, got {dtype!r}")
+    tdtype = getattr(torch, dtype)
+    model = fam.Model(fam.Config.from_dict(ckpt.config), device=device, dtype=tdtype)
+    return {"fam": fam, "specs": specs, "size": size, "model": model, "dtype": tdtype,
+            "device": torch.device(device)}
+
+
+def _make_run(ckpt, setup, ids, seq_corpus, n_corpora, identity, out, budget, batch, seq_counts,
+              save_token_experts) -> R._Run:
+    """Plan memory, then open a fresh work directory or resume the one in `out`."""
+    size, text = setup["size"], ckpt.config.get("text_config", ckpt.config)
+    S, T = ids.shape
+    plan = plan_memory(
+        weight_bytes=R.weight_sizes(ckpt, setup["specs"], setup["dtype"].itemsize),
+        hidden=text["hidden_size"], heads=text.get("num_attention_heads", 1),
+        n_experts=size.n_experts, top_k=size.top_k,
+        n_blocks=R.n_blocks(text, max(size.moe_layers) + 1), n_seq=S, seq_len=T, budget=budget,
+        batch=batch, max_pass_seqs=identity["arguments"]["max_pass_seqs"])
+    work = os.path.join(out, ".work")
+    prog = art.read_json(os.path.join(work, "progress.json"))
+    if prog is None and os.path.exists(os.path.join(out, "all.safetensors")):
+        raise ReapError(f"{out} already holds finished statistics; choose another --out")
+    if prog is not None and prog["identity"] != identity:
+        diff = R.identity_diff(prog["identity"], identity)
+        raise ReapError(f"{out} holds an unfinished run with different arguments ({diff}); "
+                        f"rerun with the same arguments to resume, or delete {work}")
+    if prog is None:
+        R.cleanup_work(work)
+        store = SpillStore(work, S)
+    else:
+        store = SpillStore.from_manifest(work, S, prog["store"])
+        store.cleanup()  # files of the layer that was interrupted
+    acc = StatsAccumulator(size.n_experts, size.top_k, seq_corpus, T, n_corpora, seq_counts)
+    run = R._Run(ckpt=ckpt, model=setup["model"], moe_layers=size.moe_layers, ids=ids, plan=plan,
+                 store=store, acc=acc, weights=R.LayerWeights(ckpt, setup["device"]),
+                 experts=R.StoreExperts(ckpt, setup["fam"], setup["device"]), work=work,
+                 identity=identity, device=setup["device"])
+    run.done = -1 if prog is None else prog["done"]
+    if prog is not None:
+        run.counters = dict(prog["counters"])
+    if save_token_experts:
+        run.token_experts = art.TokenExperts(work, S * T, size.top_k)
+        acc.ids_sink = run.token_experts.write
+    return run
+
+
+def _execute(run: R._Run, setup, seqs, names, progress, hooks, t0) -> R.CalibrateResult:
+    """Run the remaining layers with a progress bar, then write the final artifacts."""
+    from tqdm import tqdm
+
+    S, T = run.ids.shape
+    n_layers = max(run.moe_layers) + 1
+    resumed = run.done if run.done >= 0 else None
+    run.bar = tqdm(total=n_layers * S * T, initial=(run.done + 1) * S * T, unit="tok",
+                   unit_scale=1 / n_layers, desc="calibrate", disable=not progress,
+                   dynamic_ncols=True, smoothing=0.1, bar_format=_BAR)
+    try:
+        R.run_layers(run, run.done if run.done < 0 else run.done + 1, hooks)
+    finally:
+        run.bar.close()
+        run.store.close()
+    result = _write(run, setup, seqs, names)
+    result.resumed_after, result.seconds = resumed, time.perf_counter() - t0
+    result.peak_rss = peak_rss()
+    art.write_json(os.path.join(os.path.dirname(run.work), "run.json"),
+                   {"seconds": result.seconds, "peak_rss": result.peak_rss,
+                    "tokens_per_second": result.tokens / max(result.seconds, 1e-9),
+                    "resumed_after": resumed, "plan": run.plan.__dict__,
+                    "estimated_peak_rss": run.plan.estimate_peak(), "files": result.files})
+    R.cleanup_work(run.work)
+    return result
+
+
+def _write(run: R._Run, setup, seqs, names) -> R.CalibrateResult:
+    """Statistics files (and token ids) with provenance; returns the result record."""
+    from reap.corpora import corpus_fingerprint
+
+    S, T = run.ids.shape
+    out, size, c = os.path.dirname(run.work), setup["size"], run.counters
+    ckpt_bytes = sum(t.nbytes for t in run.ckpt.tensors.values())
+    common = {**run.identity, "split": SPLIT, "seq_len": T, "bytes_read": c["bytes_read"],
+              "checkpoint_bytes": ckpt_bytes, "read_ratio": c["bytes_read"] / ckpt_bytes,
+              "expert_reads_max": c["expert_reads_max"], "expert_reads": c["expert_reads"],
+              "passes": run.plan.passes, "spec": run.identity["arguments"]["corpus"]}
+    counts = [sum(1 for s in seqs if s.corpus == n) for n in names]
+    metas = [{**common, "corpus": n, "corpus_sha256": corpus_fingerprint(n, SPLIT),
+              "spec_sha256": run.identity["corpus_sha256"], "sequences": k, "tokens": k * T}
+             for n, k in zip(names, counts)]
+    run_meta = {**common, "corpus": common["spec"], "tokens": S * T}
+    files = art.write_stats(out, run.work, names=names, layers=run.moe_layers,
+                            n_experts=size.n_experts, top_k=size.top_k,
+                            tokens=[k * T for k in counts], metas=metas, run_meta=run_meta)
+    tok = None
+    if run.token_experts is not None:
+        meta = {**run_meta, "corpora": names, "doc_ids": [s.doc_id for s in seqs]}
+        tok = run.token_experts.assemble(os.path.join(out, "token_experts.safetensors"),
+                                         run.moe_layers, [names.index(s.corpus) for s in seqs],
+                                         meta)
+    return R.CalibrateResult(out, files, tok, S * T, list(run.moe_layers), c["bytes_read"],
+                             ckpt_bytes, c["expert_reads_max"], run.plan.passes, None, 0.0, 0,
+                             run.plan)
