@@ -1,0 +1,383 @@
+"""The streaming engine: binds a checkpoint to its model family, plans memory, and runs forward
+steps layer by layer with weights pulled from the pinned trunk, the streamed-layer ring and the
+routed-expert cache.
+
+    engine = Engine.open("path/to/model", budget="8GB", context=4096)
+    print(engine.plan.describe())
+    gens = engine.generate(["Hello"], max_tokens=32)             # see reap.engine.generate
+    logits = engine.logits([[1, 2, 3]])                          # [[T, V]] teacher forcing
+    engine.close()
+
+A step advances any number of sequences in lockstep (prefill chunks or single decode tokens):
+each trunk unit is fetched once per step and serves every sequence; attention runs per sequence
+against its own caches; the MoE runs once on the tokens of all sequences together, so each
+routed expert is read once per step whatever the batch. The arithmetic never depends on where
+a weight came from (pinned, ring slot or cache hit), so output is identical across budgets.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from reap.engine import memory
+from reap.engine.kernels import decode_mxfp4
+from reap.engine.metrics import RunMetrics
+from reap.engine.store import ExpertCache, Reader, TrunkStore
+from reap.errors import EXIT_FAILURE, ReapError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+PREFILL_CHUNKS = (512, 256, 128, 64, 32, 16)
+
+
+@dataclass
+class Binding:
+    """What the engine reads, by trunk unit: units[i] names unit i's tensors (decoder layers in
+    order, then the head); `embed` is the embedding table, read by rows."""
+
+    unit_names: list[str]
+    units: list[list[str]]
+    embed: str
+    expert_layers: list[int]
+    n_experts: int
+
+
+def bind(tensors: dict, fam, config: dict, path: str) -> Binding:
+    """Match the checkpoint's tensors to the family layout, strictly: a missing tensor, a wrong
+    shape or dtype, or a tensor the layout does not use is a binding failure (exit 1)."""
+    specs = [s for s in fam.layout(config) if s.component != "vision"]
+    known = {s.name for s in fam.layout(config)}
+    for s in specs:
+        t = tensors.get(s.name)
+        if t is None:
+            raise ReapError(f"{path}: tensor binding failed: {s.name} is missing", EXIT_FAILURE)
+        if tuple(t.shape) != tuple(s.shape) or t.dtype != s.dtype:
+            raise ReapError(f"{path}: tensor binding failed: {s.name} is {t.dtype} "
+                            f"{list(t.shape)}, the layout wants {s.dtype} {list(s.shape)}",
+                            EXIT_FAILURE)
+    unused = sorted(n for n in tensors if n not in known)
+    if unused:
+        raise ReapError(f"{path}: tensor binding failed: {unused[0]} is not used by the model "
+                        f"({len(unused)} unused tensors)", EXIT_FAILURE)
+    n_layers = 1 + max((s.layer for s in specs if s.layer is not None), default=-1)
+    units: list[list[str]] = [[] for _ in range(n_layers + 1)]
+    embed_specs = [s for s in specs if s.component == "embed_head" and s.layer is None]
+    embed = embed_specs[0].name  # the layout lists the embedding first (file order)
+    for s in specs:
+        if s.component == "routed_experts":
+            continue
+        if s.layer is not None:
+            units[s.layer].append(s.name)
+        elif s.name != embed or len(embed_specs) == 1:  # a tied table is also the head
+            units[n_layers].append(s.name)
+    expert_layers = sorted({s.layer for s in specs if s.component == "routed_experts"})
+    n_experts = 1 + max((s.expert for s in specs if s.expert is not None), default=-1)
+    names = [f"layer {i}" for i in range(n_layers)] + ["head"]
+    return Binding(names, units, embed, expert_layers, n_experts)
+
+
+def state_costs(fam, cfg, act_bytes: int) -> tuple[int, int, int, int]:
+    """(KV bytes per position, recurrent-state bytes per sequence, activation bytes per token,
+    attention-score bytes per (query, key) pair) of one sequence.
+
+    Uses the family's `state_bytes(cfg, act_bytes)` when it has one; otherwise reads the
+    kimi_linear config fields (MLA latent + rope key per position; KDA state and conv tail)."""
+    if hasattr(fam, "state_bytes"):
+        return fam.state_bytes(cfg, act_bytes)
+    n = cfg.num_hidden_layers
+    kda = [i for i in range(n) if cfg.is_kda(i)]
+    per_pos = (n - len(kda)) * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * act_bytes
+    P = cfg.kda_heads * cfg.kda_head_dim if kda else 0
+    k = cfg.linear_attn_config.get("short_conv_kernel_size", 4)
+    per_seq = len(kda) * (cfg.kda_heads * cfg.kda_head_dim**2 * 4 + (k - 1) * 3 * P * act_bytes)
+    blocks = -(-n // (cfg.attn_res_block_size or n))
+    widest = max(cfg.intermediate_size, 3 * P, cfg.num_attention_heads * (
+        cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + 2 * cfg.v_head_dim))
+    act = 4 * (cfg.hidden_size * (blocks + 8) + 4 * widest)
+    pair = 4 * 3 * max(cfg.num_attention_heads, cfg.kda_heads if kda else 0)
+    return per_pos, per_seq, act, pair
+
+
+def model_bytes(tensors: dict, fam, b: Binding, costs: tuple[int, int, int, int],
+                top_k: int) -> memory.ModelBytes:
+    """The plan's view of a bound checkpoint (bytes as stored)."""
+    units = [sum(tensors[n].nbytes for n in names) for names in b.units]
+    expert_bytes = [0] * len(units)
+    n_experts = [0] * len(units)
+    for layer in b.expert_layers:
+        expert_bytes[layer] = sum(tensors[n].nbytes for n in fam.expert_tensor_names(layer, 0))
+        n_experts[layer] = b.n_experts
+    largest = max((_numel(tensors[n].shape) for names in b.units for n in names), default=0)
+    row = tensors[b.embed]
+    return memory.ModelBytes(
+        unit_names=list(b.unit_names), units=units, expert_bytes=expert_bytes,
+        n_experts=n_experts, top_k=top_k, resident=0, embed_row=row.nbytes // row.shape[0],
+        largest_tensor=largest, expert_elems=2 * max(expert_bytes, default=0),
+        state_per_position=costs[0], state_per_sequence=costs[1], act_per_token=costs[2],
+        attn_per_pair=costs[3])
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+@dataclass
+class Sequence:
+    """One sequence's decode state: per-layer caches and the positions it holds."""
+
+    caches: list
+    length: int = 0
+
+
+class Engine:
+    """A bound checkpoint with its memory plan, weight stores and model (see module docstring).
+
+    Attributes: path, config, tokenizer (or None), plan (MemoryPlan), metrics (RunMetrics,
+    cumulative), limits: max_prompt, max_generation, context."""
+
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+        self.metrics = RunMetrics()
+        self._sync_io = 0.0  # compute-thread read seconds (experts, embedding rows)
+
+    @classmethod
+    def open(cls, model: str | os.PathLike | None = None, budget: str | int | None = None,
+             preset: str | None = None, context: int = 4096, device: str = "cpu",
+             dtype: str | None = None, batch: int = 1, prefill_chunk: int | None = None,
+             direct: bool = False, max_prompt: int = 32768, max_generation: int = 4096,
+             available: int | None = None) -> "Engine":
+        """Bind `model` (a checkpoint directory; None = the bundled default), plan memory for
+        `batch` sequences of `context` positions under `budget` (bytes or "8GB") or `preset`,
+        refuse a plan above 95 % of available memory (exit 2), then read the pinned trunk."""
+        from reap.checkpoint import Checkpoint
+        from reap.models import family
+
+        t0 = time.perf_counter()
+        if model is None:
+            from reap.engine.defaults import default_model
+
+            model = default_model()
+        ckpt = Checkpoint.open(model)
+        config = ckpt.config
+        if not config:
+            raise ReapError(f"{model}: no config.json; the engine needs a model directory")
+        fam = family(config)
+        cfg = fam.Config.from_dict(config)
+        torch_dtype = _compute_dtype(dtype, cfg)
+        b = bind(ckpt.tensors, fam, config, str(model))
+        costs = state_costs(fam, cfg, torch.finfo(torch_dtype).bits // 8)
+        mb = model_bytes(ckpt.tensors, fam, b, costs, int(getattr(cfg, "num_experts_per_token", 0)))
+        plan = _make_plan(mb, budget, preset, context, batch, prefill_chunk, available)
+        memory.check_available(plan, available)
+        reader = Reader(ckpt.tensors, direct=direct)
+        try:
+            trunk = TrunkStore(reader, b.units, plan.pinned, plan.ring_slots, plan.slot_bytes,
+                               device=device)
+        except ReapError:
+            reader.close()
+            raise
+        experts = ExpertCache(reader, plan.expert_cache, fam.expert_tensor_names, device=device)
+        eng = cls(path=str(model), config=config, fam=fam, cfg=cfg, binding=b, plan=plan,
+                  reader=reader, trunk=trunk, experts=experts, device=device, dtype=torch_dtype,
+                  model=fam.Model(cfg, device=device, dtype=torch_dtype),
+                  tokenizer=_tokenizer(model), context=context, max_prompt=max_prompt,
+                  max_generation=max_generation, fingerprint=ckpt.fingerprint())
+        eng.metrics.open_seconds = time.perf_counter() - t0
+        eng.metrics.pinned_read_bytes = reader.io.bytes["trunk"]
+        return eng
+
+    # -- the forward step ---------------------------------------------------------------------
+    def new_sequence(self) -> Sequence:
+        return Sequence(self.model.new_caches())
+
+    def step(self, seqs: list[Sequence], chunks: list[list[int]], all_positions: bool = False,
+             more: bool = True) -> list[torch.Tensor]:
+        """Advance each sequence by its chunk of token ids (all in lockstep). Returns per
+        sequence the next-token logits, float32 on CPU: [T_s, V] if `all_positions` else [V].
+        `more`: another step follows (lets the ring read the first layer during the head)."""
+        try:
+            with torch.inference_mode():
+                return self._step(seqs, chunks, all_positions, more)
+        except ReapError:
+            raise
+        except (RuntimeError, ValueError, IndexError, KeyError) as e:
+            msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise ReapError(f"forward failed: {msg}", EXIT_FAILURE) from None
+
+    def _step(self, seqs, chunks, all_positions, more):
+        m, n_layers = self.model, len(self.binding.units) - 1
+        states = self._embed(chunks)
+        sizes = [len(c) for c in chunks]
+        for i in range(n_layers):
+            get = _getter(self.trunk.get(i), self.binding.unit_names[i])
+            xs = []
+            for k, s in enumerate(seqs):
+                states[k], x = m.attn_block(i, get, states[k], cache=s.caches[i])
+                xs.append(x.reshape(-1, x.shape[-1]))
+            x = torch.cat(xs)[None]  # [1, N, D] every sequence's tokens
+            y = m.mlp_block(i, get, x, experts=self._expert)[0]  # [N, D]
+            self.experts.release()
+            for k, y_k in enumerate(y.split(sizes)):
+                states[k] = m.finish_layer(i, states[k], y_k[None])
+        get = _getter(self.trunk.get(n_layers, wrap=more), "head")
+        out = []
+        for k, s in enumerate(seqs):
+            s.length += sizes[k]
+            st = states[k] if all_positions else _last(states[k])
+            out.append(m.head(get, st)[0].float().cpu())  # [T, V]
+        return out if all_positions else [o[-1] for o in out]
+
+    def _embed(self, chunks: list[list[int]]) -> list:
+        """Embed each chunk, reading only the embedding rows the chunks use."""
+        uniq = sorted({t for c in chunks for t in c})
+        vocab = self.reader.info(self.binding.embed).shape[0]
+        bad = [t for t in uniq if not 0 <= t < vocab]
+        if bad:
+            raise ReapError(f"token id {bad[0]} outside the vocabulary of {vocab}")
+        t0 = time.perf_counter()
+        rows = self.reader.read_rows(self.binding.embed, uniq).to(self.device)  # [U, D]
+        self._sync_io += time.perf_counter() - t0
+        where = {t: j for j, t in enumerate(uniq)}
+        get = _getter({self.binding.embed: rows}, "embedding")
+        return [self.model.embed(get, torch.tensor([[where[t] for t in c]])) for c in chunks]
+
+    def _expert(self, layer: int, expert: int) -> dict[str, torch.Tensor]:
+        """ExpertSource: cached or freshly read tensors, MXFP4 pairs decoded to plain weights;
+        an expert that failed to load is served as zeros (recorded; exit code 4)."""
+        t0 = time.perf_counter()
+        misses = self.experts.misses
+        t = self.experts.get(layer, expert)
+        if self.experts.misses != misses:
+            self._sync_io += time.perf_counter() - t0
+        if t is None:
+            t = self._zero_expert(layer, expert)
+        out = {}
+        for name, v in t.items():
+            if name.endswith("_packed"):
+                base = name[: -len("_packed")]
+                out[base] = decode_mxfp4(v, t[base + "_scale"], self.dtype)
+            elif not (name.endswith("_scale") and name[: -len("_scale")] + "_packed" in t):
+                out[name] = v
+        return out
+
+    def _zero_expert(self, layer: int, expert: int) -> dict[str, torch.Tensor]:
+        """All-zero bytes decode to all-zero weights: the expert contributes nothing."""
+        names = self.fam.expert_tensor_names(layer, expert)
+        from reap.engine.store import _short
+
+        out = {}
+        for n in names:
+            info = self.reader.tensors.get(n) or _spec_info(self.fam, self.config, n)
+            out[_short(n, names)] = torch.zeros(info.shape, dtype=torch.uint8)
+        return out
+
+    # -- accounting ---------------------------------------------------------------------------
+    def counters(self) -> dict:
+        """A snapshot of the I/O and cache counters (for RunMetrics.add)."""
+        io = self.reader.io
+        return {"bytes": dict(io.bytes), "reads": io.reads, "io_seconds": io.seconds,
+                "wait_seconds": io.stall + self._sync_io, "expert_hits": self.experts.hits,
+                "expert_misses": self.experts.misses}
+
+    @property
+    def expert_failures(self) -> list[tuple[int, int, str]]:
+        """(layer, expert, reason) of every routed expert that failed to load."""
+        return list(self.experts.failed)
+
+    def generate(self, prompts, max_tokens: int = 64, temperature: float = 0.0,
+                 top_p: float = 1.0, seed: int = 0, stop=()):
+        """See `reap.engine.generate.generate`."""
+        from reap.engine.generate import generate
+
+        return generate(self, prompts, max_tokens=max_tokens, temperature=temperature,
+                        top_p=top_p, seed=seed, stop=stop)
+
+    def stream(self, prompt, max_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
+               seed: int = 0, stop=()):
+        """See `reap.engine.generate.stream`: yields token ids as they are sampled."""
+        from reap.engine.generate import stream
+
+        return stream(self, prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                      seed=seed, stop=stop)
+
+    def logits(self, sequences) -> list[torch.Tensor]:
+        """See `reap.engine.generate.teacher_forced_logits`: [T, V] float32 per sequence."""
+        from reap.engine.generate import teacher_forced_logits
+
+        return teacher_forced_logits(self, sequences)
+
+    def close(self) -> None:
+        """Release buffers and file descriptors."""
+        self.trunk.close()
+        self.experts.close()
+        self.reader.close()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _compute_dtype(dtype: str | None, cfg) -> torch.dtype:
+    if dtype is None or dtype == "auto":
+        dtype = "float32" if getattr(cfg, "torch_dtype", "") == "float32" else "bfloat16"
+    if dtype not in DTYPES:
+        raise ReapError(f"--dtype must be auto, float32 or bfloat16, got {dtype!r}")
+    return DTYPES[dtype]
+
+
+def _make_plan(mb, budget, preset, context, batch, prefill_chunk, available) -> memory.MemoryPlan:
+    if budget is not None and preset is not None:
+        raise ReapError("give --budget or --preset, not both")
+    if context < 1 or batch < 1:
+        raise ReapError(f"--context and batch must be positive (got {context}, {batch})")
+    base, _ = memory.rss_bytes()
+    avail = available if available is not None else memory.available_memory()[0]
+    if budget is not None:
+        b = memory.parse_bytes(budget) if isinstance(budget, str) else int(budget)
+        chunk = prefill_chunk or memory.choose_prefill_chunk(mb, context, b, PREFILL_CHUNKS)
+    else:
+        chunk = prefill_chunk or memory.choose_prefill_chunk(mb, context, avail, PREFILL_CHUNKS)
+        b = memory.preset_budget(mb, preset or "max", context, batch, chunk, base)
+        if preset is None:  # no request: the whole model if it fits, else 80 % of available
+            b = min(b, base + int(0.8 * avail))
+    return memory.make_plan(mb, b, context, batch, chunk, base)
+
+
+def _tokenizer(path):
+    if not (Path(path) / "tokenizer.json").is_file():
+        return None
+    from reap.tokenizer import load_tokenizer
+
+    return load_tokenizer(path)
+
+
+def _getter(tensors: dict[str, torch.Tensor], where: str):
+    def get(name: str) -> torch.Tensor:
+        try:
+            return tensors[name]
+        except KeyError:
+            raise ReapError(f"tensor binding failed: {name} is not part of {where}",
+                            EXIT_FAILURE) from None
+
+    return get
+
+
+def _last(state):
+    """The state of the last position only (the head works per position)."""
+    return type(state)(state.hidden[:, -1:], [b[:, -1:] for b in state.blocks])
+
+
+def _spec_info(fam, config, name):
+    for s in fam.layout(config):
+        if s.name == name:
+            return s
+    raise ReapError(f"routed expert tensor {name} is not in the layout", EXIT_FAILURE)

@@ -1,0 +1,246 @@
+"""Generation on the streaming engine: prefill once, then one token per step from the model's
+caches; greedy or seeded sampling (temperature, top-p); stop strings; many sequences in lockstep.
+
+    gens = generate(engine, ["Hello", [1, 2, 3]], max_tokens=32, temperature=0.7, seed=1)
+    for token in stream(engine, [1, 2, 3], max_tokens=8): ...
+    logits = teacher_forced_logits(engine, [[1, 2, 3, 4]])   # [[4, V]]
+
+Sampling draws from a CPU `torch.Generator` seeded per sequence, by inverse CDF over the
+probabilities sorted by (probability desc, token id asc) in float64, so a seed gives the same
+tokens on any device and any budget. Greedy takes the lowest id among equal maxima.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+import torch
+
+from reap.engine.metrics import RunMetrics
+from reap.errors import ReapError
+
+
+@dataclass
+class Request:
+    """One sequence to generate: prompt token ids and its own sampling settings."""
+
+    ids: list[int]
+    max_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    stop: tuple[str, ...] = ()
+
+
+@dataclass
+class Generation:
+    """What one request produced. `ids` are the generated token ids (an end-of-text token
+    included when it ended the sequence); `text` their decoding, cut before a stop string.
+    finish_reason: "length" (max_tokens), "stop" (stop string) or "eos"."""
+
+    prompt_ids: list[int]
+    ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str = "length"
+
+    def as_dict(self) -> dict:
+        return {"prompt_ids": self.prompt_ids, "ids": self.ids, "text": self.text,
+                "finish_reason": self.finish_reason}
+
+
+def sample(logits: torch.Tensor, temperature: float, top_p: float,
+           gen: torch.Generator | None) -> int:
+    """Next token from logits [V]: argmax when temperature <= 0, else temperature + top-p."""
+    if temperature <= 0:
+        return int(torch.argmax(logits))
+    z = logits.double() / temperature
+    probs = torch.softmax(z, dim=-1)
+    p, order = torch.sort(probs, descending=True, stable=True)  # ties: lower id first
+    cum = torch.cumsum(p, 0)
+    keep = int((cum - p < top_p).sum().clamp(min=1))  # smallest prefix with mass >= top_p
+    u = torch.rand((), generator=gen, dtype=torch.float64) * cum[keep - 1]
+    j = int(torch.searchsorted(cum[:keep], u, right=True).clamp(max=keep - 1))
+    return int(order[j])
+
+
+class StopMatcher:
+    """Tracks the decoded text of one sequence and finds the first stop string in it."""
+
+    def __init__(self, decode, stop: Sequence[str]):
+        self.decode, self.stop = decode, [s for s in stop if s]
+        self.longest = max((len(s) for s in self.stop), default=0)
+        self.text = ""
+
+    def feed(self, ids: list[int]) -> bool:
+        """Update with all generated ids so far; True if a stop string now appears (the text is
+        then cut just before it)."""
+        if self.decode is None:
+            return False
+        old = len(self.text)
+        self.text = self.decode(ids)
+        if not self.stop:
+            return False
+        start = max(0, old - self.longest)
+        hits = [(i, s) for s in self.stop if (i := self.text.find(s, start)) >= 0]
+        if not hits:
+            return False
+        self.text = self.text[: min(hits)[0]]
+        return True
+
+
+def _encode(engine, prompt) -> list[int]:
+    if isinstance(prompt, str):
+        if engine.tokenizer is None:
+            raise ReapError(f"{engine.path}: no tokenizer.json, give prompt token ids instead")
+        return engine.tokenizer.encode(prompt)
+    return [int(t) for t in prompt]
+
+
+def check_request(engine, r: Request) -> None:
+    """Refuse (exit 2) a request beyond the engine's limits."""
+    if not r.ids:
+        raise ReapError("empty prompt")
+    if len(r.ids) > engine.max_prompt:
+        raise ReapError(f"prompt of {len(r.ids)} tokens exceeds the limit of {engine.max_prompt}"
+                        f" (--max-prompt)")
+    if not 1 <= r.max_tokens <= engine.max_generation:
+        raise ReapError(f"max tokens {r.max_tokens} outside [1, {engine.max_generation}] "
+                        f"(--max-generation)")
+    if len(r.ids) + r.max_tokens > engine.context:
+        raise ReapError(f"prompt ({len(r.ids)}) + max tokens ({r.max_tokens}) exceed the declared"
+                        f" context of {engine.context} (--context)")
+    if not 0 < r.top_p <= 1 or r.temperature < 0:
+        raise ReapError(f"need temperature >= 0 and 0 < top_p <= 1 (got {r.temperature}, "
+                        f"{r.top_p})")
+
+
+def _prefill(engine, seqs, requests, metrics: RunMetrics) -> list[torch.Tensor]:
+    """Feed every prompt in chunks of the plan's prefill size; returns last-position logits."""
+    chunk = engine.plan.prefill_chunk
+    last: list = [None] * len(seqs)
+    pos = [0] * len(seqs)
+    t0, c0 = time.perf_counter(), engine.counters()
+    while any(p < len(r.ids) for p, r in zip(pos, requests)):
+        live = [k for k, r in enumerate(requests) if pos[k] < len(r.ids)]
+        chunks = [requests[k].ids[pos[k]: pos[k] + chunk] for k in live]
+        outs = engine.step([seqs[k] for k in live], chunks, more=True)
+        for k, c, o in zip(live, chunks, outs):
+            pos[k] += len(c)
+            last[k] = o
+    metrics.add("prefill", sum(len(r.ids) for r in requests), time.perf_counter() - t0, c0,
+                engine.counters())
+    return last
+
+
+def _events(engine, requests: list[Request], metrics: RunMetrics
+            ) -> Iterator[tuple[int, int, Generation]]:
+    """Run requests in lockstep; yield (sequence index, token, its Generation) per new token."""
+    for r in requests:
+        check_request(engine, r)
+    seqs = [engine.new_sequence() for _ in requests]
+    gens = [Generation(list(r.ids)) for r in requests]
+    rngs = [torch.Generator().manual_seed(r.seed) for r in requests]
+    decode = engine.tokenizer.decode if engine.tokenizer is not None else None
+    stops = [StopMatcher(decode, r.stop) for r in requests]
+    eos = engine.tokenizer.eos_id if engine.tokenizer is not None else None
+    logits = _prefill(engine, seqs, requests, metrics)
+    live = list(range(len(requests)))
+    t0, c0, n = time.perf_counter(), engine.counters(), 0
+    try:
+        while live:
+            for k in live:
+                r, g = requests[k], gens[k]
+                tok = sample(logits[k], r.temperature, r.top_p, rngs[k])
+                g.ids.append(tok)
+                if tok == eos:
+                    g.finish_reason = "eos"
+                elif stops[k].feed(g.ids):
+                    g.finish_reason = "stop"
+                yield k, tok, g
+            live = [k for k in live if gens[k].finish_reason == "length"
+                    and len(gens[k].ids) < requests[k].max_tokens]
+            if not live:
+                break
+            more = any(len(gens[k].ids) + 1 < requests[k].max_tokens for k in live)
+            outs = engine.step([seqs[k] for k in live], [[gens[k].ids[-1]] for k in live],
+                               more=more)
+            n += len(live)
+            for k, o in zip(live, outs):
+                logits[k] = o
+    finally:
+        metrics.add("decode", n, time.perf_counter() - t0, c0, engine.counters())
+        for k, g in enumerate(gens):
+            if g.finish_reason != "stop":
+                g.text = decode(g.ids) if decode is not None else ""
+            else:
+                g.text = stops[k].text
+        _finish(engine, metrics, requests, gens)
+
+
+def _finish(engine, metrics: RunMetrics, requests, gens) -> None:
+    from reap.engine.memory import rss_bytes
+
+    engine.trunk.drain()
+    metrics.sequences += len(requests)
+    metrics.generated_tokens += sum(len(g.ids) for g in gens)
+    metrics.expert_failures = len(engine.expert_failures)
+    metrics.peak_rss = rss_bytes()[1]
+    engine.metrics.merge(metrics)
+    engine.last_metrics = metrics
+
+
+def requests_from(engine, prompts, max_tokens: int, temperature: float, top_p: float, seed: int,
+                  stop) -> list[Request]:
+    """Requests with shared settings for prompts given as text or token id lists."""
+    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        prompts = [prompts]
+    stop = (stop,) if isinstance(stop, str) else tuple(stop or ())
+    return [Request(_encode(engine, p), max_tokens, temperature, top_p, seed, stop)
+            for p in prompts]
+
+
+def generate(engine, prompts, max_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
+             seed: int = 0, stop=(), requests: list[Request] | None = None) -> list[Generation]:
+    """Generate for every prompt (text or token ids) in lockstep; returns one Generation each.
+    `requests` instead gives each sequence its own settings."""
+    reqs = requests or requests_from(engine, prompts, max_tokens, temperature, top_p, seed, stop)
+    gens: list[Generation] = [Generation(list(r.ids)) for r in reqs]
+    for k, _, g in _events(engine, reqs, RunMetrics()):
+        gens[k] = g
+    return gens
+
+
+def stream(engine, prompt, max_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
+           seed: int = 0, stop=()) -> Iterator[int]:
+    """Yield the generated token ids of one prompt as they are sampled (closing the iterator
+    stops generation)."""
+    reqs = requests_from(engine, prompt, max_tokens, temperature, top_p, seed, stop)
+    if len(reqs) != 1:
+        raise ReapError("stream() takes one prompt")
+    for _, tok, _ in _events(engine, reqs, RunMetrics()):
+        yield tok
+
+
+def teacher_forced_logits(engine, sequences) -> list[torch.Tensor]:
+    """Next-token logits at every position of each sequence (teacher forcing, in lockstep,
+    prefill chunks of the plan's size): float32 [T_s, V] per sequence."""
+    reqs = requests_from(engine, sequences, 1, 0.0, 1.0, 0, ())
+    for r in reqs:
+        check_request(engine, Request(r.ids, 1))
+    seqs = [engine.new_sequence() for _ in reqs]
+    out: list[list[torch.Tensor]] = [[] for _ in reqs]
+    chunk, pos = engine.plan.prefill_chunk, [0] * len(reqs)
+    metrics, t0, c0 = RunMetrics(), time.perf_counter(), engine.counters()
+    while any(p < len(r.ids) for p, r in zip(pos, reqs)):
+        live = [k for k, r in enumerate(reqs) if pos[k] < len(r.ids)]
+        chunks = [reqs[k].ids[pos[k]: pos[k] + chunk] for k in live]
+        more = any(pos[k] + chunk < len(reqs[k].ids) for k in live)
+        for k, c, o in zip(live, chunks, engine.step([seqs[k] for k in live], chunks, True, more)):
+            pos[k] += len(c)
+            out[k].append(o)
+    metrics.add("prefill", sum(len(r.ids) for r in reqs), time.perf_counter() - t0, c0,
+                engine.counters())
+    _finish(engine, metrics, reqs, [])
+    return [torch.cat(o) for o in out]

@@ -1,0 +1,336 @@
+"""Memory plan: how the engine spends a RAM budget, computed before any weight is read.
+
+A model is seen as *trunk units* read once per forward pass (each decoder layer without its routed
+experts, and the output head), routed experts read on demand, and per-sequence state (KV cache and
+recurrent state) that grows with the declared context. The plan gives the budget, in this order, to
+
+1. the process baseline (interpreter, torch; measured), always-resident small tensors, the
+   sequence state for `batch` sequences at `context` positions, and scratch (activations of one
+   prefill chunk, the largest weight's working copy, an expert's decoded weights);
+2. the streamed-layer ring (2 slots of the largest streamed unit: one computing, one being read);
+3. pinned trunk units (never re-read), because every unit is read on every token;
+4. the routed-expert cache (whatever is left).
+
+Trunk before experts: a pinned byte of trunk saves one byte of reading on every token, a cached
+byte of experts only when that expert is chosen again. A plan above 95 % of the memory actually
+available (MemAvailable, capped by the cgroup limit) is refused before anything is read.
+
+    mb = ModelBytes(...)                       # from reap.engine.store.model_bytes(checkpoint)
+    plan = make_plan(mb, budget=parse_bytes("8GB"), context=4096)
+    check_available(plan)                      # ReapError (exit 2) naming the shortfall
+    print(plan.describe())
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+
+from reap.errors import ReapError
+
+GB = 10**9
+RING_SLOTS = 2
+REFUSE_FRACTION = 0.95
+
+# preset -> (fraction of the trunk pinned, fraction of all routed expert bytes cached).
+PRESETS: dict[str, tuple[float, float]] = {
+    "ultra": (0.0, 0.0),  # the smallest plan that runs: everything streamed, no expert cache
+    "laptop": (0.25, 0.0),  # a quarter of the trunk pinned
+    "desktop": (0.5, 0.02),  # half the trunk, 2 % of the experts
+    "workstation": (1.0, 0.05),  # whole trunk, 5 % of the experts
+    "server": (1.0, 0.25),  # whole trunk, a quarter of the experts
+    "max": (1.0, 1.0),  # everything resident: no re-reads at all
+}
+
+PRESET_HELP = (
+    "budget scaled to the model: ultra = the minimum that runs (all layers streamed through a "
+    "2-slot ring, no expert cache); laptop = + 25%% of the trunk pinned; desktop = 50%% of the "
+    "trunk + 2%% of the routed experts cached; workstation = the whole trunk + 5%%; server = the "
+    "whole trunk + 25%%; max = the whole model resident"
+)
+
+
+@dataclass(frozen=True)
+class ModelBytes:
+    """What the plan needs to know about a checkpoint, in bytes as stored.
+
+    `units[i]` is trunk unit i (decoder layers in order, then the output head; `unit_names`
+    names them); `expert_bytes[i]` is one routed expert of unit i (0 where none) and
+    `n_experts[i]` how many it has. State costs are per sequence.
+    """
+
+    unit_names: list[str]
+    units: list[int]
+    expert_bytes: list[int]
+    n_experts: list[int]
+    top_k: int
+    resident: int  # always-resident small tensors (final norms, ...)
+    embed_row: int  # bytes of one embedding row (the table is read by rows)
+    largest_tensor: int  # elements of the largest trunk tensor
+    expert_elems: int  # elements of one routed expert once decoded
+    state_per_position: int  # KV cache bytes per position per sequence
+    state_per_sequence: int  # recurrent (KDA) state bytes per sequence
+    act_per_token: int  # activation bytes per in-flight token (fp32 residual + snapshots)
+    attn_per_pair: int = 0  # attention-score bytes per (query, key) pair during prefill
+
+    @property
+    def trunk(self) -> int:
+        return sum(self.units)
+
+    @property
+    def experts_total(self) -> int:
+        return sum(b * n for b, n in zip(self.expert_bytes, self.n_experts))
+
+
+@dataclass
+class MemoryPlan:
+    """Where each byte of the budget goes. All sizes in bytes."""
+
+    budget: int
+    baseline: int  # the process before loading (interpreter, torch)
+    resident: int
+    state: int  # KV cache + recurrent state for `batch` x `context`
+    scratch: int
+    pinned: list[int]  # trunk unit indices kept resident
+    ring_slots: int
+    slot_bytes: int
+    expert_cache: int
+    context: int
+    batch: int
+    prefill_chunk: int
+    unit_names: list[str] = field(default_factory=list)
+    units: list[int] = field(default_factory=list)
+
+    @property
+    def pinned_bytes(self) -> int:
+        return sum(self.units[i] for i in self.pinned)
+
+    @property
+    def streamed(self) -> list[int]:
+        return [i for i in range(len(self.units)) if i not in set(self.pinned)]
+
+    @property
+    def streamed_bytes(self) -> int:
+        return sum(self.units[i] for i in self.streamed)
+
+    @property
+    def ring_bytes(self) -> int:
+        return self.ring_slots * self.slot_bytes
+
+    @property
+    def total(self) -> int:
+        return (self.baseline + self.resident + self.state + self.scratch + self.pinned_bytes
+                + self.ring_bytes + self.expert_cache)
+
+    def describe(self) -> str:
+        """A human-readable table of the plan."""
+        rows = [
+            ("baseline (interpreter, torch)", self.baseline),
+            ("always-resident tensors", self.resident),
+            (f"pinned trunk: {len(self.pinned)}/{len(self.units)} units", self.pinned_bytes),
+            (f"streamed-layer ring: {self.ring_slots} x {_fmt(self.slot_bytes)}", self.ring_bytes),
+            ("routed-expert cache", self.expert_cache),
+            (f"KV cache + recurrent state ({self.batch} x {self.context} positions)", self.state),
+            (f"scratch (prefill chunk {self.prefill_chunk})", self.scratch),
+        ]
+        lines = [f"memory plan (budget {_fmt(self.budget)}):"]
+        lines += [f"  {name:<58} {_fmt(b):>10}" for name, b in rows]
+        lines.append(f"  {'total':<58} {_fmt(self.total):>10}")
+        lines.append(f"  streamed per token: {_fmt(self.streamed_bytes)} of trunk")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        """JSON-ready summary."""
+        return {"budget": self.budget, "total": self.total, "baseline": self.baseline,
+                "resident": self.resident, "state": self.state, "scratch": self.scratch,
+                "pinned_units": [self.unit_names[i] for i in self.pinned],
+                "pinned_bytes": self.pinned_bytes, "ring_slots": self.ring_slots,
+                "slot_bytes": self.slot_bytes, "expert_cache": self.expert_cache,
+                "streamed_bytes": self.streamed_bytes, "context": self.context,
+                "batch": self.batch, "prefill_chunk": self.prefill_chunk}
+
+
+def _fmt(n: int) -> str:
+    for unit, size in (("GB", GB), ("MB", 10**6), ("KB", 10**3)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
+def parse_bytes(text: str) -> int:
+    """'8GB', '512MiB', '1.5G', '1000000' -> bytes (decimal GB/MB/KB, binary GiB/MiB/KiB)."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]?)(i?)B?\s*", text, re.IGNORECASE)
+    if not m:
+        raise ReapError(f"cannot parse memory size {text!r} (try 8GB, 512MiB)")
+    value, prefix, binary = float(m.group(1)), m.group(2).upper(), bool(m.group(3))
+    power = "KMGT".find(prefix) + 1 if prefix else 0
+    return int(value * (1024 if binary else 1000) ** power)
+
+
+def fixed_costs(mb: ModelBytes, context: int, batch: int, prefill_chunk: int) -> tuple[int, int]:
+    """(state, scratch) bytes for `batch` sequences of `context` positions."""
+    state = batch * (mb.state_per_sequence + context * mb.state_per_position)
+    chunk = min(prefill_chunk, context)
+    # working fp32 copies of the largest trunk tensor and of one decoded expert (x2: the
+    # matmul's input and output views can coexist), activations of one chunk of every
+    # sequence, and the attention scores of one sequence's chunk against its whole context
+    scratch = (2 * 4 * mb.largest_tensor + 2 * 4 * mb.expert_elems
+               + batch * chunk * mb.act_per_token + chunk * context * mb.attn_per_pair)
+    return state, scratch
+
+
+def choose_prefill_chunk(mb: ModelBytes, context: int, budget: int,
+                         choices: tuple[int, ...] = (512, 256, 128, 64, 32, 16)) -> int:
+    """The largest prefill chunk whose attention scores take at most 1/8 of the budget."""
+    for c in choices:
+        if c * context * mb.attn_per_pair <= budget // 8:
+            return c
+    return choices[-1]
+
+
+def minimum_budget(mb: ModelBytes, context: int, batch: int = 1, prefill_chunk: int = 512,
+                   baseline: int = 0) -> int:
+    """The smallest budget that runs: all trunk units streamed, no expert cache."""
+    state, scratch = fixed_costs(mb, context, batch, prefill_chunk)
+    return baseline + mb.resident + state + scratch + RING_SLOTS * max(mb.units)
+
+
+def preset_budget(mb: ModelBytes, preset: str, context: int, batch: int = 1,
+                  prefill_chunk: int = 512, baseline: int = 0) -> int:
+    """The budget a preset stands for on this model (see PRESETS)."""
+    if preset not in PRESETS:
+        raise ReapError(f"unknown preset {preset!r} (choose from {', '.join(PRESETS)})")
+    f_trunk, f_experts = PRESETS[preset]
+    base = minimum_budget(mb, context, batch, prefill_chunk, baseline)
+    if f_trunk >= 1.0:  # a pinned trunk needs no ring
+        base -= RING_SLOTS * max(mb.units)
+    return base + int(f_trunk * mb.trunk) + int(f_experts * mb.experts_total)
+
+
+def make_plan(mb: ModelBytes, budget: int, context: int, batch: int = 1,
+              prefill_chunk: int = 512, baseline: int = 0) -> MemoryPlan:
+    """Split `budget` bytes: fixed costs, then the ring, then pinned trunk, then expert cache.
+
+    Raises ReapError (exit 2) if the budget cannot hold the smallest runnable plan."""
+    state, scratch = fixed_costs(mb, context, batch, prefill_chunk)
+    need = minimum_budget(mb, context, batch, prefill_chunk, baseline)
+    if budget < need:
+        raise ReapError(f"budget {_fmt(budget)} is below the {_fmt(need)} this model needs at "
+                        f"context {context} x batch {batch} (short by {_fmt(need - budget)})")
+    free = budget - (baseline + mb.resident + state + scratch)
+    pinned = _pin(mb.units, free)
+    rest = [b for i, b in enumerate(mb.units) if i not in pinned]
+    slots = RING_SLOTS if rest else 0
+    slot = max(rest) if rest else 0
+    left = free - slots * slot - sum(mb.units[i] for i in pinned)
+    cache = max(0, min(left, mb.experts_total))
+    return MemoryPlan(budget, baseline, mb.resident, state, scratch, sorted(pinned), slots, slot,
+                      cache, context, batch, prefill_chunk, list(mb.unit_names), list(mb.units))
+
+
+def _pin(units: list[int], free: int) -> set[int]:
+    """Pin trunk units (first-fit in layer order) while the ring for the rest still fits."""
+    if sum(units) <= free:
+        return set(range(len(units)))
+    pinned: set[int] = set()
+    used = 0
+    for i, b in enumerate(units):
+        rest = [u for j, u in enumerate(units) if j != i and j not in pinned]
+        ring = RING_SLOTS * max(rest) if rest else 0
+        if used + b + ring <= free:
+            pinned.add(i)
+            used += b
+    return pinned
+
+
+def available_memory() -> tuple[int, str]:
+    """(bytes of memory this process may still use, where the number comes from):
+    MemAvailable, capped by the cgroup (v2 memory.max or v1 limit_in_bytes) minus its usage."""
+    avail, source = _meminfo("MemAvailable"), "MemAvailable"
+    limit = _cgroup_headroom()
+    if limit is not None and limit < avail:
+        avail, source = limit, "cgroup limit"
+    return avail, source
+
+
+def _meminfo(key: str) -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise ReapError(f"/proc/meminfo has no {key}")
+
+
+def _cgroup_headroom() -> int | None:
+    """cgroup memory limit minus current usage, or None when unlimited or unknown."""
+    for limit_f, usage_f in _cgroup_files():
+        try:
+            with open(limit_f) as f:
+                raw = f.read().strip()
+            with open(usage_f) as f:
+                usage = int(f.read().strip())
+        except (OSError, ValueError):
+            continue
+        if raw == "max" or int(raw) >= 2**60:
+            return None
+        return max(0, int(raw) - usage)
+    return None
+
+
+def _cgroup_files() -> list[tuple[str, str]]:
+    """Candidate (limit, usage) file pairs for this process's cgroup, v2 then v1."""
+    out = []
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        lines = []
+    for line in lines:
+        hier, controllers, path = line.split(":", 2)
+        if hier == "0":
+            out.append((f"/sys/fs/cgroup{path}/memory.max", f"/sys/fs/cgroup{path}/memory.current"))
+        elif "memory" in controllers.split(","):
+            base = f"/sys/fs/cgroup/memory{path}"
+            out.append((f"{base}/memory.limit_in_bytes", f"{base}/memory.usage_in_bytes"))
+            out.append(("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                        "/sys/fs/cgroup/memory/memory.usage_in_bytes"))
+    out.append(("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"))
+    return out
+
+
+def check_available(plan: MemoryPlan, available: int | None = None) -> None:
+    """Refuse (ReapError, exit 2) a plan above 95 % of the memory actually available.
+
+    The baseline is already in use, so it is not counted against what is available."""
+    source = "given"
+    if available is None:
+        available, source = available_memory()
+    need = plan.total - plan.baseline
+    allowed = int(REFUSE_FRACTION * available)
+    if need > allowed:
+        raise ReapError(f"memory plan needs {_fmt(need)} beyond the running process but only "
+                        f"{_fmt(allowed)} is allowed (95% of {_fmt(available)} available, "
+                        f"{source}): short by {_fmt(need - allowed)}; lower --budget or --context")
+
+
+def rss_bytes() -> tuple[int, int]:
+    """(current RSS, peak RSS) of this process in bytes, from /proc/self/status."""
+    cur = peak = 0
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                cur = int(line.split()[1]) * 1024
+            elif line.startswith("VmHWM:"):
+                peak = int(line.split()[1]) * 1024
+    return cur, peak
+
+
+def reset_peak_rss() -> bool:
+    """Reset the kernel's peak-RSS mark (VmHWM) if allowed; True on success."""
+    try:
+        with open(f"/proc/{os.getpid()}/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False

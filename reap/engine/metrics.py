@@ -1,0 +1,124 @@
+"""Run metrics of the streaming engine: throughput per phase, bytes read per token, expert cache
+hit rate, achieved read bandwidth, I/O share of wall time and peak RSS.
+
+The engine snapshots its I/O counters at phase boundaries and adds the differences here:
+
+    m = RunMetrics()
+    m.add_phase("prefill", tokens=T, seconds=s, io_before=a, io_after=b)
+    m.as_dict()  # JSON-ready, derived rates included
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class PhaseMetrics:
+    """One phase (prefill or decode): tokens processed and what it cost.
+
+    `bytes` by kind (trunk / experts / embed); `io_seconds` is time inside read calls on any
+    thread; `wait_seconds` is time the compute thread spent waiting on reads (ring stalls plus
+    on-demand expert and embedding reads)."""
+
+    tokens: int = 0
+    seconds: float = 0.0
+    bytes: dict[str, int] = field(default_factory=lambda: {"trunk": 0, "experts": 0, "embed": 0})
+    reads: int = 0
+    io_seconds: float = 0.0
+    wait_seconds: float = 0.0
+    expert_hits: int = 0
+    expert_misses: int = 0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.bytes.values())
+
+    def bytes_per_token(self, kind: str | None = None) -> float:
+        b = self.total_bytes if kind is None else self.bytes.get(kind, 0)
+        return b / self.tokens if self.tokens else 0.0
+
+    @property
+    def hit_rate(self) -> float:
+        n = self.expert_hits + self.expert_misses
+        return self.expert_hits / n if n else 0.0
+
+    @property
+    def read_gbps(self) -> float:
+        return self.total_bytes / self.io_seconds / 1e9 if self.io_seconds > 0 else 0.0
+
+    @property
+    def io_share(self) -> float:
+        return min(1.0, self.wait_seconds / self.seconds) if self.seconds > 0 else 0.0
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d.update(tokens_per_s=self.tokens_per_s, bytes_per_token=self.bytes_per_token(),
+                 trunk_bytes_per_token=self.bytes_per_token("trunk"),
+                 expert_bytes_per_token=self.bytes_per_token("experts"),
+                 expert_hit_rate=self.hit_rate, read_gbps=self.read_gbps, io_share=self.io_share)
+        return d
+
+
+@dataclass
+class RunMetrics:
+    """Everything one `generate` / `logits` call measured (cumulative over an engine's life
+    in `Engine.metrics`)."""
+
+    prefill: PhaseMetrics = field(default_factory=PhaseMetrics)
+    decode: PhaseMetrics = field(default_factory=PhaseMetrics)
+    sequences: int = 0
+    generated_tokens: int = 0
+    expert_failures: int = 0
+    peak_rss: int = 0
+    open_seconds: float = 0.0
+    pinned_read_bytes: int = 0
+
+    def add(self, phase: str, tokens: int, seconds: float, before: dict, after: dict) -> None:
+        """Add one stretch of work to `phase`; before/after are `Engine._counters()` snapshots."""
+        p: PhaseMetrics = getattr(self, phase)
+        p.tokens += tokens
+        p.seconds += seconds
+        for k, v in after["bytes"].items():
+            p.bytes[k] = p.bytes.get(k, 0) + v - before["bytes"].get(k, 0)
+        for name in ("reads", "io_seconds", "wait_seconds", "expert_hits", "expert_misses"):
+            setattr(p, name, getattr(p, name) + after[name] - before[name])
+
+    def merge(self, other: "RunMetrics") -> None:
+        """Accumulate another run into this one (peak RSS: the maximum)."""
+        for phase in ("prefill", "decode"):
+            a, b = getattr(self, phase), getattr(other, phase)
+            a.tokens += b.tokens
+            a.seconds += b.seconds
+            for k, v in b.bytes.items():
+                a.bytes[k] = a.bytes.get(k, 0) + v
+            for name in ("reads", "io_seconds", "wait_seconds", "expert_hits", "expert_misses"):
+                setattr(a, name, getattr(a, name) + getattr(b, name))
+        self.sequences += other.sequences
+        self.generated_tokens += other.generated_tokens
+        self.expert_failures += other.expert_failures
+        self.peak_rss = max(self.peak_rss, other.peak_rss)
+
+    def as_dict(self) -> dict:
+        return {"prefill": self.prefill.as_dict(), "decode": self.decode.as_dict(),
+                "sequences": self.sequences, "generated_tokens": self.generated_tokens,
+                "expert_failures": self.expert_failures, "peak_rss": self.peak_rss,
+                "open_seconds": self.open_seconds, "pinned_read_bytes": self.pinned_read_bytes}
+
+    def describe(self) -> str:
+        """A few human-readable lines."""
+        p, d = self.prefill, self.decode
+        return "\n".join([
+            f"prefill: {p.tokens} tokens in {p.seconds:.3f} s ({p.tokens_per_s:.2f} tok/s)",
+            f"decode:  {d.tokens} tokens in {d.seconds:.3f} s ({d.tokens_per_s:.2f} tok/s, "
+            f"{d.seconds / d.tokens if d.tokens else 0:.3f} s/token)",
+            f"read per decoded token: trunk {d.bytes_per_token('trunk') / 1e6:.2f} MB, experts "
+            f"{d.bytes_per_token('experts') / 1e6:.2f} MB; expert hit rate "
+            f"{100 * d.hit_rate:.1f}%; {d.read_gbps:.2f} GB/s while reading; I/O wait "
+            f"{100 * d.io_share:.0f}% of decode time",
+            f"peak RSS {self.peak_rss / 1e9:.3f} GB; expert load failures {self.expert_failures}",
+        ])
