@@ -138,8 +138,8 @@ def rst_to_text(source: str) -> str:
                 lines.append(join_lines(para))
                 para = []
             skip_indent = indent
-            if s.endswith("::") and not s.startswith(".."):
-                para = [s[:-2].rstrip(":").rstrip() + (":" if s[:-2].strip() else "")]
+            if s.endswith("::") and not s.startswith("..") and s[:-2].strip():
+                lines.append(join_lines([s[:-1]]))  # "Example::" introduces a literal block
             continue
         s = re.sub(r":[a-z:]+:`([^`<]*?)(?:\s*<[^>]*>)?`", r"\1", s)
         s = re.sub(r"`([^`<]*?)(?:\s*<[^>]*>)?`_{0,2}", r"\1", s)
