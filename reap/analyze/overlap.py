@@ -82,11 +82,17 @@ def from_stats(stats: ExpertStats, path: str = "", name: str | None = None) -> C
 
 def load_corpora(paths: list[str]) -> list[CorpusUsage]:
     """Load statistics files, one per corpus, and check that they describe the same model."""
+    from safetensors import SafetensorError
+
     corpora = []
     for p in paths:
         if not os.path.isfile(p):
             raise ReapError(f"{p}: no such statistics file")
-        corpora.append(from_stats(ExpertStats.load(p), p))
+        try:
+            stats = ExpertStats.load(p)
+        except SafetensorError as e:  # ExpertStats.load lets this one through
+            raise ReapError(f"{p}: not a reap statistics file ({e})") from e
+        corpora.append(from_stats(stats, p))
     check_compatible(corpora)
     return corpora
 

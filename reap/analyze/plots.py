@@ -23,6 +23,12 @@ def _figure(w: float, h: float):
     return Figure(figsize=(w, h), dpi=100, layout="constrained")
 
 
+def _layer_axis(ax) -> None:
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+
+
 def save_figure(fig, path: str) -> str:
     """Write a figure as PNG atomically (temp file, then rename); returns the path."""
     tmp = f"{path}.tmp.{os.getpid()}"
@@ -60,6 +66,7 @@ def overlap_vs_chance(rows: list[SetOverlap], title: str = ""):
         ax.plot(x[sig], j[sig], "k*", ms=7, label="q < 0.05")
         ax.set(xlabel="layer", ylabel="Jaccard", ylim=(-0.02, 1.02),
                title=f"top-{m} by {crit}")
+        _layer_axis(ax)
     axes[0].legend(fontsize=7, loc="best")
     if title:
         fig.suptitle(title)
@@ -90,7 +97,8 @@ def overlap_heatmaps(corpora: list[str], overall: list[SetOverlapOverall],
         for j in range(C):
             if i != j and np.isfinite(dev[i, j]):
                 ax1.text(j, i, f"{dev[i, j]:+.2f}" + ("*" if stars[i, j] else ""),
-                         ha="center", va="center", fontsize=7)
+                         ha="center", va="center", fontsize=7,
+                         color="white" if abs(dev[i, j]) > 0.6 * lim else "black")
     im2 = ax2.imshow(js, cmap="viridis_r", vmin=0)
     fig.colorbar(im2, ax=ax2, shrink=0.8, label="mean JSD (bits)")
     for ax, t in ((ax1, f"top-{m} by {criterion}: overlap vs chance"),
@@ -135,18 +143,20 @@ def expert_profile_map(ec: ExpertClustering):
 
 def specialist_counts(profiles: ExpertProfiles, null: SpecialistNull | None = None):
     """Specialists of each corpus and generalists per layer (dotted: chance per layer)."""
-    fig = _figure(6.5, 3.6)
+    fig = _figure(8, 3.6)
     ax = fig.subplots()
     counts = profiles.specialist_counts()  # [L, C]
     x = profiles.layers
     for c, name in enumerate(profiles.corpora):
-        line, = ax.plot(x, counts[:, c], "o-", ms=3, label=f"{name} specialists")
+        line, = ax.plot(x, counts[:, c], "osv^<>Dph*"[c % 10] + "-", ms=4, alpha=0.8,
+                        label=f"{name} specialists")
         if null is not None:
             ax.axhline(null.mean[c] / len(x), ls=":", color=line.get_color(), lw=1)
     ax.plot(x, profiles.generalist.sum(-1), "k--", label="generalists (all corpora)")
     ax.set(xlabel="layer", ylabel="experts",
            title=f"specialists (≥{profiles.ratio:g}x any other corpus) by layer")
-    ax.legend(fontsize=7, ncol=2)
+    _layer_axis(ax)
+    ax.legend(fontsize=7, ncol=2, loc="upper left", bbox_to_anchor=(1.01, 1))
     return fig
 
 
@@ -162,5 +172,6 @@ def community_modularity(comms: list[Communities]):
     ax2.bar(x, [c.n_communities for c in comms], alpha=0.15, color="C2")
     ax2.set_ylabel("communities", color="C2")
     ax.set(xlabel="layer", ylabel="modularity Q", title="co-activation communities")
+    _layer_axis(ax)
     ax.legend(fontsize=7)
     return fig
