@@ -5,6 +5,7 @@ super-expert protection, the plan file, and the full-scale K3 size check from a 
 import hashlib
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -72,7 +73,7 @@ def test_quota_keeps_what_each_corpus_needs(tmp_path):
     code = torch.tensor([[0.1, 0.1, 0.1, 0.2, 9, 8, 7, 6]], dtype=torch.float64)
     paths = [save(make_stats([1], E, 2, corpus="zh", scores=zh), tmp_path, "zh"),
              save(make_stats([1], E, 2, corpus="code", scores=code), tmp_path, "code")]
-    kw = dict(stats=paths, weights="zh=3,code=1", keep=4, protect=False)
+    kw = {"stats": paths, "weights": "zh=3,code=1", "keep": 4, "protect": False}
     # weighted shares: zh's experts 0-3 carry 3/4 * (26/26.4); code's 4 best only 1/4 * (30/30.5)
     assert make_plan(**kw).keep == {1: [0, 1, 2, 3]}
     # quota: zh gets 3 of 4 (its top 3), code 1 (its top: 4)
@@ -208,7 +209,7 @@ def test_global_scope_target_size_fills_exactly(tmp_path):
 
 
 def test_super_experts_are_protected_and_count_toward_the_budget():
-    L, E = 3, 64
+    E = 64
     s = make_stats([1, 2, 3], E, 2)
     s.reap_sum[1, 17] = 0.0  # lowest score: dropped unless protected
     s.max_act[1, 17] = 500.0  # a far-out outlier of the log-normal population
@@ -243,7 +244,7 @@ def test_plan_file_roundtrip_and_provenance(tmp_path):
     plan = Plan.load(out)
     assert plan.counts == {1: 4, 2: 4} and plan.criterion == "reap"
     prov = plan.provenance
-    assert prov["stats"][0]["sha256"] == hashlib.sha256(open(path, "rb").read()).hexdigest()
+    assert prov["stats"][0]["sha256"] == hashlib.sha256(Path(path).read_bytes()).hexdigest()
     assert prov["stats"][0]["meta"] == s.meta and prov["arguments"]["keep"] == 4
     assert prov["code_version"].startswith("0.")
     assert plan.model == "m1" and len(plan.scores[1]) == 8

@@ -15,8 +15,8 @@ deterministic.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 import torch
@@ -180,7 +180,7 @@ def global_counts(combined: torch.Tensor, floor: list[int], protected: list[set[
     each layer's in its own order, and taken while `admit(counts, layer_index)` says the budget
     allows one more in that layer. combined: [L, E] per-layer shares.
     """
-    L, E = combined.shape
+    L = combined.shape[0]
     counts = list(floor)
     queue = []  # (share, layer, id) of the experts not in the floor, in each layer's order
     for li in range(L):

@@ -76,7 +76,7 @@ class Plan:
         return path
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> "Plan":
+    def load(cls, path: str | os.PathLike) -> Plan:
         """Read and check a plan file; a one-line ReapError if it is not a valid plan."""
         path = os.fspath(path)
         try:
@@ -240,7 +240,7 @@ def _max_act(loaded):
 
 def _counts(scope, size, shape, combined, prot, floor_, keep, ratio, target_size) -> list[int]:
     """Experts to keep per layer [L] under the budget."""
-    layers, E, top_k = shape
+    layers, E, _ = shape
     L = len(layers)
     given = [x is not None for x in (keep, ratio, target_size)]
     if sum(given) != 1:
@@ -375,11 +375,13 @@ def size_table(plan: Plan) -> str:
                         f"({n / plan.n_experts:6.1%})")
             start = i
     total = sum(plan.counts.values())
-    out = [f"plan: {plan.scope} scope, criterion {plan.criterion or '(counts only)'}, "
-           f"budget {plan.budget}", *rows,
-           f"  experts kept: {total:,} of {plan.n_experts * len(layers):,} "
-           f"({total / max(plan.n_experts * len(layers), 1):.1%}); "
-           f"protected: {len(plan.protected)}"]
+    budget = ", ".join(f"{k} {v}" for k, v in plan.budget.items() if k != "target_bytes")
+    head = (f"plan: {plan.scope} scope, criterion {plan.criterion or '(counts only)'}, "
+            f"budget: {budget}")
+    kept = (f"  experts kept: {total:,} of {plan.n_experts * len(layers):,} "
+            f"({total / max(plan.n_experts * len(layers), 1):.1%}); "
+            f"protected: {len(plan.protected)}")
+    out = [head, *rows, kept]
     if plan.predicted_bytes is not None:
         out.append(f"  predicted: {fmt_bytes(plan.predicted_bytes)} "
                    f"({fmt_params(plan.predicted_params)} params) from "
