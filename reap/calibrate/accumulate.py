@@ -36,7 +36,7 @@ class LayerRow:
     seq_count: torch.Tensor | None  # [S_c, E] int32, sequences of this corpus
 
     @classmethod
-    def zeros(cls, n_experts: int, n_seq: int | None) -> "LayerRow":
+    def zeros(cls, n_experts: int, n_seq: int | None) -> LayerRow:
         E, f64 = n_experts, torch.float64
         return cls(
             count=torch.zeros(E, dtype=torch.int64),

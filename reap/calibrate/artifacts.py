@@ -13,6 +13,8 @@ differs between an interrupted-and-resumed run and an uninterrupted one).
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import os
 import re
@@ -50,22 +52,23 @@ def read_json(path: str) -> dict | None:
         return None
 
 
+# the code that determines calibration results: its source digest is the code version
+_RESULT_CODE = ("calibrate", "models", "checkpoint", "corpora", "mxfp4.py", "stats.py",
+                "tokenizer.py")
+
+
+@functools.lru_cache(maxsize=1)
 def code_version() -> str:
-    """`reap <version>` plus the git commit of the source tree when run from a checkout."""
-    root = Path(__file__).resolve().parents[2] / ".git"
-    try:
-        head = (root / "HEAD").read_text().strip()
-        if head.startswith("ref: "):
-            ref = head[5:]
-            path = root / ref
-            if path.exists():
-                head = path.read_text().strip()
-            else:
-                packed = (root / "packed-refs").read_text()
-                head = next(ln.split()[0] for ln in packed.splitlines() if ln.endswith(" " + ref))
-        return f"reap {__version__} ({head[:12]})"
-    except (OSError, StopIteration):
-        return f"reap {__version__}"
+    """`reap <version> src <digest>`: sha256 over the source of the modules that determine the
+    statistics (so an edit there, committed or not, changes it; unrelated modules do not)."""
+    root = Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    for part in _RESULT_CODE:
+        files = sorted((root / part).rglob("*.py")) if (root / part).is_dir() else [root / part]
+        for f in files:
+            if f.exists():
+                h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes())
+    return f"reap {__version__} src {h.hexdigest()[:16]}"
 
 
 def safe_name(corpus: str) -> str:
