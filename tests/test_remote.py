@@ -270,3 +270,31 @@ def test_concurrent_reads_are_consistent(remote):
         t.join(30)
     assert not errors
     assert isinstance(ck.cache, HttpCache)
+
+
+def test_engine_generates_from_a_url(tmp_path, monkeypatch):
+    """`reap serve URL`'s path: the engine on a remote k3-tiny gives the local tokens; a second
+    open of the same URL fetches nothing."""
+    from reap.engine.server import open_backend
+    from reap.synth import synth
+
+    src = Path(synth("k3-tiny", tmp_path / "k3-tiny", seed=0, dtype="float32"))
+    monkeypatch.setenv("REAP_CACHE", str(tmp_path / "reap-cache"))
+    local = open_backend(str(src), "m", context=32)
+    want = local.engine.generate([list(b"hi")], max_tokens=3, temperature=0)[0].ids
+    local.close()
+    fs = FileServer(src)
+    try:
+        remote = open_backend(fs.url, "m", context=32)
+        assert remote.engine.generate([list(b"hi")], max_tokens=3, temperature=0)[0].ids == want
+        remote.close()
+        shards = sum(f.stat().st_size for f in src.glob("*.safetensors"))
+        assert 0 < fs.sent <= shards + 200_000  # shards at most once (+ small files)
+        n = len(fs.requests)
+        again = open_backend(fs.url, "m", context=32)
+        assert again.engine.generate([list(b"hi")], max_tokens=3, temperature=0)[0].ids == want
+        again.close()
+        assert len(fs.requests) == n
+        assert (tmp_path / "reap-cache" / "http").is_dir()
+    finally:
+        fs.close()

@@ -308,9 +308,12 @@ class TextStream:
     def feed(self, token: int) -> str:
         """Add one generated token; return the text that is now safe to emit."""
         self.ids.append(token)
+        return self._advance(final=False)
+
+    def _advance(self, final: bool) -> str:
         prefix = self.decode(self.ids[self._prefix:self._read])
         full = self.decode(self.ids[self._prefix:])
-        if full.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for more bytes
+        if full.endswith("\ufffd") and not final:  # maybe an unfinished character: wait
             return ""
         old = len(self.text)
         self.text += full[len(prefix):]
@@ -330,9 +333,11 @@ class TextStream:
         return out
 
     def flush(self) -> str:
-        """The rest of the text (at the end of generation)."""
-        out, self.sent = self.text[self.sent:], len(self.text)
-        return out
+        """Everything not yet emitted, at the end of generation (a character left unfinished
+        decodes as U+FFFD, as in a whole decode)."""
+        out = "" if self.done or self._read == len(self.ids) else self._advance(final=True)
+        rest, self.sent = self.text[self.sent:], len(self.text)
+        return out + rest
 
 
 def special_tokens(tokenizer: Any) -> dict[str, int]:

@@ -5,7 +5,8 @@
 
 Opening fetches the small files (config.json, the index, tokenizer files) whole and only the
 safetensors headers of the shards; a tensor's bytes are fetched the first time it is read. The
-cache lives in `~/.cache/reap/http/<sanitized host+path>-<hash>/` (or `cache_dir`): each shard is a
+cache lives in `~/.cache/reap/http/<sanitized host+path>-<hash>/` (see `default_cache_dir`; or
+`cache_dir`): each shard is a
 sparse file of its full size beside a sidecar `<shard>.ranges.json` listing the byte ranges already
 present. Data is written before the sidecar names it and sidecars are replaced atomically, so an
 interrupted download keeps every byte it received and resumes from there; a later open of the same
@@ -28,6 +29,7 @@ import urllib.parse
 from pathlib import Path
 
 from reap.checkpoint import INDEX_NAME, SINGLE_NAME, Checkpoint
+from reap.engine.defaults import cache_dir
 from reap.errors import CheckpointError
 
 # Small files fetched whole when present; the first two decide the layout.
@@ -43,13 +45,13 @@ def is_url(model: str | os.PathLike) -> bool:
 
 
 def default_cache_dir(url: str) -> Path:
-    """`~/.cache/reap/http/<sanitized host+path>-<8 hex of the URL's sha256>`."""
+    """`<reap cache>/http/<sanitized host+path>-<8 hex of the URL's sha256>`; the reap cache is
+    `$REAP_CACHE`, else `$XDG_CACHE_HOME/reap`, else `~/.cache/reap`."""
     parts = urllib.parse.urlsplit(url)
     host = (parts.hostname or "host") + (f"_{parts.port}" if parts.port else "")
     name = re.sub(r"[^A-Za-z0-9._-]+", "_", host + parts.path).strip("._")[:96]
     digest = hashlib.sha256(url.encode()).hexdigest()[:8]
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return base / "reap" / "http" / f"{name or 'model'}-{digest}"
+    return cache_dir() / "http" / f"{name or 'model'}-{digest}"
 
 
 def safe_name(name: str, where: str) -> str:

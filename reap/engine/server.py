@@ -21,7 +21,9 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import json
+import os
 import queue
+import sys
 import threading
 import time
 import uuid
@@ -30,10 +32,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Iterator, Protocol
 
 from reap.engine.chat import (ChatError, ChatTemplate, ReasoningSplitter, TextStream,
-                              encode_prompt, parse_messages, template_kwargs, thinking_option)
-from reap.errors import ReapError
+                              encode_prompt, parse_messages, special_tokens, template_kwargs,
+                              thinking_option)
+from reap.errors import EXIT_USAGE, ReapError
 
 MAX_BODY = 8 << 20  # bytes of JSON per request
+_ERROR_TYPE = {400: "invalid_request_error", 500: "server_error"}
 
 
 class Backend(Protocol):
@@ -85,7 +89,8 @@ def parse_params(body: dict, default_max: int, limit: int) -> Params:
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     max_tokens = default_max if max_tokens is None else max_tokens
     _check(_is_int(max_tokens) and 1 <= max_tokens <= limit, "max_tokens",
-           f"must be an integer in [1, {limit}]")
+           f"must be an integer in [1, {limit}] (server limit and the room the prompt leaves "
+           "in the context)")
     temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
     top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
     _check(top_p > 0, "top_p", "must be in (0, 1]")
@@ -184,12 +189,16 @@ class Worker:
                 self._run(job)
             except ApiError as e:
                 job.events.put(("error", e))
+            except ReapError as e:  # the engine refused the request, or failed
+                status = 400 if e.exit_code == EXIT_USAGE else 500
+                job.events.put(("error", ApiError(status, str(e), _ERROR_TYPE[status])))
             except Exception as e:  # a failed generation must not kill the server
                 job.events.put(("error", ApiError(500, f"generation failed: {e}", "server_error")))
             self.served += 1
 
     def _run(self, job: Job) -> None:
         p, b = job.params, self.backend
+        failed = len(getattr(b, "expert_failures", ()))
         stream = TextStream(b.decode, job.stop + p.stop)
         it = b.tokens(job.ids, max_tokens=p.max_tokens, temperature=p.temperature,
                       top_p=p.top_p, seed=p.seed)
@@ -218,7 +227,17 @@ class Worker:
         tail = stream.flush()
         if tail:
             job.events.put(("delta", tail))
+        _check_experts(list(getattr(b, "expert_failures", ()))[failed:])
         job.events.put(("done", reason, n))
+
+
+def _check_experts(failures: list) -> None:
+    """A routed expert that failed to load makes the tokens untrustworthy: an error, not text."""
+    if failures:
+        layer, expert, why = failures[0]
+        raise ApiError(500, f"{len(failures)} routed expert load(s) failed (first: layer {layer} "
+                            f"expert {expert}: {why}); the output is not trustworthy",
+                       "server_error", code="expert_load_failed")
 
 
 # --------------------------------------------------------------------------- responses
@@ -295,24 +314,25 @@ class App:
     def prepare(self, route: str, body: dict) -> tuple[Job, Reply]:
         """Validate a POST body and build its job and reply formatter (ApiError on bad input)."""
         self._check_model(body)
-        if route == "completions":
-            params = parse_params(body, default_max=16, limit=self.limit)
-            ids = completion_prompt(body, self.backend)
-            job = Job(ids, params, stop_ids={self.backend.eos_id})
-            return job, Reply(self.backend.model_id, len(ids), chat=False)
-        params = parse_params(body, default_max=self.limit, limit=self.limit)
-        tpl = self.backend.template
-        try:
-            thinking = thinking_option(body)
-            prompt = tpl.render(parse_messages(body.get("messages")), thinking,
-                                template_kwargs(body))
-        except ChatError as e:
-            raise ApiError(400, str(e), param="messages") from None
-        ids = encode_prompt(prompt, self.backend.encode, self.backend.special)
-        reply = Reply(self.backend.model_id, len(ids), chat=True,
-                      thinking=tpl.opens_thinking(prompt))
-        stop_ids = {self.backend.special[s] for s in tpl.stop if s in self.backend.special}
-        return Job(ids, params, tpl.stop, stop_ids | {self.backend.eos_id}), reply
+        b, chat = self.backend, route == "chat"
+        stop, thinking = (), False
+        if not chat:
+            ids = completion_prompt(body, b)
+        else:
+            try:
+                prompt = b.template.render(parse_messages(body.get("messages")),
+                                           thinking_option(body), template_kwargs(body))
+            except ChatError as e:
+                raise ApiError(400, str(e), param="messages") from None
+            ids = encode_prompt(prompt, b.encode, b.special)
+            stop, thinking = b.template.stop, b.template.opens_thinking(prompt)
+        context = getattr(b, "context", None)
+        room = self.limit if context is None else min(self.limit, context - len(ids))
+        _check(room >= 1, "messages" if chat else "prompt",
+               f"of {len(ids)} tokens leaves no room in the {context}-token context")
+        params = parse_params(body, default_max=room if chat else min(16, room), limit=room)
+        stop_ids = {b.special[s] for s in stop if s in b.special} | {b.eos_id}
+        return Job(ids, params, stop, stop_ids), Reply(b.model_id, len(ids), chat, thinking)
 
 
 def wait_events(job: Job) -> Iterator[tuple]:
@@ -493,3 +513,94 @@ def check_host(host: str, allow_remote: bool) -> None:
     if not loopback:
         raise ReapError(f"--host {host} is not a loopback address: the server has no "
                         "authentication; pass --allow-remote to expose it anyway")
+
+
+# --------------------------------------------------------------------------- engine + CLI
+
+class EngineBackend:
+    """`Backend` over a `reap.engine.Engine`; only the worker thread calls it."""
+
+    def __init__(self, engine, model_id: str, template_dir: str | os.PathLike):
+        tok = engine.tokenizer
+        if tok is None:
+            raise ReapError(f"{engine.path}: no tokenizer.json; the server needs a tokenizer")
+        self.engine, self.model_id, self.context = engine, model_id, engine.context
+        self.encode, self.decode, self.eos_id = tok.encode, tok.decode, tok.eos_id
+        self.special = special_tokens(tok)
+        self.template = ChatTemplate.from_dir(template_dir)
+
+    def tokens(self, ids, *, max_tokens, temperature, top_p, seed) -> Iterator[int]:
+        return self.engine.stream(ids, max_tokens=max_tokens, temperature=temperature,
+                                  top_p=top_p, seed=seed)
+
+    @property
+    def expert_failures(self) -> list:
+        return self.engine.expert_failures
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Arguments of `reap serve`."""
+    from reap.engine.memory import PRESET_HELP, PRESETS
+
+    p.add_argument("model", nargs="?", default=None,
+                   help="checkpoint directory or http(s) URL of one (fetched on demand into "
+                        "~/.cache/reap/http); default: the bundled default model")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 = any)")
+    p.add_argument("--allow-remote", action="store_true",
+                   help="allow a non-loopback --host (the server has no authentication)")
+    p.add_argument("--served-name", help="model id clients use (default: the MODEL's name)")
+    p.add_argument("--queue", type=int, default=16,
+                   help="requests that may wait for the engine (more get HTTP 503; default 16)")
+    mem = p.add_mutually_exclusive_group()
+    mem.add_argument("--budget", help="RAM budget, e.g. 8GB (the whole process)")
+    mem.add_argument("--preset", choices=list(PRESETS), help=PRESET_HELP)
+    p.add_argument("--context", type=int, default=4096,
+                   help="context (prompt + generated tokens) per request (default 4096)")
+    p.add_argument("--max-tokens-limit", type=int, default=4096,
+                   help="largest max_tokens a request may ask for (default 4096)")
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    p.add_argument("--verbose", action="store_true", help="log every HTTP request")
+
+
+def open_backend(model: str | None, served_name: str | None = None, **engine_options):
+    """Open the engine on `model` (path, URL or None for the default) as a server backend."""
+    from reap.engine.core import Engine
+    from reap.engine.remote import default_cache_dir, is_url
+
+    engine = Engine.open(model, **engine_options)
+    where = default_cache_dir(engine.path) if is_url(engine.path) else engine.path
+    name = served_name or os.path.basename(str(engine.path).rstrip("/")) or "model"
+    try:
+        return EngineBackend(engine, name, where)
+    except ReapError:
+        engine.close()
+        raise
+
+
+def run(args: argparse.Namespace) -> int:
+    """`reap serve`: open the engine, then serve until interrupted."""
+    check_host(args.host, args.allow_remote)  # refuse before loading anything
+    if args.queue < 1 or args.max_tokens_limit < 1:
+        raise ReapError("--queue and --max-tokens-limit must be at least 1")
+    backend = open_backend(args.model, args.served_name, budget=args.budget,
+                           preset=args.preset, context=args.context, device=args.device,
+                           dtype=args.dtype, max_generation=args.max_tokens_limit)
+    print(backend.engine.plan.describe(), file=sys.stderr)
+    try:
+        server = Server(backend, args.host, args.port, args.queue, args.max_tokens_limit,
+                        args.allow_remote, args.verbose)
+    except ReapError:
+        backend.close()
+        raise
+    print(f"reap serve: {backend.model_id} at {server.url} (Ctrl-C stops)", file=sys.stderr,
+          flush=True)
+    try:
+        server.serve_forever()
+    finally:
+        server.stop()
+    return 0
