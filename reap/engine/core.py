@@ -164,7 +164,12 @@ class Engine:
             from reap.engine.defaults import default_model
 
             model = default_model()
-        ckpt = Checkpoint.open(model)
+        if str(model).lower().startswith(("http://", "https://")):
+            from reap.engine.remote import open_checkpoint
+
+            ckpt = open_checkpoint(str(model))
+        else:
+            ckpt = Checkpoint.open(model)
         config = ckpt.config
         if not config:
             raise ReapError(f"{model}: no config.json; the engine needs a model directory")
@@ -176,7 +181,7 @@ class Engine:
         mb = model_bytes(ckpt.tensors, fam, b, costs, int(getattr(cfg, "num_experts_per_token", 0)))
         plan = _make_plan(mb, budget, preset, context, batch, prefill_chunk, available)
         memory.check_available(plan, available)
-        reader = Reader(ckpt.tensors, direct=direct)
+        reader = Reader(ckpt.tensors, direct=direct, ensure=getattr(ckpt, "ensure", None))
         try:
             trunk = TrunkStore(reader, b.units, plan.pinned, plan.ring_slots, plan.slot_bytes,
                                device=device)
@@ -187,7 +192,7 @@ class Engine:
         eng = cls(path=str(model), config=config, fam=fam, cfg=cfg, binding=b, plan=plan,
                   reader=reader, trunk=trunk, experts=experts, device=device, dtype=torch_dtype,
                   model=fam.Model(cfg, device=device, dtype=torch_dtype),
-                  tokenizer=_tokenizer(model), context=context, max_prompt=max_prompt,
+                  tokenizer=_tokenizer(ckpt.path), context=context, max_prompt=max_prompt,
                   max_generation=max_generation, fingerprint=ckpt.fingerprint())
         eng.metrics.open_seconds = time.perf_counter() - t0
         eng.metrics.pinned_read_bytes = reader.io.bytes["trunk"]

@@ -6,7 +6,8 @@ recurrent state) that grows with the declared context. The plan gives the budget
 
 1. the process baseline (interpreter, torch; measured), always-resident small tensors, the
    sequence state for `batch` sequences at `context` positions, and scratch (activations of one
-   prefill chunk, the largest weight's working copy, an expert's decoded weights);
+   prefill chunk, the largest weight's working copy, an expert's decoded weights, and a fixed
+   64 MB of allocator and library slack);
 2. the streamed-layer ring (2 slots of the largest streamed unit: one computing, one being read);
 3. pinned trunk units (never re-read), because every unit is read on every token;
 4. the routed-expert cache (whatever is left).
@@ -31,6 +32,7 @@ from reap.errors import ReapError
 
 GB = 10**9
 RING_SLOTS = 2
+OVERHEAD = 64 * 10**6  # allocator slack, libraries loaded after the baseline, Python objects
 REFUSE_FRACTION = 0.95
 
 # preset -> (fraction of the trunk pinned, fraction of all routed expert bytes cached).
@@ -175,7 +177,7 @@ def fixed_costs(mb: ModelBytes, context: int, batch: int, prefill_chunk: int) ->
     # working fp32 copies of the largest trunk tensor and of one decoded expert (x2: the
     # matmul's input and output views can coexist), activations of one chunk of every
     # sequence, and the attention scores of one sequence's chunk against its whole context
-    scratch = (2 * 4 * mb.largest_tensor + 2 * 4 * mb.expert_elems
+    scratch = (OVERHEAD + 2 * 4 * mb.largest_tensor + 2 * 4 * mb.expert_elems
                + batch * chunk * mb.act_per_token + chunk * context * mb.attn_per_pair)
     return state, scratch
 

@@ -44,14 +44,15 @@ class IOCounters:
 
 
 class Reader:
-    """Positioned reads of checkpoint byte ranges into caller-provided uint8 buffers.
+    """Positioned reads of checkpoint byte ranges into caller-provided uint8 buffers
+    (`ensure(file, start, end)`, when given, makes the bytes present first: remote checkpoints).
 
     Ranges adjacent in one file are coalesced into a single read. With `direct=True` files are
     opened with O_DIRECT (page-cache bypass) where the filesystem allows it; reads then cover
     4096-aligned supersets of each run."""
 
-    def __init__(self, tensors: dict[str, TensorInfo], direct: bool = False):
-        self.tensors = tensors
+    def __init__(self, tensors: dict[str, TensorInfo], direct: bool = False, ensure=None):
+        self.tensors, self.ensure = tensors, ensure
         self.direct = direct and hasattr(os, "O_DIRECT")
         self.io = IOCounters()
         self._fds: dict[str, int] = {}
@@ -98,8 +99,9 @@ class Reader:
 
     def span(self, infos: Sequence[TensorInfo]) -> int:
         """Buffer bytes `read_into` needs for these tensors (alignment slack included)."""
-        pad = 2 * _ALIGN if self.direct else 64
-        return sum(r[-1].end - r[0].start + pad for r in self.runs(infos)) + _ALIGN
+        if self.direct:
+            return sum(r[-1].end - r[0].start + 2 * _ALIGN for r in self.runs(infos)) + _ALIGN
+        return sum(r[-1].end - r[0].start + 128 for r in self.runs(infos)) + 64
 
     def read_into(self, infos: Sequence[TensorInfo], buf: torch.Tensor, kind: str
                   ) -> dict[str, torch.Tensor]:
@@ -108,10 +110,11 @@ class Reader:
         Each run of contiguous tensors is one positioned read; a view whose address is not a
         multiple of its element size is copied (safetensors does not align tensors)."""
         out: dict[str, torch.Tensor] = {}
-        pos = (-buf.data_ptr()) % _ALIGN  # aligned start for O_DIRECT
+        align = _ALIGN if self.direct else 64
+        pos = (-buf.data_ptr()) % align  # aligned start (O_DIRECT needs 4096)
         for run in self.runs(infos):
             start, end = run[0].start, run[-1].end
-            lo = start - start % _ALIGN if self.direct else start - start % 64
+            lo = start - start % align  # the buffer keeps the file's alignment mod `align`
             hi = -(-end // _ALIGN) * _ALIGN if self.direct else end
             if pos + hi - lo > buf.numel():
                 raise ReapError(f"read buffer too small for {run[0].name} ({hi - lo} bytes)",
@@ -119,10 +122,12 @@ class Reader:
             self._pread(run[0].file, buf[pos: pos + hi - lo], lo, end - lo, kind)
             for t in run:
                 out[t.name] = _view(buf, pos + t.start - lo, t)
-            pos += -(-(hi - lo) // _ALIGN) * _ALIGN if self.direct else hi - lo + 64 - (hi - lo) % 64
+            pos += -(-(hi - lo) // align) * align
         return out
 
     def _pread(self, path: str, dst: torch.Tensor, offset: int, need: int, kind: str) -> None:
+        if self.ensure is not None:  # remote checkpoints fetch missing bytes first
+            self.ensure(path, offset, offset + need)
         fd = self._fd(path)
         mv = memoryview(dst.numpy()).cast("B")
         t0 = time.perf_counter()
@@ -305,10 +310,12 @@ class ExpertCache:
         self.hits = self.misses = 0
         self.failed: list[tuple[int, int, str]] = []
 
-    def _ensure_slab(self, span: int) -> None:
+    def _ensure_slab(self, span: int, raw: int) -> None:
+        """Size the slab on first use: capacity counts stored bytes, each slot holds one
+        expert's span (its bytes plus a little alignment slack)."""
         if self.slab is None:
             self.slot_bytes = span
-            self.n_slots = self.capacity_bytes // span if span else 0
+            self.n_slots = self.capacity_bytes // raw if raw else 0
             if self.n_slots:
                 self.slab = torch.empty(self.n_slots * span, dtype=torch.uint8)
             self._free = list(range(self.n_slots))[::-1]
@@ -328,7 +335,7 @@ class ExpertCache:
         try:
             infos = [self.reader.info(n) for n in names]
             span = self.reader.span(infos)
-            self._ensure_slab(span)
+            self._ensure_slab(span, sum(t.nbytes for t in infos))
             slot = self._claim() if span <= self.slot_bytes else None
             if slot is None:
                 buf = torch.empty(span, dtype=torch.uint8)

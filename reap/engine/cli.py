@@ -1,0 +1,187 @@
+"""`reap run`: generate text with the streaming engine under a memory budget.
+
+    reap run [MODEL] --prompt "Hello" --max-tokens 32 --budget 8GB
+    reap run MODEL --prompt-ids 1,2,3 --json
+    reap run MODEL --prompts prompts.jsonl --preset laptop --out results.json
+
+The memory plan is computed and printed (stderr) before any weight is read; a plan above 95 % of
+the available memory is refused (exit 2). Output is text on stdout, or JSON with --json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+
+from reap.engine.memory import PRESET_HELP, PRESETS
+from reap.errors import EXIT_EXPERT_LOAD, ReapError, WriteError
+
+EXIT_CODES = """exit codes:
+  0  success
+  1  tensor binding or forward failure (e.g. a trunk tensor missing from the checkpoint)
+  2  bad arguments, unknown config, or a memory plan refused by the budget / available memory
+  3  finished, but the result file (--out) could not be written
+  4  finished, but at least one routed expert failed to load: the tokens are not trustworthy
+     (the failed experts contributed nothing; they are listed on stderr)
+  5  interrupted (Ctrl-C)"""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Arguments of `reap run`."""
+    p.epilog = EXIT_CODES
+    p.add_argument("model", nargs="?", default=None,
+                   help="checkpoint directory or http(s) URL (default: the bundled default "
+                        "model, a k3-tiny synthesized into ~/.cache/reap on first use)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text (encoded with the model's tokenizer)")
+    src.add_argument("--prompt-ids", help="prompt as comma-separated token ids, e.g. 1,2,3")
+    src.add_argument("--prompts", metavar="FILE.jsonl",
+                     help="batch mode: one JSON object per line with 'prompt' (text) or 'ids', "
+                          "optional max_tokens/temperature/top_p/seed/stop; all sequences "
+                          "advance in lockstep so each weight read serves every sequence")
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate (default 64)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (CPU torch.Generator)")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    mem = p.add_mutually_exclusive_group()
+    mem.add_argument("--budget", help="RAM budget, e.g. 8GB or 512MiB (the whole process)")
+    mem.add_argument("--preset", choices=list(PRESETS), help=PRESET_HELP)
+    p.add_argument("--context", type=int, default=4096,
+                   help="declared context (prompt + generated tokens) the KV cache is planned "
+                        "for (default 4096)")
+    p.add_argument("--max-prompt", type=int, default=32768, help="prompt length limit (32768)")
+    p.add_argument("--max-generation", type=int, default=4096,
+                   help="generation length limit (4096)")
+    p.add_argument("--prefill-chunk", type=int, default=None,
+                   help="prompt tokens per forward pass (default: chosen by the plan)")
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: torch's choice; 1 on a shared machine)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="compute dtype (auto: float32 for float32 checkpoints, else bfloat16)")
+    p.add_argument("--direct", action="store_true",
+                   help="read with O_DIRECT (bypass the page cache) where the filesystem allows")
+    p.add_argument("--plan-only", action="store_true", help="print the memory plan and stop")
+    p.add_argument("--json", action="store_true", help="print text, token ids, plan and metrics")
+    p.add_argument("--out", help="also write the JSON result to this file")
+    p.add_argument("--quiet", action="store_true", help="do not print the plan and metrics")
+
+
+def _requests(args, engine) -> list:
+    from reap.engine.generate import Request, _encode
+
+    def req(prompt, **kw) -> Request:
+        stop = kw.get("stop", args.stop)
+        return Request(_encode(engine, prompt), int(kw.get("max_tokens", args.max_tokens)),
+                       float(kw.get("temperature", args.temperature)),
+                       float(kw.get("top_p", args.top_p)), int(kw.get("seed", args.seed)),
+                       tuple([stop] if isinstance(stop, str) else stop))
+
+    if args.prompt is not None:
+        return [req(args.prompt)]
+    if args.prompt_ids is not None:
+        try:
+            return [req([int(t) for t in args.prompt_ids.split(",") if t.strip()])]
+        except ValueError:
+            raise ReapError(f"--prompt-ids must be comma-separated integers: {args.prompt_ids!r}")
+    out = []
+    for i, line in _lines(args.prompts):
+        prompt, opts = _line(args.prompts, i, line)
+        try:
+            out.append(req(prompt, **opts))
+        except (TypeError, ValueError) as e:
+            raise ReapError(f"{args.prompts}:{i}: bad request ({e})") from None
+    return out
+
+
+def _lines(path: str):
+    try:
+        with open(path) as f:
+            lines = [(i, ln) for i, ln in enumerate(f, 1) if ln.strip()]
+    except OSError as e:
+        raise ReapError(f"{path}: cannot read prompts ({e.strerror})") from None
+    if not lines:
+        raise ReapError(f"{path}: no prompts")
+    return lines
+
+
+def _line(path: str, i: int, line: str) -> tuple:
+    try:
+        d = json.loads(line)
+    except ValueError as e:
+        raise ReapError(f"{path}:{i}: invalid JSON ({e})") from None
+    if not isinstance(d, dict) or ("prompt" in d) == ("ids" in d):
+        raise ReapError(f"{path}:{i}: need an object with exactly one of 'prompt' or 'ids'")
+    prompt = d.pop("prompt", None)
+    prompt = d.pop("ids") if prompt is None else prompt
+    unknown = set(d) - {"max_tokens", "temperature", "top_p", "seed", "stop"}
+    if unknown:
+        raise ReapError(f"{path}:{i}: unknown field(s) {', '.join(sorted(unknown))}")
+    if not isinstance(prompt, (str, list)):
+        raise ReapError(f"{path}:{i}: 'prompt' must be text and 'ids' a list of token ids")
+    return prompt, d
+
+
+def _write_atomic(path: str, text: str) -> None:
+    """Write via a temporary file in the same directory, then rename (WriteError on failure)."""
+    d = os.path.dirname(os.path.abspath(path))
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".reap-", dir=d)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except OSError as e:
+        if "tmp" in locals() and os.path.exists(tmp):
+            os.unlink(tmp)
+        raise WriteError(f"{path}: cannot write result ({e.strerror})") from None
+
+
+def run(args: argparse.Namespace) -> int:
+    """Open the engine, generate, print; returns the exit code (see EXIT_CODES)."""
+    from reap.engine.core import Engine
+    from reap.engine.generate import generate
+
+    batch = len(_lines(args.prompts)) if args.prompts else 1
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ReapError("--threads must be at least 1")
+        import torch
+
+        torch.set_num_threads(args.threads)
+    engine = Engine.open(args.model, budget=args.budget, preset=args.preset,
+                         context=args.context, device=args.device, dtype=args.dtype,
+                         batch=batch, prefill_chunk=args.prefill_chunk, direct=args.direct,
+                         max_prompt=args.max_prompt, max_generation=args.max_generation)
+    with engine:
+        if not args.quiet:
+            print(engine.plan.describe(), file=sys.stderr)
+        if args.plan_only:
+            return 0
+        gens = generate(engine, None, requests=_requests(args, engine))
+        result = {"model": engine.path, "fingerprint": engine.fingerprint,
+                  "generations": [g.as_dict() for g in gens], "plan": engine.plan.to_dict(),
+                  "metrics": engine.last_metrics.as_dict(),
+                  "expert_failures": [list(f) for f in engine.expert_failures]}
+        _print(args, gens, result, engine)
+        if args.out:
+            _write_atomic(args.out, json.dumps(result, indent=1) + "\n")
+        if engine.expert_failures:
+            f = engine.expert_failures
+            raise ReapError(f"{len(f)} routed expert load(s) failed (first: layer {f[0][0]} "
+                            f"expert {f[0][1]}: {f[0][2]}); the output is not trustworthy",
+                            EXIT_EXPERT_LOAD)
+    return 0
+
+
+def _print(args, gens, result: dict, engine) -> None:
+    if args.json:
+        print(json.dumps(result, indent=1))
+    else:
+        for g in gens:
+            print(g.text if engine.tokenizer is not None else ",".join(map(str, g.ids)))
+    if not args.quiet:
+        print(engine.last_metrics.describe(), file=sys.stderr)

@@ -1,0 +1,425 @@
+"""Streaming engine: memory plan, reads, ring, expert cache, MXFP4 fast decode, generation and
+`reap run` exit codes, each against an independent reference (the in-memory model forward, a
+brute-force LFU, `reap.mxfp4`'s decoders, a naive sampler), on a k3-tiny from `reap synth`."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from reap.checkpoint import Checkpoint
+from reap.cli import main
+from reap.engine import Engine, memory
+from reap.engine.generate import StopMatcher, sample
+from reap.engine.kernels import decode_mxfp4
+from reap.engine.store import ExpertCache, Reader, TrunkStore
+from reap.errors import ReapError
+from reap.models import family
+from reap.models.base import dict_weights
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> str:
+    from reap.synth import synth
+
+    return synth("k3-tiny", tmp_path_factory.mktemp("engine") / "tiny", seed=3, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def ref(tiny):
+    """The in-memory reference: every tensor in a dict, the family's own forward."""
+    ck = Checkpoint.open(tiny)
+    weights = {n: ck.read(n) for n in ck.tensors}
+    fam = family(ck.config)
+    return fam.Model(fam.Config.from_dict(ck.config)), dict_weights(weights)
+
+
+def ref_greedy(ref, prompt: list[int], n: int) -> list[int]:
+    model, get = ref
+    caches = model.new_caches()
+    with torch.inference_mode():
+        logits = model.forward(get, torch.tensor([prompt]), caches)[0, -1]
+        out = []
+        for _ in range(n):
+            out.append(int(torch.argmax(logits)))
+            logits = model.forward(get, torch.tensor([[out[-1]]]), caches)[0, -1]
+    return out
+
+
+# -- memory plan -------------------------------------------------------------------------------
+def _mb(units=(100, 80, 80, 80, 50), experts=1000) -> memory.ModelBytes:
+    n = len(units)
+    return memory.ModelBytes([f"u{i}" for i in range(n)], list(units), [0] + [10] * (n - 2) + [0],
+                             [0] + [experts // 10] * (n - 2) + [0], 2, 0, 8, 10, 20, 3, 7, 5, 1)
+
+
+def test_plan_gives_the_trunk_priority_then_the_expert_cache():
+    mb = _mb()
+    state, scratch = memory.fixed_costs(mb, 16, 1, 4)
+    assert state == 7 + 16 * 3 and scratch == memory.OVERHEAD + 80 + 160 + 4 * 5 + 4 * 16 * 1
+    low = memory.minimum_budget(mb, 16, 1, 4)
+    assert low == state + scratch + 2 * 100
+    last = None
+    for extra in range(0, 900, 7):
+        plan = memory.make_plan(mb, low + extra, 16, 1, 4)
+        assert plan.total <= low + extra
+        if plan.expert_cache > 0 and len(plan.pinned) < len(mb.units):
+            # cache only gets what cannot pin another unit (or the ring for the rest)
+            assert plan.expert_cache < max(mb.units[i] for i in plan.streamed) + plan.ring_bytes
+        if last is not None:
+            assert plan.pinned_bytes + plan.expert_cache >= last
+        last = plan.pinned_bytes + plan.expert_cache
+    full = memory.make_plan(mb, 10**9, 16, 1, 4)
+    assert len(full.pinned) == 5 and full.ring_slots == 0 and full.expert_cache == 3 * 100 * 10
+    with pytest.raises(ReapError, match="short by"):
+        memory.make_plan(mb, low - 1, 16, 1, 4)
+
+
+def test_presets_are_ordered_and_scaled_to_the_model():
+    mb = _mb()
+    budgets = [memory.preset_budget(mb, p, 16, 1, 4) for p in memory.PRESETS]
+    assert budgets == sorted(budgets)
+    assert budgets[0] == memory.minimum_budget(mb, 16, 1, 4)
+    top = memory.make_plan(mb, budgets[-1], 16, 1, 4)
+    assert len(top.pinned) == 5 and top.expert_cache == mb.experts_total
+    with pytest.raises(ReapError, match="unknown preset"):
+        memory.preset_budget(mb, "huge", 16)
+
+
+def test_refusal_names_the_shortfall_and_parse_bytes():
+    plan = memory.make_plan(_mb(), 10**9, 16, 1, 4, baseline=100)
+    need = plan.total - plan.baseline
+    memory.check_available(plan, available=-(-need * 100 // 95))  # exactly at 95 %: accepted
+    with pytest.raises(ReapError, match=r"short by .*lower --budget") as e:
+        memory.check_available(plan, available=need * 100 // 95 - 2)
+    assert e.value.exit_code == 2
+    assert memory.parse_bytes("8GB") == 8 * 10**9
+    assert memory.parse_bytes("512MiB") == 512 * 2**20
+    assert memory.parse_bytes("1.5g") == 1_500_000_000
+    with pytest.raises(ReapError, match="cannot parse"):
+        memory.parse_bytes("lots")
+    avail, source = memory.available_memory()
+    assert avail > 0 and source
+
+
+# -- kernels, reader, ring, cache ---------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_fast_mxfp4_decode_is_bit_identical_to_the_codec(dtype):
+    from reap import mxfp4
+
+    g = torch.Generator().manual_seed(1)
+    packed = torch.randint(0, 256, (3, 5, 48), generator=g, dtype=torch.uint8)
+    scales = torch.randint(0, 256, (3, 5, 3), generator=g, dtype=torch.uint8)
+    if dtype == torch.float16:
+        scales = torch.randint(118, 136, (3, 5, 3), generator=g, dtype=torch.uint8)
+    fast = decode_mxfp4(packed, scales, dtype)
+    slow = mxfp4.dequantize(packed, scales, dtype)
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    assert fast.dtype == dtype and torch.equal(fast.view(bits), slow.view(bits))
+    exact = mxfp4.dequantize_reference(packed[0, :2], scales[0, :2])
+    f = fast[0, :2].double()
+    assert torch.equal(f.isnan(), exact.isnan()) and torch.equal(f[~f.isnan()], exact[~f.isnan()])
+
+
+def test_reader_coalesces_an_expert_into_one_read_and_matches_checkpoint(tiny):
+    ck = Checkpoint.open(tiny)
+    fam = family(ck.config)
+    names = fam.expert_tensor_names(2, 5)
+    for direct in (False, True):
+        r = Reader(ck.tensors, direct=direct)
+        got = r.read(names, "experts")
+        assert r.io.reads == 1 and r.io.bytes["experts"] >= sum(ck.tensors[n].nbytes for n in names)
+        for n in names:
+            assert torch.equal(got[n], ck.read(n))
+        rows = r.read_rows("model.embed_tokens.weight", [7, 3, 7])
+        assert torch.equal(rows, ck.read("model.embed_tokens.weight")[[7, 3, 7]])
+        r.close()
+
+
+def test_ring_streams_every_unit_with_prefetch_and_pinned_units_stay(tiny):
+    ck = Checkpoint.open(tiny)
+    fam = family(ck.config)
+    from reap.engine.core import bind
+
+    b = bind(ck.tensors, fam, ck.config, tiny)
+    r = Reader(ck.tensors)
+    trunk = TrunkStore(r, b.units, pinned=[1, 4], slots=2)
+    pinned_bytes = r.io.bytes["trunk"]
+    streamed = sum(ck.tensors[n].nbytes for i in trunk.streamed for n in b.units[i])
+    for _ in range(2):  # two full passes, wrapping around
+        for i in range(len(b.units)):
+            got = trunk.get(i)
+            assert sorted(got) == sorted(b.units[i])
+            for n in b.units[i][:3]:
+                assert torch.equal(got[n], ck.read(n))
+    trunk.drain()
+    # each pass reads the streamed units once (the wrap-around prefetch of pass 3 included)
+    assert r.io.bytes["trunk"] - pinned_bytes >= 2 * streamed
+    assert r.io.bytes["trunk"] - pinned_bytes <= 2 * streamed + 2 * max(
+        sum(ck.tensors[n].nbytes for n in b.units[i]) for i in trunk.streamed) + 4096
+    trunk.close()
+
+
+class NaiveLFU:
+    """Brute-force reference of ExpertCache's policy: score += 2^(t/half_life) per access,
+    evict the lowest (score, key) not used in the current layer."""
+
+    def __init__(self, slots, half_life):
+        self.slots, self.half_life, self.t = slots, half_life, 0
+        self.score, self.resident, self.in_use = {}, set(), set()
+
+    def access(self, key):
+        self.t += 1
+        self.in_use.add(key)
+        hit = key in self.resident
+        if not hit:
+            if len(self.resident) >= self.slots:
+                victims = [(self.score[k], k) for k in self.resident if k not in self.in_use]
+                if not victims:
+                    return hit
+                victim = min(victims)[1]
+                self.resident.discard(victim)
+                del self.score[victim]
+            self.resident.add(key)
+        self.score[key] = self.score.get(key, 0.0) + 2.0 ** (self.t / self.half_life)
+        return hit
+
+
+def test_expert_cache_matches_a_brute_force_lfu_with_aging(tiny):
+    ck = Checkpoint.open(tiny)
+    fam = family(ck.config)
+    r = Reader(ck.tensors)
+    one = sum(ck.tensors[n].nbytes for n in fam.expert_tensor_names(1, 0))
+    cache = ExpertCache(r, 6 * one, fam.expert_tensor_names, half_life=16)
+    naive = NaiveLFU(6, 16)
+    g = torch.Generator().manual_seed(0)
+    popular = torch.tensor([0, 1, 2, 3] * 3 + list(range(16)))
+    for step in range(300):
+        layer = 1 + step % 3
+        for e in sorted(set(popular[torch.randint(0, len(popular), (3,), generator=g)].tolist())):
+            hits = cache.hits
+            t = cache.get(layer, e)
+            assert (cache.hits > hits) == naive.access((layer, e))
+            assert torch.equal(t["w2.weight_packed"],
+                               ck.read(fam.expert_tensor_names(layer, e)[2]))
+        cache.release()
+        naive.in_use.clear()
+        assert set(cache.tensors) == naive.resident
+    assert 0 < cache.hits < 900 and r.io.reads == cache.misses
+
+
+# -- the engine against the reference forward ---------------------------------------------------
+def test_engine_logits_equal_the_in_memory_forward(tiny, ref):
+    model, get = ref
+    ids = [5, 17, 200, 31, 7, 7, 90, 1, 44]
+    with Engine.open(tiny, preset="ultra", context=64) as eng:
+        assert eng.plan.ring_slots == 2 and not eng.plan.pinned
+        got = eng.logits([ids])[0]
+        want = model.forward(get, torch.tensor([ids]))[0]
+        assert torch.equal(got, want)
+        batch = eng.logits([ids, ids[:4], [3, 2, 1, 0, 9]])  # lockstep, different lengths
+        for seq, lg in zip([ids, ids[:4], [3, 2, 1, 0, 9]], batch):
+            torch.testing.assert_close(lg, model.forward(get, torch.tensor([seq]))[0],
+                                       rtol=1e-5, atol=1e-5)
+    with Engine.open(tiny, preset="max", context=64, prefill_chunk=4) as eng:
+        torch.testing.assert_close(eng.logits([ids])[0], want, rtol=1e-4, atol=1e-4)
+
+
+def test_greedy_tokens_equal_reference_and_are_identical_across_budgets(tiny, ref):
+    prompt = [72, 101, 108, 108, 111]
+    want = ref_greedy(ref, prompt, 12)
+    runs, plans = {}, set()
+    for preset in ("ultra", "desktop", "server"):  # budgets scaled to the model
+        with Engine.open(tiny, preset=preset, context=64) as eng:
+            plans.add((len(eng.plan.pinned), eng.plan.ring_slots, eng.plan.expert_cache))
+            greedy = eng.generate([prompt], max_tokens=12)[0]
+            sampled = eng.generate([prompt], max_tokens=12, temperature=0.9, top_p=0.9,
+                                   seed=7)[0]
+            runs[preset] = (greedy.ids, greedy.text, sampled.ids, sampled.text)
+            assert eng.metrics.decode.tokens == 2 * 11
+    assert len(plans) == 3, plans
+    assert runs["ultra"][0] == want
+    assert runs["ultra"] == runs["desktop"] == runs["server"]
+
+
+def test_lockstep_batch_matches_single_runs_and_reads_less_per_token(tiny):
+    prompts = [[10, 20, 30], [40, 50, 60, 70, 80], [1, 2]]
+    with Engine.open(tiny, preset="ultra", context=64, batch=3) as eng:
+        singles, per_token = [], []
+        for p in prompts:
+            singles.append(eng.generate([p], max_tokens=8)[0].ids)
+            m = eng.last_metrics.decode
+            per_token.append(m.total_bytes / m.tokens)
+        batch = eng.generate(prompts, max_tokens=8)
+        m = eng.last_metrics.decode
+        assert [g.ids for g in batch] == singles
+        assert m.tokens == 3 * 7
+        assert m.total_bytes / m.tokens < 0.5 * min(per_token)
+
+
+def test_stream_yields_what_generate_returns_and_stop_strings_cut(tiny):
+    with Engine.open(tiny, preset="max", context=64) as eng:
+        full = eng.generate("Hello", max_tokens=10, temperature=1.0, seed=3)[0]
+        assert list(eng.stream("Hello", max_tokens=10, temperature=1.0, seed=3)) == full.ids
+        text = eng.tokenizer.decode(full.ids)
+        assert full.text == text and full.finish_reason == "length"
+        stop = text[3:5]
+        cut = eng.generate("Hello", max_tokens=10, temperature=1.0, seed=3, stop=[stop])[0]
+        assert cut.finish_reason == "stop" and cut.text == text[: text.find(stop)]
+        assert len(cut.ids) < 10 and full.ids[: len(cut.ids)] == cut.ids
+        with pytest.raises(ReapError, match="exceed the declared context"):
+            eng.generate([1] * 60, max_tokens=10)
+        with pytest.raises(ReapError, match="outside the vocabulary"):
+            eng.generate([[10**6]], max_tokens=1)
+
+
+def test_stop_matcher_finds_the_earliest_stop_across_tokens():
+    m = StopMatcher(lambda ids: "".join(chr(i) for i in ids), ["cd", "xbc"])
+    assert not m.feed([97, 98])
+    assert m.feed([97, 98, 99, 100]) and m.text == "ab"
+
+
+def test_sampling_follows_the_distribution_and_is_seeded():
+    logits = torch.tensor([2.0, 1.0, 0.5, -1.0, 2.0])
+    assert sample(logits, 0.0, 1.0, None) == 0  # greedy: lowest id among equal maxima
+    g = torch.Generator().manual_seed(0)
+    draws = torch.tensor([sample(logits, 0.7, 1.0, g) for _ in range(4000)])
+    p = torch.softmax(logits.double() / 0.7, 0)
+    freq = torch.bincount(draws, minlength=5).double() / 4000
+    assert (freq - p).abs().max() < 0.03
+    # top-p keeps the smallest prefix (by probability, then id) reaching the mass
+    kept = {sample(logits, 1.0, 0.5, g) for _ in range(300)}
+    assert kept == {0, 4}
+    a = [sample(logits, 1.0, 0.9, torch.Generator().manual_seed(5)) for _ in range(3)]
+    assert len(set(a)) == 1
+
+
+# -- failures and exit codes --------------------------------------------------------------------
+def test_failed_expert_reads_are_recorded_and_generation_finishes(tiny, tmp_path):
+    d = tmp_path / "cut"
+    shutil.copytree(tiny, d)
+    ck = Checkpoint.open(d)
+    fam = family(ck.config)
+    first = min(ck.tensors[n].start for n in fam.expert_tensor_names(5, 0))
+    with Engine.open(d, preset="max", context=64) as eng:  # trunk pinned, experts lazy
+        shard = ck.tensors[fam.expert_tensor_names(5, 0)[0]].file
+        os.truncate(shard, first + 10)  # every expert stored after it becomes unreadable
+        gen = eng.generate([[1, 2, 3]], max_tokens=3)[0]
+        assert len(gen.ids) == 3 and eng.expert_failures
+        assert {layer for layer, _, _ in eng.expert_failures} == {5}
+        assert "short read" in eng.expert_failures[0][2]
+
+
+def _run(*args, capsys=None) -> tuple[int, str, str]:
+    try:
+        code = main(["run", *args])
+    except SystemExit as e:  # argparse rejects bad arguments with exit status 2
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_run_json_output_and_bad_arguments(tiny, capsys, tmp_path):
+    code, out, err = _run(tiny, "--prompt-ids", "1,2,3", "--max-tokens", "4", "--json",
+                          "--preset", "desktop", capsys=capsys)
+    assert code == 0, err
+    res = json.loads(out)
+    assert len(res["generations"][0]["ids"]) == 4 and "memory plan" in err
+    assert res["metrics"]["decode"]["tokens"] == 3
+    assert _run(tiny, "--prompt", "hi", "--top-p", "0", capsys=capsys)[0] == 2
+    assert _run(tiny, "--prompt-ids", "1,x", capsys=capsys)[0] == 2
+    assert _run(tiny, capsys=capsys)[0] == 2  # no prompt
+    code, _, err = _run(tiny, "--prompt", "hi", "--context", "4000000000", capsys=capsys)
+    assert code == 2 and "short by" in err
+    code, _, err = _run(tiny, "--prompt", "hi", "--budget", "1MB", capsys=capsys)
+    assert code == 2 and "below" in err
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "ab"}\n{"ids": [1, 2], "max_tokens": 2, "seed": 4}\n')
+    code, out, err = _run(tiny, "--prompts", str(prompts), "--json", "--quiet", capsys=capsys)
+    assert code == 0, err
+    assert [len(g["ids"]) for g in json.loads(out)["generations"]] == [64, 2]
+
+
+def test_run_exit_1_on_a_missing_trunk_tensor(tiny, tmp_path, capsys):
+    from safetensors.torch import load_file, save_file
+
+    d = tmp_path / "broken"
+    shutil.copytree(tiny, d)
+    tensors = load_file(d / "model.safetensors")
+    del tensors["language_model.model.layers.2.post_attention_layernorm.weight"]
+    os.remove(d / "model.safetensors.index.json")
+    save_file(tensors, d / "model.safetensors")
+    code, _, err = _run(str(d), "--prompt", "hi", capsys=capsys)
+    assert code == 1 and "layers.2.post_attention_layernorm.weight is missing" in err
+
+
+def test_run_exit_3_when_the_result_cannot_be_written(tiny, tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    code, out, err = _run(tiny, "--prompt", "hi", "--max-tokens", "2", "--out",
+                          str(blocker / "out.json"), capsys=capsys)
+    assert code == 3 and "cannot write" in err and out  # printed, then not written
+    ok = tmp_path / "ok.json"
+    assert _run(tiny, "--prompt", "hi", "--max-tokens", "2", "--out", str(ok),
+                capsys=capsys)[0] == 0
+    assert json.loads(ok.read_text())["generations"][0]["finish_reason"] == "length"
+
+
+def test_run_exit_4_when_an_expert_is_corrupt(tiny, tmp_path, capsys):
+    d = tmp_path / "corrupt"
+    shutil.copytree(tiny, d)
+    ck = Checkpoint.open(d)
+    fam = family(ck.config)
+    with open(ck.tensors[fam.expert_tensor_names(1, 0)[0]].file, "r+b") as f:
+        for e in range(fam.Config.from_dict(ck.config).num_experts):  # every expert of layer 1
+            t = ck.tensors[fam.expert_tensor_names(1, e)[1]]  # w1.weight_scale
+            f.seek(t.start)
+            f.write(b"\xff" * t.nbytes)
+    code, out, err = _run(str(d), "--prompt-ids", "1,2", "--max-tokens", "2", capsys=capsys)
+    assert code == 4 and "not trustworthy" in err and "layer 1" in err and out
+
+
+def _subprocess(*args):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    return subprocess.Popen([sys.executable, "-m", "reap.cli", "run", *args], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_run_subprocess_peak_rss_within_plan_and_exit_5_on_sigint(tiny):
+    p = _subprocess(tiny, "--prompt-ids", "1,2,3", "--max-tokens", "6", "--json",
+                    "--preset", "ultra", "--threads", "1")
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err
+    res = json.loads(out)
+    assert 0 < res["metrics"]["peak_rss"] <= res["plan"]["total"]
+    p = _subprocess(tiny, "--prompt-ids", "1,2,3", "--max-tokens", "4000", "--context", "4100",
+                    "--threads", "1")
+    deadline = time.time() + 60
+    while time.time() < deadline:  # wait until the plan is printed: the model is running
+        line = p.stderr.readline()
+        if "streamed per token" in line:
+            break
+    time.sleep(0.5)
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 5, err
+    assert "interrupted" in err and "Traceback" not in err
+
+
+def test_default_model_is_synthesized_once(tmp_path, monkeypatch):
+    from reap.engine.defaults import default_model
+
+    monkeypatch.setenv("REAP_CACHE", str(tmp_path))
+    path = default_model()
+    assert Path(path, "config.json").is_file() and default_model() == path
+    with Engine.open(None, preset="ultra", context=32) as eng:
+        assert eng.path == path and len(eng.generate("a", max_tokens=2)[0].ids) == 2
