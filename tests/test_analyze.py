@@ -20,16 +20,34 @@ import pytest
 import torch
 
 from reap.analyze import chance
-from reap.analyze.bootstrap import attach_cis, bootstrap_ci, bootstrap_pairs
-from reap.analyze.cluster import (cluster_corpora, cluster_experts, communities,
-                                  greedy_modularity, modularity)
-from reap.analyze.overlap import (compare_sets, compare_usage, cosine, from_stats,
-                                  important_set, jsd, sum_min)
+from reap.analyze.bootstrap import bootstrap_ci, bootstrap_pairs
+from reap.analyze.cluster import (
+    cluster_corpora,
+    cluster_experts,
+    communities,
+    greedy_modularity,
+    modularity,
+)
+from reap.analyze.overlap import (
+    compare_sets,
+    compare_usage,
+    cosine,
+    from_stats,
+    important_set,
+    jsd,
+    sum_min,
+)
 from reap.analyze.pipeline import analyze
 from reap.analyze.report import write_report
 from reap.analyze.specialists import expert_profiles, specialist_null
-from reap.analyze.synthetic import (planted_corpora, planted_profiles, routed_stats,
-                                    sequence_probs, uniform_corpora, write_corpora)
+from reap.analyze.synthetic import (
+    planted_corpora,
+    planted_profiles,
+    routed_stats,
+    sequence_probs,
+    uniform_corpora,
+    write_corpora,
+)
 
 # ---------------------------------------------------------------- exact null vs brute force
 
@@ -63,7 +81,8 @@ def test_expected_jaccard_monte_carlo():
     js = ks / (a + b - ks)
     null = chance.jaccard_null(n, a, b)
     assert abs(js.mean() - null.mean) < 4 * js.std() / math.sqrt(reps)
-    assert null.mean != pytest.approx(a * b / n / (a + b - a * b / n), abs=1e-4)  # not the naive ratio
+    naive = a * b / n / (a + b - a * b / n)  # ratio of expectations: not the expectation
+    assert null.mean != pytest.approx(naive, abs=1e-4)
 
 
 def test_total_intersection_matches_enumeration():
@@ -146,8 +165,12 @@ def test_random_usage_stays_in_chance_band_at_stated_rate():
     """Independent uniform routing: per-layer tests reject at <= alpha, band covers >= 95%."""
     p_layer, inside, p_all = [], [], []
     for seed in range(30):
-        a, b = (from_stats(s) for s in uniform_corpora(["a", "b"], n_layers=12, n_experts=48,
-                                                       top_k=2, n_seqs=4, seed=seed))
+        a, b = (
+            from_stats(s)
+            for s in uniform_corpora(
+                ["a", "b"], n_layers=12, n_experts=48, top_k=2, n_seqs=4, seed=seed
+            )
+        )
         rows, ov = compare_sets(a, b, "count", 12)
         p_layer += [r.p_value for r in rows]
         inside += [r.null_lo <= r.jaccard <= r.null_hi for r in rows]
@@ -163,8 +186,9 @@ def test_random_usage_stays_in_chance_band_at_stated_rate():
 
 def test_bootstrap_ci_covers_truth():
     """Sequence bootstrap, planted pair: the truth is known (top_k=1 draws follow the profile)."""
-    prof, _ = planted_profiles(families={"f": ["a", "b"], "g": ["c"]}, n_layers=2,
-                               n_experts=32, generalists=4, seed=1)
+    prof, _ = planted_profiles(
+        families={"f": ["a", "b"], "g": ["c"]}, n_layers=2, n_experts=32, generalists=4, seed=1
+    )
     pa, pb = prof["a"], prof["b"]
     truth = {"jsd": jsd(pa, pb), "cosine": cosine(pa, pb), "sum_min": sum_min(pa, pb)}
     m = 8
@@ -172,14 +196,23 @@ def test_bootstrap_ci_covers_truth():
     hits = {k: [] for k in [*truth, "jaccard", "jsd_percentile"]}
     for r in range(40):
         rng = np.random.default_rng(r)
-        a, b = (from_stats(routed_stats(sequence_probs(p, 30, concentration=30, rng=rng),
-                                        tokens_per_seq=200, top_k=1, seed=2 * r + i, corpus=n))
-                for i, (n, p) in enumerate((("a", pa), ("b", pb))))
+        a, b = (
+            from_stats(
+                routed_stats(
+                    sequence_probs(p, 30, concentration=30, rng=rng),
+                    tokens_per_seq=200,
+                    top_k=1,
+                    seed=2 * r + i,
+                    corpus=n,
+                )
+            )
+            for i, (n, p) in enumerate((("a", pa), ("b", pb)))
+        )
         bt = bootstrap_pairs([a, b], [m], 200, seed=r)[("a", "b")]
-        for k in truth:
+        for k, true in truth.items():
             est = {"jsd": jsd, "cosine": cosine, "sum_min": sum_min}[k](a.count, b.count)
             lo, hi = bootstrap_ci(getattr(bt, k), est)
-            hits[k] += list((lo <= truth[k]) & (truth[k] <= hi))
+            hits[k] += list((lo <= true) & (true <= hi))
         lo, hi = bootstrap_ci(bt.jsd, jsd(a.count, b.count), method="percentile")
         hits["jsd_percentile"] += list((lo <= truth["jsd"]) & (truth["jsd"] <= hi))
         ov = compare_sets(a, b, "count", m)[0]
@@ -197,8 +230,9 @@ def test_bootstrap_ci_covers_truth():
 def test_cis_attached_and_skipped_without_seq_count():
     cs = [from_stats(s) for s in planted_corpora(n_layers=2, seed=5)[:3]]
     bare = planted_corpora(n_layers=2, seed=5, with_seq_count=False)[3]
-    r = analyze(cs + [from_stats(bare)], top_m=[12], bootstrap=50, permutations=5,
-                communities=False)
+    r = analyze(
+        cs + [from_stats(bare)], top_m=[12], bootstrap=50, permutations=5, communities=False
+    )
     with_ci = [o for o in r.set_overall if bare.meta["corpus"] not in (o.corpus_a, o.corpus_b)]
     without = [o for o in r.set_overall if bare.meta["corpus"] in (o.corpus_a, o.corpus_b)]
     assert all(np.isfinite([o.ci_lo, o.ci_hi]).all() for o in with_ci if o.criterion == "count")
@@ -224,8 +258,10 @@ def test_specialists_follow_definition_and_chance():
     assert counts[zh] >= 0.9 * homes["chinese"].sum() and counts.sum() == counts[zh]
     null = specialist_null(cs, prof, 30, seed=0)
     assert null.p_value[zh] <= 1 / 31 + 1e-12 and null.mean[zh] < 0.1 * counts[zh]
-    flat = [from_stats(s) for s in uniform_corpora(["a", "b", "c"], n_layers=4, n_seqs=3,
-                                                    tokens_per_seq=16, seed=1)]
+    flat = [
+        from_stats(s)
+        for s in uniform_corpora(["a", "b", "c"], n_layers=4, n_seqs=3, tokens_per_seq=16, seed=1)
+    ]
     fp = expert_profiles(flat)
     fn = specialist_null(flat, fp, 50, seed=0)
     assert fp.specialist_counts().sum() > 0  # noise alone makes "specialists" ...
@@ -246,8 +282,10 @@ def test_expert_clusters_recover_planted_groups():
     from sklearn.metrics import adjusted_rand_score
 
     fam = {"x": ["a"], "y": ["b"], "z": ["c"]}
-    cs = [from_stats(s) for s in planted_corpora(families=fam, n_layers=2, generalists=0,
-                                                 n_seqs=16, seed=8)]
+    cs = [
+        from_stats(s)
+        for s in planted_corpora(families=fam, n_layers=2, generalists=0, n_seqs=16, seed=8)
+    ]
     ec = cluster_experts(expert_profiles(cs), seed=0)
     _, homes = planted_profiles(families=fam, n_layers=2, generalists=0, seed=8)
     truth = sum((i + 1) * homes[f] for i, f in enumerate(fam))  # 0 = the unowned block
@@ -261,7 +299,8 @@ def test_modularity_matches_networkx():
     rng = np.random.default_rng(9)
     blocks = np.repeat(np.arange(4), 10)
     w = rng.poisson(0.5, (40, 40)) + 5 * (blocks[:, None] == blocks[None, :]) * rng.poisson(
-        1.0, (40, 40))
+        1.0, (40, 40)
+    )
     w = np.triu(w, 1) + np.triu(w, 1).T
     labels, q = greedy_modularity(w)
     g = nx.from_numpy_array(w)
@@ -271,6 +310,7 @@ def test_modularity_matches_networkx():
     ref = nx.community.greedy_modularity_communities(g, weight="weight")
     assert q >= nx.community.modularity(g, ref, weight="weight") - 1e-9
     from sklearn.metrics import adjusted_rand_score
+
     assert adjusted_rand_score(blocks, labels) == 1.0
 
 
@@ -292,11 +332,19 @@ def test_report_writes_everything(tmp_path):
     r = analyze(cs, top_m=[0.2, 16], bootstrap=40, permutations=10)
     files = write_report(r, str(tmp_path))
     names = set(os.listdir(tmp_path))
-    assert {"report.md", "summary.json", "set_overlap.parquet", "set_overlap.csv",
-            "dendrogram.png", "expert_profiles.png", "specialists_by_layer.png"} <= names
+    assert {
+        "report.md",
+        "summary.json",
+        "set_overlap.parquet",
+        "set_overlap.csv",
+        "dendrogram.png",
+        "expert_profiles.png",
+        "specialists_by_layer.png",
+    } <= names
     assert not [n for n in names if ".tmp." in n]
     assert len(files.figures) == 3 + 2 * 2 + 4
     import pandas as pd
+
     df = pd.read_parquet(tmp_path / "set_overlap.parquet")
     assert len(df) == 3 * 2 * 2 * 3 and set(df.m) == {13, 16}
     summary = json.loads((tmp_path / "summary.json").read_text())
@@ -306,21 +354,42 @@ def test_report_writes_everything(tmp_path):
 
 
 def test_report_says_not_significant(tmp_path):
-    r = analyze(uniform_corpora(["a", "b"], n_layers=3, seed=12), top_m=[16], bootstrap=20,
-                permutations=10, communities=False)
+    r = analyze(
+        uniform_corpora(["a", "b"], n_layers=3, seed=12),
+        top_m=[16],
+        bootstrap=20,
+        permutations=10,
+        communities=False,
+    )
     files = write_report(r, str(tmp_path), with_plots=False)
     assert "not significant" in Path(files.report).read_text()
 
 
 def _reap(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "reap.cli", "analyze", *args],
-                          capture_output=True, text=True, cwd=cwd)
+    return subprocess.run(
+        [sys.executable, "-m", "reap.cli", "analyze", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        check=False,
+    )
 
 
 def test_cli_end_to_end(tmp_path):
     paths = write_corpora(uniform_corpora(["a", "b"], n_layers=2, seed=13), str(tmp_path / "s"))
-    out = _reap(*paths, "--out", str(tmp_path / "o"), "--top-m", "8", "--bootstrap", "20",
-                "--no-plots", "--quiet", "--criteria", "count")
+    out = _reap(
+        *paths,
+        "--out",
+        str(tmp_path / "o"),
+        "--top-m",
+        "8",
+        "--bootstrap",
+        "20",
+        "--no-plots",
+        "--quiet",
+        "--criteria",
+        "count",
+    )
     assert out.returncode == 0, out.stderr
     assert (tmp_path / "o" / "report.md").is_file()
     assert json.loads((tmp_path / "o" / "summary.json").read_text())["top_k"] == 4
@@ -337,10 +406,15 @@ def test_cli_bad_input_is_one_line(tmp_path, capsys):
     d = bad.save(tmp_path / "d.safetensors")
     junk = tmp_path / "junk.safetensors"
     junk.write_bytes(b"not a file")
-    cases = [([a], "at least two"), ([a, str(tmp_path / "nope.safetensors")], "no such"),
-             ([a, c], "differ"), ([a, str(junk)], "not a reap statistics"),
-             ([a, a], "twice"), ([a, d], "seq_count does not sum"),
-             ([a, b, "--top-m", "1000"], "--top-m")]
+    cases = [
+        ([a], "at least two"),
+        ([a, str(tmp_path / "nope.safetensors")], "no such"),
+        ([a, c], "differ"),
+        ([a, str(junk)], "not a reap statistics"),
+        ([a, a], "twice"),
+        ([a, d], "seq_count does not sum"),
+        ([a, b, "--top-m", "1000"], "--top-m"),
+    ]
     for args, msg in cases:
         code = main(["analyze", *args, "--out", str(tmp_path / "o"), "--quiet"])
         err = capsys.readouterr().err
@@ -353,8 +427,13 @@ def test_analyze_never_imports_a_later_stage():
     for path in Path("reap/analyze").glob("*.py"):
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
-            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
-                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
             assert not any(n.startswith(later) for n in names), (path, names)
 
 

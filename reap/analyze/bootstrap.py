@@ -17,8 +17,16 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from reap.analyze.chance import jaccard_of
-from reap.analyze.overlap import (CorpusUsage, SetOverlap, SetOverlapOverall, UsageSimilarity,
-                                  cosine, important_set, jsd, sum_min)
+from reap.analyze.overlap import (
+    CorpusUsage,
+    SetOverlap,
+    SetOverlapOverall,
+    UsageSimilarity,
+    cosine,
+    important_set,
+    jsd,
+    sum_min,
+)
 
 
 @dataclass
@@ -38,8 +46,9 @@ def resample_weights(n_seqs: int, n_boot: int, rng: np.random.Generator) -> np.n
     return rng.multinomial(n_seqs, np.full(n_seqs, 1.0 / n_seqs), size=n_boot).astype(np.float64)
 
 
-def bootstrap_pairs(corpora: list[CorpusUsage], ms: list[int], n_boot: int, seed: int = 0,
-                    progress: bool = False) -> dict[tuple[str, str], PairBootstrap]:
+def bootstrap_pairs(
+    corpora: list[CorpusUsage], ms: list[int], n_boot: int, seed: int = 0, progress: bool = False
+) -> dict[tuple[str, str], PairBootstrap]:
     """Replicates for every pair of corpora that both carry `seq_count` (others are skipped).
 
     Each corpus is resampled independently (its own sequences); the same replicate weights
@@ -49,29 +58,47 @@ def bootstrap_pairs(corpora: list[CorpusUsage], ms: list[int], n_boot: int, seed
 
     have = [c for c in corpora if c.stats.seq_count is not None]
     seeds = np.random.SeedSequence(seed).spawn(len(corpora))
-    weights = {c.name: resample_weights(c.n_sequences, n_boot, np.random.default_rng(s))
-               for c, s in zip(corpora, seeds) if c.stats.seq_count is not None}
-    pairs = [(a, b) for i, a in enumerate(have) for b in have[i + 1:]]
+    weights = {
+        c.name: resample_weights(c.n_sequences, n_boot, np.random.default_rng(s))
+        for c, s in zip(corpora, seeds)
+        if c.stats.seq_count is not None
+    }
+    pairs = [(a, b) for i, a in enumerate(have) for b in have[i + 1 :]]
     L = len(corpora[0].stats.layers)
-    out = {(a.name, b.name): PairBootstrap(a.name, b.name, {m: np.empty((n_boot, L)) for m in ms},
-                                           *(np.empty((n_boot, L)) for _ in range(3)))
-           for a, b in pairs}
+    out = {
+        (a.name, b.name): PairBootstrap(
+            a.name,
+            b.name,
+            {m: np.empty((n_boot, L)) for m in ms},
+            *(np.empty((n_boot, L)) for _ in range(3)),
+        )
+        for a, b in pairs
+    }
     for li in tqdm(range(L), desc="bootstrap layers", disable=not progress or not pairs):
-        counts = {c.name: weights[c.name] @ c.stats.seq_count[:, li, :].double().numpy()
-                  for c in have}  # name -> [N, E]
+        counts = {
+            c.name: weights[c.name] @ c.stats.seq_count[:, li, :].double().numpy() for c in have
+        }  # name -> [N, E]
         sets = {(name, m): important_set(x, m) for name, x in counts.items() for m in ms}
         for a, b in pairs:
             pb, ca, cb = out[(a.name, b.name)], counts[a.name], counts[b.name]
             pb.jsd[:, li], pb.cosine[:, li], pb.sum_min[:, li] = (
-                jsd(ca, cb), cosine(ca, cb), sum_min(ca, cb))
+                jsd(ca, cb),
+                cosine(ca, cb),
+                sum_min(ca, cb),
+            )
             for m in ms:
                 sa, sb = sets[(a.name, m)], sets[(b.name, m)]  # [N, E]
                 pb.jaccard[m][:, li] = jaccard_of((sa & sb).sum(-1), sa.sum(-1), sb.sum(-1))
     return out
 
 
-def bootstrap_ci(reps: np.ndarray, estimate, level: float = 0.95, method: str = "basic",
-                 bounds: tuple[float, float] = (0.0, 1.0)) -> tuple[np.ndarray, np.ndarray]:
+def bootstrap_ci(
+    reps: np.ndarray,
+    estimate,
+    level: float = 0.95,
+    method: str = "basic",
+    bounds: tuple[float, float] = (0.0, 1.0),
+) -> tuple[np.ndarray, np.ndarray]:
     """Interval from replicates (axis 0) around an estimate, clipped to the metric's bounds.
 
     "basic" (default) reflects the replicate quantiles around the estimate,
@@ -91,14 +118,21 @@ def bootstrap_ci(reps: np.ndarray, estimate, level: float = 0.95, method: str = 
     return np.clip(lo, *bounds), np.clip(hi, *bounds)
 
 
-def attach_cis(sets: list[SetOverlap], overall: list[SetOverlapOverall],
-               usage: list[UsageSimilarity], boots: dict[tuple[str, str], PairBootstrap],
-               layers: list[int], level: float = 0.95, method: str = "basic") -> None:
+def attach_cis(
+    sets: list[SetOverlap],
+    overall: list[SetOverlapOverall],
+    usage: list[UsageSimilarity],
+    boots: dict[tuple[str, str], PairBootstrap],
+    layers: list[int],
+    level: float = 0.95,
+    method: str = "basic",
+) -> None:
     """Fill the ci_* fields of count-criterion records whose pair has replicates.
 
     layers: the model layer index of each replicate column. Overall records get the interval
     of the layer mean (each replicate averaged over layers first). See `bootstrap_ci`.
     """
+
     def ci(reps, est):
         return tuple(map(float, bootstrap_ci(reps, est, level, method)))
 

@@ -80,7 +80,7 @@ def tail_p(pmf: np.ndarray, k: int) -> TailP:
     """p-values of observing k under a pmf over 0..len(pmf)-1 (tails summed, never 1 - cdf)."""
     k = int(k)
     less = float(pmf[: k + 1].sum()) if k >= 0 else 0.0
-    greater = float(pmf[max(k, 0):].sum()) if k < len(pmf) else 0.0
+    greater = float(pmf[max(k, 0) :].sum()) if k < len(pmf) else 0.0
     return TailP(min(less, 1.0), min(greater, 1.0), min(1.0, 2 * min(less, greater)))
 
 

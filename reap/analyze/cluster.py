@@ -65,8 +65,9 @@ class ExpertClustering:
     points: np.ndarray  # [n, C] the clustered shares (experts with labels >= 0, row-major)
 
 
-def cluster_experts(profiles: ExpertProfiles, k_max: int = 8, seed: int = 0,
-                    sample: int = 4000) -> ExpertClustering | None:
+def cluster_experts(
+    profiles: ExpertProfiles, k_max: int = 8, seed: int = 0, sample: int = 4000
+) -> ExpertClustering | None:
     """Cluster used experts by share profile; None when fewer points than needed.
 
     Experts count as used when their mean usage rate over corpora is at least `min_load` times
@@ -87,16 +88,18 @@ def cluster_experts(profiles: ExpertProfiles, k_max: int = 8, seed: int = 0,
         km = KMeans(n_clusters=k, n_init=4, random_state=seed).fit(x)
         if len(np.unique(km.labels_)) < 2:
             continue
-        scores[k] = float(silhouette_score(x, km.labels_, sample_size=min(sample, len(x)),
-                                           random_state=seed))
+        scores[k] = float(
+            silhouette_score(x, km.labels_, sample_size=min(sample, len(x)), random_state=seed)
+        )
         models[k] = km
     if not scores:
         return None
     best = max(scores, key=lambda k: (scores[k], -k))
     labels = np.full(used.shape, -1)
     labels[used] = models[best].labels_
-    return ExpertClustering(profiles.corpora, best, scores, labels,
-                            models[best].cluster_centers_, x)
+    return ExpertClustering(
+        profiles.corpora, best, scores, labels, models[best].cluster_centers_, x
+    )
 
 
 def modularity(w: np.ndarray, labels: np.ndarray) -> float:
@@ -181,8 +184,9 @@ def expected_coact_graph(w: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     return g + g.T
 
 
-def layer_communities(corpora: list[CorpusUsage], li: int, rng: np.random.Generator,
-                      with_null: bool = True) -> Communities:
+def layer_communities(
+    corpora: list[CorpusUsage], li: int, rng: np.random.Generator, with_null: bool = True
+) -> Communities:
     """Communities of layer row li of the pooled co-activation graph, with their chance Q."""
     w = sum(c.stats.coact[li].double().numpy() for c in corpora)  # [E, E]
     labels, q = greedy_modularity(w)
@@ -194,12 +198,15 @@ def layer_communities(corpora: list[CorpusUsage], li: int, rng: np.random.Genera
     return Communities(corpora[0].stats.layers[li], labels, q, q0, share)
 
 
-def communities(corpora: list[CorpusUsage], seed: int = 0, with_null: bool = True,
-                progress: bool = False) -> list[Communities]:
+def communities(
+    corpora: list[CorpusUsage], seed: int = 0, with_null: bool = True, progress: bool = False
+) -> list[Communities]:
     """Co-activation communities of every layer (progress bar over layers)."""
     from tqdm.auto import tqdm
 
     rng = np.random.default_rng(seed)
     L = len(corpora[0].stats.layers)
-    return [layer_communities(corpora, li, rng, with_null)
-            for li in tqdm(range(L), desc="communities", disable=not progress)]
+    return [
+        layer_communities(corpora, li, rng, with_null)
+        for li in tqdm(range(L), desc="communities", disable=not progress)
+    ]

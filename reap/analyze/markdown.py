@@ -29,45 +29,70 @@ def _header(r: AnalysisResult) -> list[str]:
     s = r.settings
     model = r.corpora[0].meta.get("model", "unknown")
     lines = [
-        "# Expert overlap between corpora", "",
-        f"Model `{model}`: {len(r.layers)} MoE layers ({r.layers[0]}–{r.layers[-1]}), "
-        f"{r.n_experts} routed experts per layer, top-{r.top_k} routing.", "",
-        "| corpus | tokens | sequences | file |", "|---|---:|---:|---|"]
-    lines += [f"| {c.name} | {c.tokens:,} | {c.sequences if c.sequences is not None else '—'} "
-              f"| {c.path or '(in memory)'} |" for c in r.corpora]
+        "# Expert overlap between corpora",
+        "",
+        (
+            f"Model `{model}`: {len(r.layers)} MoE layers ({r.layers[0]}–{r.layers[-1]}), "
+            f"{r.n_experts} routed experts per layer, top-{r.top_k} routing."
+        ),
+        "",
+        "| corpus | tokens | sequences | file |",
+        "|---|---:|---:|---|",
+    ]
     lines += [
-        "", "## Method", "",
-        f"- Important experts of a corpus in a layer: its top-m by {', '.join(s.criteria)} "
-        f"(m = {', '.join(map(str, s.m))}; ties at the boundary included, unused experts "
-        "excluded). Overlap = Jaccard index of two corpora's sets.",
-        "- Chance: the Jaccard of a random set of the same size, exactly (hypergeometric "
-        "intersection); the band is its central 95%. Per-layer p-values are exact and "
-        "two-sided, q-values Benjamini-Hochberg adjusted over layers. The overall test sums "
-        "the intersections over layers (exact convolution); its z uses the exact null spread.",
+        f"| {c.name} | {c.tokens:,} | {c.sequences if c.sequences is not None else '—'} "
+        f"| {c.path or '(in memory)'} |"
+        for c in r.corpora
+    ]
+    lines += [
+        "",
+        "## Method",
+        "",
+        (
+            f"- Important experts of a corpus in a layer: its top-m by {', '.join(s.criteria)} "
+            f"(m = {', '.join(map(str, s.m))}; ties at the boundary included, unused experts "
+            "excluded). Overlap = Jaccard index of two corpora's sets."
+        ),
+        (
+            "- Chance: the Jaccard of a random set of the same size, exactly (hypergeometric "
+            "intersection); the band is its central 95%. Per-layer p-values are exact and "
+            "two-sided, q-values Benjamini-Hochberg adjusted over layers. The overall test sums "
+            "the intersections over layers (exact convolution); its z uses the exact null spread."
+        ),
         f"- Intervals: {s.bootstrap} bootstrap replicates over calibration sequences, "
         f"{s.ci_method} 95% intervals (bias-corrected, so they need not contain the raw "
-        "estimate)." if s.bootstrap > 0 else "- Intervals: none (bootstrap disabled).",
-        f"- Significance level {s.alpha}; seed {s.seed}.", ""]
+        "estimate)."
+        if s.bootstrap > 0
+        else "- Intervals: none (bootstrap disabled).",
+        f"- Significance level {s.alpha}; seed {s.seed}.",
+        "",
+    ]
     return lines
 
 
 def verdict(o, alpha: float) -> str:
-    """"more than chance" / "less than chance" / "not significant" for an overall record."""
+    """ "more than chance" / "less than chance" / "not significant" for an overall record."""
     if not o.p_value < alpha:
         return "not significant"
     return "more than chance" if o.mean_jaccard > o.mean_expected else "less than chance"
 
 
 def _set_table(rows, alpha: float) -> list[str]:
-    lines = ["| pair | mean Jaccard | chance (95% band) | shared / expected | z | p | verdict "
-             f"| layers above / below (q < {alpha:g}) |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        (
+            "| pair | mean Jaccard | chance (95% band) | shared / expected | z | p | verdict "
+            f"| layers above / below (q < {alpha:g}) |"
+        ),
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for o in sorted(rows, key=lambda o: -o.z if np.isfinite(o.z) else 0):
         lines.append(
             f"| {o.corpus_a} – {o.corpus_b} | {o.mean_jaccard:.3f}{_ci(o.ci_lo, o.ci_hi, 3)} "
             f"| {o.mean_expected:.3f} ({o.null_lo:.3f}–{o.null_hi:.3f}) "
             f"| {o.intersection} / {o.expected_intersection:.1f} | {o.z:+.1f} "
             f"| {fmt_p(o.p_value)} | {verdict(o, alpha)} "
-            f"| {o.layers_above} / {o.layers_below} of {o.n_layers} |")
+            f"| {o.layers_above} / {o.layers_below} of {o.n_layers} |"
+        )
     return lines
 
 
@@ -77,45 +102,71 @@ def _findings(r: AnalysisResult) -> list[str]:
     for crit in r.settings.criteria:
         for m in r.settings.m:
             rows = [o for o in r.set_overall if (o.criterion, o.m) == (crit, m)]
-            groups = {v: [f"{o.corpus_a}–{o.corpus_b}" for o in rows if verdict(o, alpha) == v]
-                      for v in ("more than chance", "less than chance", "not significant")}
+            groups = {
+                v: [f"{o.corpus_a}–{o.corpus_b}" for o in rows if verdict(o, alpha) == v]
+                for v in ("more than chance", "less than chance", "not significant")
+            }
             lines += [f"### Top-{m} experts by {crit}", ""]
-            lines += [f"- {v.capitalize()} ({len(g)}): {', '.join(g) or 'none'}."
-                      for v, g in groups.items()]
+            lines += [
+                f"- {v.capitalize()} ({len(g)}): {', '.join(g) or 'none'}."
+                for v, g in groups.items()
+            ]
             lines += [""] + _set_table(rows, alpha) + [""]
     return lines
 
 
 def _usage(r: AnalysisResult) -> list[str]:
-    lines = ["## Routing similarity (whole distributions, mean over layers)", "",
-             "| pair | JSD (bits) | cosine | sum(min) |", "|---|---|---|---|"]
+    lines = [
+        "## Routing similarity (whole distributions, mean over layers)",
+        "",
+        "| pair | JSD (bits) | cosine | sum(min) |",
+        "|---|---|---|---|",
+    ]
     for u in sorted((u for u in r.usage if u.layer == -1), key=lambda u: u.jsd):
-        lines.append(f"| {u.corpus_a} – {u.corpus_b} | {u.jsd:.4f}{_ci(u.jsd_lo, u.jsd_hi, 4)} "
-                     f"| {u.cosine:.3f}{_ci(u.cosine_lo, u.cosine_hi, 3)} "
-                     f"| {u.sum_min:.3f}{_ci(u.sum_min_lo, u.sum_min_hi, 3)} |")
+        lines.append(
+            f"| {u.corpus_a} – {u.corpus_b} | {u.jsd:.4f}{_ci(u.jsd_lo, u.jsd_hi, 4)} "
+            f"| {u.cosine:.3f}{_ci(u.cosine_lo, u.cosine_hi, 3)} "
+            f"| {u.sum_min:.3f}{_ci(u.sum_min_lo, u.sum_min_hi, 3)} |"
+        )
     cc = r.corpus_clusters
     d = cc.distance + np.diag(np.full(len(cc.corpora), np.inf))
-    near = [f"{c} → {cc.corpora[int(np.argmin(d[i]))]} ({d[i].min():.3f})"
-            for i, c in enumerate(cc.corpora)]
-    lines += ["", "Corpus clustering (average linkage on the mean Jensen-Shannon distance), "
-              f"dendrogram order: {', '.join(cc.order)}. Nearest corpus: " + "; ".join(near)
-              + ".", ""]
+    near = [
+        f"{c} → {cc.corpora[int(np.argmin(d[i]))]} ({d[i].min():.3f})"
+        for i, c in enumerate(cc.corpora)
+    ]
+    lines += [
+        "",
+        "Corpus clustering (average linkage on the mean Jensen-Shannon distance), "
+        f"dendrogram order: {', '.join(cc.order)}. Nearest corpus: " + "; ".join(near) + ".",
+        "",
+    ]
     return lines
 
 
 def _specialists(r: AnalysisResult) -> list[str]:
     p, n = r.profiles, r.specialist_null
     counts = p.specialist_counts().sum(0)
-    lines = ["## Specialists and generalists", "",
-             f"Specialist of a corpus: used by it ≥ {p.ratio:g}x as often as by any other corpus "
-             f"and ≥ {p.min_load:g}x the uniform rate. Generalist: every corpus uses it ≥ "
-             f"{p.min_load:g}x the uniform rate. Counts are over all {len(p.layers)} layers "
-             f"({len(p.layers) * p.freq.shape[1]} experts).", ""]
+    lines = [
+        "## Specialists and generalists",
+        "",
+        (
+            f"Specialist of a corpus: used by it ≥ {p.ratio:g}x as often as by any other corpus "
+            f"and ≥ {p.min_load:g}x the uniform rate. Generalist: every corpus uses it ≥ "
+            f"{p.min_load:g}x the uniform rate. Counts are over all {len(p.layers)} layers "
+            f"({len(p.layers) * p.freq.shape[1]} experts)."
+        ),
+        "",
+    ]
     for c, name in enumerate(p.corpora):
-        base = "no chance baseline (needs seq_count)" if n is None else (
-            f"chance {n.mean[c]:.1f} (95th percentile {n.hi[c]:.0f}) with sequences shuffled "
-            f"between corpora, p = {fmt_p(n.p_value[c])}"
-            + ("" if n.p_value[c] < r.settings.alpha else ", not significant"))
+        base = (
+            "no chance baseline (needs seq_count)"
+            if n is None
+            else (
+                f"chance {n.mean[c]:.1f} (95th percentile {n.hi[c]:.0f}) with sequences shuffled "
+                f"between corpora, p = {fmt_p(n.p_value[c])}"
+                + ("" if n.p_value[c] < r.settings.alpha else ", not significant")
+            )
+        )
         lines.append(f"- {name}: {int(counts[c])} specialists; {base}.")
     gen = p.generalist.sum(-1)
     lines += [f"- generalists: {int(gen.sum())} in all, {gen.min()}–{gen.max()} per layer.", ""]
@@ -129,27 +180,46 @@ def _clusters(r: AnalysisResult) -> list[str]:
         lines += ["Too few used experts with distinct profiles to cluster.", ""]
     else:
         sil = ec.silhouette[ec.k]
-        strength = ("strong" if sil > 0.7 else "reasonable" if sil > 0.5 else "weak"
-                    if sil > 0.25 else "no substantial")
-        lines += [f"k-means chose k = {ec.k} by silhouette ({sil:.2f}: {strength} structure "
-                  "by the Kaufman-Rousseeuw reading; tried "
-                  + ", ".join(f"k={k}: {v:.2f}" for k, v in ec.silhouette.items()) + ").", ""]
+        strength = (
+            "strong"
+            if sil > 0.7
+            else "reasonable"
+            if sil > 0.5
+            else "weak"
+            if sil > 0.25
+            else "no substantial"
+        )
+        lines += [
+            f"k-means chose k = {ec.k} by silhouette ({sil:.2f}: {strength} structure "
+            "by the Kaufman-Rousseeuw reading; tried "
+            + ", ".join(f"k={k}: {v:.2f}" for k, v in ec.silhouette.items())
+            + ").",
+            "",
+        ]
         for k in range(ec.k):
             top = np.argsort(-ec.centroids[k])[:2]
             size = int((ec.labels == k).sum())
-            lines.append(f"- cluster {k} ({size} experts): "
-                         + ", ".join(f"{ec.corpora[i]} {ec.centroids[k, i]:.0%}" for i in top))
+            lines.append(
+                f"- cluster {k} ({size} experts): "
+                + ", ".join(f"{ec.corpora[i]} {ec.centroids[k, i]:.0%}" for i in top)
+            )
         lines.append("")
     if r.communities:
         q = np.array([c.modularity for c in r.communities])
         q0 = np.array([c.null_modularity for c in r.communities])
         nc = np.array([c.n_communities for c in r.communities])
-        lines += ["## Co-activation communities", "",
-                  f"Greedy modularity per layer on the pooled co-activation graph: "
-                  f"Q = {q.mean():.3f} on average (range {q.min():.3f}–{q.max():.3f}), "
-                  f"{nc.min()}–{nc.max()} communities; the same search on random graphs with "
-                  f"the expected co-occurrences finds Q = {np.nanmean(q0):.3f}. Layers with Q "
-                  f"above 2x the random level: {(q > 2 * q0).sum()}/{len(q)}.", ""]
+        lines += [
+            "## Co-activation communities",
+            "",
+            (
+                f"Greedy modularity per layer on the pooled co-activation graph: "
+                f"Q = {q.mean():.3f} on average (range {q.min():.3f}–{q.max():.3f}), "
+                f"{nc.min()}–{nc.max()} communities; the same search on random graphs with "
+                f"the expected co-occurrences finds Q = {np.nanmean(q0):.3f}. Layers with Q "
+                f"above 2x the random level: {(q > 2 * q0).sum()}/{len(q)}."
+            ),
+            "",
+        ]
     return lines
 
 

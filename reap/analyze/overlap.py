@@ -106,11 +106,13 @@ def check_compatible(corpora: list[CorpusUsage]) -> None:
     for c in corpora:
         s, f = c.stats, first.stats
         if (s.layers, s.n_experts, s.top_k) != (f.layers, f.n_experts, f.top_k):
-            raise ReapError(f"{c.path or c.name}: layers/n_experts/top_k differ from "
-                            f"{first.path or first.name}")
+            raise ReapError(
+                f"{c.path or c.name}: layers/n_experts/top_k differ from {first.path or first.name}"
+            )
         if s.meta.get("model") != f.meta.get("model"):
-            raise ReapError(f"{c.path or c.name}: model fingerprint differs from "
-                            f"{first.path or first.name}")
+            raise ReapError(
+                f"{c.path or c.name}: model fingerprint differs from {first.path or first.name}"
+            )
         if c.name in seen:
             raise ReapError(f"corpus name {c.name!r} appears twice (merge shards first)")
         seen.add(c.name)
@@ -118,7 +120,7 @@ def check_compatible(corpora: list[CorpusUsage]) -> None:
 
 def resolve_m(m: float, n_experts: int) -> int:
     """Set size from --top-m: an integer count, or a fraction of n_experts when 0 < m < 1."""
-    size = int(round(m * n_experts)) if 0 < m < 1 else int(m)
+    size = round(m * n_experts) if 0 < m < 1 else int(m)
     if not 1 <= size <= n_experts or (m >= 1 and m != int(m)):
         raise ReapError(f"--top-m {m}: need an integer in 1..{n_experts} or a fraction in (0, 1)")
     return size
@@ -129,7 +131,7 @@ def important_set(score: np.ndarray, m: int) -> np.ndarray:
 
     score: [..., E] -> bool mask [..., E].
     """
-    kth = -np.partition(-score, m - 1, axis=-1)[..., m - 1: m]  # [..., 1] the m-th largest
+    kth = -np.partition(-score, m - 1, axis=-1)[..., m - 1 : m]  # [..., 1] the m-th largest
     return (score >= kth) & (score > 0)
 
 
@@ -234,8 +236,9 @@ class UsageSimilarity:
     sum_min_hi: float = float("nan")
 
 
-def compare_sets(a: CorpusUsage, b: CorpusUsage, criterion: str, m: int,
-                 alpha: float = 0.05) -> tuple[list[SetOverlap], SetOverlapOverall]:
+def compare_sets(
+    a: CorpusUsage, b: CorpusUsage, criterion: str, m: int, alpha: float = 0.05
+) -> tuple[list[SetOverlap], SetOverlapOverall]:
     """Per-layer and overall set overlap of two corpora under one criterion and set size."""
     sa = important_set(a.score(criterion), m)  # [L, E]
     sb = important_set(b.score(criterion), m)
@@ -247,9 +250,27 @@ def compare_sets(a: CorpusUsage, b: CorpusUsage, criterion: str, m: int,
         p = chance.jaccard_p(n, na, nb, k)
         j = float(chance.jaccard_of(k, na, nb))
         z = (j - null.mean) / null.sd if null.sd > 0 else np.nan
-        rows.append(SetOverlap(a.name, b.name, criterion, m, layer, na, nb, k, j, null.mean,
-                               null.sd, null.lo, null.hi, float(z), p.less, p.greater,
-                               p.two_sided))
+        rows.append(
+            SetOverlap(
+                a.name,
+                b.name,
+                criterion,
+                m,
+                layer,
+                na,
+                nb,
+                k,
+                j,
+                null.mean,
+                null.sd,
+                null.lo,
+                null.hi,
+                float(z),
+                p.less,
+                p.greater,
+                p.two_sided,
+            )
+        )
         sizes.append((n, na, nb))
         inter_total += k
     q = chance.fdr_bh(np.array([r.p_value for r in rows]))
@@ -264,24 +285,41 @@ def _overall(rows: list[SetOverlap], sizes, inter_total: int, alpha: float) -> S
     L = len(rows)
     mean_j = float(np.nanmean([r.jaccard for r in rows]))
     mean_e = float(np.nanmean([r.expected for r in rows]))
-    sd = float(np.sqrt(np.nansum([r.null_sd ** 2 for r in rows]))) / L
+    sd = float(np.sqrt(np.nansum([r.null_sd**2 for r in rows]))) / L
     zc = float(norm.ppf(1 - alpha / 2))
     p = chance.total_intersection_p(sizes, inter_total)
     sig = [r for r in rows if r.q_value < alpha]
     r0 = rows[0]
     return SetOverlapOverall(
-        r0.corpus_a, r0.corpus_b, r0.criterion, r0.m, L, mean_j, mean_e, mean_e - zc * sd,
-        mean_e + zc * sd, (mean_j - mean_e) / sd if sd > 0 else float("nan"), inter_total,
-        float(sum(a * b / n for n, a, b in sizes)), p.less, p.greater, p.two_sided,
-        sum(r.jaccard > r.expected for r in sig), sum(r.jaccard < r.expected for r in sig))
+        r0.corpus_a,
+        r0.corpus_b,
+        r0.criterion,
+        r0.m,
+        L,
+        mean_j,
+        mean_e,
+        mean_e - zc * sd,
+        mean_e + zc * sd,
+        (mean_j - mean_e) / sd if sd > 0 else float("nan"),
+        inter_total,
+        float(sum(a * b / n for n, a, b in sizes)),
+        p.less,
+        p.greater,
+        p.two_sided,
+        sum(r.jaccard > r.expected for r in sig),
+        sum(r.jaccard < r.expected for r in sig),
+    )
 
 
 def compare_usage(a: CorpusUsage, b: CorpusUsage) -> list[UsageSimilarity]:
     """Per-layer JSD / cosine / sum(min) of the routing distributions, then their layer mean."""
     pa, pb = a.usage(), b.usage()  # [L, E]
     j, c, s = jsd(pa, pb), cosine(pa, pb), sum_min(pa, pb)  # [L]
-    rows = [UsageSimilarity(a.name, b.name, layer, float(j[i]), float(c[i]), float(s[i]))
-            for i, layer in enumerate(a.stats.layers)]
-    rows.append(UsageSimilarity(a.name, b.name, -1, float(j.mean()), float(c.mean()),
-                                float(s.mean())))
+    rows = [
+        UsageSimilarity(a.name, b.name, layer, float(j[i]), float(c[i]), float(s[i]))
+        for i, layer in enumerate(a.stats.layers)
+    ]
+    rows.append(
+        UsageSimilarity(a.name, b.name, -1, float(j.mean()), float(c.mean()), float(s.mean()))
+    )
     return rows

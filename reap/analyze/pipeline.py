@@ -84,10 +84,21 @@ def _log(progress: bool, msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
 
-def analyze(stats: list, *, top_m: list[float] = (0.25,), criteria: list[str] = CRITERIA,
-            bootstrap: int = 200, ci_method: str = "basic", seed: int = 0, alpha: float = 0.05,
-            specialist_ratio: float = 3.0, min_load: float = 0.5, permutations: int = 100,
-            communities: bool = True, progress: bool = False) -> AnalysisResult:
+def analyze(
+    stats: list,
+    *,
+    top_m: list[float] = (0.25,),
+    criteria: list[str] = CRITERIA,
+    bootstrap: int = 200,
+    ci_method: str = "basic",
+    seed: int = 0,
+    alpha: float = 0.05,
+    specialist_ratio: float = 3.0,
+    min_load: float = 0.5,
+    permutations: int = 100,
+    communities: bool = True,
+    progress: bool = False,
+) -> AnalysisResult:
     """Overlap of expert usage between corpora against chance, with uncertainty and clusters.
 
     stats: statistics file paths, `ExpertStats` or `CorpusUsage`, one per corpus (>= 2).
@@ -99,8 +110,18 @@ def analyze(stats: list, *, top_m: list[float] = (0.25,), criteria: list[str] = 
     for c in criteria:
         corpora[0].score(c)  # validates the name
     ms = sorted({overlap.resolve_m(m, first.n_experts) for m in top_m})
-    settings = Settings(list(criteria), list(top_m), ms, bootstrap, ci_method, seed, alpha,
-                        specialist_ratio, min_load, permutations)
+    settings = Settings(
+        list(criteria),
+        list(top_m),
+        ms,
+        bootstrap,
+        ci_method,
+        seed,
+        alpha,
+        specialist_ratio,
+        min_load,
+        permutations,
+    )
     notes: list[str] = []
     sets, overall, usage = _pairwise(corpora, criteria, ms, alpha, progress)
     _bootstrap(corpora, ms, settings, sets, overall, usage, notes, progress)
@@ -112,15 +133,26 @@ def analyze(stats: list, *, top_m: list[float] = (0.25,), criteria: list[str] = 
     comms = cluster.communities(corpora, seed, progress=progress) if communities else []
     return AnalysisResult(
         [CorpusInfo(c.name, c.path, c.tokens, c.n_sequences, c.stats.meta) for c in corpora],
-        list(first.layers), first.n_experts, first.top_k, settings, sets, overall, usage, prof,
-        null, cluster.cluster_corpora(corpora), cluster.cluster_experts(prof, seed=seed), comms,
-        notes)
+        list(first.layers),
+        first.n_experts,
+        first.top_k,
+        settings,
+        sets,
+        overall,
+        usage,
+        prof,
+        null,
+        cluster.cluster_corpora(corpora),
+        cluster.cluster_experts(prof, seed=seed),
+        comms,
+        notes,
+    )
 
 
 def _pairwise(corpora, criteria, ms, alpha, progress):
     from tqdm.auto import tqdm
 
-    pairs = [(a, b) for i, a in enumerate(corpora) for b in corpora[i + 1:]]
+    pairs = [(a, b) for i, a in enumerate(corpora) for b in corpora[i + 1 :]]
     sets, overall, usage = [], [], []
     for a, b in tqdm(pairs, desc="corpus pairs", disable=not progress):
         for crit in criteria:
@@ -138,13 +170,19 @@ def _bootstrap(corpora, ms, settings, sets, overall, usage, notes, progress) -> 
         return
     missing = [c.name for c in corpora if c.stats.seq_count is None]
     if missing:
-        notes.append("no seq_count (per-sequence counts) in " + ", ".join(missing)
-                     + ": confidence intervals skipped for every pair involving them")
+        notes.append(
+            "no seq_count (per-sequence counts) in "
+            + ", ".join(missing)
+            + ": confidence intervals skipped for every pair involving them"
+        )
     if "reap_mass" in settings.criteria:
-        notes.append("REAP-mass sets have no confidence intervals: the statistics keep "
-                     "per-sequence routed counts only")
+        notes.append(
+            "REAP-mass sets have no confidence intervals: the statistics keep "
+            "per-sequence routed counts only"
+        )
     if len(missing) >= len(corpora) - 1:
         return
     boots = boot.bootstrap_pairs(corpora, ms, settings.bootstrap, settings.seed, progress)
-    boot.attach_cis(sets, overall, usage, boots, list(corpora[0].stats.layers),
-                    method=settings.ci_method)
+    boot.attach_cis(
+        sets, overall, usage, boots, list(corpora[0].stats.layers), method=settings.ci_method
+    )

@@ -46,9 +46,11 @@ def _atomic(path: str, write) -> str:
 
 def write_text(path: str, text: str) -> str:
     """Write a text file atomically."""
+
     def w(tmp):
         with open(tmp, "w", encoding="utf-8") as f:
             f.write(text)
+
     return _atomic(path, w)
 
 
@@ -60,11 +62,15 @@ def tables(r: AnalysisResult) -> dict:
         return pd.DataFrame([asdict(x) for x in records])
 
     per_layer = [u for u in r.usage if u.layer != -1]
-    out = {"set_overlap": frame(r.set_overlap), "set_overlap_overall": frame(r.set_overall),
-           "usage_similarity": frame(per_layer),
-           "usage_similarity_overall": frame([u for u in r.usage if u.layer == -1])
-           .drop(columns="layer"),
-           "corpus_distance": _corpus_distance(r)}
+    out = {
+        "set_overlap": frame(r.set_overlap),
+        "set_overlap_overall": frame(r.set_overall),
+        "usage_similarity": frame(per_layer),
+        "usage_similarity_overall": frame([u for u in r.usage if u.layer == -1]).drop(
+            columns="layer"
+        ),
+        "corpus_distance": _corpus_distance(r),
+    }
     out.update(_expert_tables(r))
     out.update(_community_tables(r))
     return out
@@ -74,9 +80,14 @@ def _corpus_distance(r: AnalysisResult):
     import pandas as pd
 
     cc = r.corpus_clusters
-    return pd.DataFrame([{"corpus_a": a, "corpus_b": b, "js_distance": cc.distance[i, j]}
-                         for i, a in enumerate(cc.corpora) for j, b in enumerate(cc.corpora)
-                         if i < j])
+    return pd.DataFrame(
+        [
+            {"corpus_a": a, "corpus_b": b, "js_distance": cc.distance[i, j]}
+            for i, a in enumerate(cc.corpora)
+            for j, b in enumerate(cc.corpora)
+            if i < j
+        ]
+    )
 
 
 def _expert_tables(r: AnalysisResult) -> dict:
@@ -86,26 +97,45 @@ def _expert_tables(r: AnalysisResult) -> dict:
     L, E, C = p.freq.shape
     li, ei, ci = np.meshgrid(np.arange(L), np.arange(E), np.arange(C), indexing="ij")
     names = np.array(p.corpora + [""])
-    usage = pd.DataFrame({
-        "layer": np.array(p.layers)[li].ravel(), "expert": ei.ravel(),
-        "corpus": names[ci.ravel()], "freq": p.freq.ravel(), "share": p.share.ravel(),
-        "lift": p.lift.ravel(),
-        "specialist_of": np.repeat(names[p.specialist_of].ravel(), C),
-        "generalist": np.repeat(p.generalist.ravel(), C)})
+    usage = pd.DataFrame(
+        {
+            "layer": np.array(p.layers)[li].ravel(),
+            "expert": ei.ravel(),
+            "corpus": names[ci.ravel()],
+            "freq": p.freq.ravel(),
+            "share": p.share.ravel(),
+            "lift": p.lift.ravel(),
+            "specialist_of": np.repeat(names[p.specialist_of].ravel(), C),
+            "generalist": np.repeat(p.generalist.ravel(), C),
+        }
+    )
     counts = p.specialist_counts()  # [L, C]
-    spec = pd.DataFrame([{"layer": layer, "corpus": c, "n_specialists": int(counts[i, j])}
-                         for i, layer in enumerate(p.layers) for j, c in enumerate(p.corpora)])
+    spec = pd.DataFrame(
+        [
+            {"layer": layer, "corpus": c, "n_specialists": int(counts[i, j])}
+            for i, layer in enumerate(p.layers)
+            for j, c in enumerate(p.corpora)
+        ]
+    )
     gen = pd.DataFrame({"layer": p.layers, "n_generalists": p.generalist.sum(-1)})
     out = {"expert_usage": usage, "specialist_counts": spec, "generalist_counts": gen}
     ec = r.expert_clusters
     if ec is not None:
         lab = np.argwhere(ec.labels >= 0)  # [n, 2] (layer row, expert)
-        out["expert_clusters"] = pd.DataFrame({
-            "layer": np.array(p.layers)[lab[:, 0]], "expert": lab[:, 1],
-            "cluster": ec.labels[ec.labels >= 0]})
+        out["expert_clusters"] = pd.DataFrame(
+            {
+                "layer": np.array(p.layers)[lab[:, 0]],
+                "expert": lab[:, 1],
+                "cluster": ec.labels[ec.labels >= 0],
+            }
+        )
         out["expert_cluster_centroids"] = pd.DataFrame(
-            [{"cluster": k, "corpus": c, "share": ec.centroids[k, j]}
-             for k in range(ec.k) for j, c in enumerate(ec.corpora)])
+            [
+                {"cluster": k, "corpus": c, "share": ec.centroids[k, j]}
+                for k in range(ec.k)
+                for j, c in enumerate(ec.corpora)
+            ]
+        )
     return out
 
 
@@ -116,15 +146,33 @@ def _community_tables(r: AnalysisResult) -> dict:
         return {}
     names = r.profiles.corpora
     return {
-        "communities": pd.DataFrame([{"layer": c.layer, "expert": e, "community": int(g)}
-                                     for c in r.communities for e, g in enumerate(c.labels)]),
-        "community_summary": pd.DataFrame([
-            {"layer": c.layer, "n_communities": c.n_communities, "modularity": c.modularity,
-             "null_modularity": c.null_modularity} for c in r.communities]),
-        "community_composition": pd.DataFrame([
-            {"layer": c.layer, "community": g, "corpus": n, "share": c.share[g, j]}
-            for c in r.communities for g in range(c.n_communities)
-            for j, n in enumerate(names)])}
+        "communities": pd.DataFrame(
+            [
+                {"layer": c.layer, "expert": e, "community": int(g)}
+                for c in r.communities
+                for e, g in enumerate(c.labels)
+            ]
+        ),
+        "community_summary": pd.DataFrame(
+            [
+                {
+                    "layer": c.layer,
+                    "n_communities": c.n_communities,
+                    "modularity": c.modularity,
+                    "null_modularity": c.null_modularity,
+                }
+                for c in r.communities
+            ]
+        ),
+        "community_composition": pd.DataFrame(
+            [
+                {"layer": c.layer, "community": g, "corpus": n, "share": c.share[g, j]}
+                for c in r.communities
+                for g in range(c.n_communities)
+                for j, n in enumerate(names)
+            ]
+        ),
+    }
 
 
 def _jsonable(x):
@@ -149,23 +197,49 @@ def summary(r: AnalysisResult, files: ReportFiles | None = None) -> dict:
 
     p = r.profiles
     ec = r.expert_clusters
-    return _jsonable({
-        "format": "reap.analysis/1", "reap_version": __version__,
-        "corpora": r.corpora, "layers": r.layers, "n_experts": r.n_experts, "top_k": r.top_k,
-        "settings": r.settings, "set_overlap_overall": r.set_overall,
-        "usage_similarity_overall": [u for u in r.usage if u.layer == -1],
-        "corpus_clusters": {"order": r.corpus_clusters.order,
-                            "distance": r.corpus_clusters.distance},
-        "specialists": {"per_corpus": dict(zip(p.corpora, p.specialist_counts().sum(0))),
-                        "generalists": int(p.generalist.sum()), "ratio": p.ratio,
-                        "min_load": p.min_load, "chance": r.specialist_null},
-        "expert_clusters": None if ec is None else {
-            "k": ec.k, "silhouette": ec.silhouette, "centroids": ec.centroids,
-            "corpora": ec.corpora},
-        "communities": [{"layer": c.layer, "n_communities": c.n_communities,
-                         "modularity": c.modularity, "null_modularity": c.null_modularity}
-                        for c in r.communities],
-        "notes": r.notes, "files": files})
+    return _jsonable(
+        {
+            "format": "reap.analysis/1",
+            "reap_version": __version__,
+            "corpora": r.corpora,
+            "layers": r.layers,
+            "n_experts": r.n_experts,
+            "top_k": r.top_k,
+            "settings": r.settings,
+            "set_overlap_overall": r.set_overall,
+            "usage_similarity_overall": [u for u in r.usage if u.layer == -1],
+            "corpus_clusters": {
+                "order": r.corpus_clusters.order,
+                "distance": r.corpus_clusters.distance,
+            },
+            "specialists": {
+                "per_corpus": dict(zip(p.corpora, p.specialist_counts().sum(0))),
+                "generalists": int(p.generalist.sum()),
+                "ratio": p.ratio,
+                "min_load": p.min_load,
+                "chance": r.specialist_null,
+            },
+            "expert_clusters": None
+            if ec is None
+            else {
+                "k": ec.k,
+                "silhouette": ec.silhouette,
+                "centroids": ec.centroids,
+                "corpora": ec.corpora,
+            },
+            "communities": [
+                {
+                    "layer": c.layer,
+                    "n_communities": c.n_communities,
+                    "modularity": c.modularity,
+                    "null_modularity": c.null_modularity,
+                }
+                for c in r.communities
+            ],
+            "notes": r.notes,
+            "files": files,
+        }
+    )
 
 
 def _slug(s: str) -> str:
@@ -181,7 +255,8 @@ def figures(r: AnalysisResult) -> dict:
     for crit in r.settings.criteria:
         for m in r.settings.m:
             out[f"heatmap_{crit}_top{m}.png"] = plots.overlap_heatmaps(
-                r.profiles.corpora, r.set_overall, r.usage, crit, m)
+                r.profiles.corpora, r.set_overall, r.usage, crit, m
+            )
     out["dendrogram.png"] = plots.dendrogram(r.corpus_clusters)
     if r.expert_clusters is not None:
         out["expert_profiles.png"] = plots.expert_profile_map(r.expert_clusters)
@@ -191,8 +266,9 @@ def figures(r: AnalysisResult) -> dict:
     return out
 
 
-def write_report(r: AnalysisResult, out_dir: str, *, with_plots: bool = True,
-                 progress: bool = False) -> ReportFiles:
+def write_report(
+    r: AnalysisResult, out_dir: str, *, with_plots: bool = True, progress: bool = False
+) -> ReportFiles:
     """Write tables, figures, summary.json and report.md under out_dir; returns the paths."""
     from tqdm.auto import tqdm
 

@@ -57,8 +57,9 @@ class SpecialistNull:
     p_value: np.ndarray  # [C] (1 + #perm >= observed) / (1 + P), one-sided
 
 
-def classify(freq: np.ndarray, top_k: int, ratio: float = 3.0,
-             min_load: float = 0.5) -> tuple[np.ndarray, np.ndarray]:
+def classify(
+    freq: np.ndarray, top_k: int, ratio: float = 3.0, min_load: float = 0.5
+) -> tuple[np.ndarray, np.ndarray]:
     """Specialist corpus index (-1 none) and generalist flag from usage rates freq [..., E, C]."""
     E, C = freq.shape[-2:]
     floor = min_load * top_k / E
@@ -71,8 +72,9 @@ def classify(freq: np.ndarray, top_k: int, ratio: float = 3.0,
     return specialist_of, generalist
 
 
-def expert_profiles(corpora: list[CorpusUsage], ratio: float = 3.0,
-                    min_load: float = 0.5) -> ExpertProfiles:
+def expert_profiles(
+    corpora: list[CorpusUsage], ratio: float = 3.0, min_load: float = 0.5
+) -> ExpertProfiles:
     """Usage rates, shares, lifts and labels of every expert of every layer."""
     freq = np.stack([c.count / c.tokens for c in corpora], -1)  # [L, E, C]
     return _profiles_from_freq(freq, corpora, ratio, min_load)
@@ -83,13 +85,26 @@ def _profiles_from_freq(freq, corpora, ratio, min_load) -> ExpertProfiles:
     with np.errstate(invalid="ignore", divide="ignore"):
         share = np.where(total > 0, freq / np.where(total > 0, total, 1), np.nan)
     spec, gen = classify(freq, corpora[0].stats.top_k, ratio, min_load)
-    return ExpertProfiles([c.name for c in corpora], list(corpora[0].stats.layers), freq, share,
-                          share * len(corpora), spec, gen, ratio, min_load)
+    return ExpertProfiles(
+        [c.name for c in corpora],
+        list(corpora[0].stats.layers),
+        freq,
+        share,
+        share * len(corpora),
+        spec,
+        gen,
+        ratio,
+        min_load,
+    )
 
 
-def specialist_null(corpora: list[CorpusUsage], profiles: ExpertProfiles,
-                    n_permutations: int = 100, seed: int = 0,
-                    progress: bool = False) -> SpecialistNull | None:
+def specialist_null(
+    corpora: list[CorpusUsage],
+    profiles: ExpertProfiles,
+    n_permutations: int = 100,
+    seed: int = 0,
+    progress: bool = False,
+) -> SpecialistNull | None:
     """Chance baseline for specialist counts by shuffling sequences between corpora.
 
     The same P shuffles serve every layer (layer by layer, to bound memory). p-values are
@@ -109,14 +124,20 @@ def specialist_null(corpora: list[CorpusUsage], profiles: ExpertProfiles,
     tokens = np.add.reduceat(seq_tokens[perms], starts, axis=1)  # [P, C]
     counts = np.zeros((n_permutations, C))
     for li in tqdm(range(len(profiles.layers)), desc="specialist null", disable=not progress):
-        seqs = np.concatenate([c.stats.seq_count[:, li, :].double().numpy()
-                               for c in corpora])  # [S, E]
+        seqs = np.concatenate(
+            [c.stats.seq_count[:, li, :].double().numpy() for c in corpora]
+        )  # [S, E]
         for p in range(n_permutations):
             freq = np.add.reduceat(seqs[perms[p]], starts, axis=0) / tokens[p][:, None]  # [C, E]
             spec, _ = classify(freq.T, top_k, profiles.ratio, profiles.min_load)
             counts[p] += np.bincount(spec[spec >= 0], minlength=C)
     observed = profiles.specialist_counts().sum(0)  # [C]
     tot = counts.sum(1)
-    return SpecialistNull(n_permutations, counts.mean(0), np.percentile(counts, 95, axis=0),
-                          float(tot.mean()), float(np.percentile(tot, 95)),
-                          (1 + (counts >= observed).sum(0)) / (1 + n_permutations))
+    return SpecialistNull(
+        n_permutations,
+        counts.mean(0),
+        np.percentile(counts, 95, axis=0),
+        float(tot.mean()),
+        float(np.percentile(tot, 95)),
+        (1 + (counts >= observed).sum(0)) / (1 + n_permutations),
+    )

@@ -24,9 +24,16 @@ from reap.stats import ExpertStats
 DEFAULT_FAMILIES = {"european": ["en", "de", "fr"], "code": ["python", "rust"], "chinese": ["zh"]}
 
 
-def routed_stats(probs: np.ndarray, *, tokens_per_seq: int, top_k: int, seed: int = 0,
-                 corpus: str = "synthetic", model: str = "synthetic-model",
-                 with_seq_count: bool = True) -> ExpertStats:
+def routed_stats(
+    probs: np.ndarray,
+    *,
+    tokens_per_seq: int,
+    top_k: int,
+    seed: int = 0,
+    corpus: str = "synthetic",
+    model: str = "synthetic-model",
+    with_seq_count: bool = True,
+) -> ExpertStats:
     """Simulate routing and return the statistics a calibration run would record.
 
     probs: [S, L, E] usage distribution of each sequence at each layer (rows sum to 1).
@@ -40,18 +47,32 @@ def routed_stats(probs: np.ndarray, *, tokens_per_seq: int, top_k: int, seed: in
         raise ValueError("top_k exceeds n_experts")
     gen = torch.Generator().manual_seed(seed)
     logp = torch.from_numpy(np.log(np.clip(probs, 1e-300, None)))  # [S, L, E]
-    gumbel = -torch.log(-torch.log(torch.rand((S, L, tokens_per_seq, E), generator=gen,
-                                              dtype=torch.float64).clamp_min(1e-300)))
+    gumbel = -torch.log(
+        -torch.log(
+            torch.rand((S, L, tokens_per_seq, E), generator=gen, dtype=torch.float64).clamp_min(
+                1e-300
+            )
+        )
+    )
     idx = (logp[:, :, None, :] + gumbel).topk(top_k, dim=-1).indices  # [S, L, T, K]
-    chosen_p = torch.gather(torch.from_numpy(probs)[:, :, None, :].expand(-1, -1, tokens_per_seq, -1),
-                            -1, idx)  # [S, L, T, K]
+    chosen_p = torch.gather(
+        torch.from_numpy(probs)[:, :, None, :].expand(-1, -1, tokens_per_seq, -1), -1, idx
+    )  # [S, L, T, K]
     gate = chosen_p / chosen_p.sum(-1, keepdim=True)
     scale = _expert_scales(model, L, E)  # [L, E]
     lscale = scale[torch.arange(L)[None, :, None, None], idx]  # [S, L, T, K]
     norm = lscale * torch.exp(0.25 * torch.randn(idx.shape, generator=gen, dtype=torch.float64))
-    return _assemble(probs, idx, gate, norm, E, top_k, tokens_per_seq,
-                     {"corpus": corpus, "model": model, "synthetic": True, "seed": seed},
-                     with_seq_count)
+    return _assemble(
+        probs,
+        idx,
+        gate,
+        norm,
+        E,
+        top_k,
+        tokens_per_seq,
+        {"corpus": corpus, "model": model, "synthetic": True, "seed": seed},
+        with_seq_count,
+    )
 
 
 def _expert_scales(model: str, L: int, E: int) -> torch.Tensor:
@@ -90,8 +111,9 @@ def _assemble(probs, idx, gate, norm, E, top_k, T, meta, with_seq_count) -> Expe
     return st
 
 
-def sequence_probs(profile: np.ndarray, n_seqs: int, *, concentration: float = 200.0,
-                   rng: np.random.Generator) -> np.ndarray:
+def sequence_probs(
+    profile: np.ndarray, n_seqs: int, *, concentration: float = 200.0, rng: np.random.Generator
+) -> np.ndarray:
     """Per-sequence usage distributions scattered around a corpus profile.
 
     profile: [L, E] rows summing to 1. Each sequence draws Dirichlet(concentration * profile)
@@ -103,10 +125,17 @@ def sequence_probs(profile: np.ndarray, n_seqs: int, *, concentration: float = 2
     return out / out.sum(-1, keepdims=True)
 
 
-def planted_profiles(*, families: dict[str, list[str]] | None = None, n_layers: int = 4,
-                     n_experts: int = 64, generalists: int = 8, home_boost: float = 3.0,
-                     generalist_boost: float = 2.0, corpus_noise: float = 0.3,
-                     seed: int = 0) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+def planted_profiles(
+    *,
+    families: dict[str, list[str]] | None = None,
+    n_layers: int = 4,
+    n_experts: int = 64,
+    generalists: int = 8,
+    home_boost: float = 3.0,
+    generalist_boost: float = 2.0,
+    corpus_noise: float = 0.3,
+    seed: int = 0,
+) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     """Usage profiles with planted family structure.
 
     Per layer: `generalists` experts favored by every corpus (logit +generalist_boost); the rest
@@ -126,7 +155,7 @@ def planted_profiles(*, families: dict[str, list[str]] | None = None, n_layers: 
         perm = rng.permutation(n_experts)
         base[layer, perm[:generalists]] = generalist_boost
         for i, f in enumerate(families):
-            homes[f][layer, perm[generalists + i * block: generalists + (i + 1) * block]] = True
+            homes[f][layer, perm[generalists + i * block : generalists + (i + 1) * block]] = True
     for f in families:
         base_by_family[f] = base + home_boost * homes[f]
     profiles = {}
@@ -138,35 +167,62 @@ def planted_profiles(*, families: dict[str, list[str]] | None = None, n_layers: 
     return profiles, homes
 
 
-def planted_corpora(*, families: dict[str, list[str]] | None = None, n_layers: int = 4,
-                    n_experts: int = 64, top_k: int = 4, n_seqs: int = 24,
-                    tokens_per_seq: int = 64, concentration: float = 200.0, seed: int = 0,
-                    with_seq_count: bool = True, **profile_kw) -> list[ExpertStats]:
+def planted_corpora(
+    *,
+    families: dict[str, list[str]] | None = None,
+    n_layers: int = 4,
+    n_experts: int = 64,
+    top_k: int = 4,
+    n_seqs: int = 24,
+    tokens_per_seq: int = 64,
+    concentration: float = 200.0,
+    seed: int = 0,
+    with_seq_count: bool = True,
+    **profile_kw,
+) -> list[ExpertStats]:
     """Statistics of every corpus of `families`, routed through one synthetic model.
 
     Members of a family share a home block of experts; families' blocks are disjoint, so
     cross-family top-m sets overlap less than chance. See `planted_profiles` for the knobs.
     """
-    profiles, _ = planted_profiles(families=families, n_layers=n_layers, n_experts=n_experts,
-                                   seed=seed, **profile_kw)
+    profiles, _ = planted_profiles(
+        families=families, n_layers=n_layers, n_experts=n_experts, seed=seed, **profile_kw
+    )
     seeds = np.random.SeedSequence(seed).spawn(len(profiles))
     out = []
     for (name, prof), ss in zip(profiles.items(), seeds):
         rng = np.random.default_rng(ss)
         probs = sequence_probs(prof, n_seqs, concentration=concentration, rng=rng)
-        out.append(routed_stats(probs, tokens_per_seq=tokens_per_seq, top_k=top_k,
-                                seed=int(rng.integers(2**31)), corpus=name,
-                                with_seq_count=with_seq_count))
+        out.append(
+            routed_stats(
+                probs,
+                tokens_per_seq=tokens_per_seq,
+                top_k=top_k,
+                seed=int(rng.integers(2**31)),
+                corpus=name,
+                with_seq_count=with_seq_count,
+            )
+        )
     return out
 
 
-def uniform_corpora(names: list[str], *, n_layers: int = 4, n_experts: int = 64, top_k: int = 4,
-                    n_seqs: int = 16, tokens_per_seq: int = 64, seed: int = 0) -> list[ExpertStats]:
+def uniform_corpora(
+    names: list[str],
+    *,
+    n_layers: int = 4,
+    n_experts: int = 64,
+    top_k: int = 4,
+    n_seqs: int = 16,
+    tokens_per_seq: int = 64,
+    seed: int = 0,
+) -> list[ExpertStats]:
     """Corpora that all route uniformly at random: the null of no structure at all."""
     probs = np.full((n_seqs, n_layers, n_experts), 1.0 / n_experts)
     seeds = np.random.SeedSequence(seed).generate_state(len(names))
-    return [routed_stats(probs, tokens_per_seq=tokens_per_seq, top_k=top_k, seed=int(s),
-                         corpus=n) for n, s in zip(names, seeds)]
+    return [
+        routed_stats(probs, tokens_per_seq=tokens_per_seq, top_k=top_k, seed=int(s), corpus=n)
+        for n, s in zip(names, seeds)
+    ]
 
 
 def write_corpora(stats: list[ExpertStats], out_dir: str) -> list[str]:
