@@ -24,6 +24,7 @@ EXPERT_TENSORS = ("w1.weight_packed", "w1.weight_scale", "w2.weight_packed", "w2
                   "w3.weight_packed", "w3.weight_scale")
 _EXPERT_RE = re.compile(r"(?:^|\.)model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.")
 _DTYPES = {"bfloat16": "BF16", "float32": "F32", "float16": "F16"}
+_KEEP_F32 = {"A_log", "dt_bias", "gate.e_score_correction_bias"}  # used in fp32 whatever dtype
 
 
 @dataclass
@@ -267,8 +268,8 @@ def default_experts(get: Weights) -> ExpertSource:
 class Model:
     """Kimi K3 text model; holds no weights (see `reap.models.base` for the driving protocol).
 
-    Compute runs in `dtype` on `device` (fp32 tensors of the checkpoint stay fp32 where used);
-    the KDA state, router, norms and AttnRes mix are always fp32."""
+    Compute runs in `dtype` on `device`; the KDA decay and state, router scores, norms and the
+    AttnRes mix are always fp32."""
 
     def __init__(self, cfg: Config, device: str | torch.device = "cpu",
                  dtype: torch.dtype = torch.float32):
@@ -282,7 +283,8 @@ class Model:
     def _w(self, get: Weights, prefix: str) -> B.WeightFn:
         def w(name: str) -> torch.Tensor:
             t = get(prefix + name)
-            return t.to(self.device) if t.dtype == torch.float32 else t.to(self.device, self.dtype)
+            keep = name in _KEEP_F32 or not t.is_floating_point()
+            return t.to(self.device) if keep else t.to(self.device, self.dtype)
 
         return w
 
