@@ -53,7 +53,7 @@ def load_safetensors(d: Path) -> dict[str, torch.Tensor]:
     out = {}
     for f in sorted(d.glob("*.safetensors")):
         with safe_open(str(f), "pt") as s:
-            out.update({k: s.get_tensor(k) for k in s.keys()})
+            out.update({k: s.get_tensor(k) for k in s.keys()})  # noqa: SIM118
     return out
 
 

@@ -197,11 +197,45 @@ def _largest_shard(ck) -> int:
     return max(per_file.values(), default=1)
 
 
+class _Hasher:
+    """sha256 of each kept expert on a worker thread, overlapping the copy (hashlib releases the
+    GIL); at most one expert waits to be hashed while the next is copied, so memory stays small."""
+
+    def __init__(self):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="reap-sha256")
+        self.pending = None
+        self.hashes: dict[tuple[int, int], str] = {}
+
+    def submit(self, key: tuple[int, int], tensors: list[torch.Tensor]) -> None:
+        self._collect()
+        self.pending = (key, self.pool.submit(_sha256, tensors))
+
+    def _collect(self) -> None:
+        if self.pending is not None:
+            key, fut = self.pending
+            self.hashes[key] = fut.result()
+            self.pending = None
+
+    def close(self) -> dict[tuple[int, int], str]:
+        self._collect()
+        self.pool.shutdown()
+        return self.hashes
+
+
+def _sha256(tensors: list[torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()))
+    return h.hexdigest()
+
+
 def _stream(ck, fam, writer, items: list[Item], progress: bool):
     """Copy every item into the writer; returns ({(layer, new id): sha256}, resumed count)."""
     from tqdm import tqdm
 
-    hashes: dict[tuple[int, int], str] = {}
+    hasher = _Hasher()
     resumed = 0
     bar = tqdm(total=sum(it.spec.nbytes for it in items), unit="B", unit_scale=True,
                disable=not progress, desc="prune")
@@ -215,25 +249,22 @@ def _stream(ck, fam, writer, items: list[Item], progress: bool):
         done = [writer.done(g.spec.name) for g in group]
         resumed += sum(done)
         if it.kind == "expert":  # read even when written: the manifest needs its hash
-            hashes[it.expert] = _copy_expert(ck, writer, group)
+            hasher.submit(it.expert, _copy_expert(ck, writer, group))
         elif not done[0]:
             writer.write(it.spec.name, _tensor(ck, it))
         bar.update(sum(g.spec.nbytes for g in group))
         i += len(group)
     bar.close()
-    return hashes, resumed
+    return hasher.close(), resumed
 
 
-def _copy_expert(ck, writer, group: list[Item]) -> str:
-    """One expert's tensors, read together (adjacent: one read), hashed and written verbatim
-    (the writer skips tensors of shards a previous run completed)."""
+def _copy_expert(ck, writer, group: list[Item]) -> list[torch.Tensor]:
+    """One expert's tensors, read together (adjacent: one read) and written verbatim (the writer
+    skips tensors of shards a previous run completed); returns them, in order, for hashing."""
     tensors = ck.read_many([g.source for g in group])
-    h = hashlib.sha256()
     for g in group:
-        t = tensors[g.source]
-        h.update(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()))
-        writer.write(g.spec.name, t)
-    return h.hexdigest()
+        writer.write(g.spec.name, tensors[g.source])
+    return [tensors[g.source] for g in group]
 
 
 def _tensor(ck, it: Item) -> torch.Tensor:
