@@ -25,8 +25,10 @@ from reap.errors import ReapError
 from reap.models import BUILTIN, builtin_config, family
 from reap.tokenizer import byte_tokenizer_files
 
-SIZES = "k3-tiny ~0.7 MB (seconds), k3-small ~0.34 GB, k3-full ~1.56 TB (~15.7 GB of experts " \
-        "per MoE layer: use --layers N)"
+SIZES = (
+    "k3-tiny ~0.7 MB (seconds), k3-small ~0.34 GB, k3-full ~1.56 TB (~15.7 GB of experts "
+    "per MoE layer: use --layers N)"
+)
 _TORCH = {"BF16": torch.bfloat16, "F32": torch.float32, "F16": torch.float16, "U8": torch.uint8}
 _DIRECT_CODES_ABOVE = 1 << 22  # expert matrices with more params get codes drawn directly
 _E2M1_RMS = math.sqrt(68.5 / 8)  # rms of a uniformly drawn E2M1 code value
@@ -43,16 +45,25 @@ def load_config(config: str | dict, layers: int | None = None) -> dict:
     try:
         d = json.loads(p.read_text())
     except (OSError, ValueError) as e:
-        raise ReapError(f"{config}: not a built-in config ({', '.join(BUILTIN)}) and not a "
-                        f"readable config.json ({e})") from None
+        raise ReapError(
+            f"{config}: not a built-in config ({', '.join(BUILTIN)}) and not a "
+            f"readable config.json ({e})"
+        ) from None
     if layers is not None:
         raise ReapError("--layers applies to built-in configs only")
     return d
 
 
-def synth(config: str | dict, out: str | Path, seed: int = 0, layers: int | None = None,
-          dtype: str = "bfloat16", overwrite: bool = False,
-          max_shard_bytes: int = 5_000_000_000, progress: bool = False) -> str:
+def synth(
+    config: str | dict,
+    out: str | Path,
+    seed: int = 0,
+    layers: int | None = None,
+    dtype: str = "bfloat16",
+    overwrite: bool = False,
+    max_shard_bytes: int = 5_000_000_000,
+    progress: bool = False,
+) -> str:
     """Write a random checkpoint (shards, index, config.json, byte-level tokenizer) to `out`.
     dtype: "bfloat16" or "float32" for the non-expert tensors. Returns the directory."""
     if dtype not in ("bfloat16", "float32"):
@@ -61,12 +72,18 @@ def synth(config: str | dict, out: str | Path, seed: int = 0, layers: int | None
     cfgd.setdefault("text_config", cfgd)["torch_dtype"] = dtype
     fam = family(cfgd)
     specs = fam.layout(cfgd)
-    writer = CheckpointWriter(out, specs, max_shard_bytes, prefix="language_model.",
-                              overwrite=overwrite)
+    writer = CheckpointWriter(
+        out, specs, max_shard_bytes, prefix="language_model.", overwrite=overwrite
+    )
     from tqdm import tqdm
 
-    bar = tqdm(total=sum(s.nbytes for s in specs), unit="B", unit_scale=True, disable=not progress,
-               desc="synth")
+    bar = tqdm(
+        total=sum(s.nbytes for s in specs),
+        unit="B",
+        unit_scale=True,
+        disable=not progress,
+        desc="synth",
+    )
     i = 0
     while i < len(specs):
         group = [specs[i]] if specs[i].expert is None else _expert_group(specs, i)
@@ -108,8 +125,9 @@ def _draw(group: list[TensorSpec], seed: int) -> list[torch.Tensor]:
     return out
 
 
-def _direct_codes(packed: TensorSpec, scale: TensorSpec, fan_in: int, g: torch.Generator
-                  ) -> list[torch.Tensor]:
+def _direct_codes(
+    packed: TensorSpec, scale: TensorSpec, fan_in: int, g: torch.Generator
+) -> list[torch.Tensor]:
     """Uniform random E2M1 code pairs; E8M0 scales near 2^round(log2(1/(rms*sqrt(fan_in))))
     (about 2^-7 at K3 widths), jittered by one step, so outputs keep unit variance."""
     base = 127 + round(math.log2(1 / (_E2M1_RMS * math.sqrt(fan_in))))
@@ -145,7 +163,7 @@ def _randn_rows(s: TensorSpec, std: float, g: torch.Generator) -> torch.Tensor:
     rows = max(1, (1 << 24) // max(1, s.numel // max(1, s.shape[0])))
     flat = out.reshape(s.shape[0], -1) if s.shape else out.reshape(1, 1)
     for r in range(0, flat.shape[0], rows):
-        block = flat[r: r + rows]
+        block = flat[r : r + rows]
         block.copy_(torch.randn(block.shape, generator=g) * std)
     return out
 
@@ -154,21 +172,35 @@ def _randn_rows(s: TensorSpec, std: float, g: torch.Generator) -> torch.Tensor:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Arguments of `reap synth`."""
     p.description = f"Write a random but valid checkpoint. Sizes: {SIZES}."
-    p.add_argument("config", metavar="CONFIG",
-                   help=f"built-in config ({', '.join(BUILTIN)}) or a config.json path")
+    p.add_argument(
+        "config",
+        metavar="CONFIG",
+        help=f"built-in config ({', '.join(BUILTIN)}) or a config.json path",
+    )
     p.add_argument("--out", required=True, help="output checkpoint directory")
     p.add_argument("--seed", type=int, default=0, help="random seed (same seed: same bytes)")
     p.add_argument("--layers", type=int, help="keep only the first N decoder layers")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
-                   help="dtype of the non-expert tensors (experts are always MXFP4)")
+    p.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=["bfloat16", "float32"],
+        help="dtype of the non-expert tensors (experts are always MXFP4)",
+    )
     p.add_argument("--shard-gb", type=float, default=5.0, help="max shard size in GB (default 5)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
 
 
 def run(args: argparse.Namespace) -> int:
     """Entry point of `reap synth`."""
-    path = synth(args.config, args.out, seed=args.seed, layers=args.layers, dtype=args.dtype,
-                 overwrite=args.overwrite, max_shard_bytes=int(args.shard_gb * 1e9),
-                 progress=True)
+    path = synth(
+        args.config,
+        args.out,
+        seed=args.seed,
+        layers=args.layers,
+        dtype=args.dtype,
+        overwrite=args.overwrite,
+        max_shard_bytes=int(args.shard_gb * 1e9),
+        progress=True,
+    )
     print(path)
     return 0

@@ -39,8 +39,13 @@ def byte_tokenizer_files() -> dict[str, str]:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([AddedToken(EOS_TOKEN, special=True)])
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS_TOKEN,
-              "bos_token": None, "model_max_length": 1048576, "clean_up_tokenization_spaces": False}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": EOS_TOKEN,
+        "bos_token": None,
+        "model_max_length": 1048576,
+        "clean_up_tokenization_spaces": False,
+    }
     return {"tokenizer.json": tok.to_str(), "tokenizer_config.json": json.dumps(config, indent=2)}
 
 
@@ -73,7 +78,7 @@ def load_tokenizer(checkpoint_dir: str | Path) -> Tokenizer:
         raise CheckpointError(f"{path}: no tokenizer.json in the checkpoint")
     try:
         tok = HFTokenizer.from_file(str(path))
-    except Exception as e:  # the tokenizers library raises a bare Exception on bad JSON
+    except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception on bad JSON
         raise CheckpointError(f"{path}: cannot load tokenizer ({str(e).splitlines()[0]})") from None
     return Tokenizer(tok, _eos_id(d, tok))
 

@@ -50,42 +50,46 @@ def test_short_conv_streamed_equals_whole_and_naive():
     x, w = torch.randn(2, 9, 6, generator=g), torch.randn(6, 1, 4, generator=g)
     y, _ = B.short_conv(x, w, None)
     xp = torch.cat([torch.zeros(2, 3, 6), x], 1)
-    naive = torch.stack([(xp[:, t: t + 4] * w[:, 0].T).sum(1) for t in range(9)], 1)
+    naive = torch.stack([(xp[:, t : t + 4] * w[:, 0].T).sum(1) for t in range(9)], 1)
     torch.testing.assert_close(y, torch.nn.functional.silu(naive))
     y1, tail = B.short_conv(x[:, :5], w, None)
     parts = [y1]
     for t in range(5, 9):
-        yt, tail = B.short_conv(x[:, t: t + 1], w, tail)
+        yt, tail = B.short_conv(x[:, t : t + 1], w, tail)
         parts.append(yt)
     torch.testing.assert_close(torch.cat(parts, 1), y)
 
 
 def _mla_weights(d: B.MLADims, D=48, seed=0):
     g = torch.Generator().manual_seed(seed)
-    r = lambda *s: torch.randn(*s, generator=g) / math.sqrt(s[-1])  # noqa: E731
+    r = lambda *s: torch.randn(*s, generator=g) / math.sqrt(s[-1])
     return {
-        "q_a_proj.weight": r(d.q_lora, D), "q_a_layernorm.weight": 1 + 0.1 * r(d.q_lora),
+        "q_a_proj.weight": r(d.q_lora, D),
+        "q_a_layernorm.weight": 1 + 0.1 * r(d.q_lora),
         "q_b_proj.weight": r(d.heads * (d.nope + d.rope), d.q_lora),
         "kv_a_proj_with_mqa.weight": r(d.kv_lora + d.rope, D),
         "kv_a_layernorm.weight": 1 + 0.1 * r(d.kv_lora),
         "kv_b_proj.weight": r(d.heads * (d.nope + d.v), d.kv_lora),
-        "o_proj.weight": r(D, d.heads * d.v), "g_proj.weight": r(d.heads * d.v, D),
+        "o_proj.weight": r(D, d.heads * d.v),
+        "g_proj.weight": r(d.heads * d.v, D),
     }
 
 
 def _mla_plain(x, W, d: B.MLADims):
     """Plain causal multi-head attention with k/v rows of kv_b_proj expanded head by head."""
     T = x.shape[1]
-    q = B.linear(B.rms_norm(B.linear(x, W["q_a_proj.weight"]), W["q_a_layernorm.weight"], 1e-6),
-                 W["q_b_proj.weight"]).reshape(1, T, d.heads, d.nope + d.rope)
+    q = B.linear(
+        B.rms_norm(B.linear(x, W["q_a_proj.weight"]), W["q_a_layernorm.weight"], 1e-6),
+        W["q_b_proj.weight"],
+    ).reshape(1, T, d.heads, d.nope + d.rope)
     ckv = B.linear(x, W["kv_a_proj_with_mqa.weight"])
     c = B.rms_norm(ckv[..., : d.kv_lora], W["kv_a_layernorm.weight"], 1e-6)
-    k_pe = ckv[..., d.kv_lora:]
+    k_pe = ckv[..., d.kv_lora :]
     kv_b = W["kv_b_proj.weight"].reshape(d.heads, d.nope + d.v, d.kv_lora)
     out = torch.zeros(1, T, d.heads, d.v)
     for h in range(d.heads):
         keys = torch.cat([c[0] @ kv_b[h, : d.nope].T, k_pe[0]], -1)  # [T, nope+rope]
-        vals = c[0] @ kv_b[h, d.nope:].T  # [T, v]
+        vals = c[0] @ kv_b[h, d.nope :].T  # [T, v]
         for t in range(T):
             s = (keys[: t + 1] @ q[0, t, h]) / math.sqrt(d.nope + d.rope)
             out[0, t, h] = torch.softmax(s, 0) @ vals[: t + 1]
@@ -99,12 +103,13 @@ def test_mla_latent_cache_matches_plain_attention():
     x = torch.randn(1, 9, 48, generator=torch.Generator().manual_seed(2))
     ref = _mla_plain(x, W, d)
     torch.testing.assert_close(B.mla_attention(x, W.__getitem__, d), ref, atol=1e-5, rtol=1e-4)
-    torch.testing.assert_close(B.mla_attention(x, W.__getitem__, d, absorbed=True), ref,
-                               atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(
+        B.mla_attention(x, W.__getitem__, d, absorbed=True), ref, atol=1e-5, rtol=1e-4
+    )
     cache = B.MLACache()
     parts = [B.mla_attention(x[:, :5], W.__getitem__, d, cache)]  # prefill, then decode 1 by 1
     for t in range(5, 9):
-        parts.append(B.mla_attention(x[:, t: t + 1], W.__getitem__, d, cache))
+        parts.append(B.mla_attention(x[:, t : t + 1], W.__getitem__, d, cache))
     assert cache.length == 9 and cache.kv_latent.shape == (1, 9, 16)
     torch.testing.assert_close(torch.cat(parts, 1), ref, atol=1e-5, rtol=1e-4)
 
@@ -129,7 +134,8 @@ def _expert_tensors(E, Dl, F, seed):
         t = {}
         for n, shape in (("w1", (F, Dl)), ("w2", (Dl, F)), ("w3", (F, Dl))):
             t[f"{n}.weight_packed"], t[f"{n}.weight_scale"] = mxfp4.quantize(
-                torch.randn(*shape, generator=g) / math.sqrt(shape[1]))
+                torch.randn(*shape, generator=g) / math.sqrt(shape[1])
+            )
         out.append(t)
     return out
 
@@ -141,7 +147,7 @@ def test_dispatch_matches_token_loop_and_measures_outputs():
     x = torch.randn(N, Dl, generator=g)
     ids, w, _ = B.route(torch.randn(N, E, generator=g), None, K, 1.0)
     calls = []
-    run = lambda e, xs: (calls.append(e), B.expert_glu(xs, experts[e], 4.0, 25.0))[1]  # noqa
+    run = lambda e, xs: (calls.append(e), B.expert_glu(xs, experts[e], 4.0, 25.0))[1]
     up = torch.randn(40, Dl, generator=g)
     y, st = B.dispatch(x, ids, w, run, to_model=lambda o: B.linear(o, up))
     assert calls == sorted(set(ids.flatten().tolist()))  # each used expert once, ascending
@@ -149,29 +155,39 @@ def test_dispatch_matches_token_loop_and_measures_outputs():
         outs = []
         for k in range(K):
             t = experts[int(ids[n, k])]
-            deq = {s: mxfp4.dequantize_reference(t[f"{s}.weight_packed"], t[f"{s}.weight_scale"]).float()
-                   for s in ("w1", "w2", "w3")}
+            deq = {
+                s: mxfp4.dequantize_reference(
+                    t[f"{s}.weight_packed"], t[f"{s}.weight_scale"]
+                ).float()
+                for s in ("w1", "w2", "w3")
+            }
             h = B.situ(x[n] @ deq["w3"].T, x[n] @ deq["w1"].T, 4.0, 25.0)
             outs.append(h @ deq["w2"].T)
             torch.testing.assert_close(st.latent_norm[n, k], outs[-1].norm(), rtol=1e-5, atol=1e-6)
             torch.testing.assert_close(st.max_act[n, k], outs[-1].abs().max())
-            torch.testing.assert_close(st.model_norm[n, k], (up @ outs[-1]).norm(), rtol=1e-5,
-                                       atol=1e-5)
-        torch.testing.assert_close(y[n], sum(w[n, k] * outs[k] for k in range(K)), atol=1e-5,
-                                   rtol=1e-5)
+            torch.testing.assert_close(
+                st.model_norm[n, k], (up @ outs[-1]).norm(), rtol=1e-5, atol=1e-5
+            )
+        torch.testing.assert_close(
+            y[n], sum(w[n, k] * outs[k] for k in range(K)), atol=1e-5, rtol=1e-5
+        )
 
 
 def test_attn_res_mix_formula():
     g = torch.Generator().manual_seed(6)
     blocks = [torch.randn(2, 3, 8, generator=g) for _ in range(3)]
-    partial, proj, norm_w = (torch.randn(2, 3, 8, generator=g), torch.randn(1, 8, generator=g),
-                             torch.rand(8, generator=g) + 0.5)
+    partial, proj, norm_w = (
+        torch.randn(2, 3, 8, generator=g),
+        torch.randn(1, 8, generator=g),
+        torch.rand(8, generator=g) + 0.5,
+    )
     out = B.attn_res_mix(blocks, partial, proj, norm_w, 1e-5)
     srcs = [*blocks, partial]
     for b in range(2):
         for t in range(3):
-            logits = torch.tensor([float(proj[0] @ B.rms_norm(s[b, t], norm_w, 1e-5))
-                                   for s in srcs])
+            logits = torch.tensor(
+                [float(proj[0] @ B.rms_norm(s[b, t], norm_w, 1e-5)) for s in srcs]
+            )
             p = torch.softmax(logits, 0)
             torch.testing.assert_close(out[b, t], sum(p[i] * srcs[i][b, t] for i in range(4)))
     assert B.attn_res_mix([], partial, proj, norm_w, 1e-5) is partial
@@ -179,6 +195,8 @@ def test_attn_res_mix_formula():
 
 def test_situ_formula():
     x, gate = torch.tensor([0.5, -30.0, 3.0]), torch.tensor([1.0, 2.0, -8.0])
-    ref = [4 * math.tanh(g / 4) / (1 + math.exp(-g)) * 25 * math.tanh(v / 25)
-           for v, g in zip(x.tolist(), gate.tolist())]
+    ref = [
+        4 * math.tanh(g / 4) / (1 + math.exp(-g)) * 25 * math.tanh(v / 25)
+        for v, g in zip(x.tolist(), gate.tolist())
+    ]
     torch.testing.assert_close(B.situ(x, gate, 4.0, 25.0), torch.tensor(ref))

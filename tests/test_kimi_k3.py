@@ -80,8 +80,9 @@ def test_layer_at_a_time_from_store_equals_forward(tiny):
     torch.testing.assert_close(model.head(ck.read, state), whole, rtol=0, atol=0)
     used = {(r.layer, e) for r in obs.records for e in r.ids.flatten().tolist()}
     assert set(calls) == used and set(calls.values()) == {1}
-    assert [r.layer for r in obs.records] == [i for i in range(cfg.num_hidden_layers)
-                                              if cfg.is_moe(i)]
+    assert [r.layer for r in obs.records] == [
+        i for i in range(cfg.num_hidden_layers) if cfg.is_moe(i)
+    ]
 
 
 def _naive_moe(cfg, W, x):
@@ -95,15 +96,21 @@ def _naive_moe(cfg, W, x):
         xt = xt.double()
         probs = torch.sigmoid(W[p + "gate.weight"].double() @ xt)
         sel = probs + W[p + "gate.e_score_correction_bias"].double()
-        ids = sorted(range(cfg.num_experts), key=lambda e: -float(sel[e]))[:cfg.num_experts_per_token]
+        ids = sorted(range(cfg.num_experts), key=lambda e: -float(sel[e]))[
+            : cfg.num_experts_per_token
+        ]
         w = probs[ids] / probs[ids].sum() * cfg.routed_scaling_factor
         xl = W[p + "routed_expert_down_proj.weight"].double() @ xt
         outs = []
         for e in ids:
             if e not in deq:
-                deq[e] = {s: mxfp4.dequantize_reference(W[f"{p}experts.{e}.{s}.weight_packed"],
-                                                        W[f"{p}experts.{e}.{s}.weight_scale"])
-                          for s in ("w1", "w2", "w3")}
+                deq[e] = {
+                    s: mxfp4.dequantize_reference(
+                        W[f"{p}experts.{e}.{s}.weight_packed"],
+                        W[f"{p}experts.{e}.{s}.weight_scale"],
+                    )
+                    for s in ("w1", "w2", "w3")
+                }
             d = deq[e]
             outs.append(d["w2"] @ B.situ(d["w3"] @ xl, d["w1"] @ xl, 4.0, 25.0))
         y = sum(wk * o for wk, o in zip(w, outs))
@@ -117,7 +124,7 @@ def _naive_moe(cfg, W, x):
 
 
 def test_observer_record_matches_brute_force(tiny):
-    _, ck, cfg, weights = tiny
+    _, _ck, cfg, weights = tiny
     model, get = kimi_k3.Model(cfg), dict_weights(weights)
     layer = 2
     state = model.embed(get, torch.tensor(PROMPT))
@@ -129,20 +136,25 @@ def test_observer_record_matches_brute_force(tiny):
     y = model.mlp_block(layer, get, x, observer=obs).reshape(-1, cfg.hidden_size)
     (rec,) = obs.records
     pre = f"model.layers.{layer}."
-    W = {n[len(pre):]: t for n, t in weights.items() if n.startswith(pre)}
+    W = {n[len(pre) :]: t for n, t in weights.items() if n.startswith(pre)}
     for n, (ids, w, outs, shares, out) in enumerate(_naive_moe(cfg, W, x.reshape(-1, x.shape[-1]))):
         assert rec.ids[n].tolist() == ids
         torch.testing.assert_close(rec.weights[n].double(), w, rtol=1e-5, atol=1e-6)
         for k in range(len(ids)):
-            torch.testing.assert_close(rec.latent_norm[n, k].item(), outs[k].norm().item(),
-                                       rtol=1e-4, atol=1e-6)
-            torch.testing.assert_close(rec.max_act[n, k].item(), outs[k].abs().max().item(),
-                                       rtol=1e-4, atol=1e-6)
-            torch.testing.assert_close(rec.model_norm[n, k].item(),
-                                       (shares[k].norm() / w[k]).item(), rtol=1e-4, atol=1e-6)
+            torch.testing.assert_close(
+                rec.latent_norm[n, k].item(), outs[k].norm().item(), rtol=1e-4, atol=1e-6
+            )
+            torch.testing.assert_close(
+                rec.max_act[n, k].item(), outs[k].abs().max().item(), rtol=1e-4, atol=1e-6
+            )
+            torch.testing.assert_close(
+                rec.model_norm[n, k].item(), (shares[k].norm() / w[k]).item(), rtol=1e-4, atol=1e-6
+            )
         torch.testing.assert_close(y[n].double(), out, rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(rec.probs, torch.sigmoid(x.reshape(-1, cfg.hidden_size)
-                                                        @ W["block_sparse_moe.gate.weight"].T))
+    torch.testing.assert_close(
+        rec.probs,
+        torch.sigmoid(x.reshape(-1, cfg.hidden_size) @ W["block_sparse_moe.gate.weight"].T),
+    )
 
 
 def test_bfloat16_compute_tracks_float32(tiny):
@@ -152,8 +164,9 @@ def test_bfloat16_compute_tracks_float32(tiny):
     get = dict_weights(weights)
     ref, half = kimi_k3.Model(cfg), kimi_k3.Model(cfg, dtype=torch.bfloat16)
     state = ref.embed(get, torch.tensor(PROMPT))
-    torch.testing.assert_close(half.embed(get, torch.tensor(PROMPT)).hidden.float(), state.hidden,
-                               rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(
+        half.embed(get, torch.tensor(PROMPT)).hidden.float(), state.hidden, rtol=1e-2, atol=1e-2
+    )
     for i in range(ref.n_layers):
         bf = kimi_k3.State(state.hidden.bfloat16(), [b.bfloat16() for b in state.blocks])
         state, x = ref.attn_block(i, get, state)
@@ -165,8 +178,9 @@ def test_bfloat16_compute_tracks_float32(tiny):
         assert y_half.dtype == torch.bfloat16
         same = torch.ones(x.shape[1], dtype=torch.bool)
         if obs.records:  # compare the tokens whose routing did not flip (nearly all of them)
-            same = (obs.records[0].ids.sort(-1).values
-                    == obs_half.records[0].ids.sort(-1).values).all(-1)
+            same = (
+                obs.records[0].ids.sort(-1).values == obs_half.records[0].ids.sort(-1).values
+            ).all(-1)
             assert same.float().mean() >= 0.75
         err = (y_half.float() - y).abs()[0, same].max()
         assert err < 0.03 * y.abs().max()
@@ -180,8 +194,11 @@ def test_k3_full_layout_reproduces_published_figures():
     by = {}
     for s in specs:
         # MXFP4 packs two parameters per byte; its scale bytes are not parameters
-        n = 2 * s.numel if s.name.endswith("weight_packed") else (
-            0 if s.name.endswith("weight_scale") else s.numel)
+        n = (
+            2 * s.numel
+            if s.name.endswith("weight_packed")
+            else (0 if s.name.endswith("weight_scale") else s.numel)
+        )
         by[s.component] = by.get(s.component, 0) + n
     total = sum(by.values())
     assert abs(total / 2780.0e9 - 1) < 0.005
@@ -195,21 +212,29 @@ def test_k3_full_layout_reproduces_published_figures():
     expert = [s for s in specs if (s.layer, s.expert) == (5, 17)]
     assert sum(s.nbytes for s in expert) == 17_547_264
     assert [s.name for s in expert] == kimi_k3.expert_tensor_names(5, 17)
-    assert [s.shape for s in expert] == [(3072, 1792), (3072, 112), (3584, 1536), (3584, 96),
-                                         (3072, 1792), (3072, 112)]
+    assert [s.shape for s in expert] == [
+        (3072, 1792),
+        (3072, 112),
+        (3584, 1536),
+        (3584, 96),
+        (3072, 1792),
+        (3072, 112),
+    ]
     cfg = kimi_k3.Config.from_dict(cfg_d)
     mla = [i + 1 for i in range(93) if not cfg.is_kda(i)]
     assert mla == list(range(4, 93, 4)) + [93] and sum(map(cfg.is_kda, range(93))) == 69
 
 
 def test_names_and_pruning_helpers():
-    assert kimi_k3.expert_key("language_model.model.layers.12.block_sparse_moe.experts.345."
-                              "w2.weight_scale") == (12, 345)
+    assert kimi_k3.expert_key(
+        "language_model.model.layers.12.block_sparse_moe.experts.345.w2.weight_scale"
+    ) == (12, 345)
     assert kimi_k3.expert_key("model.layers.12.block_sparse_moe.gate.weight") is None
     cfg_d = builtin_config("k3-tiny")
     assert kimi_k3.router_tensors(kimi_k3.Config.from_dict(cfg_d), 3) == {
         "model.layers.3.block_sparse_moe.gate.weight": 0,
-        "model.layers.3.block_sparse_moe.gate.e_score_correction_bias": 0}
+        "model.layers.3.block_sparse_moe.gate.e_score_correction_bias": 0,
+    }
     small = kimi_k3.with_experts(cfg_d, 3)
     assert small["text_config"]["num_experts"] == 3
     assert small["text_config"]["num_experts_per_token"] == 3

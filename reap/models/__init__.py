@@ -26,39 +26,98 @@ FAMILIES = {"kimi_k3": "reap.models.kimi_k3", "kimi_linear": "reap.models.kimi_k
 QUANTIZATION_CONFIG = {
     "quant_method": "compressed-tensors",
     "format": "mxfp4-pack-quantized",
-    "config_groups": {"group_0": {
-        "targets": ["Linear"], "format": "mxfp4-pack-quantized",
-        "weights": {"num_bits": 4, "type": "float", "strategy": "group", "group_size": 32,
-                    "symmetric": True, "scale_dtype": "uint8"}}},
-    "ignore": ["re:.*self_attn.*", "re:.*shared_experts.*", "re:.*gate$", "re:.*mlp\\..*",
-               "re:.*routed_expert_(down|up)_proj$", "lm_head"],
+    "config_groups": {
+        "group_0": {
+            "targets": ["Linear"],
+            "format": "mxfp4-pack-quantized",
+            "weights": {
+                "num_bits": 4,
+                "type": "float",
+                "strategy": "group",
+                "group_size": 32,
+                "symmetric": True,
+                "scale_dtype": "uint8",
+            },
+        }
+    },
+    "ignore": [
+        "re:.*self_attn.*",
+        "re:.*shared_experts.*",
+        "re:.*gate$",
+        "re:.*mlp\\..*",
+        "re:.*routed_expert_(down|up)_proj$",
+        "lm_head",
+    ],
 }
 
-_K3_FULL = dict(
-    vocab_size=163840, hidden_size=7168, num_hidden_layers=93, num_attention_heads=96,
-    num_key_value_heads=96, intermediate_size=33792, kda=(96, 128), attn_res_block_size=12,
-    q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
-    num_experts=896, num_experts_per_token=16, num_shared_experts=2, moe_intermediate_size=3072,
-    routed_expert_hidden_size=3584,
-)
-_K3_SMALL = dict(
-    vocab_size=16384, hidden_size=768, num_hidden_layers=12, num_attention_heads=6,
-    num_key_value_heads=6, intermediate_size=2048, kda=(6, 128), attn_res_block_size=4,
-    q_lora_rank=256, kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64,
-    num_experts=64, num_experts_per_token=8, num_shared_experts=2, moe_intermediate_size=384,
-    routed_expert_hidden_size=384,
-)
-_K3_TINY = dict(
-    vocab_size=384, hidden_size=64, num_hidden_layers=6, num_attention_heads=2,
-    num_key_value_heads=2, intermediate_size=96, kda=(2, 32), attn_res_block_size=2,
-    q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16,
-    num_experts=16, num_experts_per_token=4, num_shared_experts=2, moe_intermediate_size=32,
-    routed_expert_hidden_size=32,
-)
+_K3_FULL = {
+    "vocab_size": 163840,
+    "hidden_size": 7168,
+    "num_hidden_layers": 93,
+    "num_attention_heads": 96,
+    "num_key_value_heads": 96,
+    "intermediate_size": 33792,
+    "kda": (96, 128),
+    "attn_res_block_size": 12,
+    "q_lora_rank": 1536,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "num_experts": 896,
+    "num_experts_per_token": 16,
+    "num_shared_experts": 2,
+    "moe_intermediate_size": 3072,
+    "routed_expert_hidden_size": 3584,
+}
+_K3_SMALL = {
+    "vocab_size": 16384,
+    "hidden_size": 768,
+    "num_hidden_layers": 12,
+    "num_attention_heads": 6,
+    "num_key_value_heads": 6,
+    "intermediate_size": 2048,
+    "kda": (6, 128),
+    "attn_res_block_size": 4,
+    "q_lora_rank": 256,
+    "kv_lora_rank": 128,
+    "qk_nope_head_dim": 64,
+    "qk_rope_head_dim": 32,
+    "v_head_dim": 64,
+    "num_experts": 64,
+    "num_experts_per_token": 8,
+    "num_shared_experts": 2,
+    "moe_intermediate_size": 384,
+    "routed_expert_hidden_size": 384,
+}
+_K3_TINY = {
+    "vocab_size": 384,
+    "hidden_size": 64,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "intermediate_size": 96,
+    "kda": (2, 32),
+    "attn_res_block_size": 2,
+    "q_lora_rank": 32,
+    "kv_lora_rank": 32,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 16,
+    "v_head_dim": 16,
+    "num_experts": 16,
+    "num_experts_per_token": 4,
+    "num_shared_experts": 2,
+    "moe_intermediate_size": 32,
+    "routed_expert_hidden_size": 32,
+}
 BUILTIN = {"k3-tiny": _K3_TINY, "k3-small": _K3_SMALL, "k3-full": _K3_FULL}
 # the released vision tower as a size stand-in (see kimi_k3._vision): 168 tensors, 400.8 M params
-_VISION = {"model_type": "moonvit_standin", "hidden_size": 1152, "intermediate_size": 10112,
-           "num_hidden_layers": 14}
+_VISION = {
+    "model_type": "moonvit_standin",
+    "hidden_size": 1152,
+    "intermediate_size": 10112,
+    "num_hidden_layers": 14,
+}
 
 
 def builtin_config(name: str, layers: int | None = None) -> dict:
@@ -75,8 +134,12 @@ def builtin_config(name: str, layers: int | None = None) -> dict:
         lac["kda_layers"] = [j for j in lac["kda_layers"] if j <= layers]
         lac["full_attn_layers"] = [j for j in lac["full_attn_layers"] if j <= layers]
         text["num_hidden_layers"] = layers
-    out = {"model_type": "kimi_k3", "architectures": ["KimiK3ForConditionalGeneration"],
-           "tie_word_embeddings": False, "text_config": text}
+    out = {
+        "model_type": "kimi_k3",
+        "architectures": ["KimiK3ForConditionalGeneration"],
+        "tie_word_embeddings": False,
+        "text_config": text,
+    }
     if name == "k3-full" and layers is None:
         out["vision_config"] = copy.deepcopy(_VISION)
     return out
@@ -88,17 +151,36 @@ def _text_config(b: dict) -> dict:
     mla = sorted({j for j in range(4, n + 1, 4)} | {n})
     text = {k: v for k, v in b.items() if k != "kda"}
     text.update(
-        model_type="kimi_linear", rms_norm_eps=1e-5, max_position_embeddings=1048576,
-        hidden_act="situ", activation_situ_beta=4.0, activation_situ_linear_beta=25.0,
-        mla_use_nope=True, mla_use_output_gate=True, moe_router_activation_func="sigmoid",
-        moe_renormalize=True, routed_scaling_factor=2.827, first_k_dense_replace=1,
-        moe_layer_freq=1, use_grouped_topk=True, num_expert_group=1, topk_group=1,
-        latent_moe_use_norm=True, tie_word_embeddings=False, torch_dtype="bfloat16",
-        bos_token_id=256, eos_token_id=256,
+        model_type="kimi_linear",
+        rms_norm_eps=1e-5,
+        max_position_embeddings=1048576,
+        hidden_act="situ",
+        activation_situ_beta=4.0,
+        activation_situ_linear_beta=25.0,
+        mla_use_nope=True,
+        mla_use_output_gate=True,
+        moe_router_activation_func="sigmoid",
+        moe_renormalize=True,
+        routed_scaling_factor=2.827,
+        first_k_dense_replace=1,
+        moe_layer_freq=1,
+        use_grouped_topk=True,
+        num_expert_group=1,
+        topk_group=1,
+        latent_moe_use_norm=True,
+        tie_word_embeddings=False,
+        torch_dtype="bfloat16",
+        bos_token_id=256,
+        eos_token_id=256,
         linear_attn_config={
-            "kda_layers": [j for j in range(1, n + 1) if j not in mla], "full_attn_layers": mla,
-            "num_heads": b["kda"][0], "head_dim": b["kda"][1], "short_conv_kernel_size": 4,
-            "gate_lower_bound": -5.0, "use_full_rank_gate": True},
+            "kda_layers": [j for j in range(1, n + 1) if j not in mla],
+            "full_attn_layers": mla,
+            "num_heads": b["kda"][0],
+            "head_dim": b["kda"][1],
+            "short_conv_kernel_size": 4,
+            "gate_lower_bound": -5.0,
+            "use_full_rank_gate": True,
+        },
         quantization_config=copy.deepcopy(QUANTIZATION_CONFIG),
     )
     return text

@@ -28,8 +28,9 @@ results do not depend on caching or memory budgets.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Protocol
+from typing import Protocol
 
 import torch
 
@@ -52,7 +53,7 @@ class State:
     hidden: torch.Tensor
     blocks: list[torch.Tensor] = field(default_factory=list)
 
-    def to(self, device: str | torch.device) -> "State":
+    def to(self, device: str | torch.device) -> State:
         """A copy on `device` (e.g. "cpu" to spill between layers)."""
         return State(self.hidden.to(device), [b.to(device) for b in self.blocks])
 
@@ -95,3 +96,29 @@ def dict_weights(tensors: Mapping[str, torch.Tensor]) -> Weights:
             raise CheckpointError(f"tensor {name!r} is missing from the weights") from None
 
     return get
+
+
+class LayerModel:
+    """The whole-model loop over the layer-at-a-time protocol; families subclass it and
+    implement `embed`, `attn_block`, `mlp_block` and `head` (plain residual `finish_layer`)."""
+
+    n_layers: int
+
+    def finish_layer(self, i: int, state: State, y: torch.Tensor) -> State:
+        """Add the MLP output y [B, T, D] to the residual stream."""
+        return State(state.hidden + y, state.blocks)
+
+    def forward(
+        self,
+        get: Weights,
+        ids: torch.Tensor,
+        caches: list | None = None,
+        experts: ExpertSource | None = None,
+        observer: Observer | None = None,
+    ) -> torch.Tensor:
+        """ids [B, T] -> logits [B, T, V]; with caches, decoding continues from them."""
+        state = self.embed(get, ids)
+        for i in range(self.n_layers):
+            state, x = self.attn_block(i, get, state, None if caches is None else caches[i])
+            state = self.finish_layer(i, state, self.mlp_block(i, get, x, experts, observer))
+        return self.head(get, state)

@@ -9,13 +9,14 @@ width, Dv value head width, R latent KV width, E n_experts, K top_k, C chunk len
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Callable, Mapping
 
 import torch
 import torch.nn.functional as F
 
 from reap import mxfp4
+from reap.models.base import ExpertSource, MoERecord, Observer
 
 Tensor = torch.Tensor
 WeightFn = Callable[[str], Tensor]  # short name -> tensor in the compute dtype/device
@@ -43,8 +44,9 @@ def situ(x: Tensor, gate: Tensor, beta: float, linear_beta: float | None) -> Ten
     return (a * xf).to(x.dtype)
 
 
-def glu_mlp(x: Tensor, gate_w: Tensor, up_w: Tensor, down_w: Tensor, beta: float,
-            linear_beta: float | None) -> Tensor:
+def glu_mlp(
+    x: Tensor, gate_w: Tensor, up_w: Tensor, down_w: Tensor, beta: float, linear_beta: float | None
+) -> Tensor:
     """down(situ(up(x), gate(x))): [..., D] -> [..., D] (weights [F, D], [F, D], [D, F])."""
     return linear(situ(linear(x, up_w), linear(x, gate_w), beta, linear_beta), down_w)
 
@@ -67,7 +69,7 @@ def short_conv(x: Tensor, w: Tensor, tail: Tensor | None) -> tuple[Tensor, Tenso
         tail = x.new_zeros(x.shape[0], k - 1, x.shape[2])
     xp = torch.cat([tail.to(x.dtype), x], dim=1)  # [B, k-1+T, C]
     y = F.conv1d(xp.transpose(1, 2), w.to(x.dtype), groups=x.shape[2])  # [B, C, T]
-    return F.silu(y.transpose(1, 2)), xp[:, xp.shape[1] - (k - 1):]
+    return F.silu(y.transpose(1, 2)), xp[:, xp.shape[1] - (k - 1) :]
 
 
 def kda_log_decay(a: Tensor, A_log: Tensor, dt_bias: Tensor, lower_bound: float | None) -> Tensor:
@@ -86,8 +88,9 @@ def l2_normalize(x: Tensor, eps: float = 1e-6) -> Tensor:
     return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-def kda_recurrent(q: Tensor, k: Tensor, v: Tensor, log_g: Tensor, beta: Tensor,
-                  state: Tensor) -> tuple[Tensor, Tensor]:
+def kda_recurrent(
+    q: Tensor, k: Tensor, v: Tensor, log_g: Tensor, beta: Tensor, state: Tensor
+) -> tuple[Tensor, Tensor]:
     """Gated delta rule, one step at a time (decode; the slow reference of `kda_chunked`).
 
     q, k [B, T, H, Dk] (q already scaled), v [B, T, H, Dv], log_g [B, T, H, Dk], beta [B, T, H],
@@ -102,8 +105,9 @@ def kda_recurrent(q: Tensor, k: Tensor, v: Tensor, log_g: Tensor, beta: Tensor,
     return torch.stack(outs, dim=1), state
 
 
-def kda_chunked(q: Tensor, k: Tensor, v: Tensor, log_g: Tensor, beta: Tensor, state: Tensor,
-                chunk: int = 16) -> tuple[Tensor, Tensor]:
+def kda_chunked(
+    q: Tensor, k: Tensor, v: Tensor, log_g: Tensor, beta: Tensor, state: Tensor, chunk: int = 16
+) -> tuple[Tensor, Tensor]:
     """The same recurrence in chunks of `chunk` tokens (prefill/training), WY form.
 
     Within a chunk, the delta-rule updates U [C, Dv] solve (I + A) U = beta*(V - (k*a) S0^T) with
@@ -111,7 +115,7 @@ def kda_chunked(q: Tensor, k: Tensor, v: Tensor, log_g: Tensor, beta: Tensor, st
     then o_t = S0 (q_t*a_t) + sum_{s<=t} u_s (k_s . q_t*exp(G_t-G_s)). Exponent differences are
     taken against the chunk midpoint so nothing overflows for |log g| * C / 2 < 80. Only a loop
     over chunks remains (the state passes between them). Shapes/dtypes as `kda_recurrent`."""
-    Bn, T, H, Dk = q.shape
+    Bn, T, H, _ = q.shape
     pad = (-T) % chunk
     if pad:  # zero k, v, beta and log g leave the state untouched
         q, k, v, log_g = (F.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v, log_g))
@@ -123,7 +127,7 @@ def kda_chunked(q: Tensor, k: Tensor, v: Tensor, log_g: Tensor, beta: Tensor, st
 
     q, k, v, G = split(q), split(k), split(v), split(log_g).cumsum(-2)
     b = split(beta[..., None])  # [B, H, n, C, 1]
-    Gm = G[..., C // 2: C // 2 + 1, :]  # [B, H, n, 1, Dk] reference point
+    Gm = G[..., C // 2 : C // 2 + 1, :]  # [B, H, n, 1, Dk] reference point
     k_fwd, k_bwd = k * (G - Gm).exp(), k * (Gm - G).exp()
     incl = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
     strict = incl.tril(-1)
@@ -144,8 +148,16 @@ def kda_chunked(q: Tensor, k: Tensor, v: Tensor, log_g: Tensor, beta: Tensor, st
     return o[:, :T], state
 
 
-def kda_attention(x: Tensor, w: WeightFn, heads: int, head_dim: int, lower_bound: float | None,
-                  eps: float, cache: KDACache | None = None, chunk: int = 16) -> Tensor:
+def kda_attention(
+    x: Tensor,
+    w: WeightFn,
+    heads: int,
+    head_dim: int,
+    lower_bound: float | None,
+    eps: float,
+    cache: KDACache | None = None,
+    chunk: int = 16,
+) -> Tensor:
     """Kimi Delta Attention: x [B, T, D] -> [B, T, D]. Weights (short names): {q,k,v}_proj,
     {q,k,v}_conv1d, f_a_proj, f_b_proj, b_proj, g_proj, A_log (padded), dt_bias, o_norm, o_proj.
     Updates `cache` in place when given (decode)."""
@@ -159,8 +171,11 @@ def kda_attention(x: Tensor, w: WeightFn, heads: int, head_dim: int, lower_bound
     a = linear(linear(x, w("f_a_proj.weight")), w("f_b_proj.weight")).reshape(Bn, T, H, Dk)
     log_g = kda_log_decay(a, w("A_log")[:H], w("dt_bias").reshape(H, Dk), lower_bound)
     beta = torch.sigmoid(linear(x, w("b_proj.weight")).float())  # [B, T, H]
-    state = cache.state if cache and cache.state is not None else x.new_zeros(
-        Bn, H, Dk, Dk, dtype=torch.float32)
+    state = (
+        cache.state
+        if cache and cache.state is not None
+        else x.new_zeros(Bn, H, Dk, Dk, dtype=torch.float32)
+    )
     core = kda_recurrent if T == 1 else kda_chunked
     o, state = core(q.float(), k.float(), v.float(), log_g, beta, state)
     if cache is not None:
@@ -185,6 +200,8 @@ class MLACache:
 
 @dataclass
 class MLADims:
+    """MLA widths: heads, per-head nope/rope query-key widths, value width, latent ranks."""
+
     heads: int
     nope: int
     rope: int
@@ -193,17 +210,33 @@ class MLADims:
     q_lora: int | None
     output_gate: bool
 
+    @classmethod
+    def from_config(cls, c) -> MLADims:
+        """From a DeepSeek-style config object (num_attention_heads, qk_nope_head_dim, ...)."""
+        return cls(
+            c.num_attention_heads,
+            c.qk_nope_head_dim,
+            c.qk_rope_head_dim,
+            c.v_head_dim,
+            c.kv_lora_rank,
+            c.q_lora_rank,
+            c.mla_use_output_gate,
+        )
 
-def mla_attention(x: Tensor, w: WeightFn, d: MLADims, cache: MLACache | None = None,
-                  absorbed: bool | None = None) -> Tensor:
+
+def mla_attention(
+    x: Tensor, w: WeightFn, d: MLADims, cache: MLACache | None = None, absorbed: bool | None = None
+) -> Tensor:
     """Gated NoPE multi-head latent attention: x [B, T, D] -> [B, T, D], causal over the cache
     plus the new tokens. `absorbed` (default: when T == 1) folds kv_b into the query and output
     so attention runs in the R-wide latent space; otherwise keys/values are expanded per head."""
     Bn, T, _ = x.shape
     H = d.heads
     if d.q_lora:
-        q = linear(rms_norm(linear(x, w("q_a_proj.weight")), w("q_a_layernorm.weight"), 1e-6),
-                   w("q_b_proj.weight"))
+        q = linear(
+            rms_norm(linear(x, w("q_a_proj.weight")), w("q_a_layernorm.weight"), 1e-6),
+            w("q_b_proj.weight"),
+        )
     else:
         q = linear(x, w("q_proj.weight"))
     q = q.reshape(Bn, T, H, d.nope + d.rope)  # [B, T, H, nope+rope]
@@ -215,7 +248,7 @@ def mla_attention(x: Tensor, w: WeightFn, d: MLADims, cache: MLACache | None = N
             c, k_pe = torch.cat([cache.kv_latent, c], 1), torch.cat([cache.k_pe, k_pe], 1)
         cache.kv_latent, cache.k_pe = c, k_pe
     kv_b = w("kv_b_proj.weight").reshape(H, d.nope + d.v, d.kv_lora)  # [H, nope+v, R]
-    wk, wv = kv_b[:, : d.nope], kv_b[:, d.nope:]  # [H, nope, R], [H, v, R]
+    wk, wv = kv_b[:, : d.nope], kv_b[:, d.nope :]  # [H, nope, R], [H, v, R]
     scale = (d.nope + d.rope) ** -0.5
     scores = torch.einsum("bthr,bsr->bhts", q_pe, k_pe)  # [B, H, T, S]
     if absorbed if absorbed is not None else T == 1:
@@ -241,8 +274,9 @@ def _causal_softmax(scores: Tensor) -> Tensor:
 
 
 # -- router and expert-major MoE ---------------------------------------------------------------
-def route(logits: Tensor, bias: Tensor | None, top_k: int, scaling: float,
-          renormalize: bool = True) -> tuple[Tensor, Tensor, Tensor]:
+def route(
+    logits: Tensor, bias: Tensor | None, top_k: int, scaling: float, renormalize: bool = True
+) -> tuple[Tensor, Tensor, Tensor]:
     """Sigmoid router with selection bias. logits [N, E] -> (ids [N, K] int64, weights [N, K]
     fp32: raw sigmoid scores of the chosen, renormalized, times `scaling`, probs [N, E] fp32)."""
     probs = torch.sigmoid(logits.float())
@@ -254,14 +288,19 @@ def route(logits: Tensor, bias: Tensor | None, top_k: int, scaling: float,
     return ids, weights * scaling, probs
 
 
-def expert_glu(x: Tensor, t: Mapping[str, Tensor], beta: float, linear_beta: float | None
-               ) -> Tensor:
+def expert_glu(
+    x: Tensor, t: Mapping[str, Tensor], beta: float, linear_beta: float | None
+) -> Tensor:
     """One routed expert on its tokens: x [M, Dl] -> [M, Dl]. `t` holds w{1,2,3}.weight_packed and
     .weight_scale (MXFP4, dequantized here, nothing cached) or plain w{1,2,3}.weight."""
+
     def weight(n):
         if f"{n}.weight_packed" in t:
-            return mxfp4.dequantize(t[f"{n}.weight_packed"].to(x.device),
-                                    t[f"{n}.weight_scale"].to(x.device), dtype=x.dtype)
+            return mxfp4.dequantize(
+                t[f"{n}.weight_packed"].to(x.device),
+                t[f"{n}.weight_scale"].to(x.device),
+                dtype=x.dtype,
+            )
         return t[f"{n}.weight"].to(x.device, x.dtype)
 
     return glu_mlp(x, weight("w1"), weight("w3"), weight("w2"), beta, linear_beta)
@@ -276,9 +315,13 @@ class ExpertOutputs:
     model_norm: Tensor  # [N, K] ||to_model(o_e)||, not yet divided by the norm's rms
 
 
-def dispatch(xl: Tensor, ids: Tensor, weights: Tensor, run: Callable[[int, Tensor], Tensor],
-             to_model: Callable[[Tensor], Tensor] | None = None
-             ) -> tuple[Tensor, ExpertOutputs | None]:
+def dispatch(
+    xl: Tensor,
+    ids: Tensor,
+    weights: Tensor,
+    run: Callable[[int, Tensor], Tensor],
+    to_model: Callable[[Tensor], Tensor] | None = None,
+) -> tuple[Tensor, ExpertOutputs | None]:
     """Expert-major MoE: each used expert, in ascending id order, runs once on all its tokens;
     weighted outputs accumulate in that order (fp32). xl [N, Dl], ids/weights [N, K],
     run(e, x [M, Dl]) -> [M, Dl]. With `to_model`, also measures each output. Returns y [N, Dl]."""
@@ -301,9 +344,87 @@ def dispatch(xl: Tensor, ids: Tensor, weights: Tensor, run: Callable[[int, Tenso
     return y, stats
 
 
+@dataclass
+class MoEDims:
+    """Sigmoid-routed MoE settings (LatentMoE when `latent`)."""
+
+    top_k: int
+    scaling: float  # routed_scaling_factor
+    renormalize: bool
+    latent: bool  # routed experts run in a down-projected space
+    latent_norm: bool  # RMSNorm on the weighted sum of routed outputs
+    shared: bool  # shared experts (one fused GLU) added for every token
+    eps: float
+    beta: float  # SiTU
+    linear_beta: float | None
+
+
+def latent_moe(
+    x: Tensor,
+    w: WeightFn,
+    d: MoEDims,
+    layer: int,
+    experts: ExpertSource,
+    observer: Observer | None = None,
+) -> Tensor:
+    """LatentMoE on x [N, D] -> [N, D]: route on x, down-project, routed experts expert-major,
+    RMSNorm of their weighted sum, up-project, add the shared experts. Weights (short names):
+    gate.weight, gate.e_score_correction_bias, routed_expert_{down,up}_proj.weight,
+    routed_expert_norm.weight, shared_experts.{gate,up,down}_proj.weight. Reports a MoERecord;
+    its model_norm is ||up(g * o_e)|| / rms(y): the RMSNorm of y = sum_e w_e o_e is y * g / rms(y),
+    so expert e adds exactly w_e * up(g * o_e) / rms(y) to the output."""
+    ids, weights, probs = route(
+        linear(x, w("gate.weight")),
+        w("gate.e_score_correction_bias"),
+        d.top_k,
+        d.scaling,
+        d.renormalize,
+    )
+    up = w("routed_expert_up_proj.weight") if d.latent else None
+    g = w("routed_expert_norm.weight").float() if d.latent_norm else None
+
+    def to_model(o):
+        o = o * g if g is not None else o
+        return linear(o, up) if up is not None else o
+
+    xl = linear(x, w("routed_expert_down_proj.weight")) if d.latent else x  # [N, Dl]
+    wants = observer is not None and observer.wants_norms
+    y, stats = dispatch(
+        xl,
+        ids,
+        weights,
+        lambda e, xs: expert_glu(xs, experts(layer, e), d.beta, d.linear_beta),
+        to_model if wants else None,
+    )
+    y = y.to(x.dtype)
+    rms = torch.ones(y.shape[0], device=y.device)
+    if g is not None:
+        rms = (y.float().pow(2).mean(-1) + d.eps).sqrt()  # [N]
+        y = rms_norm(y, g, d.eps)
+    y = linear(y, up) if up is not None else y
+    if d.shared:
+        s = "shared_experts."
+        y = y + glu_mlp(
+            x,
+            w(s + "gate_proj.weight"),
+            w(s + "up_proj.weight"),
+            w(s + "down_proj.weight"),
+            d.beta,
+            d.linear_beta,
+        )
+    if observer is not None:
+        rec = MoERecord(layer, ids, weights, probs)
+        if stats is not None:
+            rec.latent_norm, rec.max_act = stats.latent_norm, stats.max_act
+            rec.model_norm = stats.model_norm / rms[:, None]
+        observer.on_moe(rec)
+    return y
+
+
 # -- AttnRes -----------------------------------------------------------------------------------
-def attn_res_mix(blocks: list[Tensor], partial: Tensor, proj: Tensor, norm_w: Tensor,
-                 eps: float) -> Tensor:
+def attn_res_mix(
+    blocks: list[Tensor], partial: Tensor, proj: Tensor, norm_w: Tensor, eps: float
+) -> Tensor:
     """Softmax mix of the block snapshots and the running partial sum ([B, T, D] each), with
     logits <RMSNorm(x), proj> per token (norm weight folded into proj), fp32, fixed order."""
     if not blocks:

@@ -18,10 +18,16 @@ import torch
 from reap.checkpoint import TensorSpec
 from reap.errors import ReapError
 from reap.models import blocks as B
-from reap.models.base import ExpertSource, MoERecord, Observer, State, Weights
+from reap.models.base import ExpertSource, LayerModel, Observer, State, Weights
 
-EXPERT_TENSORS = ("w1.weight_packed", "w1.weight_scale", "w2.weight_packed", "w2.weight_scale",
-                  "w3.weight_packed", "w3.weight_scale")
+EXPERT_TENSORS = (
+    "w1.weight_packed",
+    "w1.weight_scale",
+    "w2.weight_packed",
+    "w2.weight_scale",
+    "w3.weight_packed",
+    "w3.weight_scale",
+)
 _EXPERT_RE = re.compile(r"(?:^|\.)model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.")
 _DTYPES = {"bfloat16": "BF16", "float32": "F32", "float16": "F16"}
 _KEEP_F32 = {"A_log", "dt_bias", "gate.e_score_correction_bias"}  # used in fp32 whatever dtype
@@ -67,7 +73,7 @@ class Config:
     torch_dtype: str = "bfloat16"
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Config":
+    def from_dict(cls, d: dict) -> Config:
         """From a full config.json (with `text_config`) or a bare text config; unknown keys ignored."""
         text = d.get("text_config", d)
         names = {f.name for f in fields(cls)}
@@ -95,8 +101,11 @@ class Config:
 
     def is_moe(self, layer: int) -> bool:
         """Whether decoder layer `layer` is a LatentMoE layer (else the dense MLP)."""
-        return (self.num_experts > 0 and layer >= self.first_k_dense_replace
-                and layer % self.moe_layer_freq == 0)
+        return (
+            self.num_experts > 0
+            and layer >= self.first_k_dense_replace
+            and layer % self.moe_layer_freq == 0
+        )
 
     @property
     def kda_heads(self) -> int:
@@ -124,8 +133,10 @@ def layout(config_dict: dict) -> list[TensorSpec]:
         specs += _layer_specs(cfg, i, fdt)
     specs += [TensorSpec("model.norm.weight", fdt, (D,), "norms")]
     if cfg.attn_res_block_size is not None:
-        specs += [TensorSpec("model.output_attn_res_proj.weight", fdt, (1, D), "attn_res"),
-                  TensorSpec("model.output_attn_res_norm.weight", fdt, (D,), "attn_res")]
+        specs += [
+            TensorSpec("model.output_attn_res_proj.weight", fdt, (1, D), "attn_res"),
+            TensorSpec("model.output_attn_res_norm.weight", fdt, (D,), "attn_res"),
+        ]
     if not cfg.tie_word_embeddings:
         specs.append(TensorSpec("lm_head.weight", fdt, (V, D), "embed_head"))
     vision = config_dict.get("vision_config")
@@ -143,15 +154,21 @@ def _layer_specs(cfg: Config, i: int, fdt: str) -> list[TensorSpec]:
     out.append(t("post_attention_layernorm.weight", (D,), "norms"))
     if cfg.attn_res_block_size is not None:
         for r in ("self_attention_res", "mlp_res"):
-            out += [t(f"{r}_proj.weight", (1, D), "attn_res"), t(f"{r}_norm.weight", (D,), "attn_res")]
+            out += [
+                t(f"{r}_proj.weight", (1, D), "attn_res"),
+                t(f"{r}_norm.weight", (D,), "attn_res"),
+            ]
     if not cfg.is_moe(i):
         return out + _mlp_specs(t, "mlp.", D, cfg.intermediate_size, "dense_mlp")
     return out + _moe_specs(cfg, i, t, fdt)
 
 
 def _mlp_specs(t, p: str, D: int, F: int, comp: str) -> list[TensorSpec]:
-    return [t(p + "gate_proj.weight", (F, D), comp), t(p + "up_proj.weight", (F, D), comp),
-            t(p + "down_proj.weight", (D, F), comp)]
+    return [
+        t(p + "gate_proj.weight", (F, D), comp),
+        t(p + "up_proj.weight", (F, D), comp),
+        t(p + "down_proj.weight", (D, F), comp),
+    ]
 
 
 def _kda_specs(cfg: Config, t) -> list[TensorSpec]:
@@ -159,10 +176,16 @@ def _kda_specs(cfg: Config, t) -> list[TensorSpec]:
     P, K, a = H * Dk, cfg.linear_attn_config.get("short_conv_kernel_size", 4), "self_attn."
     out = [t(a + f"{n}_proj.weight", (P, D), "kda") for n in "qkv"]
     out += [t(a + f"{n}_conv1d.weight", (P, 1, K), "kda", "F32") for n in "qkv"]
-    out += [t(a + "f_a_proj.weight", (Dk, D), "kda"), t(a + "f_b_proj.weight", (P, Dk), "kda"),
-            t(a + "b_proj.weight", (H, D), "kda"), t(a + "g_proj.weight", (P, D), "kda"),
-            t(a + "A_log", (max(H, Dk),), "kda", "F32"), t(a + "dt_bias", (P,), "kda", "F32"),
-            t(a + "o_norm.weight", (Dk,), "kda", "F32"), t(a + "o_proj.weight", (D, P), "kda")]
+    out += [
+        t(a + "f_a_proj.weight", (Dk, D), "kda"),
+        t(a + "f_b_proj.weight", (P, Dk), "kda"),
+        t(a + "b_proj.weight", (H, D), "kda"),
+        t(a + "g_proj.weight", (P, D), "kda"),
+        t(a + "A_log", (max(H, Dk),), "kda", "F32"),
+        t(a + "dt_bias", (P,), "kda", "F32"),
+        t(a + "o_norm.weight", (Dk,), "kda", "F32"),
+        t(a + "o_proj.weight", (D, P), "kda"),
+    ]
     return out
 
 
@@ -171,14 +194,19 @@ def _mla_specs(cfg: Config, t) -> list[TensorSpec]:
     q_dim, kv = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.kv_lora_rank
     if cfg.q_lora_rank:
         r = cfg.q_lora_rank
-        out = [t(a + "q_a_proj.weight", (r, D), "mla"), t(a + "q_a_layernorm.weight", (r,), "mla"),
-               t(a + "q_b_proj.weight", (H * q_dim, r), "mla")]
+        out = [
+            t(a + "q_a_proj.weight", (r, D), "mla"),
+            t(a + "q_a_layernorm.weight", (r,), "mla"),
+            t(a + "q_b_proj.weight", (H * q_dim, r), "mla"),
+        ]
     else:
         out = [t(a + "q_proj.weight", (H * q_dim, D), "mla")]
-    out += [t(a + "kv_a_proj_with_mqa.weight", (kv + cfg.qk_rope_head_dim, D), "mla"),
-            t(a + "kv_a_layernorm.weight", (kv,), "mla"),
-            t(a + "kv_b_proj.weight", (H * (cfg.qk_nope_head_dim + cfg.v_head_dim), kv), "mla"),
-            t(a + "o_proj.weight", (D, H * cfg.v_head_dim), "mla")]
+    out += [
+        t(a + "kv_a_proj_with_mqa.weight", (kv + cfg.qk_rope_head_dim, D), "mla"),
+        t(a + "kv_a_layernorm.weight", (kv,), "mla"),
+        t(a + "kv_b_proj.weight", (H * (cfg.qk_nope_head_dim + cfg.v_head_dim), kv), "mla"),
+        t(a + "o_proj.weight", (D, H * cfg.v_head_dim), "mla"),
+    ]
     if cfg.mla_use_output_gate:
         out.append(t(a + "g_proj.weight", (H * cfg.v_head_dim, D), "mla"))
     return out
@@ -186,8 +214,10 @@ def _mla_specs(cfg: Config, t) -> list[TensorSpec]:
 
 def _moe_specs(cfg: Config, i: int, t, fdt: str) -> list[TensorSpec]:
     D, E, m = cfg.hidden_size, cfg.num_experts, "block_sparse_moe."
-    out = [t(m + "gate.weight", (E, D), "router"),
-           t(m + "gate.e_score_correction_bias", (E,), "router", "F32")]
+    out = [
+        t(m + "gate.weight", (E, D), "router"),
+        t(m + "gate.e_score_correction_bias", (E,), "router", "F32"),
+    ]
     if cfg.num_shared_experts:
         F = cfg.moe_intermediate_size * cfg.num_shared_experts
         out += _mlp_specs(t, m + "shared_experts.", D, F, "shared_experts")
@@ -220,12 +250,18 @@ def _vision(vc: dict, fdt: str) -> list[TensorSpec]:
     MoonViT-V2 names and shapes are not public here; the stand-in's block count and widths are
     chosen so its tensor count (12 per block) and parameters match the release (168, ~401 M)."""
     W, M, n = vc["hidden_size"], vc["intermediate_size"], vc["num_hidden_layers"]
-    shapes = {"norm1.weight": (W,), "norm1.bias": (W,), "attn.qkv.weight": (3 * W, W),
-              "attn.qkv.bias": (3 * W,), "attn.proj.weight": (W, W), "attn.proj.bias": (W,),
-              "norm2.weight": (W,), "norm2.bias": (W,), "mlp.fc1.weight": (M, W),
-              "mlp.fc1.bias": (M,), "mlp.fc2.weight": (W, M), "mlp.fc2.bias": (W,)}
-    return [TensorSpec(f"vision_tower.blocks.{b}.{k}", fdt, s, "vision")
-            for b in range(n) for k, s in shapes.items()]
+    lin = {"attn.qkv": (3 * W, W), "attn.proj": (W, W), "mlp.fc1": (M, W), "mlp.fc2": (W, M)}
+    block = [(f"{m}.{p}", (W,)) for m in ("norm1", "norm2") for p in ("weight", "bias")]
+    block += [
+        (f"{m}.{p}", s if p == "weight" else s[:1])
+        for m, s in lin.items()
+        for p in ("weight", "bias")
+    ]
+    return [
+        TensorSpec(f"vision_tower.blocks.{b}.{k}", fdt, s, "vision")
+        for b in range(n)
+        for k, s in block
+    ]
 
 
 def expert_key(name: str) -> tuple[int, int] | None:
@@ -265,20 +301,29 @@ def default_experts(get: Weights) -> ExpertSource:
     return source
 
 
-class Model:
+class Model(LayerModel):
     """Kimi K3 text model; holds no weights (see `reap.models.base` for the driving protocol).
 
     Compute runs in `dtype` on `device`; the KDA decay and state, router scores, norms and the
     AttnRes mix are always fp32."""
 
-    def __init__(self, cfg: Config, device: str | torch.device = "cpu",
-                 dtype: torch.dtype = torch.float32):
+    def __init__(
+        self, cfg: Config, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+    ):
         self.cfg, self.device, self.dtype = cfg, torch.device(device), dtype
         self.n_layers = cfg.num_hidden_layers
-        self.mla_dims = B.MLADims(cfg.num_attention_heads, cfg.qk_nope_head_dim,
-                                  cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank,
-                                  cfg.q_lora_rank, cfg.mla_use_output_gate)
-        self.beta = cfg.activation_situ_beta or 1.0
+        self.mla = B.MLADims.from_config(cfg)
+        self.act = (cfg.activation_situ_beta or 1.0, cfg.activation_situ_linear_beta)
+        self.moe = B.MoEDims(
+            cfg.num_experts_per_token,
+            cfg.routed_scaling_factor,
+            cfg.moe_renormalize,
+            cfg.routed_expert_hidden_size is not None,
+            cfg.latent_moe_use_norm,
+            cfg.num_shared_experts > 0,
+            cfg.rms_norm_eps,
+            *self.act,
+        )
 
     def _w(self, get: Weights, prefix: str) -> B.WeightFn:
         def w(name: str) -> torch.Tensor:
@@ -297,83 +342,48 @@ class Model:
         table = self._w(get, "model.")("embed_tokens.weight")
         return State(table[ids.to(self.device)].to(self.dtype))
 
-    def attn_block(self, i: int, get: Weights, state: State, cache=None
-                   ) -> tuple[State, torch.Tensor]:
+    def attn_block(
+        self, i: int, get: Weights, state: State, cache=None
+    ) -> tuple[State, torch.Tensor]:
         """Attention of layer i with its AttnRes mixes; returns (state, MLP input [B, T, D])."""
-        cfg, w = self.cfg, self._w(get, f"model.layers.{i}.")
+        cfg, w, eps = self.cfg, self._w(get, f"model.layers.{i}."), self.cfg.rms_norm_eps
         partial, blocks = state.hidden, list(state.blocks)
         res = cfg.attn_res_block_size is not None
         h = self._mix(w, "self_attention_res", blocks, partial) if res else partial
         if res and i % cfg.attn_res_block_size == 0:
-            blocks, partial = blocks + [partial], None
-        x = B.rms_norm(h, w("input_layernorm.weight"), cfg.rms_norm_eps)
+            blocks, partial = [*blocks, partial], None
+        x = B.rms_norm(h, w("input_layernorm.weight"), eps)
         sub = self._w(get, f"model.layers.{i}.self_attn.")
         if cfg.is_kda(i):
-            lac = cfg.linear_attn_config
-            a = B.kda_attention(x, sub, cfg.kda_heads, cfg.kda_head_dim,
-                                lac.get("gate_lower_bound"), cfg.rms_norm_eps, cache)
+            bound = cfg.linear_attn_config.get("gate_lower_bound")
+            a = B.kda_attention(x, sub, cfg.kda_heads, cfg.kda_head_dim, bound, eps, cache)
         else:
-            a = B.mla_attention(x, sub, self.mla_dims, cache)
+            a = B.mla_attention(x, sub, self.mla, cache)
         partial = a if partial is None else partial + a
         h = self._mix(w, "mlp_res", blocks, partial) if res else partial
-        return State(partial, blocks), B.rms_norm(h, w("post_attention_layernorm.weight"),
-                                                  cfg.rms_norm_eps)
+        return State(partial, blocks), B.rms_norm(h, w("post_attention_layernorm.weight"), eps)
 
     def _mix(self, w: B.WeightFn, name: str, blocks: list, partial: torch.Tensor) -> torch.Tensor:
-        return B.attn_res_mix(blocks, partial, w(f"{name}_proj.weight"), w(f"{name}_norm.weight"),
-                              self.cfg.rms_norm_eps)
+        proj, norm = w(f"{name}_proj.weight"), w(f"{name}_norm.weight")
+        return B.attn_res_mix(blocks, partial, proj, norm, self.cfg.rms_norm_eps)
 
-    def mlp_block(self, i: int, get: Weights, x: torch.Tensor, experts: ExpertSource | None = None,
-                  observer: Observer | None = None) -> torch.Tensor:
+    def mlp_block(
+        self,
+        i: int,
+        get: Weights,
+        x: torch.Tensor,
+        experts: ExpertSource | None = None,
+        observer: Observer | None = None,
+    ) -> torch.Tensor:
         """Dense MLP or LatentMoE of layer i: x [B, T, D] -> [B, T, D]."""
-        cfg = self.cfg
-        if not cfg.is_moe(i):
+        if not self.cfg.is_moe(i):
             w = self._w(get, f"model.layers.{i}.mlp.")
-            return B.glu_mlp(x, w("gate_proj.weight"), w("up_proj.weight"), w("down_proj.weight"),
-                             self.beta, cfg.activation_situ_linear_beta)
+            mats = (w(f"{n}_proj.weight") for n in ("gate", "up", "down"))
+            return B.glu_mlp(x, *mats, *self.act)
         w = self._w(get, f"model.layers.{i}.block_sparse_moe.")
-        y = self._moe(i, w, x.reshape(-1, x.shape[-1]), experts or default_experts(get), observer)
+        flat = x.reshape(-1, x.shape[-1])  # [N, D]
+        y = B.latent_moe(flat, w, self.moe, i, experts or default_experts(get), observer)
         return y.reshape(x.shape)
-
-    def _moe(self, i: int, w: B.WeightFn, x: torch.Tensor, experts: ExpertSource,
-             observer: Observer | None) -> torch.Tensor:
-        """LatentMoE on x [N, D]: route, down-project, experts, norm, up-project, shared."""
-        cfg = self.cfg
-        lb = cfg.activation_situ_linear_beta
-        ids, weights, probs = B.route(B.linear(x, w("gate.weight")),
-                                      w("gate.e_score_correction_bias"), cfg.num_experts_per_token,
-                                      cfg.routed_scaling_factor, cfg.moe_renormalize)
-        latent = cfg.routed_expert_hidden_size is not None
-        up = w("routed_expert_up_proj.weight") if latent else None
-        g = w("routed_expert_norm.weight") if latent and cfg.latent_moe_use_norm else None
-        to_model = None
-        if observer is not None and observer.wants_norms:
-            to_model = lambda o: (B.linear(o * g.float() if g is not None else o, up)  # noqa: E731
-                                  if up is not None else o)
-        xl = B.linear(x, w("routed_expert_down_proj.weight")) if latent else x  # [N, Dl]
-        run = lambda e, xs: B.expert_glu(xs, experts(i, e), self.beta, lb)  # noqa: E731
-        y, stats = B.dispatch(xl, ids, weights, run, to_model)
-        y = y.to(x.dtype)
-        rms = torch.ones(y.shape[0], device=y.device)
-        if g is not None:
-            rms = (y.float().pow(2).mean(-1) + cfg.rms_norm_eps).sqrt()  # [N]
-            y = B.rms_norm(y, g, cfg.rms_norm_eps)
-        y = B.linear(y, up) if latent else y
-        if cfg.num_shared_experts:
-            y = y + B.glu_mlp(x, w("shared_experts.gate_proj.weight"),
-                              w("shared_experts.up_proj.weight"),
-                              w("shared_experts.down_proj.weight"), self.beta, lb)
-        if observer is not None:
-            rec = MoERecord(i, ids, weights, probs)
-            if stats is not None:
-                rec.latent_norm, rec.max_act = stats.latent_norm, stats.max_act
-                rec.model_norm = stats.model_norm / rms[:, None]
-            observer.on_moe(rec)
-        return y
-
-    def finish_layer(self, i: int, state: State, y: torch.Tensor) -> State:
-        """Add the MLP output y [B, T, D] to the running sum."""
-        return State(state.hidden + y, state.blocks)
 
     def head(self, get: Weights, state: State) -> torch.Tensor:
         """Final AttnRes mix, norm and output head: -> logits [B, T, V]."""
@@ -384,13 +394,3 @@ class Model:
         h = B.rms_norm(h, w("norm.weight"), cfg.rms_norm_eps)
         name = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
         return B.linear(h, self._w(get, "")(name))
-
-    def forward(self, get: Weights, ids: torch.Tensor, caches: list | None = None,
-                experts: ExpertSource | None = None, observer: Observer | None = None
-                ) -> torch.Tensor:
-        """The whole model: ids [B, T] -> logits [B, T, V] (decode: pass the same caches again)."""
-        state = self.embed(get, ids)
-        for i in range(self.n_layers):
-            state, x = self.attn_block(i, get, state, None if caches is None else caches[i])
-            state = self.finish_layer(i, state, self.mlp_block(i, get, x, experts, observer))
-        return self.head(get, state)
