@@ -296,3 +296,28 @@ def test_mismatched_statistics_and_weights(tmp_path, capsys):
         assert main(["plan", *map(str, argv), "--keep", "4", "--dry-run"]) == 2
         err = capsys.readouterr().err.strip()
         assert message in err and len(err.splitlines()) == 1
+
+
+def test_plan_finds_the_calibrated_checkpoint(tmp_path):
+    """Statistics name the checkpoint they came from: sizes and fingerprint come from it."""
+    from reap.checkpoint import Checkpoint, CheckpointWriter
+    from reap.models import family
+
+    cfg = k3_tiny()
+    specs = family(cfg).layout(cfg)
+    w = CheckpointWriter(tmp_path / "ck", specs, prefix="language_model.")
+    for s in specs:
+        w.write(s.name, bytes(s.nbytes))
+    path = w.close(cfg)
+    with Checkpoint.open(path) as ck:
+        fp = ck.fingerprint()
+    s = make_stats([1, 2, 3, 4, 5], 16, 4, model=fp)
+    s.meta["arguments"] = {"model": path}
+    stats = save(s, tmp_path, "zh")
+    out = tmp_path / "plan.json"
+    assert main(["plan", str(stats), "--target-size", "1MB", "--out", str(out)]) == 0
+    plan = Plan.load(out)
+    assert plan.model == fp and plan.predicted_bytes <= 10**6 and plan.counts[1] >= 4
+    s.meta["model"] = "another"
+    save(s, tmp_path, "zh")
+    assert main(["plan", str(stats), "--target-size", "1MB", "--out", str(out)]) == 2

@@ -394,7 +394,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("stats", nargs="*", metavar="STATS",
                    help="statistics files from `reap calibrate`, one per corpus")
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--model", help="source checkpoint (config, sizes and fingerprint)")
+    src.add_argument("--model", help="source checkpoint (config, sizes and fingerprint; default: "
+                     "the checkpoint the statistics were calibrated on, if still there)")
     src.add_argument("--config", help="built-in config (k3-tiny, k3-small, k3-full) or checkpoint")
     p.add_argument("--layers", type=int, help="with a built-in --config: its first N layers")
     p.add_argument("--out", help="plan JSON to write")
@@ -422,6 +423,8 @@ def run(args: argparse.Namespace) -> int:
 
         config, path = resolve_config(args.model or args.config, args.layers)
         model = _fingerprint(path) if path else None
+    elif args.stats:
+        config, model = _calibrated_model(args.stats[0])
     if not args.dry_run and not args.out:
         raise ReapError("give --out plan.json (or --dry-run)")
     arguments = {k: v for k, v in vars(args).items() if not k.startswith("_")}
@@ -438,6 +441,25 @@ def run(args: argparse.Namespace) -> int:
                         "--criterion random, or --dry-run")
     print(plan.save(args.out), file=sys.stderr)
     return 0
+
+
+def _calibrated_model(stats_path: str) -> tuple[dict | None, str | None]:
+    """The config of the checkpoint a statistics file was calibrated on, when that checkpoint
+    is still where calibration found it with the same fingerprint; else (None, None)."""
+    from reap.checkpoint import Checkpoint
+    from reap.stats import ExpertStats
+
+    meta = ExpertStats.load(stats_path).meta
+    path = (meta.get("arguments") or {}).get("model")
+    if not path or not os.path.exists(path):
+        return None, None
+    try:
+        with Checkpoint.open(path) as ck:
+            if ck.config and ck.fingerprint() == meta.get("model"):
+                return ck.config, meta["model"]
+    except ReapError:
+        pass
+    return None, None
 
 
 def _fingerprint(path: str) -> str:
