@@ -42,13 +42,12 @@ def load_config(config: str | dict, layers: int | None = None) -> dict:
         return builtin_config(config, layers)
     p = Path(config)
     p = p / "config.json" if p.is_dir() else p
+    if not p.is_file():
+        raise ReapError(f"{config}: neither a built-in config ({', '.join(BUILTIN)}) nor a file")
     try:
         d = json.loads(p.read_text())
     except (OSError, ValueError) as e:
-        raise ReapError(
-            f"{config}: not a built-in config ({', '.join(BUILTIN)}) and not a "
-            f"readable config.json ({e})"
-        ) from None
+        raise ReapError(f"{p}: not a readable config.json ({e})") from None
     if layers is not None:
         raise ReapError("--layers applies to built-in configs only")
     return d
