@@ -18,8 +18,13 @@ import pytest
 import torch
 
 from reap.checkpoint import Checkpoint, CheckpointWriter, TensorSpec
-from reap.engine.remote import (HttpCache, RemoteCheckpoint, default_cache_dir, open_checkpoint,
-                                safe_name)
+from reap.engine.remote import (
+    HttpCache,
+    RemoteCheckpoint,
+    default_cache_dir,
+    open_checkpoint,
+    safe_name,
+)
 from reap.errors import CheckpointError
 
 
@@ -161,7 +166,7 @@ def test_open_reads_headers_only_then_tensors_on_demand(remote):
 
 
 def test_second_open_reuses_cache_without_requests(remote):
-    src, fs, cache = remote
+    _src, fs, cache = remote
     ck = RemoteCheckpoint.open(fs.url, cache, block=1)
     ck.read("lm_head.weight")
     n_first = len(fs.requests)
@@ -196,7 +201,7 @@ def test_interrupted_download_resumes(remote):
 
 
 def test_server_lying_about_size_is_caught(remote):
-    src, fs, cache = remote
+    _src, fs, cache = remote
     fs.lie_size = 16  # claims 16 more bytes than the header describes
     with pytest.raises(CheckpointError, match="header describes"):
         RemoteCheckpoint.open(fs.url, cache.with_name("c1"), block=1)
@@ -221,7 +226,7 @@ def test_truncated_shard_gives_416(remote):
 
 
 def test_http_errors_are_one_line_checkpoint_errors(remote, tmp_path):
-    src, fs, cache = remote
+    src, fs, _cache = remote
     with pytest.raises(CheckpointError, match="404"):
         RemoteCheckpoint.open(fs.url + "-missing", tmp_path / "c1")
     fs.ignore_range = True

@@ -16,9 +16,15 @@ import urllib.request
 
 import pytest
 
-from reap.engine.chat import (ChatTemplate, ReasoningSplitter, TextStream, encode_prompt,
-                              parse_messages, render_k3,
-                              split_reasoning)
+from reap.engine.chat import (
+    ChatTemplate,
+    ReasoningSplitter,
+    TextStream,
+    encode_prompt,
+    parse_messages,
+    render_k3,
+    split_reasoning,
+)
 from reap.engine.server import Server, check_host
 from reap.errors import ReapError
 
@@ -33,10 +39,12 @@ class FakeBackend:
 
     model_id = "fake-model"
     eos_id = 256
-    special = {"<|im_end|>": 257}  # a chat marker that is one special token
 
     def __init__(self, delay: float = 0.0, template: ChatTemplate | None = None):
         self.template = template or ChatTemplate()
+        self.special = {"<|im_end|>": 257}  # a chat marker that is one special token
+        self.expert_failures: list = []
+        self.fail: str | None = None  # "refuse" (engine limits) or "expert" (a load failure)
         self.delay = delay
         self.prompts: list[str] = []
         self.prompt_ids: list[list[int]] = []
@@ -62,6 +70,10 @@ class FakeBackend:
         self.inside += 1
         self.overlap |= self.inside > 1
         try:
+            if self.fail == "refuse":
+                raise ReapError("prompt of 9 tokens exceeds the limit of 8 (--max-prompt)")
+            if self.fail == "expert":
+                self.expert_failures.append((1, 3, "short read"))
             prompt = self.decode(ids)
             self.prompts.append(prompt)
             self.prompt_ids.append(list(ids))
@@ -254,6 +266,22 @@ def test_models_completion_and_errors(served):
     assert status == 404 and "message" in body["error"]
 
 
+def test_engine_refusal_and_expert_failure_are_errors(served):
+    s, client = served()
+    s.app.backend.fail = "refuse"
+    with pytest.raises(openai.BadRequestError, match="exceeds the limit"):
+        client.completions.create(model="fake-model", prompt="hello", max_tokens=4)
+    s.app.backend.fail = "expert"
+    with pytest.raises(openai.InternalServerError, match="layer 1 expert 3"):
+        client.completions.create(model="fake-model", prompt="hello", max_tokens=4)
+    with pytest.raises(openai.APIError, match="not trustworthy"):  # after streamed text
+        list(client.completions.create(model="fake-model", prompt="hello", max_tokens=4,
+                                       stream=True))
+    s.app.backend.fail = None
+    assert client.completions.create(model="fake-model", prompt="hello", max_tokens=4,
+                                     temperature=0).choices[0].text == "echo"
+
+
 def test_chat_thinking_and_streaming(served):
     s, client = served()
     be = s.app.backend
@@ -282,7 +310,7 @@ def test_chat_thinking_and_streaming(served):
 
 
 def test_seed_determinism_and_streamed_text(served):
-    s, client = served()
+    _s, client = served()
     msgs = [{"role": "user", "content": "random please"}]
 
     def chat(seed, stream=False):
@@ -302,7 +330,7 @@ def test_seed_determinism_and_streamed_text(served):
 
 
 def test_stop_string_never_leaks_when_streamed(served):
-    s, client = served()
+    _s, client = served()
     r = client.completions.create(model="fake-model", prompt="abc", max_tokens=60,
                                   temperature=0, stop=["STOP"], stream=True)
     pieces = [c.choices[0].text for c in r]
@@ -334,7 +362,7 @@ def test_two_concurrent_clients_queue_on_one_engine(served):
 
 def test_queue_full_gives_503(served):
     be = FakeBackend(delay=0.01)
-    s, client = served(be, queue_size=1)
+    s, _client = served(be, queue_size=1)
     body = {"prompt": "slow", "max_tokens": 40, "temperature": 0}
     threads = [threading.Thread(target=post, args=(s.url + "/completions", body))
                for _ in range(2)]
@@ -382,7 +410,7 @@ def test_real_engine_end_to_end(tiny, served):
     sampled = eng.generate([ids], max_tokens=6, temperature=0.9, seed=11)[0]
     chat_ref = eng.generate([chat_ids], max_tokens=5, temperature=0)[0]
     other = eng.generate([list(b"xyz")], max_tokens=6, temperature=0.9, seed=2)[0]
-    s, client = served(backend)  # from here on only the server's worker uses the engine
+    _s, client = served(backend)  # from here on only the server's worker uses the engine
 
     def complete(prompt, **kw):
         r = client.completions.create(model="k3-tiny", prompt=prompt, max_tokens=6, **kw)
@@ -409,3 +437,37 @@ def test_real_engine_end_to_end(tiny, served):
     for t in threads:
         t.join(60)
     assert results == {"a": sampled.text, "b": other.text}
+
+
+def test_cli_serves_until_interrupted_and_refuses_public_bind(tiny):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "reap.cli", "serve", str(tiny), "--context", "64"]
+    r = subprocess.run(cmd + ["--host", "0.0.0.0"], check=False, capture_output=True, text=True, timeout=120,
+                       env=env)
+    assert r.returncode == 2 and "--allow-remote" in r.stderr and "Traceback" not in r.stderr
+    p = subprocess.Popen(cmd + ["--port", "0", "--served-name", "tiny"], stderr=subprocess.PIPE,
+                         text=True, env=env)
+    watchdog = threading.Timer(120, p.kill)
+    watchdog.start()
+    try:
+        line = ""
+        while not line.startswith("reap serve:"):
+            line = p.stderr.readline()
+            assert line, "server exited before listening"
+        url = line.split(" at ")[1].split()[0]
+        with urllib.request.urlopen(url + "/models", timeout=30) as resp:
+            assert json.loads(resp.read())["data"][0]["id"] == "tiny"
+        status, body = post(url + "/completions", {"prompt": "hi", "max_tokens": 2,
+                                                   "temperature": 0})
+        assert status == 200 and body["usage"]["completion_tokens"] >= 1
+        p.send_signal(signal.SIGINT)
+        assert p.wait(60) == 5  # the documented exit code for an interrupt
+    finally:
+        watchdog.cancel()
+        p.kill()
+        p.stderr.close()

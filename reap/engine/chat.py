@@ -32,8 +32,9 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from reap.errors import ReapError
 
@@ -50,7 +51,12 @@ ROLES = ("system", "user", "assistant")
 
 
 class ChatError(ReapError):
-    """A chat request the format cannot express (bad role, non-text content, template error)."""
+    """A request the server cannot honour (bad field, bad role, non-text content, template
+    error); `param` names the offending request field (HTTP 400)."""
+
+    def __init__(self, message: str, param: str | None = "messages"):
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass(frozen=True)
@@ -132,7 +138,7 @@ class ChatTemplate:
         self._compiled = None
 
     @classmethod
-    def from_dir(cls, path: str | os.PathLike) -> "ChatTemplate":
+    def from_dir(cls, path: str | os.PathLike) -> ChatTemplate:
         """The template of a checkpoint directory (built-in K3 format when it ships none)."""
         config = _read_json(os.path.join(path, "tokenizer_config.json"))
         special = {k: _token_text(config.get(k)) for k in ("bos_token", "eos_token")}
@@ -156,7 +162,7 @@ class ChatTemplate:
             return self._template().render(**env_kwargs)
         except ChatError:
             raise
-        except Exception as e:  # any Jinja runtime error is the template's or the request's
+        except Exception as e:  # noqa: BLE001 - any Jinja error: the template's or the request's
             raise ChatError(f"chat template failed: {type(e).__name__}: {e}") from None
 
     def opens_thinking(self, prompt: str) -> bool:
@@ -369,3 +375,76 @@ def encode_prompt(text: str, encode: Callable[[str], list[int]],
     if at < len(text):
         ids += encode(text[at:])
     return ids
+
+
+# --------------------------------------------------------------------------- request fields
+
+@dataclass
+class Params:
+    """Validated sampling parameters of one request."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int = 0
+    stop: tuple[str, ...] = ()
+
+
+_UNSUPPORTED = ("logprobs", "top_logprobs", "echo", "tools", "functions", "suffix")
+
+
+def parse_params(body: dict[str, Any], default_max: int, limit: int) -> Params:
+    """Sampling parameters of an OpenAI request body (no seed: 0); ChatError naming the field."""
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    max_tokens = default_max if max_tokens is None else max_tokens
+    _need(_is_int(max_tokens) and 1 <= max_tokens <= limit, "max_tokens",
+          f"must be an integer in [1, {limit}] (the server limit and the room the prompt "
+          "leaves in the context)")
+    temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
+    top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
+    _need(top_p > 0, "top_p", "must be in (0, 1]")
+    seed = 0 if body.get("seed") is None else body["seed"]
+    _need(_is_int(seed) and 0 <= seed < 2**63, "seed", "must be an integer in [0, 2^63)")
+    stop = body.get("stop")
+    stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
+    _need(isinstance(stop, list) and len(stop) <= 4 and all(isinstance(x, str) and x
+                                                            for x in stop),
+          "stop", "must be a non-empty string or a list of at most 4 of them")
+    _need(body.get("n", 1) == 1 and body.get("best_of", 1) == 1, "n", "only n=1 is supported")
+    for name in _UNSUPPORTED:
+        _need(body.get(name) in (None, False, []), name, "is not supported by this server")
+    return Params(max_tokens, temperature, top_p, seed, tuple(stop))
+
+
+def completion_ids(body: dict[str, Any], encode: Callable[[str], list[int]],
+                   specials: dict[str, int]) -> list[int]:
+    """Prompt token ids of a /v1/completions body: one string or one list of token ids."""
+    p = body.get("prompt")
+    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
+        p = p[0]
+    if isinstance(p, str):
+        ids = encode_prompt(p, encode, specials)
+    else:
+        ok = isinstance(p, list) and all(_is_int(t) and t >= 0 for t in p)
+        _need(ok, "prompt", "must be one string or one list of token ids")
+        ids = list(p)
+    _need(bool(ids), "prompt", "is empty")
+    return ids
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _number(body: dict[str, Any], name: str, default: float, lo: float, hi: float) -> float:
+    v = body.get(name)
+    if v is None:
+        return default
+    _need(isinstance(v, (int, float)) and not isinstance(v, bool) and lo <= v <= hi, name,
+          f"must be a number in [{lo:g}, {hi:g}]")
+    return float(v)
+
+
+def _need(ok: bool, param: str, message: str) -> None:
+    if not ok:
+        raise ChatError(f"'{param}' {message}", param)

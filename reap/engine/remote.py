@@ -168,7 +168,8 @@ class HttpCache:
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            raise CheckpointError(f"{self.dir}: cannot create the HTTP cache ({e.strerror})") from None
+            raise CheckpointError(f"{self.dir}: cannot create the HTTP cache ({e.strerror})"
+                                  ) from None
 
     def _file_url(self, name: str) -> str:
         return f"{self.url}/{urllib.parse.quote(name)}"
@@ -417,7 +418,7 @@ class RemoteCheckpoint(Checkpoint):
 
     @classmethod
     def open(cls, url: str, cache_dir: str | os.PathLike | None = None,  # type: ignore[override]
-             direct: bool = False, **cache_options) -> "RemoteCheckpoint":
+             direct: bool = False, **cache_options) -> RemoteCheckpoint:
         """Open the checkpoint directory at `url` through the cache in `cache_dir`."""
         cache = HttpCache(url, cache_dir, **cache_options)
         cache.prepare()

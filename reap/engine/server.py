@@ -9,11 +9,13 @@ One model instance serves everything: a single worker thread owns the engine and
 at a time; HTTP threads only parse, enqueue and format, so a long generation can never interleave
 with another request's state. Requests wait in a bounded queue (503 when it is full).
 
-The worker drives a `Backend`: a tokenizer, a chat template and a token iterator
-(`tokens(ids, max_tokens, temperature, top_p, seed)`); detokenization, stop strings, EOS and
-`max_tokens` are handled here, identically for every backend. Generation stops early by closing
-the backend's iterator. With no `seed`, requests use seed 0, so the same request gives the same
-text (the engine's decoding is deterministic).
+The worker drives a backend (`EngineBackend`, or any object with the same members): `model_id`,
+`template` (a `ChatTemplate`), `eos_id`, `special` (special token text -> id), `context` (tokens,
+or None), `encode(text)`, `decode(ids)`, `tokens(ids, *, max_tokens, temperature, top_p, seed)`
+(a generator of generated ids), `expert_failures` (a list that grows when an expert fails to
+load) and `close()`. Detokenization, stop strings, end-of-turn ids and `max_tokens` are handled
+here, identically for every backend; generation stops early by closing the iterator. With no
+`seed`, requests use seed 0: the same request gives the same text (decoding is deterministic).
 """
 
 from __future__ import annotations
@@ -27,35 +29,17 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Iterator, Protocol
+from typing import Any
 
-from reap.engine.chat import (ChatError, ChatTemplate, ReasoningSplitter, TextStream,
-                              encode_prompt, parse_messages, special_tokens, template_kwargs,
-                              thinking_option)
+from reap.engine import chat
 from reap.errors import EXIT_USAGE, ReapError
 
 MAX_BODY = 8 << 20  # bytes of JSON per request
 _ERROR_TYPE = {400: "invalid_request_error", 500: "server_error"}
-
-
-class Backend(Protocol):
-    """What the server needs from a model: ids <-> text, a chat template, a token iterator."""
-
-    model_id: str
-    template: ChatTemplate
-    eos_id: int | None
-    special: dict[str, int]  # special tokens spelled in prompts -> their ids
-
-    def encode(self, text: str) -> list[int]: ...
-
-    def decode(self, ids: list[int]) -> str: ...
-
-    def tokens(self, ids: list[int], *, max_tokens: int, temperature: float, top_p: float,
-               seed: int) -> Iterator[int]: ...
-
-    def close(self) -> None: ...
+ROUTES = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
 
 
 class ApiError(Exception):
@@ -71,79 +55,6 @@ class ApiError(Exception):
                           "code": self.code}}
 
 
-# --------------------------------------------------------------------------- requests
-
-@dataclass
-class Params:
-    """Validated sampling parameters of one request."""
-
-    max_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    seed: int = 0
-    stop: tuple[str, ...] = ()
-
-
-def parse_params(body: dict, default_max: int, limit: int) -> Params:
-    """Sampling parameters from a request body; ApiError(400) naming the bad field."""
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    max_tokens = default_max if max_tokens is None else max_tokens
-    _check(_is_int(max_tokens) and 1 <= max_tokens <= limit, "max_tokens",
-           f"must be an integer in [1, {limit}] (server limit and the room the prompt leaves "
-           "in the context)")
-    temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
-    top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
-    _check(top_p > 0, "top_p", "must be in (0, 1]")
-    seed = body.get("seed")
-    seed = 0 if seed is None else seed
-    _check(_is_int(seed) and -(2**63) <= seed < 2**63, "seed", "must be a 64-bit integer")
-    stop = body.get("stop")
-    stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
-    _check(isinstance(stop, list) and len(stop) <= 4
-           and all(isinstance(s, str) and s for s in stop), "stop",
-           "must be a non-empty string or a list of at most 4 non-empty strings")
-    n = body.get("n", 1)
-    _check(n == 1 and _is_int(n), "n", "only n=1 is supported")
-    for name in ("logprobs", "echo", "tools", "functions", "best_of", "suffix"):
-        value = body.get(name)
-        _check(value in (None, False, [], 1) or (name == "best_of" and value == 1), name,
-               "is not supported by this server")
-    return Params(max_tokens, temperature, top_p, seed, tuple(stop))
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _number(body: dict, name: str, default: float, lo: float, hi: float) -> float:
-    v = body.get(name)
-    if v is None:
-        return default
-    _check(isinstance(v, (int, float)) and not isinstance(v, bool) and lo <= v <= hi, name,
-           f"must be a number in [{lo:g}, {hi:g}]")
-    return float(v)
-
-
-def _check(ok: bool, param: str, message: str) -> None:
-    if not ok:
-        raise ApiError(400, f"'{param}' {message}", param=param)
-
-
-def completion_prompt(body: dict, backend: Backend) -> list[int]:
-    """Prompt token ids of a /v1/completions body: a string or a list of token ids (one prompt)."""
-    p = body.get("prompt")
-    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
-        p = p[0]
-    if isinstance(p, str):
-        ids = encode_prompt(p, backend.encode, backend.special)
-    elif isinstance(p, list) and p and all(_is_int(t) and t >= 0 for t in p):
-        ids = list(p)
-    else:
-        raise ApiError(400, "'prompt' must be one string or one list of token ids", param="prompt")
-    _check(bool(ids), "prompt", "is empty")
-    return ids
-
-
 # --------------------------------------------------------------------------- worker
 
 @dataclass
@@ -152,7 +63,7 @@ class Job:
     or ("error", ApiError) to `events`."""
 
     ids: list[int]
-    params: Params
+    params: chat.Params
     stop: tuple[str, ...] = ()
     stop_ids: set = field(default_factory=set)  # token ids that end generation (EOS, <|im_end|>)
     events: queue.Queue = field(default_factory=queue.Queue)
@@ -162,13 +73,11 @@ class Job:
 class Worker:
     """The one thread that owns the backend; runs queued jobs one at a time, in order."""
 
-    def __init__(self, backend: Backend, queue_size: int = 16):
+    def __init__(self, backend, queue_size: int = 16):
         self.backend = backend
         self.jobs: queue.Queue = queue.Queue(maxsize=queue_size)
-        self.thread = threading.Thread(target=self._loop, name="reap-engine", daemon=True)
         self.served = 0
-
-    def start(self) -> None:
+        self.thread = threading.Thread(target=self._loop, name="reap-engine", daemon=True)
         self.thread.start()
 
     def submit(self, job: Job) -> None:
@@ -192,85 +101,77 @@ class Worker:
             except ReapError as e:  # the engine refused the request, or failed
                 status = 400 if e.exit_code == EXIT_USAGE else 500
                 job.events.put(("error", ApiError(status, str(e), _ERROR_TYPE[status])))
-            except Exception as e:  # a failed generation must not kill the server
+            except Exception as e:  # noqa: BLE001 - must not kill the server
                 job.events.put(("error", ApiError(500, f"generation failed: {e}", "server_error")))
             self.served += 1
 
     def _run(self, job: Job) -> None:
         p, b = job.params, self.backend
-        failed = len(getattr(b, "expert_failures", ()))
-        stream = TextStream(b.decode, job.stop + p.stop)
+        failed = len(b.expert_failures)
+        stream = chat.TextStream(b.decode, job.stop + p.stop)
         it = b.tokens(job.ids, max_tokens=p.max_tokens, temperature=p.temperature,
                       top_p=p.top_p, seed=p.seed)
         n, reason = 0, "length"
         try:
             for token in it:
-                if job.cancelled.is_set():
-                    reason = "cancelled"
-                    break
                 n += 1
-                if token in job.stop_ids:
+                if token in job.stop_ids or job.cancelled.is_set():
                     reason = "stop"
                     break
                 delta = stream.feed(token)
                 if delta:
                     job.events.put(("delta", delta))
-                if stream.done:
-                    reason = "stop"
-                    break
-                if n >= p.max_tokens:
+                if stream.done or n >= p.max_tokens:
+                    reason = "stop" if stream.done else reason
                     break
         finally:
-            close = getattr(it, "close", None)
-            if close:
-                close()
-        tail = stream.flush()
-        if tail:
+            it.close()  # ends the engine's generation early, if it is still running
+        if tail := stream.flush():
             job.events.put(("delta", tail))
-        _check_experts(list(getattr(b, "expert_failures", ()))[failed:])
+        if lost := b.expert_failures[failed:]:  # untrustworthy tokens: an error, not text
+            layer, expert, why = lost[0]
+            raise ApiError(500, f"{len(lost)} routed expert load(s) failed (first: layer {layer} "
+                                f"expert {expert}: {why}); the output is not trustworthy",
+                           "server_error", code="expert_load_failed")
         job.events.put(("done", reason, n))
-
-
-def _check_experts(failures: list) -> None:
-    """A routed expert that failed to load makes the tokens untrustworthy: an error, not text."""
-    if failures:
-        layer, expert, why = failures[0]
-        raise ApiError(500, f"{len(failures)} routed expert load(s) failed (first: layer {layer} "
-                            f"expert {expert}: {why}); the output is not trustworthy",
-                       "server_error", code="expert_load_failed")
 
 
 # --------------------------------------------------------------------------- responses
 
 class Reply:
-    """Formats one job's events as an OpenAI completion (`chat=False`) or chat completion."""
+    """Formats one job's events as an OpenAI completion or (`is_chat`) chat completion."""
 
-    def __init__(self, model: str, prompt_tokens: int, chat: bool, thinking: bool = False):
-        self.model, self.prompt_tokens, self.chat = model, prompt_tokens, chat
-        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+    def __init__(self, model: str, prompt_tokens: int, is_chat: bool, thinking: bool = False):
+        self.model, self.prompt_tokens, self.chat = model, prompt_tokens, is_chat
+        self.id = ("chatcmpl-" if is_chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
-        self.splitter = ReasoningSplitter(thinking) if chat else None
+        self.splitter = chat.ReasoningSplitter(thinking) if is_chat else None
 
     def _head(self, stream: bool) -> dict:
         kind = "chat.completion" + (".chunk" if stream else "") if self.chat else "text_completion"
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model,
                 "system_fingerprint": "reap"}
 
-    def chunk(self, text: str, finish: str | None = None, first: bool = False) -> dict:
-        """One streamed chunk carrying `text` (may be empty) and an optional finish reason."""
+    def _choice(self, text: str, finish: str | None, stream: bool) -> dict:
+        c: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish}
         if not self.chat:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-            return {**self._head(True), "choices": [choice]}
-        delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
-        reasoning, content = self.splitter.feed(text) if text else ("", "")
-        if finish is not None:
-            r, c = self.splitter.flush()
-            reasoning, content = reasoning + r, content + c
-        if reasoning:
-            delta["reasoning_content"] = reasoning
-        if content:
-            delta["content"] = content
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            return {**c, "text": text}
+        reasoning, content = self.splitter.feed(text)
+        if finish is not None:  # the end: whatever the splitter still holds
+            r, t = self.splitter.flush()
+            reasoning, content = reasoning + r, content + t
+        if stream:
+            parts = (("reasoning_content", reasoning), ("content", content))
+            return {**c, "delta": {k: v for k, v in parts if v}}
+        message = {"role": "assistant", "content": content}
+        return {**c, "message": message | ({"reasoning_content": reasoning} if reasoning else {})}
+
+    def chunk(self, text: str, finish: str | None = None, first: bool = False) -> dict:
+        """One streamed chunk carrying `text` (may be empty) and an optional finish reason;
+        a chat stream's `first` chunk announces the assistant role."""
+        choice = self._choice(text, finish, stream=True)
+        if first and self.chat:
+            choice["delta"] = {"role": "assistant", "content": ""}
         return {**self._head(True), "choices": [choice]}
 
     def usage(self, n: int) -> dict:
@@ -279,22 +180,14 @@ class Reply:
 
     def whole(self, text: str, finish: str, n: int) -> dict:
         """The non-streamed response."""
-        if not self.chat:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-        else:
-            r1, c1 = self.splitter.feed(text)
-            r2, c2 = self.splitter.flush()
-            message = {"role": "assistant", "content": c1 + c2}
-            if r1 + r2:
-                message["reasoning_content"] = r1 + r2
-            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
-        return {**self._head(False), "choices": [choice], "usage": self.usage(n)}
+        return {**self._head(False), "choices": [self._choice(text, finish, stream=False)],
+                "usage": self.usage(n)}
 
 
 class App:
     """Request handling independent of HTTP plumbing: validation, queueing, models list."""
 
-    def __init__(self, backend: Backend, queue_size: int = 16, max_tokens_limit: int = 4096):
+    def __init__(self, backend, queue_size: int = 16, max_tokens_limit: int = 4096):
         self.backend = backend
         self.limit = max_tokens_limit
         self.worker = Worker(backend, queue_size)
@@ -314,25 +207,29 @@ class App:
     def prepare(self, route: str, body: dict) -> tuple[Job, Reply]:
         """Validate a POST body and build its job and reply formatter (ApiError on bad input)."""
         self._check_model(body)
-        b, chat = self.backend, route == "chat"
+        b, is_chat = self.backend, route == "chat"
         stop, thinking = (), False
-        if not chat:
-            ids = completion_prompt(body, b)
-        else:
-            try:
-                prompt = b.template.render(parse_messages(body.get("messages")),
-                                           thinking_option(body), template_kwargs(body))
-            except ChatError as e:
-                raise ApiError(400, str(e), param="messages") from None
-            ids = encode_prompt(prompt, b.encode, b.special)
-            stop, thinking = b.template.stop, b.template.opens_thinking(prompt)
-        context = getattr(b, "context", None)
-        room = self.limit if context is None else min(self.limit, context - len(ids))
-        _check(room >= 1, "messages" if chat else "prompt",
-               f"of {len(ids)} tokens leaves no room in the {context}-token context")
-        params = parse_params(body, default_max=room if chat else min(16, room), limit=room)
+        try:
+            if not is_chat:
+                ids = chat.completion_ids(body, b.encode, b.special)
+            else:
+                messages = chat.parse_messages(body.get("messages"))
+                prompt = b.template.render(messages, chat.thinking_option(body),
+                                           chat.template_kwargs(body))
+                ids = chat.encode_prompt(prompt, b.encode, b.special)
+                stop, thinking = b.template.stop, b.template.opens_thinking(prompt)
+            context = getattr(b, "context", None)
+            room = self.limit if context is None else min(self.limit, context - len(ids))
+            if room < 1:
+                where = "messages" if is_chat else "prompt"
+                raise chat.ChatError(f"the prompt of {len(ids)} tokens leaves no room in the "
+                                     f"{context}-token context", where)
+            default = room if is_chat else min(16, room)
+            params = chat.parse_params(body, default_max=default, limit=room)
+        except chat.ChatError as e:
+            raise ApiError(400, str(e), param=e.param) from None
         stop_ids = {b.special[s] for s in stop if s in b.special} | {b.eos_id}
-        return Job(ids, params, stop, stop_ids), Reply(b.model_id, len(ids), chat, thinking)
+        return Job(ids, params, stop, stop_ids), Reply(b.model_id, len(ids), is_chat, thinking)
 
 
 def wait_events(job: Job) -> Iterator[tuple]:
@@ -351,7 +248,6 @@ class Handler(BaseHTTPRequestHandler):
 
     protocol_version = "HTTP/1.1"
     server_version = "reap"
-    ROUTES = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
 
     def log_message(self, format: str, *args: Any) -> None:  # quiet unless asked
         if getattr(self.server, "verbose", False):
@@ -376,14 +272,15 @@ class Handler(BaseHTTPRequestHandler):
         self._error(ApiError(404, f"no route GET {path}"))
 
     def do_POST(self) -> None:
-        route = self.ROUTES.get(self.path.split("?", 1)[0].rstrip("/"))
+        route = ROUTES.get(self.path.split("?", 1)[0].rstrip("/"))
         try:
             if route is None:
                 raise ApiError(404, f"no route POST {self.path}")
             body = self._body()
             job, reply = self.app.prepare(route, body)
             stream = body.get("stream", False)
-            _check(isinstance(stream, bool), "stream", "must be true or false")
+            if not isinstance(stream, bool):
+                raise ApiError(400, "'stream' must be true or false", param="stream")
             self.app.worker.submit(job)
         except ApiError as e:
             return self._error(e)
@@ -421,9 +318,9 @@ class Handler(BaseHTTPRequestHandler):
 
     def _stream(self, job: Job, reply: Reply, include_usage: bool) -> None:
         self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream")
-        self.send_header("Cache-Control", "no-cache")
-        self.send_header("Connection", "close")
+        for k, v in (("Content-Type", "text/event-stream"), ("Cache-Control", "no-cache"),
+                     ("Connection", "close")):
+            self.send_header(k, v)
         self.end_headers()
         self.close_connection = True
         try:
@@ -462,15 +359,15 @@ class Handler(BaseHTTPRequestHandler):
 class Server:
     """A running server: `Server(backend, host, port).start()`; `.url`; `.stop()`."""
 
-    def __init__(self, backend: Backend, host: str = "127.0.0.1", port: int = 8000,
+    def __init__(self, backend, host: str = "127.0.0.1", port: int = 8000,
                  queue_size: int = 16, max_tokens_limit: int = 4096, allow_remote: bool = False,
                  verbose: bool = False):
         check_host(host, allow_remote)
-        self.app = App(backend, queue_size, max_tokens_limit)
         try:
             self.httpd = ThreadingHTTPServer((host, port), Handler)
         except OSError as e:
             raise ReapError(f"cannot listen on {host}:{port}: {e.strerror or e}", 1) from None
+        self.app = App(backend, queue_size, max_tokens_limit)
         self.httpd.daemon_threads = True
         self.httpd.app, self.httpd.verbose = self.app, verbose  # type: ignore[attr-defined]
         self._thread: threading.Thread | None = None
@@ -481,17 +378,11 @@ class Server:
         host = f"[{host}]" if ":" in str(host) else host
         return f"http://{host}:{port}/v1"
 
-    def start(self) -> "Server":
+    def start(self) -> Server:
         """Serve in a background thread (tests, notebooks)."""
-        self.app.worker.start()
         self._thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
         self._thread.start()
         return self
-
-    def serve_forever(self) -> None:
-        """Serve in this thread until interrupted."""
-        self.app.worker.start()
-        self.httpd.serve_forever()
 
     def stop(self) -> None:
         """Stop accepting, finish the current job, close the backend."""
@@ -518,7 +409,7 @@ def check_host(host: str, allow_remote: bool) -> None:
 # --------------------------------------------------------------------------- engine + CLI
 
 class EngineBackend:
-    """`Backend` over a `reap.engine.Engine`; only the worker thread calls it."""
+    """The server's backend over a `reap.engine.Engine`; only the worker thread calls it."""
 
     def __init__(self, engine, model_id: str, template_dir: str | os.PathLike):
         tok = engine.tokenizer
@@ -526,8 +417,8 @@ class EngineBackend:
             raise ReapError(f"{engine.path}: no tokenizer.json; the server needs a tokenizer")
         self.engine, self.model_id, self.context = engine, model_id, engine.context
         self.encode, self.decode, self.eos_id = tok.encode, tok.decode, tok.eos_id
-        self.special = special_tokens(tok)
-        self.template = ChatTemplate.from_dir(template_dir)
+        self.special = chat.special_tokens(tok)
+        self.template = chat.ChatTemplate.from_dir(template_dir)
 
     def tokens(self, ids, *, max_tokens, temperature, top_p, seed) -> Iterator[int]:
         return self.engine.stream(ids, max_tokens=max_tokens, temperature=temperature,
@@ -553,15 +444,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allow-remote", action="store_true",
                    help="allow a non-loopback --host (the server has no authentication)")
     p.add_argument("--served-name", help="model id clients use (default: the MODEL's name)")
-    p.add_argument("--queue", type=int, default=16,
-                   help="requests that may wait for the engine (more get HTTP 503; default 16)")
+    p.add_argument("--queue", type=int, default=16, help="requests that may wait (default 16)")
     mem = p.add_mutually_exclusive_group()
     mem.add_argument("--budget", help="RAM budget, e.g. 8GB (the whole process)")
     mem.add_argument("--preset", choices=list(PRESETS), help=PRESET_HELP)
-    p.add_argument("--context", type=int, default=4096,
-                   help="context (prompt + generated tokens) per request (default 4096)")
-    p.add_argument("--max-tokens-limit", type=int, default=4096,
-                   help="largest max_tokens a request may ask for (default 4096)")
+    p.add_argument("--context", type=int, default=4096, help="prompt + generated tokens (4096)")
+    p.add_argument("--max-tokens-limit", type=int, default=4096, help="largest max_tokens (4096)")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     p.add_argument("--verbose", action="store_true", help="log every HTTP request")
@@ -600,7 +488,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"reap serve: {backend.model_id} at {server.url} (Ctrl-C stops)", file=sys.stderr,
           flush=True)
     try:
-        server.serve_forever()
+        server.httpd.serve_forever()  # in this thread, until Ctrl-C (exit 5)
     finally:
         server.stop()
     return 0
