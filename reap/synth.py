@@ -128,11 +128,16 @@ def _direct_codes(
     packed: TensorSpec, scale: TensorSpec, fan_in: int, g: torch.Generator
 ) -> list[torch.Tensor]:
     """Uniform random E2M1 code pairs; E8M0 scales near 2^round(log2(1/(rms*sqrt(fan_in))))
-    (about 2^-7 at K3 widths), jittered by one step, so outputs keep unit variance."""
+    (about 2^-7 at K3 widths), jittered by one step, so outputs keep unit variance. Bytes come
+    from numpy's PCG64 (seeded from `g`) as 64-bit words: ~10x faster than torch.randint."""
+    import numpy as np
+
+    rng = np.random.Generator(np.random.PCG64(int(torch.randint(0, 2**62, (1,), generator=g))))
     base = 127 + round(math.log2(1 / (_E2M1_RMS * math.sqrt(fan_in))))
-    codes = torch.randint(0, 256, packed.shape, generator=g, dtype=torch.uint8)
-    scales = (base + torch.randint(-1, 2, scale.shape, generator=g)).to(torch.uint8)
-    return [codes, scales]
+    words = rng.integers(0, 2**64 - 1, -(-packed.numel // 8), dtype=np.uint64, endpoint=True)
+    codes = words.view(np.uint8)[: packed.numel].reshape(packed.shape)
+    scales = (base + rng.integers(-1, 2, scale.shape)).astype(np.uint8)
+    return [torch.from_numpy(codes), torch.from_numpy(scales)]
 
 
 def _float_tensor(s: TensorSpec, g: torch.Generator) -> torch.Tensor:
