@@ -34,7 +34,8 @@ from reap.errors import CheckpointError
 
 # Small files fetched whole when present; the first two decide the layout.
 SMALL_FILES = ("config.json", INDEX_NAME, "tokenizer.json", "tokenizer_config.json",
-               "chat_template.jinja", "generation_config.json", "special_tokens_map.json")
+               "chat_template.jinja", "generation_config.json", "special_tokens_map.json",
+               "tiktoken.model")
 _SAFE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
 _PIECE = 1 << 20  # bytes per write while streaming a response body
 

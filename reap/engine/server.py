@@ -452,6 +452,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens-limit", type=int, default=4096, help="largest max_tokens (4096)")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--verbose", action="store_true", help="log every HTTP request")
 
 
@@ -473,8 +474,12 @@ def open_backend(model: str | None, served_name: str | None = None, **engine_opt
 def run(args: argparse.Namespace) -> int:
     """`reap serve`: open the engine, then serve until interrupted."""
     check_host(args.host, args.allow_remote)  # refuse before loading anything
-    if args.queue < 1 or args.max_tokens_limit < 1:
-        raise ReapError("--queue and --max-tokens-limit must be at least 1")
+    if args.queue < 1 or args.max_tokens_limit < 1 or (args.threads or 1) < 1:
+        raise ReapError("--queue, --max-tokens-limit and --threads must be at least 1")
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     backend = open_backend(args.model, args.served_name, budget=args.budget,
                            preset=args.preset, context=args.context, device=args.device,
                            dtype=args.dtype, max_generation=args.max_tokens_limit)
