@@ -443,3 +443,22 @@ def test_synthetic_stats_are_consistent():
     assert torch.equal(s.seq_count.long().sum(0), s.count)
     assert (s.count.sum(-1) == s.tokens * s.top_k).all()
     assert (s.reap_sum <= s.ean_sum + 1e-9).all() and (s.gate_sum > 0).any()
+
+
+def test_directory_input_skips_merges_and_non_statistics(tmp_path):
+    from reap.stats import merge
+
+    parts = uniform_corpora(["a", "b"], n_layers=2, seed=16)
+    write_corpora(parts, str(tmp_path / "run1"))
+    merge(parts, meta={"corpus": "a+b"}).save(tmp_path / "run1" / "all.safetensors")
+    (tmp_path / "run1" / "token_experts.safetensors").write_bytes(b"\0" * 16)
+    write_corpora(uniform_corpora(["a"], n_layers=2, seed=17), str(tmp_path / "run2"))
+    r = analyze(
+        [tmp_path / "run1", tmp_path / "run2"],
+        top_m=[8],
+        bootstrap=0,
+        permutations=0,
+        communities=False,
+    )
+    assert [c.name for c in r.corpora] == ["a@run1", "b", "a@run2"]
+    assert any("all.safetensors" in n and "token_experts" in n for n in r.notes)

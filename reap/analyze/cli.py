@@ -25,7 +25,11 @@ def _m(s: str) -> float:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("stats", nargs="+", help="statistics files, one per corpus (>= 2)")
+    p.add_argument(
+        "stats",
+        nargs="+",
+        help="statistics files, one per corpus (>= 2); a directory (e.g. a `reap calibrate` --out) stands for its per-corpus files",
+    )
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument(
         "--top-m",

@@ -173,6 +173,10 @@ def _specialists(r: AnalysisResult) -> list[str]:
     return lines
 
 
+# Kaufman & Rousseeuw's reading of the mean silhouette
+_SILHOUETTE = ((0.7, "strong"), (0.5, "reasonable"), (0.25, "weak"), (-1.1, "no substantial"))
+
+
 def _clusters(r: AnalysisResult) -> list[str]:
     lines = ["## Expert clusters by corpus profile", ""]
     ec = r.expert_clusters
@@ -180,15 +184,7 @@ def _clusters(r: AnalysisResult) -> list[str]:
         lines += ["Too few used experts with distinct profiles to cluster.", ""]
     else:
         sil = ec.silhouette[ec.k]
-        strength = (
-            "strong"
-            if sil > 0.7
-            else "reasonable"
-            if sil > 0.5
-            else "weak"
-            if sil > 0.25
-            else "no substantial"
-        )
+        strength = next(w for t, w in _SILHOUETTE if sil > t)
         lines += [
             f"k-means chose k = {ec.k} by silhouette ({sil:.2f}: {strength} structure "
             "by the Kaufman-Rousseeuw reading; tried "
@@ -204,6 +200,11 @@ def _clusters(r: AnalysisResult) -> list[str]:
                 + ", ".join(f"{ec.corpora[i]} {ec.centroids[k, i]:.0%}" for i in top)
             )
         lines.append("")
+    return lines
+
+
+def _communities(r: AnalysisResult) -> list[str]:
+    lines = []
     if r.communities:
         q = np.array([c.modularity for c in r.communities])
         q0 = np.array([c.null_modularity for c in r.communities])
@@ -226,8 +227,9 @@ def _clusters(r: AnalysisResult) -> list[str]:
 def render(r: AnalysisResult, figures: list[str]) -> str:
     """The whole report.md text."""
     lines = _header(r) + _findings(r) + _usage(r) + _specialists(r) + _clusters(r)
+    lines += _communities(r)
     if r.notes:
-        lines += ["## Not computed", ""] + [f"- {n}" for n in r.notes] + [""]
+        lines += ["## Notes", ""] + [f"- {n}" for n in r.notes] + [""]
     if figures:
         lines += ["## Figures", ""] + [f"![{f}]({f})" for f in figures] + [""]
     return "\n".join(lines)

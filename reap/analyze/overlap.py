@@ -18,6 +18,8 @@ Dimension letters: C corpora, L layers, E experts, S sequences, N bootstrap repl
 
 from __future__ import annotations
 
+import glob
+import json
 import os
 from dataclasses import dataclass
 
@@ -25,7 +27,7 @@ import numpy as np
 
 from reap.analyze import chance
 from reap.errors import ReapError
-from reap.stats import ExpertStats
+from reap.stats import FORMAT, ExpertStats
 
 CRITERIA = ("count", "reap_mass")
 
@@ -80,8 +82,42 @@ def from_stats(stats: ExpertStats, path: str = "", name: str | None = None) -> C
     return CorpusUsage(name, path, stats, count, stats.reap_sum.double().numpy())
 
 
+def expand_inputs(paths: list[str]) -> tuple[list[str], list[str]]:
+    """Statistics files to analyze: files as given; a directory contributes its per-corpus files.
+
+    In a directory, `*.safetensors` files that are not statistics (e.g. calibrate's
+    token_experts.safetensors) or that merge others (calibrate's all.safetensors) are skipped.
+    Returns (files, skipped).
+    """
+    files, skipped = [], []
+    for p in paths:
+        if not os.path.isdir(p):
+            files.append(p)
+            continue
+        for f in sorted(glob.glob(os.path.join(p, "*.safetensors"))):
+            head = _header(f)
+            ok = head is not None and head.get("format") == FORMAT
+            ok = ok and "merged_from" not in head.get("meta", {})
+            (files if ok else skipped).append(f)
+    return files, skipped
+
+
+def _header(path: str) -> dict | None:
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(path, "pt") as f:
+            return json.loads((f.metadata() or {}).get("reap", "null"))
+    except (OSError, ValueError, SafetensorError):
+        return None
+
+
 def load_corpora(paths: list[str]) -> list[CorpusUsage]:
-    """Load statistics files, one per corpus, and check that they describe the same model."""
+    """Load statistics files, one per corpus, and check that they describe the same model.
+
+    Corpora are named by `meta["corpus"]`; when two files name the same corpus (e.g. runs with
+    different seeds), each is suffixed with its directory name: `zh@run1`.
+    """
     from safetensors import SafetensorError
 
     corpora = []
@@ -93,6 +129,10 @@ def load_corpora(paths: list[str]) -> list[CorpusUsage]:
         except SafetensorError as e:  # ExpertStats.load lets this one through
             raise ReapError(f"{p}: not a reap statistics file ({e})") from e
         corpora.append(from_stats(stats, p))
+    names = [c.name for c in corpora]
+    for c in corpora:
+        if names.count(c.name) > 1:
+            c.name = f"{c.name}@{os.path.basename(os.path.dirname(os.path.abspath(c.path)))}"
     check_compatible(corpora)
     return corpora
 
@@ -114,7 +154,9 @@ def check_compatible(corpora: list[CorpusUsage]) -> None:
                 f"{c.path or c.name}: model fingerprint differs from {first.path or first.name}"
             )
         if c.name in seen:
-            raise ReapError(f"corpus name {c.name!r} appears twice (merge shards first)")
+            raise ReapError(
+                f"corpus {c.name!r} given twice (shards of one run: `reap stats merge`)"
+            )
         seen.add(c.name)
 
 

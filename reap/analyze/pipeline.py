@@ -65,9 +65,11 @@ class AnalysisResult:
     notes: list[str] = field(default_factory=list)
 
 
-def _as_corpora(stats: list) -> list[CorpusUsage]:
+def _as_corpora(stats: list) -> tuple[list[CorpusUsage], list[str]]:
+    """The corpora, and the files a directory held that are not per-corpus statistics."""
     if all(isinstance(s, (str, os.PathLike)) for s in stats):
-        return overlap.load_corpora([os.fspath(s) for s in stats])
+        files, skipped = overlap.expand_inputs([os.fspath(s) for s in stats])
+        return overlap.load_corpora(files), skipped
     out = []
     for s in stats:
         if isinstance(s, ExpertStats):
@@ -76,7 +78,7 @@ def _as_corpora(stats: list) -> list[CorpusUsage]:
             raise ReapError(f"cannot analyze a {type(s).__name__}: give statistics files")
         out.append(s)
     overlap.check_compatible(out)
-    return out
+    return out, []
 
 
 def _log(progress: bool, msg: str) -> None:
@@ -101,28 +103,19 @@ def analyze(
 ) -> AnalysisResult:
     """Overlap of expert usage between corpora against chance, with uncertainty and clusters.
 
-    stats: statistics file paths, `ExpertStats` or `CorpusUsage`, one per corpus (>= 2).
+    stats: statistics file paths (a directory stands for its per-corpus files, see
+    `overlap.expand_inputs`), `ExpertStats` or `CorpusUsage`, one per corpus (>= 2).
     top_m: important-set sizes, integers or fractions of n_experts. bootstrap: replicates over
     calibration sequences (0 = none). permutations: sequence shuffles for the specialist null.
     """
-    corpora = _as_corpora(list(stats))
+    corpora, skipped = _as_corpora(list(stats))
     first = corpora[0].stats
     for c in criteria:
         corpora[0].score(c)  # validates the name
     ms = sorted({overlap.resolve_m(m, first.n_experts) for m in top_m})
-    settings = Settings(
-        list(criteria),
-        list(top_m),
-        ms,
-        bootstrap,
-        ci_method,
-        seed,
-        alpha,
-        specialist_ratio,
-        min_load,
-        permutations,
-    )
-    notes: list[str] = []
+    settings = Settings(list(criteria), list(top_m), ms, bootstrap, ci_method, seed, alpha,
+                        specialist_ratio, min_load, permutations)  # fmt: skip
+    notes = [f"skipped {', '.join(skipped)}: not per-corpus statistics"] if skipped else []
     sets, overall, usage = _pairwise(corpora, criteria, ms, alpha, progress)
     _bootstrap(corpora, ms, settings, sets, overall, usage, notes, progress)
     _log(progress, "specialists and clusters")
@@ -130,22 +123,23 @@ def analyze(
     null = specialists.specialist_null(corpora, prof, permutations, seed, progress)
     if null is None and permutations > 0:
         notes.append("no specialist chance baseline: it needs seq_count in every file")
-    comms = cluster.communities(corpora, seed, progress=progress) if communities else []
     return AnalysisResult(
-        [CorpusInfo(c.name, c.path, c.tokens, c.n_sequences, c.stats.meta) for c in corpora],
-        list(first.layers),
-        first.n_experts,
-        first.top_k,
-        settings,
-        sets,
-        overall,
-        usage,
-        prof,
-        null,
-        cluster.cluster_corpora(corpora),
-        cluster.cluster_experts(prof, seed=seed),
-        comms,
-        notes,
+        corpora=[
+            CorpusInfo(c.name, c.path, c.tokens, c.n_sequences, c.stats.meta) for c in corpora
+        ],
+        layers=list(first.layers),
+        n_experts=first.n_experts,
+        top_k=first.top_k,
+        settings=settings,
+        set_overlap=sets,
+        set_overall=overall,
+        usage=usage,
+        profiles=prof,
+        specialist_null=null,
+        corpus_clusters=cluster.cluster_corpora(corpora),
+        expert_clusters=cluster.cluster_experts(prof, seed=seed),
+        communities=cluster.communities(corpora, seed, progress=progress) if communities else [],
+        notes=notes,
     )
 
 
