@@ -446,9 +446,10 @@ def test_cli_serves_until_interrupted_and_refuses_public_bind(tiny):
     import sys
 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "reap.cli", "serve", str(tiny), "--context", "64", "--threads", "1"]
-    r = subprocess.run(cmd + ["--host", "0.0.0.0"], check=False, capture_output=True, text=True, timeout=120,
-                       env=env)
+    cmd = [sys.executable, "-m", "reap.cli", "serve", str(tiny), "--context", "64",
+           "--threads", "1"]
+    r = subprocess.run(cmd + ["--host", "0.0.0.0"], check=False, capture_output=True, text=True,
+                       timeout=120, env=env)
     assert r.returncode == 2 and "--allow-remote" in r.stderr and "Traceback" not in r.stderr
     p = subprocess.Popen(cmd + ["--port", "0", "--served-name", "tiny"], stderr=subprocess.PIPE,
                          text=True, env=env)
