@@ -20,14 +20,8 @@ from reap.errors import ReapError
 from reap.models import blocks as B
 from reap.models.base import ExpertSource, LayerModel, Observer, State, Weights
 
-EXPERT_TENSORS = (
-    "w1.weight_packed",
-    "w1.weight_scale",
-    "w2.weight_packed",
-    "w2.weight_scale",
-    "w3.weight_packed",
-    "w3.weight_scale",
-)
+# the six tensors of a routed expert, file order: w1 gate, w2 down, w3 up; E2M1 pairs, E8M0 scales
+EXPERT_TENSORS = tuple(f"w{i}.weight_{k}" for i in (1, 2, 3) for k in ("packed", "scale"))
 _EXPERT_RE = re.compile(r"(?:^|\.)model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.")
 _DTYPES = {"bfloat16": "BF16", "float32": "F32", "float16": "F16"}
 _KEEP_F32 = {"A_log", "dt_bias", "gate.e_score_correction_bias"}  # used in fp32 whatever dtype
