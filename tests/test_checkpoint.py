@@ -4,6 +4,7 @@ read coalescing, crafted corrupt files, resume after a crash, and prefix handlin
 import json
 import os
 import struct
+import sys
 from pathlib import Path
 
 import pytest
@@ -73,7 +74,24 @@ def test_round_trip_against_safetensors_and_our_reader(tmp_path, prefix):
         with safe_open(os.path.join(out, shard), "pt") as f:
             seen[key] = f.get_tensor(key)
     assert set(seen) == {(n if n.startswith("vision") else prefix + n) for n in data}
+    naive = {}  # an independent parse: json.loads of every header, offsets made absolute
+    for f in sorted(set(index["weight_map"].values())):
+        raw = Path(out, f).read_bytes()
+        (n,) = struct.unpack("<Q", raw[:8])
+        for key, e in json.loads(raw[8 : 8 + n]).items():
+            if key != "__metadata__":
+                b, end = e["data_offsets"]
+                naive[key.removeprefix(P)] = (
+                    key,
+                    e["dtype"],
+                    tuple(e["shape"]),
+                    8 + n + b,
+                    8 + n + end,
+                )
     with Checkpoint.open(out) as ck:
+        assert all(sh.infos is None for sh in ck._shards)  # the fast scan, nothing parsed yet
+        got = {t.name: (t.key, t.dtype, t.shape, t.start, t.end) for t in ck.tensors.values()}
+        assert got == naive
         assert ck.prefix == prefix and ck.config["model_type"] == "toy"
         assert set(ck.tensors) == set(data)
         for name, t in data.items():
@@ -123,6 +141,26 @@ def test_sharding_is_greedy_by_size_and_deterministic(tmp_path):
         "model.safetensors.index.json",
         "tokenizer.json",
     ]
+
+
+def test_names_are_unique_and_never_prefixed(tmp_path):
+    save_file({P + "a": torch.ones(1), "vision.b": torch.ones(2)}, str(tmp_path / "x.safetensors"))
+    with Checkpoint.open(tmp_path / "x.safetensors") as ck:
+        assert sorted(ck.tensors) == ["a", "vision.b"] and ck.tensors.shard_of("a").endswith(
+            "x.safetensors"
+        )
+        assert P + "a" not in ck.tensors and "b" not in ck.tensors
+        with pytest.raises(CheckpointError, match="no tensor language_model.a"):
+            ck.read(P + "a")
+    save_file({P + "a": torch.ones(1), "a": torch.ones(2)}, str(tmp_path / "y.safetensors"))
+    with pytest.raises(CheckpointError, match="y.safetensors: tensor name a is stored twice"):
+        Checkpoint.open(tmp_path / "y.safetensors")
+    save_file({"a": torch.ones(1)}, str(tmp_path / "s1.safetensors"))
+    save_file({"a": torch.ones(1)}, str(tmp_path / "s2.safetensors"))
+    wm = {"a": "s1.safetensors", "b": "s2.safetensors"}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": wm}))
+    with pytest.raises(CheckpointError, match="tensor name a is stored twice"):
+        Checkpoint.open(tmp_path)
 
 
 def test_reads_hf_layouts_written_by_safetensors(tmp_path):
@@ -216,19 +254,25 @@ def test_fingerprint_tracks_layout_and_config_not_data(tmp_path):
 # ---- crafted corrupt files -------------------------------------------------------------------
 
 
+SEPARATORS = (",", ":")  # the canonical form of every writer; (", ", ": ") takes the json path
+
+
 def _raw_shard(path, header, data=b"", length=None):
-    text = json.dumps(header).encode()
+    text = json.dumps(header, separators=SEPARATORS).encode()
     path.write_bytes(struct.pack("<Q", len(text) if length is None else length) + text + data)
     return path
 
 
 def _err(path):
+    """The error of opening and fully validating `path`."""
     with pytest.raises(CheckpointError) as e:
-        Checkpoint.open(path)
+        Checkpoint.open(path).validate()
     return str(e.value)
 
 
-def test_corrupt_shards_are_named(tmp_path):
+@pytest.mark.parametrize("separators", [(",", ":"), (", ", ": ")])
+def test_corrupt_shards_are_named(tmp_path, monkeypatch, separators):
+    monkeypatch.setattr(sys.modules[__name__], "SEPARATORS", separators)
     f = tmp_path / "t.safetensors"
     f.write_bytes(b"\x05\x00")
     assert "t.safetensors: truncated safetensors header" in _err(f)
@@ -250,6 +294,29 @@ def test_corrupt_shards_are_named(tmp_path):
     assert str(f) in _err(f)
 
 
+def test_entry_errors_surface_at_first_use_of_the_shard(tmp_path):
+    ok = {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}
+    _raw_shard(tmp_path / "model.safetensors", {"w": {**ok, "dtype": "Q4"}}, b"\0" * 8)
+    ck = Checkpoint.open(tmp_path)  # framing and names are fine
+    assert "w" in ck.tensors and len(ck.tensors) == 1
+    with pytest.raises(CheckpointError, match="model.safetensors: tensor w: unknown dtype"):
+        ck.read("w")
+
+
+def test_non_canonical_headers_parse_like_canonical(tmp_path):
+    entries = {
+        "b.x": {"shape": [2], "dtype": "F32", "data_offsets": [0, 8]},  # other key order
+        'q"uote': {"dtype": "U8", "shape": [3], "data_offsets": [8, 11]},  # escaped quote
+    }
+    text = json.dumps(entries, indent=1).encode()
+    (tmp_path / "model.safetensors").write_bytes(
+        struct.pack("<Q", len(text)) + text + struct.pack("<2f", 1.5, -2.0) + b"abc"
+    )
+    with Checkpoint.open(tmp_path) as ck:
+        assert list(ck.tensors) == ["b.x", 'q"uote']
+        assert ck.read("b.x").tolist() == [1.5, -2.0] and ck.read_raw('q"uote') == b"abc"
+
+
 def test_index_errors_are_named(tmp_path):
     assert "no such checkpoint" in _err(tmp_path / "nothing")
     assert "neither model.safetensors.index.json nor model.safetensors" in _err(tmp_path)
@@ -259,6 +326,19 @@ def test_index_errors_are_named(tmp_path):
     assert "shard s2.safetensors is missing" in _err(tmp_path)
     save_file({"c": torch.ones(2)}, str(tmp_path / "s2.safetensors"))
     assert "index places tensor b in s2.safetensors, but that shard lacks it" in _err(tmp_path)
+    ck = Checkpoint.open(tmp_path)  # same entry count (a, c vs a, b): only validate() sees it
+    assert "b" not in ck.tensors and "c" in ck.tensors
+    wm = {"a": "s1.safetensors", "c": "s2.safetensors", "d": "s2.safetensors"}
+    index.write_text(json.dumps({"weight_map": wm}))
+    with pytest.raises(CheckpointError, match="places tensor d in s2.safetensors, but that"):
+        Checkpoint.open(tmp_path)  # entry count differs: found at open
+    index.write_text(json.dumps({"weight_map": {"a": "s1.safetensors", "b": "s1.safetensors"}}))
+    assert "places tensor b in s1.safetensors" in _err(tmp_path)  # open: counts agree (a, c)
+    (tmp_path / "s3.safetensors").write_bytes(b"junk")  # stray file: the exact path ignores it
+    index.write_text(json.dumps({"weight_map": {"a": "s1.safetensors", "c": "s2.safetensors"}}))
+    with Checkpoint.open(tmp_path) as ck:
+        ck.validate()
+        assert sorted(ck.tensors) == ["a", "c"] and len(ck.files) == 2
     index.write_text(json.dumps({"weight_map": {"a": "s2.safetensors", "c": "s2.safetensors"}}))
     assert "index places tensor a in s2.safetensors" in _err(tmp_path)
     index.write_text("[1]")
@@ -272,10 +352,15 @@ def test_read_errors_are_named(tmp_path):
     with Checkpoint.open(tmp_path) as ck:
         with pytest.raises(CheckpointError, match="no tensor zz"):
             ck.read("zz")
+        assert ck.tensors["a"].nbytes == 4000  # parses the shard
         os.truncate(tmp_path / "model.safetensors", 500)  # shrinks after opening
         with pytest.raises(
             CheckpointError, match="model.safetensors: truncated while reading tensor a"
         ):
+            ck.read("a")
+    with Checkpoint.open(tmp_path) as ck:
+        os.truncate(tmp_path / "model.safetensors", 200)  # changed before its first use
+        with pytest.raises(CheckpointError, match="model.safetensors: shard changed since"):
             ck.read("a")
 
 

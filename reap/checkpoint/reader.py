@@ -9,15 +9,22 @@ name with positioned reads (one `pread` per tensor, or per run of adjacent tenso
 from __future__ import annotations
 
 import hashlib
-import itertools
 import json
 import os
-import struct
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Mapping
+from itertools import chain, repeat
 from pathlib import Path
 
 import torch
 
+from reap.checkpoint.header import (
+    Shard,
+    count_index_entries,
+    load_index,
+    load_json,
+    parse_shard,
+    scan_shard,
+)
 from reap.checkpoint.spec import (
     DTYPE_SIZES,
     INDEX_NAME,
@@ -28,7 +35,6 @@ from reap.checkpoint.spec import (
 )
 from reap.errors import CheckpointError
 
-_FIRST_READ = 1 << 16  # header bytes fetched speculatively with the length prefix
 _ALIGN = 4096  # O_DIRECT offset/length/buffer alignment
 
 
@@ -40,176 +46,187 @@ def file_size(path: str | os.PathLike) -> int:
         raise CheckpointError(f"{path}: cannot stat ({e.strerror})") from None
 
 
-def _numel(shape: list) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
+class TensorTable(Mapping[str, TensorInfo]):
+    """name -> TensorInfo over all shards. Names and membership are known from the scan at open;
+    a shard's entries are fully parsed and validated the first time one of them is looked up."""
 
+    def __init__(self, shards: list[Shard], where: dict[str, int], prefixed: bool):
+        self._shards, self._where, self._prefixed = shards, where, prefixed
 
-def _read_header(path: str) -> tuple[dict, int, int]:
-    """Parse one shard's header -> (header dict, data start offset, file size)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError as e:
-        raise CheckpointError(f"{path}: cannot open shard ({e.strerror})") from None
-    try:
-        size = os.fstat(fd).st_size
-        head = os.pread(fd, _FIRST_READ, 0)
-        if len(head) < 8:
-            raise CheckpointError(f"{path}: truncated safetensors header ({size} bytes)")
-        (n,) = struct.unpack("<Q", head[:8])
-        if n > size - 8:
-            raise CheckpointError(f"{path}: header length {n} beyond file size {size}")
-        raw = (
-            head[8 : 8 + n]
-            if 8 + n <= len(head)
-            else head[8:] + os.pread(fd, n - len(head) + 8, len(head))
-        )
-    finally:
-        os.close(fd)
-    try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, ValueError) as e:
-        raise CheckpointError(f"{path}: invalid safetensors JSON header ({e})") from None
-    if not isinstance(header, dict):
-        raise CheckpointError(f"{path}: safetensors header is not a JSON object")
-    return header, 8 + n, size
+    def _key(self, name: str) -> str:
+        """The stored key of tensor `name` (KeyError if there is none)."""
+        if self._prefixed:
+            if name.startswith(TEXT_PREFIX):
+                raise KeyError(name)  # names never carry the prefix
+            if TEXT_PREFIX + name in self._where:
+                return TEXT_PREFIX + name
+        if name not in self._where:
+            raise KeyError(name)
+        return name
 
+    def __getitem__(self, name: str) -> TensorInfo:
+        return parse_shard(self._shards[self._where[self._key(name)]])[name]
 
-def _shard_infos(path: str, prefixed: bool | None) -> tuple[list[TensorInfo], bool]:
-    """Validated TensorInfos of one shard, names stripped of the text prefix when `prefixed`
-    (None: decide from this shard's keys). Returns (infos, prefixed)."""
-    header, base, size = _read_header(path)
-    header.pop("__metadata__", None)
-    if prefixed is None:
-        prefixed = any(k.startswith(TEXT_PREFIX) for k in header)
-    region, cut, out = size - base, len(TEXT_PREFIX), []
-    for key, entry in header.items():
+    def __contains__(self, name: object) -> bool:
         try:
-            dtype, shape, (b, e) = entry["dtype"], entry["shape"], entry["data_offsets"]
-            itemsize = DTYPE_SIZES.get(dtype)
-            if itemsize is None:
-                raise CheckpointError(f"{path}: tensor {key}: unknown dtype {dtype!r}")
-            if not 0 <= b <= e <= region:
-                raise CheckpointError(
-                    f"{path}: tensor {key}: offsets [{b}, {e}] outside the "
-                    f"data region of {region} bytes"
-                )
-            if e - b != _numel(shape) * itemsize or min(shape, default=0) < 0:
-                raise CheckpointError(
-                    f"{path}: tensor {key}: {e - b} bytes do not hold {dtype} {shape}"
-                )
-        except (KeyError, TypeError, ValueError):
-            raise CheckpointError(f"{path}: tensor {key}: malformed header entry") from None
-        name = key[cut:] if prefixed and key.startswith(TEXT_PREFIX) else key
-        out.append(TensorInfo(name, key, dtype, tuple(shape), path, base + b, base + e))
-    _check_overlaps(path, out)
-    return out, prefixed
+            self._key(name)  # type: ignore[arg-type]
+        except (KeyError, AttributeError):
+            return False
+        return True
+
+    def __iter__(self) -> Iterator[str]:
+        cut = len(TEXT_PREFIX)
+        return (k[cut:] if k.startswith(TEXT_PREFIX) else k for k in self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def shard_of(self, name: str) -> str:
+        """The file holding tensor `name`, without parsing its shard."""
+        return self._shards[self._where[self._key(name)]].path
 
 
-def _check_overlaps(path: str, infos: list[TensorInfo]) -> None:
-    spans = sorted((t.start, t.end, t.key) for t in infos)
-    for (_, e0, k0), (b1, _, k1) in itertools.pairwise(spans):
-        if b1 < e0:
-            raise CheckpointError(f"{path}: tensors {k0} and {k1} overlap")
+def _index_shards(shards: list[Shard], path: Path) -> tuple[dict[str, int], bool]:
+    """stored key -> shard number over all shards, and whether the checkpoint is prefixed;
+    CheckpointError on duplicate names."""
+    n = sum(len(sh.keys) for sh in shards)
+    where = dict(
+        zip(
+            chain.from_iterable(sh.keys for sh in shards),
+            chain.from_iterable(repeat(i, len(sh.keys)) for i, sh in enumerate(shards)),
+        )
+    )
+    prefixed = any(sh.n_prefixed for sh in shards)
+    dup = None if len(where) == n else next(k for k in where if _count(shards, k) > 1)
+    if dup is None and prefixed:  # a bare key may collide with a prefixed one's name
+        bare = (
+            k
+            for sh in shards
+            if sh.n_prefixed < len(sh.keys)
+            for k in sh.keys
+            if not k.startswith(TEXT_PREFIX)
+        )
+        dup = next((k for k in bare if TEXT_PREFIX + k in where), None)
+    if dup is not None:
+        raise CheckpointError(f"{path}: tensor name {dup} is stored twice")
+    return where, prefixed
 
 
-def _load_json(path: Path, what: str) -> dict:
-    try:
-        data = json.loads(path.read_text())
-    except OSError as e:
-        raise CheckpointError(f"{path}: cannot read {what} ({e.strerror})") from None
-    except ValueError as e:
-        raise CheckpointError(f"{path}: invalid JSON in {what} ({e})") from None
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{path}: {what} is not a JSON object")
-    return data
+def _count(shards: list[Shard], key: str) -> int:
+    return sum(sh.keys.count(key) for sh in shards)
 
 
-def _layout(path: Path) -> tuple[list[str], dict[str, str] | None, dict]:
-    """A checkpoint path -> (shard files, index weight_map or None, config dict)."""
+def _layout(path: Path) -> tuple[list[str], Path | None, dict]:
+    """A checkpoint path -> (shard files to scan, index path or None, config dict). With an
+    index, the files are the directory's `.safetensors` files (checked against the index)."""
     if path.is_file():
         return [str(path)], None, {}
     if not path.is_dir():
         raise CheckpointError(f"{path}: no such checkpoint file or directory")
     config_path = path / "config.json"
-    config = _load_json(config_path, "config") if config_path.exists() else {}
-    index_path = path / INDEX_NAME
-    if index_path.exists():
-        weight_map = _load_json(index_path, "index").get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise CheckpointError(f"{index_path}: index has no weight_map")
-        files = sorted(set(weight_map.values()))
-        for f in files:
-            if not (path / f).is_file():
-                raise CheckpointError(f"{index_path}: shard {f} is missing")
-        return [str(path / f) for f in files], weight_map, config
+    config = load_json(config_path, "config") if config_path.exists() else {}
+    index = path / INDEX_NAME
+    if index.exists():
+        return sorted(str(f) for f in path.glob("*.safetensors")), index, config
     if (path / SINGLE_NAME).is_file():
         return [str(path / SINGLE_NAME)], None, config
     raise CheckpointError(f"{path}: neither {INDEX_NAME} nor {SINGLE_NAME} found")
 
 
-def _index_mismatch(index: str, weight_map: dict, tensors: dict, prefix: str) -> str:
-    stored = {t.key: os.path.basename(t.file) for t in tensors.values()}
+def _scan_indexed(index: Path, files: list[str]) -> list[tuple[Shard, dict | None]]:
+    """Scan an HF directory's shards. Fast path: the directory's shards hold exactly as many
+    tensors as the index has entries. Otherwise the exact path: parse the index, scan only the
+    shards it names, and report the first disagreement."""
+    try:
+        scans = [scan_shard(f) for f in files]
+        if sum(len(sh.keys) for sh, _ in scans) == count_index_entries(index):
+            return scans
+    except CheckpointError:
+        pass  # maybe a stray file the index does not name; the exact path decides
+    weight_map = load_index(index)
+    named = sorted(set(weight_map.values()))
+    for f in named:
+        if not (index.parent / f).is_file():
+            raise CheckpointError(f"{index}: shard {f} is missing")
+    scans = [scan_shard(str(index.parent / f)) for f in named]
+    shards = [sh for sh, _ in scans]
+    for sh, header in scans:
+        if header is not None:
+            parse_shard(sh, header)
+    if sum(len(sh.keys) for sh in shards) != len(weight_map):
+        raise CheckpointError(_index_mismatch(index, shards, weight_map) or f"{index}: mismatch")
+    return scans
+
+
+def _index_mismatch(index: Path, shards: list[Shard], weight_map: dict[str, str]) -> str | None:
+    """The first disagreement between an index and the shard headers, or None."""
+    stored: dict[str, str] = {}
+    for sh in shards:
+        file = os.path.basename(sh.path)
+        stored.update((t.key, file) for t in parse_shard(sh).values())
     for key, shard in weight_map.items():
         if stored.get(key) != shard:
             return f"{index}: index places tensor {key} in {shard}, but that shard lacks it"
     for key, shard in stored.items():
         if key not in weight_map:
             return f"{index}: tensor {key} in {shard} is not listed in the index"
-    return f"{index}: duplicate tensor names after removing the {prefix!r} prefix"
+    return None
 
 
 class Checkpoint:
-    """A lazily indexed safetensors checkpoint (see the module docstring).
+    """A lazily indexed safetensors checkpoint (see the package docstring).
 
-    Attributes: path, config (config.json or {}), prefix ("language_model." or ""),
-    tensors (name -> TensorInfo), bytes_read and reads (I/O counters of the tensor reads)."""
+    Attributes: path, config (config.json or {}), prefix ("language_model." or ""), files (shard
+    paths), tensors (name -> TensorInfo mapping), bytes_read and reads (I/O counters)."""
 
     def __init__(
         self,
         path: str,
         config: dict,
-        prefix: str,
-        tensors: dict[str, TensorInfo],
+        shards: list[Shard],
+        tensors: TensorTable,
         direct: bool = False,
     ):
-        self.path, self.config, self.prefix, self.tensors = path, config, prefix, tensors
+        self.path, self.config, self.tensors = path, config, tensors
+        self.prefix = TEXT_PREFIX if any(sh.n_prefixed for sh in shards) else ""
+        self.files = [sh.path for sh in shards]
         self.direct = direct
         self.bytes_read = 0
         self.reads = 0
+        self._shards = shards
         self._fds: dict[tuple[str, bool], int] = {}
 
     @classmethod
     def open(cls, path: str | os.PathLike, direct: bool = False) -> Checkpoint:
         """Index a checkpoint directory or `.safetensors` file from its headers alone.
 
-        direct=True reads tensor bytes with O_DIRECT (bypassing the page cache) where the file
-        system supports it, and silently falls back to buffered reads where it does not."""
+        Checks every shard's framing, the tensor names (unique) and the index's shard list and
+        entry count; each shard's entries are validated when first used (`validate()` checks
+        everything now). direct=True reads tensor bytes with O_DIRECT where the file system
+        supports it and silently falls back to buffered reads where it does not."""
         p = Path(path)
-        files, weight_map, config = _layout(p)
-        prefixed = None
-        if weight_map is not None:
-            prefixed = any(k.startswith(TEXT_PREFIX) for k in weight_map)
-        tensors: dict[str, TensorInfo] = {}
-        count = 0
-        for f in files:
-            infos, prefixed = _shard_infos(f, prefixed)
-            count += len(infos)
-            tensors.update((t.name, t) for t in infos)
-        prefix = TEXT_PREFIX if prefixed else ""
-        if len(tensors) != count or (weight_map is not None and len(weight_map) != count):
-            raise CheckpointError(
-                _index_mismatch(str(p / INDEX_NAME), weight_map or {}, tensors, prefix)
-            )
-        if weight_map is not None:
-            for t in tensors.values():
-                if weight_map.get(t.key) != os.path.basename(t.file):
-                    raise CheckpointError(
-                        _index_mismatch(str(p / INDEX_NAME), weight_map, tensors, prefix)
-                    )
-        return cls(str(p), config, prefix, tensors, direct=direct)
+        files, index, config = _layout(p)
+        if index is None:
+            scans = [scan_shard(f) for f in files]
+        else:
+            scans = _scan_indexed(index, files)
+        shards = [sh for sh, _ in scans]
+        for sh, header in scans:
+            if header is not None:  # json.loads already parsed it: validate now
+                parse_shard(sh, header)
+        where, prefixed = _index_shards(shards, p)
+        return cls(str(p), config, shards, TensorTable(shards, where, prefixed), direct=direct)
+
+    def validate(self) -> None:
+        """Fully parse and check every shard header and, for an HF directory, that the index
+        maps each tensor to the shard holding it. Raises CheckpointError on the first problem."""
+        for sh in self._shards:
+            parse_shard(sh)
+        index = Path(self.path) / INDEX_NAME
+        if Path(self.path).is_dir() and index.exists():
+            problem = _index_mismatch(index, self._shards, load_index(index))
+            if problem:
+                raise CheckpointError(problem)
 
     # ---- file descriptors ----------------------------------------------------------------------
 
