@@ -48,6 +48,14 @@ def deb_control(deb: Path) -> dict[str, str]:
     raise ReapError(f"{deb}: no control file")
 
 
+def _no_links(member: tarfile.TarInfo, path: str) -> tarfile.TarInfo | None:
+    """Extraction filter: links are skipped (recipes read regular files only), the rest goes
+    through tarfile's `data` filter (no absolute paths, nothing outside the destination)."""
+    if member.issym() or member.islnk():
+        return None
+    return tarfile.data_filter(member, path)
+
+
 def extract_deb(deb: Path, dest: Path) -> Path:
     """Unpack the data of `deb` into `dest` (once: a `.done` marker makes it idempotent)."""
     marker = dest / ".done"
@@ -60,7 +68,10 @@ def extract_deb(deb: Path, dest: Path) -> Path:
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     with _tar(_ar_members(deb), "data.tar", deb) as tar:
-        tar.extractall(tmp, filter="data")
+        try:
+            tar.extractall(tmp, filter=_no_links)
+        except (tarfile.TarError, OSError) as e:
+            raise ReapError(f"{deb}: cannot unpack ({e})", exit_code=1) from None
     (tmp / ".done").write_text(sha256_file(deb))
     tmp.rename(dest)
     return dest

@@ -149,6 +149,19 @@ def rst_to_text(source: str) -> str:
     return "\n".join(ln for ln in lines if ln.strip(" :"))
 
 
+def tagged_text(source: str) -> str:
+    """Part-of-speech tagged text (`word/tag` tokens, `[...]nt` compounds), one paragraph per
+    line -> plain text, tokens joined CJK-aware (no space between Chinese words)."""
+    out = []
+    for line in source.replace("\r\n", "\n").split("\n"):
+        words = [re.sub(r"/[A-Za-z]+$", "", re.sub(r"\][A-Za-z]+$", "", t)).lstrip("[")
+                 for t in line.split()]
+        text = join_lines([w for w in words if w])
+        if text:
+            out.append(text)
+    return "\n".join(out)
+
+
 def code_text(source: str) -> str:
     """Source code, kept verbatim except: tabs kept, trailing spaces and CRs removed."""
     return "\n".join(ln.rstrip() for ln in source.replace("\r\n", "\n").split("\n")).strip("\n")

@@ -26,7 +26,7 @@ from reap.errors import ReapError
 
 CHUNK_BYTES = 16384  # documents above this are cut at line boundaries into chunks
 MIN_DOC_BYTES = 120  # shorter documents (stubs, `.so` redirects, empty translations) dropped
-FORMATS = ("man", "html", "rst", "fortune", "sword", "code", "text")
+FORMATS = ("man", "html", "rst", "fortune", "sword", "code", "text", "tagged")
 
 
 @dataclass(frozen=True)
@@ -124,6 +124,8 @@ def _extract(root: Path, rel: str, data: bytes, fmt: str) -> list[tuple[str, str
         return [("", extract.code_text(text))]
     if fmt == "fortune":
         return [("", "\n\n".join(extract.fortunes(text)))]
+    if fmt == "tagged":
+        return [("", extract.tagged_text(text))]
     return [("", extract.code_text(text))]  # text: verbatim
 
 

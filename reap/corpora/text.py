@@ -30,16 +30,27 @@ def is_cjk(ch: str) -> bool:
 
 def join_lines(lines: list[str]) -> str:
     """Join hard-wrapped lines of one paragraph: one space between pieces, none between two CJK
-    characters (a break inside a Chinese or Japanese sentence is not a word boundary)."""
+    characters (a break inside a Chinese or Japanese sentence is not a word boundary), nor
+    between a CJK character and a quote or dash next to it."""
     out = ""
     for raw in lines:
         piece = collapse_spaces(raw)
         if not piece:
             continue
-        if out and not (is_cjk(out[-1]) and is_cjk(piece[0])):
+        if out and not _tight(out[-1], piece[0]):
             out += " "
         out += piece
     return out
+
+
+# Punctuation shared by CJK and Western text: no space next to a CJK character, a space otherwise.
+_NEUTRAL = set("\u201c\u201d\u2018\u2019\u2014\u2026\u00b7")
+
+
+def _tight(a: str, b: str) -> bool:
+    """True if no space goes between characters `a` and `b` when joining two pieces."""
+    ca, cb = is_cjk(a), is_cjk(b)
+    return (ca and cb) or (ca and b in _NEUTRAL) or (a in _NEUTRAL and cb)
 
 
 def collapse_spaces(text: str) -> str:
