@@ -39,7 +39,7 @@ from reap.analyze.overlap import (
 )
 from reap.analyze.pipeline import analyze
 from reap.analyze.report import write_report
-from reap.analyze.specialists import expert_profiles, specialist_null
+from reap.analyze.specialists import expert_profiles, shuffle_sequences, specialist_null
 from reap.analyze.synthetic import (
     planted_corpora,
     planted_profiles,
@@ -256,14 +256,14 @@ def test_specialists_follow_definition_and_chance():
     counts = prof.specialist_counts().sum(0)
     _, homes = planted_profiles(n_layers=2, seed=6)
     assert counts[zh] >= 0.9 * homes["chinese"].sum() and counts.sum() == counts[zh]
-    null = specialist_null(cs, prof, 30, seed=0)
+    null = specialist_null(prof, shuffle_sequences(cs, 30, seed=0))
     assert null.p_value[zh] <= 1 / 31 + 1e-12 and null.mean[zh] < 0.1 * counts[zh]
     flat = [
         from_stats(s)
         for s in uniform_corpora(["a", "b", "c"], n_layers=4, n_seqs=3, tokens_per_seq=16, seed=1)
     ]
     fp = expert_profiles(flat)
-    fn = specialist_null(flat, fp, 50, seed=0)
+    fn = specialist_null(fp, shuffle_sequences(flat, 50, seed=0))
     assert fp.specialist_counts().sum() > 0  # noise alone makes "specialists" ...
     assert (fn.p_value > 0.05).all()  # ... which the permutation baseline exposes
 
@@ -286,12 +286,39 @@ def test_expert_clusters_recover_planted_groups():
         from_stats(s)
         for s in planted_corpora(families=fam, n_layers=2, generalists=0, n_seqs=16, seed=8)
     ]
-    ec = cluster_experts(expert_profiles(cs), seed=0)
+    ec = cluster_experts(expert_profiles(cs), seed=0, null=shuffle_sequences(cs, 5))
     _, homes = planted_profiles(families=fam, n_layers=2, generalists=0, seed=8)
     truth = sum((i + 1) * homes[f] for i, f in enumerate(fam))  # 0 = the unowned block
     used = ec.labels >= 0
     assert ec.k in (3, 4)
     assert adjusted_rand_score(truth[used], ec.labels[used]) > 0.8
+    assert len(ec.null_silhouette) == 5 and ec.best > max(ec.null_silhouette)
+
+
+def test_expert_clusters_of_one_distribution_are_noise():
+    """Two samples of one corpus: k-means still reports a fair silhouette, the shuffles match it."""
+    prof, _ = planted_profiles(families={"f": ["a"]}, n_layers=3, seed=2)
+    cs = [
+        from_stats(routed_stats(sequence_probs(prof["a"], 16, rng=np.random.default_rng(i)),
+                                tokens_per_seq=64, top_k=4, seed=i, corpus=f"run{i}"))
+        for i in range(2)
+    ]  # fmt: skip
+    ec = cluster_experts(expert_profiles(cs), seed=0, null=shuffle_sequences(cs, 10))
+    assert ec.best > 0.4  # looks like structure ...
+    assert ec.best <= max(ec.null_silhouette)  # ... but shuffled sequences do as well
+
+
+def test_shuffle_sequences_keep_totals_and_average_to_the_pool():
+    cs = [from_stats(s) for s in planted_corpora(n_layers=2, n_seqs=8, seed=9)[:3]]
+    sh = shuffle_sequences(cs, 400, seed=1)
+    f = np.stack([sh.freq(p) for p in range(len(sh))])  # [P, L, E, C]
+    np.testing.assert_allclose(f.sum(2), cs[0].stats.top_k, rtol=1e-12)
+    np.testing.assert_array_equal(
+        sh.counts.sum(-1), np.broadcast_to(sum(c.count for c in cs), f.shape[:3])
+    )
+    pooled = sum(c.count for c in cs) / sum(c.tokens for c in cs)  # [L, E]
+    np.testing.assert_allclose(f.mean((0, 3)), pooled, atol=2e-3)
+    assert shuffle_sequences([cs[0], from_stats(uniform_corpora(["u"])[0])], 0) is None
 
 
 def test_modularity_matches_networkx():

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from reap.analyze.overlap import CorpusUsage, jsd
-from reap.analyze.specialists import ExpertProfiles
+from reap.analyze.specialists import ExpertProfiles, Shuffled
 
 
 @dataclass
@@ -63,42 +63,68 @@ class ExpertClustering:
     labels: np.ndarray  # [L, E] cluster of each expert, -1 = too rarely used to place
     centroids: np.ndarray  # [k, C] mean corpus shares of each cluster
     points: np.ndarray  # [n, C] the clustered shares (experts with labels >= 0, row-major)
+    null_silhouette: list[float]  # best silhouette of the same search on shuffled sequences
+
+    @property
+    def best(self) -> float:
+        return self.silhouette[self.k]
 
 
-def cluster_experts(
-    profiles: ExpertProfiles, k_max: int = 8, seed: int = 0, sample: int = 4000
-) -> ExpertClustering | None:
-    """Cluster used experts by share profile; None when fewer points than needed.
+def _used_shares(freq: np.ndarray, min_load: float) -> tuple[np.ndarray, np.ndarray]:
+    """Mask of experts used enough [L, E] and their corpus shares [n, C], from rates [L, E, C]."""
+    E, C = freq.shape[1:]
+    top_k = freq[0].sum() / C  # each corpus's rates of a layer sum to top_k
+    used = freq.mean(-1) >= min_load * top_k / E  # [L, E]
+    x = freq[used]
+    return used, x / x.sum(-1, keepdims=True)
 
-    Experts count as used when their mean usage rate over corpora is at least `min_load` times
-    uniform. Silhouette scores are computed on a seeded sample of at most `sample` points.
-    """
+
+def _sweep(x: np.ndarray, k_max: int, seed: int, sample: int) -> tuple[dict, dict]:
+    """k-means for k = 2..k_max: (k -> silhouette, k -> fitted model)."""
     from sklearn.cluster import KMeans
     from sklearn.metrics import silhouette_score
 
-    E = profiles.freq.shape[1]
-    top_k = profiles.freq[0, :, :].sum(0).mean()  # usage rates of a layer sum to top_k
-    used = profiles.freq.mean(-1) >= profiles.min_load * top_k / E  # [L, E]
-    x = profiles.share[used]  # [n, C]
-    ks = [k for k in range(2, k_max + 1) if k < len(x)]
-    if not ks or len(np.unique(x.round(12), axis=0)) < 3:
-        return None
     scores, models = {}, {}
-    for k in ks:
+    if len(np.unique(x.round(12), axis=0)) < 3:
+        return scores, models
+    for k in (k for k in range(2, k_max + 1) if k < len(x)):
         km = KMeans(n_clusters=k, n_init=4, random_state=seed).fit(x)
         if len(np.unique(km.labels_)) < 2:
             continue
-        scores[k] = float(
-            silhouette_score(x, km.labels_, sample_size=min(sample, len(x)), random_state=seed)
-        )
+        n = min(sample, len(x))
+        scores[k] = float(silhouette_score(x, km.labels_, sample_size=n, random_state=seed))
         models[k] = km
+    return scores, models
+
+
+def cluster_experts(
+    profiles: ExpertProfiles,
+    k_max: int = 8,
+    seed: int = 0,
+    sample: int = 4000,
+    null: Shuffled | None = None,
+    n_null: int = 10,
+) -> ExpertClustering | None:
+    """Cluster used experts by share profile; None when too few distinct points.
+
+    Experts count as used when their mean usage rate over corpora is at least `min_load` times
+    uniform. Silhouettes use a seeded sample of at most `sample` points. Its chance level: the
+    same search (best k) on the first `n_null` sequence shuffles (`specialists.shuffle_sequences`);
+    k-means finds "clusters" in noise too.
+    """
+    used, x = _used_shares(profiles.freq, profiles.min_load)
+    scores, models = _sweep(x, k_max, seed, sample)
     if not scores:
         return None
     best = max(scores, key=lambda k: (scores[k], -k))
     labels = np.full(used.shape, -1)
     labels[used] = models[best].labels_
+    null_best = []
+    for p in range(0 if null is None else min(n_null, len(null))):
+        s, _ = _sweep(_used_shares(null.freq(p), profiles.min_load)[1], k_max, seed, sample)
+        null_best.append(max(s.values(), default=float("nan")))
     return ExpertClustering(
-        profiles.corpora, best, scores, labels, models[best].cluster_centers_, x
+        profiles.corpora, best, scores, labels, models[best].cluster_centers_, x, null_best
     )
 
 

@@ -177,30 +177,41 @@ def _specialists(r: AnalysisResult) -> list[str]:
 _SILHOUETTE = ((0.7, "strong"), (0.5, "reasonable"), (0.25, "weak"), (-1.1, "no substantial"))
 
 
+def _cluster_chance(ec) -> str:
+    null = np.array([v for v in ec.null_silhouette if np.isfinite(v)])
+    if not len(null):
+        return "no chance level (needs seq_count): do not read structure into it"
+    where = (
+        "above every shuffle: structure beyond sampling noise"
+        if ec.best > null.max()
+        else "not above the shuffles: no structure beyond sampling noise (not significant)"
+    )
+    return (
+        f"the same search on {len(null)} sequence shuffles scores {null.mean():.2f} on average "
+        f"(max {null.max():.2f}), so this is {where}"
+    )
+
+
 def _clusters(r: AnalysisResult) -> list[str]:
     lines = ["## Expert clusters by corpus profile", ""]
     ec = r.expert_clusters
     if ec is None:
-        lines += ["Too few used experts with distinct profiles to cluster.", ""]
-    else:
-        sil = ec.silhouette[ec.k]
-        strength = next(w for t, w in _SILHOUETTE if sil > t)
-        lines += [
-            f"k-means chose k = {ec.k} by silhouette ({sil:.2f}: {strength} structure "
-            "by the Kaufman-Rousseeuw reading; tried "
-            + ", ".join(f"k={k}: {v:.2f}" for k, v in ec.silhouette.items())
-            + ").",
-            "",
-        ]
-        for k in range(ec.k):
-            top = np.argsort(-ec.centroids[k])[:2]
-            size = int((ec.labels == k).sum())
-            lines.append(
-                f"- cluster {k} ({size} experts): "
-                + ", ".join(f"{ec.corpora[i]} {ec.centroids[k, i]:.0%}" for i in top)
-            )
-        lines.append("")
-    return lines
+        return lines + ["Too few used experts with distinct profiles to cluster.", ""]
+    strength = next(w for t, w in _SILHOUETTE if ec.best > t)
+    tried = ", ".join(f"k={k}: {v:.2f}" for k, v in ec.silhouette.items())
+    lines += [
+        (
+            f"k-means chose k = {ec.k} by silhouette {ec.best:.2f} ({strength} structure by "
+            f"the Kaufman-Rousseeuw reading; tried {tried}); {_cluster_chance(ec)}."
+        ),
+        "",
+    ]
+    for k in range(ec.k):
+        top = np.argsort(-ec.centroids[k])[:2]
+        size = int((ec.labels == k).sum())
+        shares = ", ".join(f"{ec.corpora[i]} {ec.centroids[k, i]:.0%}" for i in top)
+        lines.append(f"- cluster {k} ({size} experts): {shares}")
+    return lines + [""]
 
 
 def _communities(r: AnalysisResult) -> list[str]:

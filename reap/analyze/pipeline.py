@@ -120,9 +120,13 @@ def analyze(
     _bootstrap(corpora, ms, settings, sets, overall, usage, notes, progress)
     _log(progress, "specialists and clusters")
     prof = specialists.expert_profiles(corpora, specialist_ratio, min_load)
-    null = specialists.specialist_null(corpora, prof, permutations, seed, progress)
+    shuffled = specialists.shuffle_sequences(corpora, permutations, seed, progress)
+    null = specialists.specialist_null(prof, shuffled)
     if null is None and permutations > 0:
-        notes.append("no specialist chance baseline: it needs seq_count in every file")
+        notes.append(
+            "no chance baseline for specialists and expert clusters: it needs seq_count "
+            "in every file"
+        )
     return AnalysisResult(
         corpora=[
             CorpusInfo(c.name, c.path, c.tokens, c.n_sequences, c.stats.meta) for c in corpora
@@ -137,7 +141,7 @@ def analyze(
         profiles=prof,
         specialist_null=null,
         corpus_clusters=cluster.cluster_corpora(corpora),
-        expert_clusters=cluster.cluster_experts(prof, seed=seed),
+        expert_clusters=cluster.cluster_experts(prof, seed=seed, null=shuffled),
         communities=cluster.communities(corpora, seed, progress=progress) if communities else [],
         notes=notes,
     )

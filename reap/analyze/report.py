@@ -224,6 +224,7 @@ def summary(r: AnalysisResult, files: ReportFiles | None = None) -> dict:
             else {
                 "k": ec.k,
                 "silhouette": ec.silhouette,
+                "null_silhouette": ec.null_silhouette,
                 "centroids": ec.centroids,
                 "corpora": ec.corpora,
             },

@@ -98,46 +98,70 @@ def _profiles_from_freq(freq, corpora, ratio, min_load) -> ExpertProfiles:
     )
 
 
-def specialist_null(
-    corpora: list[CorpusUsage],
-    profiles: ExpertProfiles,
-    n_permutations: int = 100,
-    seed: int = 0,
-    progress: bool = False,
-) -> SpecialistNull | None:
-    """Chance baseline for specialist counts by shuffling sequences between corpora.
+@dataclass
+class Shuffled:
+    """Routed counts after shuffling whole sequences between corpora (sizes kept).
 
-    The same P shuffles serve every layer (layer by layer, to bound memory). p-values are
-    permutation p-values, so their resolution is 1 / (P + 1). Returns None when a corpus lacks
-    `seq_count` (no baseline rather than an invented one).
+    A shuffle keeps everything but the corpus labels, so any structure it still shows is
+    sampling noise. Counts are kept exact so rates compare bit for bit with the observed ones.
+    """
+
+    counts: np.ndarray  # [P, L, E, C] int32 routed counts of each shuffled corpus
+    tokens: np.ndarray  # [P, C] tokens of each shuffled corpus
+
+    def freq(self, p: int) -> np.ndarray:
+        """Usage rates of shuffle p, [L, E, C], computed like `expert_profiles` does."""
+        return self.counts[p] / self.tokens[p]
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+def shuffle_sequences(
+    corpora: list[CorpusUsage], n_permutations: int = 100, seed: int = 0, progress: bool = False
+) -> Shuffled | None:
+    """P shuffles of sequences between corpora, the same for every layer (computed layer by
+    layer to bound memory). None when a corpus lacks `seq_count` (no baseline rather than an
+    invented one) or when P < 1.
     """
     from tqdm.auto import tqdm
 
     if n_permutations < 1 or any(c.stats.seq_count is None for c in corpora):
         return None
-    top_k, C = corpora[0].stats.top_k, len(corpora)
+    top_k, C, L = corpora[0].stats.top_k, len(corpora), len(corpora[0].stats.layers)
     starts = np.cumsum([0] + [c.n_sequences for c in corpora])[:-1]  # [C] first sequence
-    first = np.concatenate([c.stats.seq_count[:, 0, :].double().numpy() for c in corpora])
-    seq_tokens = first.sum(-1) / top_k  # [S] tokens of each sequence
+    first = np.concatenate([c.stats.seq_count[:, 0, :].long().numpy() for c in corpora])
+    seq_tokens = first.sum(-1) // top_k  # [S] tokens of each sequence
     rng = np.random.default_rng(seed)
     perms = np.stack([rng.permutation(len(seq_tokens)) for _ in range(n_permutations)])  # [P, S]
-    tokens = np.add.reduceat(seq_tokens[perms], starts, axis=1)  # [P, C]
-    counts = np.zeros((n_permutations, C))
-    for li in tqdm(range(len(profiles.layers)), desc="specialist null", disable=not progress):
-        seqs = np.concatenate(
-            [c.stats.seq_count[:, li, :].double().numpy() for c in corpora]
-        )  # [S, E]
+    counts = np.empty((n_permutations, L, first.shape[1], C), dtype=np.int32)
+    for li in tqdm(range(L), desc="sequence shuffles", disable=not progress):
+        seqs = np.concatenate([c.stats.seq_count[:, li, :].long().numpy() for c in corpora])
         for p in range(n_permutations):
-            freq = np.add.reduceat(seqs[perms[p]], starts, axis=0) / tokens[p][:, None]  # [C, E]
-            spec, _ = classify(freq.T, top_k, profiles.ratio, profiles.min_load)
-            counts[p] += np.bincount(spec[spec >= 0], minlength=C)
+            counts[p, li] = np.add.reduceat(seqs[perms[p]], starts, axis=0).T  # [E, C]
+    return Shuffled(counts, np.add.reduceat(seq_tokens[perms], starts, axis=1))
+
+
+def specialist_null(profiles: ExpertProfiles, shuffled: Shuffled | None) -> SpecialistNull | None:
+    """Chance baseline for specialist counts from sequence shuffles.
+
+    p-values are permutation p-values: their resolution is 1 / (P + 1).
+    """
+    if shuffled is None:
+        return None
+    P, C = len(shuffled), len(profiles.corpora)
+    top_k = round(float(profiles.freq[0].sum()) / C)  # each corpus's rates of a layer sum to top_k
+    counts = np.zeros((P, C))
+    for p in range(P):
+        spec, _ = classify(shuffled.freq(p), top_k, profiles.ratio, profiles.min_load)
+        counts[p] = np.bincount(spec[spec >= 0], minlength=C)
     observed = profiles.specialist_counts().sum(0)  # [C]
     tot = counts.sum(1)
     return SpecialistNull(
-        n_permutations,
+        P,
         counts.mean(0),
         np.percentile(counts, 95, axis=0),
         float(tot.mean()),
         float(np.percentile(tot, 95)),
-        (1 + (counts >= observed).sum(0)) / (1 + n_permutations),
+        (1 + (counts >= observed).sum(0)) / (1 + P),
     )
