@@ -31,7 +31,13 @@ from reap.corpora.mix import allocate, pack, seeded_order
 from reap.corpora.recipes import load_recipe, source_key
 from reap.corpora.store import Document, corpora_root, split_bytes
 from reap.corpora.text import (
-    chunk_text, count_words, dedupe_lines, filter_lines, join_lines, line_filter, looks_english,
+    chunk_text,
+    count_words,
+    dedupe_lines,
+    filter_lines,
+    join_lines,
+    line_filter,
+    looks_english,
 )
 from reap.errors import ReapError
 
@@ -331,7 +337,7 @@ def test_recipes_parse_and_translation_keys():
         load_recipe(ROOT / name / "recipe.json")
     de = load_recipe(ROOT / "de" / "recipe.json").sources[0]
     fr = load_recipe(ROOT / "fr" / "recipe.json").sources[0]
-    en = [s for s in load_recipe(ROOT / "en" / "recipe.json").sources if s.format == "man"][0]
+    en = next(s for s in load_recipe(ROOT / "en" / "recipe.json").sources if s.format == "man")
     keys = {source_key(de, "usr/share/man/de/man1/ls.1.gz"), source_key(fr, "usr/share/man/fr/man1/ls.1.gz"),
             source_key(en, "usr/share/man/man1/ls.1.gz")}
     assert keys == {"man/usr/share/man/man1/ls.1"}
@@ -368,7 +374,7 @@ def test_allocate_exact():
     assert allocate(8, [F(3), F(1)]) == [6, 2]
     assert allocate(10, [F(1), F(1), F(1)]) == [4, 3, 3]
     assert allocate(7, [F(3, 4), F(1, 8), F(1, 8)]) == [5, 1, 1]
-    for n in range(0, 40):
+    for n in range(40):
         ws = [F(3), F(1, 2), F(1, 2), F(2)]
         got = allocate(n, ws)
         assert sum(got) == n

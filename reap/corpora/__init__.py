@@ -11,11 +11,23 @@ Splits are "train", "calibration" and "eval" (held out: never used to calibrate)
 """
 
 from reap.corpora.mix import (
-    ByteTokenizer, Sequence, allocate, calibration_sequences, corpus_fingerprint, load_documents,
-    parse_spec, sample_sequences,
+    ByteTokenizer,
+    Sequence,
+    allocate,
+    calibration_sequences,
+    corpus_fingerprint,
+    load_documents,
+    parse_spec,
+    sample_sequences,
 )
 from reap.corpora.store import (
-    SPLITS, CorpusInfo, Document, SplitInfo, corpus_info, corpus_names, split_of,
+    SPLITS,
+    CorpusInfo,
+    Document,
+    SplitInfo,
+    corpus_info,
+    corpus_names,
+    split_of,
 )
 
 

@@ -21,7 +21,13 @@ from pathlib import Path
 from reap.corpora import debian
 from reap.corpora.recipes import Recipe, Source, load_recipe, source_documents
 from reap.corpora.store import (
-    SPLITS, Document, corpora_root, corpus_names, read_json, split_bytes, split_of,
+    SPLITS,
+    Document,
+    corpora_root,
+    corpus_names,
+    read_json,
+    split_bytes,
+    split_of,
 )
 from reap.corpora.text import count_words
 from reap.errors import ReapError, WriteError

@@ -95,7 +95,7 @@ def download_deb(package: str, cache: Path, log=print) -> Path:
         raise ReapError(f"cannot fetch {package}: apt-get not found (put {package}_*.deb in {cache})")
     log(f"  downloading {package} ...")
     proc = subprocess.run(["apt-get", "download", package], cwd=cache, capture_output=True,
-                          text=True, timeout=1800)
+                          text=True, timeout=1800, check=False)
     found = sorted(cache.glob(f"{package}_*.deb"))
     if proc.returncode != 0 or not found:
         msg = (proc.stderr.strip().splitlines() or ["no output"])[-1]

@@ -16,7 +16,7 @@ from html import unescape
 from html.parser import HTMLParser
 from pathlib import Path
 
-from reap.corpora.text import collapse_spaces, join_lines, strip_ansi
+from reap.corpora.text import join_lines, strip_ansi
 
 _VOID = {"area", "base", "br", "col", "embed", "hr", "img", "input", "link", "meta", "param",
          "source", "track", "wbr", "keygen"}
@@ -172,7 +172,7 @@ def code_text(source: str) -> str:
 _OSIS_BOOK = re.compile(r'<div[^>]*type="book"[^>]*/?>')
 _OSIS_ID = re.compile(r'osisID="([^"]+)"')
 _OSIS_CHAPTER = re.compile(r'<chapter\b[^>]*\bsID="([^"]+)"[^>]*/>')
-_OSIS_DROP = re.compile(r"<note\b.*?</note>|<title\b.*?</title>|<milestone\b[^>]*/>", re.S)
+_OSIS_DROP = re.compile(r"<note\b.*?</note>|<title\b.*?</title>|<milestone\b[^>]*/>", re.DOTALL)
 
 
 def sword_books(module_dir: Path) -> list[str]:
@@ -197,7 +197,7 @@ def osis_chapters(book: str) -> list[tuple[str, str]]:
     out = []
     for osis_id, body in zip(parts[1::2], parts[2::2]):
         # Word elements abutting a note or another word element lost their space in the module.
-        body = re.sub(r"(</w>)(?:<note\b.*?</note>)*(?=<(?:w|transChange)\b)", r"\1 ", body, flags=re.S)
+        body = re.sub(r"(</w>)(?:<note\b.*?</note>)*(?=<(?:w|transChange)\b)", r"\1 ", body, flags=re.DOTALL)
         body = re.sub(r"(</transChange>)(?=<w\b)", r"\1 ", body)
         body = _OSIS_DROP.sub("", body)
         body = re.sub(r'<div[^>]*type="x-p"[^>]*/>|<lb\b[^>]*/>|<p\b[^>]*>|</p>', "\n", body)

@@ -19,7 +19,12 @@ from fractions import Fraction
 
 from reap.corpora.local import is_local, local_documents
 from reap.corpora.store import (
-    Document, check_split, corpus_dir, read_json, split_bytes, load_shipped,
+    Document,
+    check_split,
+    corpus_dir,
+    load_shipped,
+    read_json,
+    split_bytes,
 )
 from reap.errors import ReapError
 
@@ -96,7 +101,7 @@ def allocate(total: int, weights: list[Fraction]) -> list[int]:
     return counts
 
 
-def load_documents(name: str, split: str) -> list["Document"]:
+def load_documents(name: str, split: str) -> list[Document]:
     """Documents of one split of a corpus (shipped, local-only build, mix), a local file or
     directory, or an `hf:` dataset."""
     check_split(split)

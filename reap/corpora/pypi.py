@@ -28,7 +28,7 @@ def download_sdist(requirement: str, cache: Path, log=print) -> Path:
         log(f"  downloading {requirement} from PyPI ...")
         proc = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps",
                                "--no-binary", ":all:", "-d", str(cache), requirement],
-                              capture_output=True, text=True, timeout=1800)
+                              capture_output=True, text=True, timeout=1800, check=False)
         found = sorted(cache.glob(pattern)) or sorted(cache.glob(f"{name}-{version}.*"))
         if proc.returncode != 0 or not found:
             msg = (proc.stderr.strip().splitlines() or ["no output"])[-1]

@@ -37,7 +37,7 @@ _ESCAPE_RE = re.compile(
     r"|(?P<num>N'(?P<code>\d+)')"
     r"|(?P<char>.)"
     r")",
-    re.S,
+    re.DOTALL,
 )
 _SIMPLE = {"-": "-", "e": "\\", "\\": "\\", " ": " ", "~": " ", "0": " ", "'": "\u00b4",
            "`": "`", ".": ".", "t": " ", "E": "\\", "_": "_"}
@@ -80,11 +80,8 @@ def unescape(text: str) -> str:
 
 def _args(rest: str) -> list[str]:
     """Macro arguments: space-separated, double quotes group ("" inside is a literal quote)."""
-    out, i = [], 0
-    for m in re.finditer(r'"((?:[^"]|"")*)"?|(\S+)', rest):
-        out.append(m.group(1).replace('""', '"') if m.group(1) is not None else m.group(2))
-        i += 1
-    return out
+    return [m.group(1).replace('""', '"') if m.group(1) is not None else m.group(2)
+            for m in re.finditer(r'"((?:[^"]|"")*)"?|(\S+)', rest)]
 
 
 class _Page:

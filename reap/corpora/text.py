@@ -81,16 +81,17 @@ def has_han_or_kana(line: str) -> bool:
 
 # Short function words that are frequent in one language and rare in the others listed here.
 _STOPWORDS = {
-    "en": set("the and of to is are this that with for you be by not from which can will has have "
-              "when were should must these there their into only your been would does".split()),
-    "de": set("der die das und ist nicht mit von den zu ein eine für auf im des sich dem werden "
-              "wird oder auch sie es als bei aus sind kann wenn nur".split()),
-    "fr": set("le la les des et est une un pour dans du que qui sur pas par au avec ce sont ou "
-              "être cette il vous peut aux ne".split()),
-    "es": set("el la los las de que y en un una es por para con no se del al como lo su más "
-              "este esta puede son".split()),
-    "it": set("il lo la gli le di che e un una è per non con del della dei si sono da in come al "
-              "nel questo può alla".split()),
+    "en": frozenset("the and of to is are this that with for you be by not from which can will has "
+                    "have when were should must these there their into only your been would does"
+                    .split()),
+    "de": frozenset("der die das und ist nicht mit von den zu ein eine für auf im des sich dem "
+                    "werden wird oder auch sie es als bei aus sind kann wenn nur".split()),
+    "fr": frozenset("le la les des et est une un pour dans du que qui sur pas par au avec ce sont "
+                    "ou être cette il vous peut aux ne".split()),
+    "es": frozenset("el la los las de que y en un una es por para con no se del al como lo su más "
+                    "este esta puede son".split()),
+    "it": frozenset("il lo la gli le di che e un una è per non con del della dei si sono da in "
+                    "come al nel questo può alla".split()),
 }
 _LETTERS_RE = re.compile(r"[^\W\d_]+")
 
