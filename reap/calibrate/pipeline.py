@@ -141,6 +141,7 @@ def _make_run(ckpt, setup, ids, seq_corpus, n_corpora, identity, out, budget, ba
     plan = plan_memory(
         weight_bytes=R.weight_sizes(ckpt, setup["specs"], setup["dtype"].itemsize),
         hidden=text["hidden_size"], heads=text.get("num_attention_heads", 1),
+        dense_ffn=text.get("intermediate_size", 0),
         n_experts=size.n_experts, top_k=size.top_k,
         n_blocks=R.n_blocks(text, max(size.moe_layers) + 1), n_seq=S, seq_len=T, budget=budget,
         batch=batch, max_pass_seqs=identity["arguments"]["max_pass_seqs"])

@@ -25,7 +25,7 @@ import torch
 
 from reap.calibrate import artifacts as art
 from reap.calibrate.accumulate import StatsAccumulator
-from reap.calibrate.memory import MemoryPlan
+from reap.calibrate.memory import MemoryPlan, release_memory
 from reap.calibrate.spill import SpillStore, state_arrays, state_from_arrays
 from reap.checkpoint import Checkpoint
 from reap.errors import CheckpointError, ExpertLoadError, ReapError
@@ -200,6 +200,7 @@ def _commit_layer(run: _Run, i: int, moe: bool) -> None:
 
 
 def _tick(run: _Run, tokens: float, layer: int) -> None:
+    release_memory()
     if run.bar is not None:
         run.bar.update(tokens)
         run.bar.set_postfix_str(f"layer {layer}", refresh=False)
