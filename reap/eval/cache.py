@@ -1,0 +1,125 @@
+"""Build identities and the per-build result cache of `reap eval`.
+
+A cached result is a JSON file `<out>/cache/<kind>-<key>.json`, written atomically (temporary
+name, then rename). Its key is the sha256 of everything that determines its numbers: the build's
+identity (and the reference's, for agreement), the evaluation arguments, the corpus sha256 or the
+prompt set's digest, and a digest of the code that computes them. A build's identity is its
+`Checkpoint.fingerprint()` (tensor names, dtypes, shapes and config) plus the size and mtime of
+each weight file and the sha256 of its tokenizer: the fingerprint alone does not hash tensor bytes,
+so two random builds of one config would otherwise share cached results.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+from reap.errors import ReapError, WriteError
+
+_REAP = Path(__file__).resolve().parents[1]
+# sources whose change changes the numbers of each kind of cached result
+_CODE = {
+    "quality": ["engine/*.py", "models/*.py", "checkpoint/*.py", "mxfp4.py", "eval/quality.py"],
+    "generations": [
+        "engine/*.py",
+        "models/*.py",
+        "checkpoint/*.py",
+        "mxfp4.py",
+        "tokenizer.py",
+        "eval/generations.py",
+    ],
+}
+
+
+def code_digest(kind: str) -> str:
+    """sha256 over the source files that compute results of `kind` ("quality", "generations")."""
+    h = hashlib.sha256()
+    for pattern in _CODE[kind]:
+        for p in sorted(_REAP.glob(pattern)):
+            h.update(p.relative_to(_REAP).as_posix().encode() + b"\0" + p.read_bytes())
+    return h.hexdigest()
+
+
+def build_identity(path: str) -> dict:
+    """What identifies a build's weights (see the module docstring), JSON-ready."""
+    from reap.checkpoint import Checkpoint
+
+    if str(path).lower().startswith(("http://", "https://")):
+        from reap.engine.remote import open_checkpoint
+
+        return {"fingerprint": open_checkpoint(str(path)).fingerprint(), "url": str(path)}
+    ck = Checkpoint.open(path)
+    try:
+        fp = ck.fingerprint()
+        files = sorted({t.file for t in ck.tensors.values()})
+    finally:
+        ck.close()
+    root = Path(path) if Path(path).is_dir() else Path(path).parent
+    stats = []
+    for f in files:
+        st = os.stat(f)
+        stats.append([os.path.relpath(f, root), st.st_size, st.st_mtime_ns])
+    tok = root / "tokenizer.json"
+    tok_sha = hashlib.sha256(tok.read_bytes()).hexdigest() if tok.is_file() else None
+    return {"fingerprint": fp, "files": stats, "tokenizer": tok_sha}
+
+
+def key_of(fields: dict) -> str:
+    """The cache key of a result: sha256 of its fields as canonical JSON."""
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
+
+
+class Cache:
+    """JSON results under `<out>/cache/`, by kind and key; counts hits and misses."""
+
+    def __init__(self, out: str | Path):
+        self.dir = Path(out) / "cache"
+        self.hits = self.misses = 0
+
+    def path(self, kind: str, key: str) -> Path:
+        return self.dir / f"{kind}-{key[:32]}.json"
+
+    def get(self, kind: str, key: str) -> dict | None:
+        """The cached payload, or None if absent, unreadable or made under another key."""
+        try:
+            d = json.loads(self.path(kind, key).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            d = None
+        if not isinstance(d, dict) or d.get("key") != key:
+            self.misses += 1
+            return None
+        self.hits += 1
+        return d["payload"]
+
+    def put(self, kind: str, key: str, fields: dict, payload) -> None:
+        """Store `payload` (with the fields it was keyed on, for provenance) atomically."""
+        data = {"key": key, "fields": fields, "payload": payload}
+        write_text(self.path(kind, key), json.dumps(data, ensure_ascii=False))
+
+
+def write_text(path: str | Path, text: str) -> None:
+    """Write a text file atomically (temporary name in the same directory, then rename)."""
+    write_bytes(path, text.encode("utf-8"))
+
+
+def write_bytes(path: str | Path, data: bytes) -> None:
+    """Write a file atomically; WriteError (exit 3) naming the file on failure."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise WriteError(f"{path}: cannot write ({e.strerror or e})") from None
+
+
+def check_out_dir(out: str | Path) -> Path:
+    """The output directory, created if needed (ReapError if it is a file)."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ReapError(f"--out {out}: exists and is not a directory")
+    return out
