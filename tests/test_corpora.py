@@ -111,6 +111,7 @@ def test_mix_manifest_and_documents():
     assert eu.splits["eval"].docs == sum(p.splits["eval"].docs for p in parts)
     docs = C.load_documents("eu", "eval")
     assert {d.corpus for d in docs} == {"de", "fr", "es", "it"} and len(docs) == eu.splits["eval"].docs
+    assert len({d.id for d in docs}) == len(docs) and all(d.id.startswith(d.corpus + ":") for d in docs)
 
 
 # --- text primitives --------------------------------------------------------------------------
@@ -456,6 +457,7 @@ def test_sample_sequences_shipped():
     assert seqs != C.sample_sequences("zh:3+code:1", "calibration", tok, 8 * 128, 128, seed=2)
     cal_ids = {d.id for d in C.load_documents("zh", "calibration")}
     assert {s.doc_id for s in seqs[:6]} <= cal_ids
+    assert {s.doc_id for s in seqs[6:]} <= {d.id for d in C.load_documents("code", "calibration")}
     assert all(s.split == "calibration" for s in C.calibration_sequences("zh", tok, 256, 128))
     with pytest.raises(ReapError, match="unknown split"):
         C.sample_sequences("zh", "test", tok, 256, 128)

@@ -14,7 +14,7 @@ import hashlib
 import math
 import re
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from fractions import Fraction
 
 from reap.corpora.local import is_local, local_documents
@@ -34,7 +34,7 @@ _WEIGHT_RE = re.compile(r"^(?P<name>.+):(?P<w>[0-9]*\.?[0-9]+)$")
 @dataclass(frozen=True)
 class Sequence:
     """`seq_len` token ids from corpus term `corpus` (as named in the spec), starting inside
-    document `doc_id`, drawn from `split`."""
+    document `doc_id` ("part:id" for a part of a mix corpus), drawn from `split`."""
 
     corpus: str
     doc_id: str
@@ -160,7 +160,10 @@ def sample_sequences(spec: str, split: str, tokenizer, n_tokens: int, seq_len: i
     for (term, leaf, _), count in zip(leaves, counts):
         if count:
             docs = seeded_order(load_documents(leaf, split), seed)
-            out += pack(docs, tokenizer, count, seq_len, term, split)
+            seqs = pack(docs, tokenizer, count, seq_len, term, split)
+            if leaf != term:  # a part of a mix: say which part the document came from
+                seqs = [replace(s, doc_id=f"{leaf}:{s.doc_id}") for s in seqs]
+            out += seqs
     return out
 
 

@@ -161,12 +161,14 @@ def _load_cached(path: str, mtime: float, corpus: str) -> tuple[Document, ...]:
 
 
 def load_shipped(name: str, split: str, root: Path | None = None) -> list[Document]:
-    """Documents of one split of a shipped corpus (a mix corpus: its parts', in recipe order)."""
+    """Documents of one split of a shipped corpus. A mix corpus gives its parts' documents in
+    recipe order, ids prefixed "part:" (translations in two parts share a key)."""
     check_split(split)
     d = corpus_dir(name, root)
     recipe = read_json(d / "recipe.json")
     if recipe.get("mix"):
-        return [doc for part in recipe["mix"] for doc in load_shipped(part, split, root)]
+        return [Document(f"{part}:{d.id}", d.text, d.source, d.corpus)
+                for part in recipe["mix"] for d in load_shipped(part, split, root)]
     path = d / f"{split}.jsonl.xz"
     if not path.exists():
         raise ReapError(f"{path}: split file missing (run `reap corpora build {name}`)")
