@@ -81,6 +81,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="minimum usage, as a multiple of the uniform rate top_k/n_experts",
     )
     p.add_argument(
+        "--community-nulls",
+        type=int,
+        default=3,
+        metavar="N",
+        help="random graphs per layer for the modularity chance level (default 3)",
+    )
+    p.add_argument(
         "--no-communities",
         action="store_true",
         help="skip co-activation communities (the slowest part on large models)",
@@ -93,8 +100,8 @@ def run(args: argparse.Namespace) -> int:
     from reap.analyze.pipeline import analyze
     from reap.analyze.report import write_report
 
-    if args.bootstrap < 0 or args.permutations < 0:
-        raise ReapError("--bootstrap and --permutations must be >= 0")
+    if min(args.bootstrap, args.permutations, args.community_nulls) < 0:
+        raise ReapError("--bootstrap, --permutations and --community-nulls must be >= 0")
     if not 0 < args.alpha < 1:
         raise ReapError("--alpha must be in (0, 1)")
     result = analyze(
@@ -109,6 +116,7 @@ def run(args: argparse.Namespace) -> int:
         min_load=args.min_load,
         permutations=args.permutations,
         communities=not args.no_communities,
+        community_nulls=args.community_nulls,
         progress=not args.quiet,
     )
     files = write_report(result, args.out, with_plots=not args.no_plots, progress=not args.quiet)

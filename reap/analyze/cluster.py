@@ -192,12 +192,20 @@ class Communities:
     layer: int  # model layer index
     labels: np.ndarray  # [E] community of each expert (0 = largest)
     modularity: float
-    null_modularity: float  # same algorithm on a Poisson graph of expected co-occurrences
+    null: list[float]  # Q of the same search on Poisson graphs of expected co-occurrences
     share: np.ndarray  # [G, C] each community's usage split over corpora (rows sum to 1)
 
     @property
     def n_communities(self) -> int:
         return int(self.labels.max()) + 1
+
+    @property
+    def null_mean(self) -> float:
+        return float(np.mean(self.null)) if self.null else float("nan")
+
+    @property
+    def null_max(self) -> float:
+        return float(np.max(self.null)) if self.null else float("nan")
 
 
 def expected_coact_graph(w: np.ndarray, rng: np.random.Generator) -> np.ndarray:
@@ -211,21 +219,21 @@ def expected_coact_graph(w: np.ndarray, rng: np.random.Generator) -> np.ndarray:
 
 
 def layer_communities(
-    corpora: list[CorpusUsage], li: int, rng: np.random.Generator, with_null: bool = True
+    corpora: list[CorpusUsage], li: int, rng: np.random.Generator, n_null: int = 3
 ) -> Communities:
-    """Communities of layer row li of the pooled co-activation graph, with their chance Q."""
+    """Communities of layer row li of the pooled co-activation graph, with `n_null` chance Qs."""
     w = sum(c.stats.coact[li].double().numpy() for c in corpora)  # [E, E]
     labels, q = greedy_modularity(w)
-    q0 = greedy_modularity(expected_coact_graph(w, rng))[1] if with_null else float("nan")
+    null = [greedy_modularity(expected_coact_graph(w, rng))[1] for _ in range(n_null)]
     freq = np.stack([c.count[li] / c.tokens for c in corpora], -1)  # [E, C]
     use = np.stack([freq[labels == g].sum(0) for g in range(labels.max() + 1)])  # [G, C]
     with np.errstate(invalid="ignore", divide="ignore"):
         share = use / use.sum(-1, keepdims=True)
-    return Communities(corpora[0].stats.layers[li], labels, q, q0, share)
+    return Communities(corpora[0].stats.layers[li], labels, q, null, share)
 
 
 def communities(
-    corpora: list[CorpusUsage], seed: int = 0, with_null: bool = True, progress: bool = False
+    corpora: list[CorpusUsage], seed: int = 0, n_null: int = 3, progress: bool = False
 ) -> list[Communities]:
     """Co-activation communities of every layer (progress bar over layers)."""
     from tqdm.auto import tqdm
@@ -233,6 +241,6 @@ def communities(
     rng = np.random.default_rng(seed)
     L = len(corpora[0].stats.layers)
     return [
-        layer_communities(corpora, li, rng, with_null)
+        layer_communities(corpora, li, rng, n_null)
         for li in tqdm(range(L), desc="communities", disable=not progress)
     ]

@@ -43,6 +43,7 @@ class Settings:
     specialist_ratio: float
     min_load: float
     permutations: int
+    community_nulls: int
 
 
 @dataclass
@@ -99,6 +100,7 @@ def analyze(
     min_load: float = 0.5,
     permutations: int = 100,
     communities: bool = True,
+    community_nulls: int = 3,
     progress: bool = False,
 ) -> AnalysisResult:
     """Overlap of expert usage between corpora against chance, with uncertainty and clusters.
@@ -106,7 +108,8 @@ def analyze(
     stats: statistics file paths (a directory stands for its per-corpus files, see
     `overlap.expand_inputs`), `ExpertStats` or `CorpusUsage`, one per corpus (>= 2).
     top_m: important-set sizes, integers or fractions of n_experts. bootstrap: replicates over
-    calibration sequences (0 = none). permutations: sequence shuffles for the specialist null.
+    calibration sequences (0 = none). permutations: sequence shuffles for the specialist and
+    expert-cluster chance levels. community_nulls: random graphs per layer for modularity.
     """
     corpora, skipped = _as_corpora(list(stats))
     first = corpora[0].stats
@@ -114,7 +117,7 @@ def analyze(
         corpora[0].score(c)  # validates the name
     ms = sorted({overlap.resolve_m(m, first.n_experts) for m in top_m})
     settings = Settings(list(criteria), list(top_m), ms, bootstrap, ci_method, seed, alpha,
-                        specialist_ratio, min_load, permutations)  # fmt: skip
+                        specialist_ratio, min_load, permutations, community_nulls)  # fmt: skip
     notes = [f"skipped {', '.join(skipped)}: not per-corpus statistics"] if skipped else []
     sets, overall, usage = _pairwise(corpora, criteria, ms, alpha, progress)
     _bootstrap(corpora, ms, settings, sets, overall, usage, notes, progress)
@@ -142,7 +145,9 @@ def analyze(
         specialist_null=null,
         corpus_clusters=cluster.cluster_corpora(corpora),
         expert_clusters=cluster.cluster_experts(prof, seed=seed, null=shuffled),
-        communities=cluster.communities(corpora, seed, progress=progress) if communities else [],
+        communities=(
+            cluster.communities(corpora, seed, community_nulls, progress) if communities else []
+        ),
         notes=notes,
     )
 

@@ -196,7 +196,7 @@ def community_modularity(comms: list[Communities]):
     ax.plot(x, [c.modularity for c in comms], "o-", ms=3, label="observed")
     ax.plot(
         x,
-        [c.null_modularity for c in comms],
+        [c.null_mean for c in comms],
         "s--",
         ms=3,
         color="0.5",

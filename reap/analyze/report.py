@@ -159,7 +159,8 @@ def _community_tables(r: AnalysisResult) -> dict:
                     "layer": c.layer,
                     "n_communities": c.n_communities,
                     "modularity": c.modularity,
-                    "null_modularity": c.null_modularity,
+                    "null_modularity_mean": c.null_mean,
+                    "null_modularity_max": c.null_max,
                 }
                 for c in r.communities
             ]
@@ -233,7 +234,8 @@ def summary(r: AnalysisResult, files: ReportFiles | None = None) -> dict:
                     "layer": c.layer,
                     "n_communities": c.n_communities,
                     "modularity": c.modularity,
-                    "null_modularity": c.null_modularity,
+                    "null_modularity_mean": c.null_mean,
+                    "null_modularity_max": c.null_max,
                 }
                 for c in r.communities
             ],
