@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import os
 import sys
 
 from reap import __version__
@@ -94,6 +95,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     except MemoryError:
         print("reap: error: out of memory (lower --budget or the batch size)", file=sys.stderr)
+        return EXIT_FAILURE
+    except Exception as e:  # a bug, not bad input: still one line unless asked for more
+        if os.environ.get("REAP_DEBUG"):
+            raise
+        print(f"reap: error: internal error: {type(e).__name__}: {e} "
+              "(set REAP_DEBUG=1 for the traceback)", file=sys.stderr)
         return EXIT_FAILURE
 
 
