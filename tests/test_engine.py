@@ -65,7 +65,7 @@ def _mb(units=(100, 80, 80, 80, 50), experts=1000) -> memory.ModelBytes:
 def test_plan_gives_the_trunk_priority_then_the_expert_cache():
     mb = _mb()
     state, scratch = memory.fixed_costs(mb, 16, 1, 4)
-    assert state == 7 + 16 * 3 and scratch == memory.OVERHEAD + 80 + 160 + 4 * 5 + 4 * 16 * 1
+    assert state == 7 + 16 * 3 and scratch == memory.OVERHEAD + 10 + 40 + 4 * 5 + 4 * 16 * 1
     low = memory.minimum_budget(mb, 16, 1, 4)
     assert low == state + scratch + 2 * 100
     last = None

@@ -165,6 +165,7 @@ def run(args: argparse.Namespace) -> int:
         result = {"model": engine.path, "fingerprint": engine.fingerprint,
                   "generations": [g.as_dict() for g in gens], "plan": engine.plan.to_dict(),
                   "metrics": engine.last_metrics.as_dict(),
+                  "unit_seconds": dict(zip(engine.binding.unit_names, engine.unit_seconds)),
                   "expert_failures": [list(f) for f in engine.expert_failures]}
         _print(args, gens, result, engine)
         if args.out:

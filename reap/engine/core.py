@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from reap.checkpoint import DTYPE_CODES
 from reap.engine import memory
 from reap.engine.kernels import decode_mxfp4
 from reap.engine.metrics import RunMetrics
@@ -103,22 +104,35 @@ def state_costs(fam, cfg, act_bytes: int) -> tuple[int, int, int, int]:
 
 
 def model_bytes(tensors: dict, fam, b: Binding, costs: tuple[int, int, int, int],
-                top_k: int) -> memory.ModelBytes:
-    """The plan's view of a bound checkpoint (bytes as stored)."""
+                top_k: int, dtype: torch.dtype) -> memory.ModelBytes:
+    """The plan's view of a bound checkpoint (bytes as stored) computing in `dtype`."""
     units = [sum(tensors[n].nbytes for n in names) for names in b.units]
     expert_bytes = [0] * len(units)
     n_experts = [0] * len(units)
     for layer in b.expert_layers:
         expert_bytes[layer] = sum(tensors[n].nbytes for n in fam.expert_tensor_names(layer, 0))
         n_experts[layer] = b.n_experts
-    largest = max((_numel(tensors[n].shape) for names in b.units for n in names), default=0)
+    code, size = DTYPE_CODES[dtype], torch.finfo(dtype).bits // 8
+    cast = max((_numel(tensors[n].shape) * size for names in b.units for n in names
+                if tensors[n].dtype not in (code, "F32")), default=0)
     row = tensors[b.embed]
     return memory.ModelBytes(
         unit_names=list(b.unit_names), units=units, expert_bytes=expert_bytes,
         n_experts=n_experts, top_k=top_k, resident=0, embed_row=row.nbytes // row.shape[0],
-        largest_tensor=largest, expert_elems=2 * max(expert_bytes, default=0),
+        cast_bytes=cast, decoded_expert_bytes=_decoded(tensors, fam, b, size),
         state_per_position=costs[0], state_per_sequence=costs[1], act_per_token=costs[2],
         attn_per_pair=costs[3])
+
+
+def _decoded(tensors: dict, fam, b: Binding, size: int) -> int:
+    """Bytes of one routed expert's weights decoded to `size`-byte elements (MXFP4: two values
+    per packed byte; scale bytes produce none)."""
+    if not b.expert_layers:
+        return 0
+    names = fam.expert_tensor_names(b.expert_layers[0], 0)
+    elems = sum(2 * tensors[n].nbytes if n.endswith("_packed") else
+                0 if n.endswith("_scale") else _numel(tensors[n].shape) for n in names)
+    return elems * size
 
 
 def _numel(shape) -> int:
@@ -146,6 +160,7 @@ class Engine:
         self.__dict__.update(kw)
         self.metrics = RunMetrics()
         self._sync_io = 0.0  # compute-thread read seconds (experts, embedding rows)
+        self.unit_seconds = [0.0] * len(self.binding.units)  # wall time per trunk unit, cumulative
 
     @classmethod
     def open(cls, model: str | os.PathLike | None = None, budget: str | int | None = None,
@@ -178,7 +193,8 @@ class Engine:
         torch_dtype = _compute_dtype(dtype, cfg)
         b = bind(ckpt.tensors, fam, config, str(model))
         costs = state_costs(fam, cfg, torch.finfo(torch_dtype).bits // 8)
-        mb = model_bytes(ckpt.tensors, fam, b, costs, int(getattr(cfg, "num_experts_per_token", 0)))
+        mb = model_bytes(ckpt.tensors, fam, b, costs, int(getattr(cfg, "num_experts_per_token", 0)),
+                         torch_dtype)
         plan = _make_plan(mb, budget, preset, context, batch, prefill_chunk, available)
         memory.check_available(plan, available)
         reader = Reader(ckpt.tensors, direct=direct, ensure=getattr(ckpt, "ensure", None))
@@ -221,6 +237,7 @@ class Engine:
         states = self._embed(chunks)
         sizes = [len(c) for c in chunks]
         for i in range(n_layers):
+            t0 = time.perf_counter()
             get = _getter(self.trunk.get(i), self.binding.unit_names[i])
             xs = []
             for k, s in enumerate(seqs):
@@ -231,12 +248,15 @@ class Engine:
             self.experts.release()
             for k, y_k in enumerate(y.split(sizes)):
                 states[k] = m.finish_layer(i, states[k], y_k[None])
+            self.unit_seconds[i] += time.perf_counter() - t0
+        t0 = time.perf_counter()
         get = _getter(self.trunk.get(n_layers, wrap=more), "head")
         out = []
         for k, s in enumerate(seqs):
             s.length += sizes[k]
             st = states[k] if all_positions else _last(states[k])
             out.append(m.head(get, st)[0].float().cpu())  # [T, V]
+        self.unit_seconds[n_layers] += time.perf_counter() - t0
         return out if all_positions else [o[-1] for o in out]
 
     def _embed(self, chunks: list[list[int]]) -> list:

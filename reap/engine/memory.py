@@ -69,8 +69,8 @@ class ModelBytes:
     top_k: int
     resident: int  # always-resident small tensors (final norms, ...)
     embed_row: int  # bytes of one embedding row (the table is read by rows)
-    largest_tensor: int  # elements of the largest trunk tensor
-    expert_elems: int  # elements of one routed expert once decoded
+    cast_bytes: int  # the largest trunk weight's copy in the compute dtype (0 if stored so)
+    decoded_expert_bytes: int  # one routed expert's weights decoded to the compute dtype
     state_per_position: int  # KV cache bytes per position per sequence
     state_per_sequence: int  # recurrent (KDA) state bytes per sequence
     act_per_token: int  # activation bytes per in-flight token (fp32 residual + snapshots)
@@ -174,10 +174,10 @@ def fixed_costs(mb: ModelBytes, context: int, batch: int, prefill_chunk: int) ->
     """(state, scratch) bytes for `batch` sequences of `context` positions."""
     state = batch * (mb.state_per_sequence + context * mb.state_per_position)
     chunk = min(prefill_chunk, context)
-    # working fp32 copies of the largest trunk tensor and of one decoded expert (x2: the
-    # matmul's input and output views can coexist), activations of one chunk of every
-    # sequence, and the attention scores of one sequence's chunk against its whole context
-    scratch = (OVERHEAD + 2 * 4 * mb.largest_tensor + 2 * 4 * mb.expert_elems
+    # a weight cast to the compute dtype, one decoded expert (and the next, while the first
+    # is released), activations of one chunk of every sequence, and the attention scores of
+    # one sequence's chunk against its whole context
+    scratch = (OVERHEAD + mb.cast_bytes + 2 * mb.decoded_expert_bytes
                + batch * chunk * mb.act_per_token + chunk * context * mb.attn_per_pair)
     return state, scratch
 
