@@ -200,9 +200,10 @@ class Checkpoint:
     def open(cls, path: str | os.PathLike, direct: bool = False) -> Checkpoint:
         """Index a checkpoint directory or `.safetensors` file from its headers alone.
 
-        Checks every shard's framing, the tensor names (unique) and the index's shard list and
-        entry count; each shard's entries are validated when first used (`validate()` checks
-        everything now). direct=True reads tensor bytes with O_DIRECT where the file system
+        Checks every shard's framing, that tensor names are unique and, for an HF directory,
+        that its shards hold as many tensors as the index has entries (otherwise the index is
+        parsed and followed exactly); each shard's entries are validated when first used
+        (`validate()` checks everything now). direct=True reads tensor bytes with O_DIRECT where the file system
         supports it and silently falls back to buffered reads where it does not."""
         p = Path(path)
         files, index, config = _layout(p)
