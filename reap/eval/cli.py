@@ -93,6 +93,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="compute dtype (auto: float32 for float32 checkpoints, else bfloat16)",
     )
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--no-plots", action="store_true", help="skip the PNG plots (faster)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
@@ -137,6 +138,7 @@ def run(args: argparse.Namespace) -> int:
         batch=args.batch,
         gen_batch=args.gen_batch,
         progress=not args.quiet,
+        plots=not args.no_plots,
     )
     c = results["cache"]
     print(f"{args.out}/report.md  ({c['hits']} cached, {c['misses']} computed results)")

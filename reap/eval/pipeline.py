@@ -201,41 +201,29 @@ def _work(t: Task, docs: dict, prompts) -> int:
 
 
 def _run_tasks(
-    todo: list[Task],
-    ref: Build,
-    engines: Engines,
-    docs: dict,
-    prompts,
-    tokenizer,
-    opts: dict,
-    cache: C.Cache,
-    bar,
+    todo: list[Task], w: Workload, engines: Engines, opts: dict, cache: C.Cache, bar
 ) -> None:
     """Compute the uncached tasks, one build engine open at a time, caching each result."""
-    upd = bar.update
+    ref, upd = w.ref, bar.update
+
+    def gens(eng) -> list[dict]:
+        return generate_all(eng, w.tokenizer, w.prompts, opts["gen_tokens"], opts["gen_batch"], upd)
+
     for t in [t for t in todo if t.build is ref and t.kind == "generations"]:
-        eng = engines.reference_engine()
-        t.payload = generate_all(
-            eng, tokenizer, prompts, opts["gen_tokens"], opts["gen_batch"], upd
-        )
-        engines.check(eng, ref.label)
+        t.payload = gens(engines.reference_engine())
+        engines.check(engines.reference_engine(), ref.label)
         _store(t, cache, engines, ref.label)
     for build in dict.fromkeys(t.build for t in todo if t.build is not ref):
-        mine = [t for t in todo if t.build is build]
         eng = engines.build_engine(build)
         try:
-            for t in mine:
+            for t in [t for t in todo if t.build is build]:
                 if t.kind == "quality":
-                    t.payload = [
-                        s.as_dict()
-                        for s in score_documents(
-                            engines.reference_engine(), eng, docs[t.corpus], opts["batch"], upd
-                        )
-                    ]
-                else:
-                    t.payload = generate_all(
-                        eng, tokenizer, prompts, opts["gen_tokens"], opts["gen_batch"], upd
+                    scores = score_documents(
+                        engines.reference_engine(), eng, w.docs[t.corpus], opts["batch"], upd
                     )
+                    t.payload = [s.as_dict() for s in scores]
+                else:
+                    t.payload = gens(eng)
                 engines.check(eng, build.label)
                 engines.check(engines.reference_engine(), ref.label)
                 _store(t, cache, engines, build.label)
@@ -268,63 +256,41 @@ def evaluate(
     batch: int = 4,
     gen_batch: int = 16,
     progress: bool = True,
+    plots: bool = True,
 ) -> dict:
     """Evaluate `builds` against `reference` (see the module docstring); writes results.json,
     report.md, report.html, generations.md and plots/ under `out`; returns the results dict.
     Raises ExpertLoadError (exit 4) after writing if a routed expert failed to load."""
-    from tqdm import tqdm
-
-    from reap.corpora import corpus_fingerprint
     from reap.eval.report import write_report
 
     outdir = C.check_out_dir(out)
-    if not builds:
-        raise ReapError("give at least one build to compare with the reference")
-    cols = make_builds([reference, *builds])
-    ref, others = cols[0], cols[1:]
-    tokenizer = _tokenizer(ref.path)
-    docs = {c: select_documents(c, tokenizer, max_docs, max_tokens_per_doc) for c in corpora}
-    corpus_sha = {c: corpus_fingerprint(c, "eval") for c in corpora}
-    plist = load_prompts(prompts, gen_domains) if gen_tokens > 0 else []
-    device = _device(device)
+    w = _prepare(
+        builds, reference, corpora, max_docs, max_tokens_per_doc, prompts, gen_domains, gen_tokens
+    )
     common = {
         "max_docs": max_docs,
         "max_tokens_per_doc": max_tokens_per_doc,
         "dtype": dtype,
-        "device": device.split(":")[0],
+        "device": _device(device).split(":")[0],
     }
-    tasks = _tasks(ref, others, docs, corpus_sha, plist, common, gen_tokens)
+    tasks = _tasks(w.ref, w.others, w.docs, w.corpus_sha, w.prompts, common, gen_tokens)
     cache = C.Cache(outdir)
     for t in tasks:
         t.payload = cache.get(t.kind, t.key)
     todo = [t for t in tasks if t.payload is None]
-    context = max(
-        [len(d.ids) for ds in docs.values() for d in ds]
-        + [len(tokenizer.encode(p.prompt)) + gen_tokens for p in plist]
-    )
     opts = {
         "budget": budget,
         "preset": preset,
-        "context": context,
-        "device": device,
+        "context": w.context(gen_tokens),
+        "device": _device(device),
         "dtype": dtype,
         "batch": batch,
         "gen_batch": gen_batch,
         "gen_tokens": gen_tokens,
-        "plan_batch": max(batch, min(gen_batch, len(plist)) if plist else 1),
+        "plan_batch": max(batch, min(gen_batch, len(w.prompts)) if w.prompts else 1),
     }
-    engines = Engines(ref, opts)
-    with tqdm(
-        total=sum(_work(t, docs, plist) for t in todo),
-        unit="tok",
-        desc="eval",
-        disable=not progress or not todo,
-        dynamic_ncols=True,
-    ) as bar:
-        try:
-            _run_tasks(todo, ref, engines, docs, plist, tokenizer, opts, cache, bar)
-        finally:
-            engines.close()
+    engines = Engines(w.ref, opts)
+    _run_with_progress(todo, w, engines, opts, cache, progress)
     args = {
         **common,
         "corpora": list(corpora),
@@ -336,10 +302,8 @@ def evaluate(
         "batch": batch,
         "gen_batch": gen_batch,
     }
-    results = _results(
-        ref, others, tasks, docs, corpus_sha, plist, prompts, args, cache, engines.failures
-    )
-    write_report(results, outdir)
+    results = _results(w, tasks, prompts, args, cache, engines.failures)
+    write_report(results, outdir, plots)
     if engines.failures:
         label, f = next(iter(engines.failures.items()))
         raise ExpertLoadError(
@@ -350,54 +314,98 @@ def evaluate(
     return results
 
 
+@dataclass
+class Workload:
+    """What an evaluation reads: the columns, the reference tokenizer, documents per corpus
+    (with the corpus sha256) and the prompts."""
+
+    ref: Build
+    others: list[Build]
+    tokenizer: object
+    docs: dict[str, list]
+    corpus_sha: dict[str, str]
+    prompts: list
+
+    def context(self, gen_tokens: int) -> int:
+        """The longest sequence an engine must hold: a document, or a prompt + generation."""
+        return max(
+            [len(d.ids) for ds in self.docs.values() for d in ds]
+            + [len(self.tokenizer.encode(p.prompt)) + gen_tokens for p in self.prompts]
+        )
+
+
+def _prepare(
+    builds, reference, corpora, max_docs, max_tokens_per_doc, prompts, gen_domains, gen_tokens
+) -> Workload:
+    """Check the inputs and load everything the evaluation reads (one-line errors)."""
+    from reap.corpora import corpus_fingerprint
+
+    if not builds:
+        raise ReapError("give at least one build to compare with the reference")
+    cols = make_builds([reference, *builds])
+    tokenizer = _tokenizer(cols[0].path)
+    docs = {c: select_documents(c, tokenizer, max_docs, max_tokens_per_doc) for c in corpora}
+    corpus_sha = {c: corpus_fingerprint(c, "eval") for c in corpora}
+    plist = load_prompts(prompts, gen_domains) if gen_tokens > 0 else []
+    if not docs and not plist:
+        raise ReapError("nothing to evaluate: give --corpus, or prompts with --gen-tokens > 0")
+    return Workload(cols[0], cols[1:], tokenizer, docs, corpus_sha, plist)
+
+
+def _run_with_progress(
+    todo: list[Task], w: Workload, engines: Engines, opts: dict, cache: C.Cache, progress: bool
+) -> None:
+    """Run the uncached tasks under one progress bar (tokens read or generated, with ETA)."""
+    from tqdm import tqdm
+
+    total = sum(_work(t, w.docs, w.prompts) for t in todo)
+    with tqdm(
+        total=total, unit="tok", desc="eval", disable=not progress or not todo, dynamic_ncols=True
+    ) as bar:
+        try:
+            _run_tasks(todo, w, engines, opts, cache, bar)
+        finally:
+            engines.close()
+
+
 def _results(
-    ref: Build,
-    others: list[Build],
-    tasks: list[Task],
-    docs: dict,
-    corpus_sha: dict,
-    plist,
-    prompts_src,
-    args: dict,
-    cache: C.Cache,
-    failures: dict,
+    w: Workload, tasks: list[Task], prompts_src, args: dict, cache: C.Cache, failures: dict
 ) -> dict:
     """The results document (results.json): provenance, summaries and generations."""
     from reap.eval.quality import DocScore
 
-    labels = [ref.label] + [b.label for b in others]
+    labels = [w.ref.label] + [b.label for b in w.others]
     quality: dict = {}
-    for c in docs:
+    n = args["bootstrap"]
+    for c in w.docs:
         pay = {
             t.build.label: [DocScore(**d) for d in t.payload]
             for t in tasks
             if t.kind == "quality" and t.corpus == c
         }
-        n = args["bootstrap"]
-        quality[c] = {ref.label: asdict(reference_quality(pay[others[0].label], n))}
-        quality[c].update({b.label: asdict(summarize_quality(pay[b.label], n)) for b in others})
-    gens = {t.build.label: with_metrics(t.payload, plist) for t in tasks if t.kind == "generations"}
+        quality[c] = {w.ref.label: asdict(reference_quality(pay[w.others[0].label], n))}
+        quality[c].update({b.label: asdict(summarize_quality(pay[b.label], n)) for b in w.others})
+    gens = {
+        t.build.label: with_metrics(t.payload, w.prompts) for t in tasks if t.kind == "generations"
+    }
+    corpora = {
+        c: {"sha256": w.corpus_sha[c], "docs": len(d), "tokens": sum(len(x.ids) - 1 for x in d)}
+        for c, d in w.docs.items()
+    }
     return {
         "format": FORMAT,
-        "reference": _describe(ref),
-        "builds": [_describe(b) for b in others],
+        "reference": _describe(w.ref),
+        "builds": [_describe(b) for b in w.others],
         "columns": labels,
         "arguments": args,
-        "corpora": {
-            c: {
-                "sha256": corpus_sha[c],
-                "docs": len(docs[c]),
-                "tokens": sum(len(d.ids) - 1 for d in docs[c]),
-            }
-            for c in docs
-        },
+        "corpora": corpora,
         "prompts": {
             "source": prompts_src or "shipped",
-            "count": len(plist),
-            "sha256": prompts_digest(plist) if plist else None,
+            "count": len(w.prompts),
+            "sha256": prompts_digest(w.prompts) if w.prompts else None,
         },
         "quality": quality,
-        **_generation_results(labels, gens, plist),
+        **_generation_results(labels, gens, w.prompts),
         "cache": {"hits": cache.hits, "misses": cache.misses, "dir": str(cache.dir)},
         "expert_failures": failures,
     }

@@ -208,6 +208,19 @@ def markdown_generations(results: dict) -> str:
     return "\n".join(out)
 
 
+def _bars(table: dict, doms: list[str], col: str, key: str) -> tuple[list, list | None]:
+    """Bar heights of one build over the domains and its [2, n] interval whiskers (or None)."""
+    vals, err = [], [[], []]
+    for d in doms:
+        v = table[d][col].get(key)
+        v = v if isinstance(v, dict) else {"value": v}
+        x = float("nan") if v["value"] is None else v["value"]
+        vals.append(x)
+        err[0].append(x - v["lo"] if v.get("lo") is not None else 0.0)
+        err[1].append(v["hi"] - x if v.get("hi") is not None else 0.0)
+    return vals, err if any(map(any, err)) else None
+
+
 def plot_metric(results: dict, source: str, key: str, title: str) -> bytes | None:
     """A grouped bar plot (domains on x, one bar per build, interval whiskers) as PNG bytes;
     None when no domain has the metric."""
@@ -218,26 +231,19 @@ def plot_metric(results: dict, source: str, key: str, title: str) -> bytes | Non
     doms = [d for d in table if any(table[d][c].get(key) is not None for c in cols)]
     if not doms:
         return None
-    fig = Figure(figsize=(max(6.0, 1.2 * len(doms) * (len(cols) + 1) / 2), 4.0), dpi=100)
-    ax = fig.add_subplot()
+    fig = Figure(figsize=(max(6.0, 0.6 * len(doms) * (len(cols) + 1)) + 2.0, 4.0), dpi=90)
+    ax = fig.add_axes((0.08, 0.1, 0.66, 0.8))  # fixed margins: no second "tight" layout pass
     width = 0.8 / len(cols)
     for j, c in enumerate(cols):
-        vals, lo, hi = [], [], []
-        for d in doms:
-            v = table[d][c].get(key)
-            v = v if isinstance(v, dict) else {"value": v, "lo": None, "hi": None}
-            x = v["value"] if v["value"] is not None else float("nan")
-            vals.append(x)
-            lo.append(x - v["lo"] if v.get("lo") is not None else 0.0)
-            hi.append(v["hi"] - x if v.get("hi") is not None else 0.0)
+        vals, err = _bars(table, doms, c, key)
         xs = [i + (j - (len(cols) - 1) / 2) * width for i in range(len(doms))]
-        ax.bar(xs, vals, width, yerr=[lo, hi], capsize=3, label=c)
+        ax.bar(xs, vals, width, yerr=err, capsize=3 if err else 0, label=c)
     ax.set_xticks(range(len(doms)), doms)
     ax.set_title(title)
-    ax.legend(fontsize="small")
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
     ax.grid(axis="y", alpha=0.3)
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", bbox_inches="tight")
+    fig.savefig(buf, format="png")
     return buf.getvalue()
 
 
@@ -260,12 +266,13 @@ def write_plots(results: dict, out: Path) -> dict[str, bytes]:
     return pngs
 
 
-def write_report(results: dict, out: str | Path) -> dict[str, str]:
-    """Write every output file (see the module docstring); returns name -> path."""
+def write_report(results: dict, out: str | Path, plots: bool = True) -> dict[str, str]:
+    """Write every output file (see the module docstring; no plots with `plots=False`);
+    returns name -> path."""
     from reap.eval.html import html_report
 
     out = Path(out)
-    pngs = write_plots(results, out)
+    pngs = write_plots(results, out) if plots else {}
     files = {
         "results.json": json.dumps(results, indent=1, ensure_ascii=False) + "\n",
         "report.md": markdown_report(results, list(pngs)),
