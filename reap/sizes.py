@@ -18,9 +18,10 @@ from dataclasses import dataclass, field
 from reap.checkpoint import TensorSpec
 from reap.errors import ReapError
 
-# Bytes of safetensors header JSON per tensor beyond its name: {"dtype":"..","shape":[..],
-# "data_offsets":[..,..]} plus separators; shapes and offsets add their digits.
-_HEADER_FIXED = 48
+# Bytes of one safetensors header entry besides its key, dtype, shape and offset digits:
+# "key":{"dtype":"..","shape":[..],"data_offsets":[..,..]}, (quotes, colon, braces, comma).
+_HEADER_FIXED = 45
+_SHARD_BYTES = 5_000_000_000  # the writer's default shard size, for offset digit estimates
 
 
 @dataclass
@@ -66,6 +67,8 @@ class SizeModel:
         unit = {k: defaultdict(int) for k in ("b", "p", "ob", "op", "h")}
         fixed = {"b": 0, "p": 0, "h": 0}
         n_exp = 0
+        shard = min(sum(s.nbytes for s in specs), _SHARD_BYTES)
+        digits = len(str(shard // 2))  # typical offset within a shard
         for s in specs:
             census[s.component]["params"] += _params(s)
             census[s.component]["bytes"] += s.nbytes
@@ -73,10 +76,10 @@ class SizeModel:
                 n_exp = max(n_exp, s.expert + 1)
                 if s.expert == 0:
                     for k, v in (("b", s.nbytes), ("ob", s.nbytes), ("p", _params(s)),
-                                 ("op", _params(s)), ("h", _header_bytes(s))):
+                                 ("op", _params(s)), ("h", _header_bytes(s, digits))):
                         unit[k][s.layer] += v
                 continue
-            fixed["h"] += _header_bytes(s)
+            fixed["h"] += _header_bytes(s, digits)
             if s.name in router:
                 rows = s.shape[router[s.name]]
                 unit["b"][s.layer] += s.nbytes // rows
@@ -148,9 +151,11 @@ def _params(s: TensorSpec) -> int:
     return s.numel
 
 
-def _header_bytes(s: TensorSpec, prefix: str = "language_model.") -> int:
-    digits = sum(len(str(d)) + 1 for d in s.shape) + 2 * 12
-    return len(prefix) + len(s.name) + len(s.dtype) + _HEADER_FIXED + digits
+def _header_bytes(s: TensorSpec, offset_digits: int, prefix: str = "language_model.") -> int:
+    """Estimated bytes of a tensor's entry in a safetensors header (exact but for offsets)."""
+    key = len(s.name) + (0 if s.component == "vision" else len(prefix))
+    shape = sum(len(str(d)) for d in s.shape) + max(len(s.shape) - 1, 0)
+    return key + len(s.dtype) + shape + 2 * offset_digits + 1 + _HEADER_FIXED
 
 
 def parse_size(text: str) -> int:
@@ -219,8 +224,7 @@ def info(model: str, layers: int | None = None) -> dict:
         from reap.checkpoint import Checkpoint
 
         with Checkpoint.open(path) as ck:
-            files = {t.file for t in ck.tensors.values()}
-            out["bytes_on_disk"] = sum(os.path.getsize(f) for f in files)
+            out["bytes_on_disk"] = sum(os.path.getsize(f) for f in ck.files)
             out["tensors_on_disk"] = len(ck.tensors)
     return out
 
