@@ -25,7 +25,19 @@ from reap.models.base import dict_weights
 # -- metrics on hand-made strings ---------------------------------------------------------------
 def test_units_split_words_cjk_and_punctuation_runs():
     assert M.units("Hello, world!!! 你好 x_1=2 ===== カナ") == [
-        "Hello", ",", "world", "!!!", "你", "好", "x_1", "=", "2", "=====", "カ", "ナ"]
+        "Hello",
+        ",",
+        "world",
+        "!!!",
+        "你",
+        "好",
+        "x_1",
+        "=",
+        "2",
+        "=====",
+        "カ",
+        "ナ",
+    ]
 
 
 def test_distinct_n_exact_values():
@@ -62,8 +74,10 @@ LOOPING = [
 ]
 NOT_LOOPING = [
     "ha ha ha, that was funny.",
-    "The water cycle describes how water moves between the oceans, the air and the land. It "
-    "starts when the sun heats the sea and water evaporates into the atmosphere.",
+    (
+        "The water cycle describes how water moves between the oceans, the air and the land. It "
+        "starts when the sun heats the sea and water evaporates into the atmosphere."
+    ),
     ", ".join(str(i) for i in range(1, 30)),
     "# ==========================\ndef area(r):\n    return 3.14159 * r * r\n",
     "春节是中国最重要的传统节日。每到春节，人们都会回家和家人团聚，吃年夜饭，放鞭炮。",
@@ -158,8 +172,9 @@ def models(tmp_path_factory):
     d = tmp_path_factory.mktemp("eval")
     tiny = synth("k3-tiny", d / "tiny", seed=3, dtype="float32")
     cfg = json.loads((d / "tiny" / "config.json").read_text())
-    prune(model=tiny, plan=make_plan(config=cfg, criterion="random", keep=8, seed=1),
-          out=d / "pruned")
+    prune(
+        model=tiny, plan=make_plan(config=cfg, criterion="random", keep=8, seed=1), out=d / "pruned"
+    )
     return str(d / "tiny"), str(d / "pruned")
 
 
@@ -180,24 +195,31 @@ def test_streamed_scores_equal_the_in_memory_forward(models):
     tiny, pruned = models
     docs = select_documents("en", load_tokenizer(tiny), max_docs=2, max_tokens=40)
     docs[1].ids = docs[1].ids[:29]  # documents of different lengths in one lockstep batch
-    with Engine.open(tiny, preset="max", context=64, batch=2, prefill_chunk=16) as ref, \
-            Engine.open(pruned, preset="max", context=64, batch=2, prefill_chunk=16) as build:
+    with (
+        Engine.open(tiny, preset="max", context=64, batch=2, prefill_chunk=16) as ref,
+        Engine.open(pruned, preset="max", context=64, batch=2, prefill_chunk=16) as build,
+    ):
         rows = []
         step = build.step
-        build.step = lambda seqs, chunks, **kw: (rows.extend(map(len, chunks)), step(
-            seqs, chunks, **kw))[1]
+        build.step = lambda seqs, chunks, **kw: (
+            rows.extend(map(len, chunks)),
+            step(seqs, chunks, **kw),
+        )[1]
         scores = score_documents(ref, build, docs, batch=2)
     assert max(rows) == 16  # streamed: one prefill chunk of logits per document at a time
     for d, s in zip(docs, scores):
         lr, lb = _in_memory_logits(tiny, d.ids)[:-1], _in_memory_logits(pruned, d.ids)[:-1]
         targets = torch.tensor(d.ids[1:])
         assert s.tokens == len(d.ids) - 1
-        assert s.nll == pytest.approx(float(F.cross_entropy(lb, targets, reduction="sum")),
-                                      rel=1e-5)
-        assert s.ref_nll == pytest.approx(float(F.cross_entropy(lr, targets, reduction="sum")),
-                                          rel=1e-5)
-        kl = F.kl_div(F.log_softmax(lb, -1), F.log_softmax(lr, -1), log_target=True,
-                      reduction="sum")
+        assert s.nll == pytest.approx(
+            float(F.cross_entropy(lb, targets, reduction="sum")), rel=1e-5
+        )
+        assert s.ref_nll == pytest.approx(
+            float(F.cross_entropy(lr, targets, reduction="sum")), rel=1e-5
+        )
+        kl = F.kl_div(
+            F.log_softmax(lb, -1), F.log_softmax(lr, -1), log_target=True, reduction="sum"
+        )
         assert s.kl == pytest.approx(float(kl), rel=1e-4, abs=1e-6)
         assert s.agree == sum(int(torch.argmax(a) == torch.argmax(b)) for a, b in zip(lr, lb))
         assert 0 < s.agree < s.tokens and s.kl > 0
@@ -209,10 +231,12 @@ def test_streamed_scores_equal_the_in_memory_forward(models):
 @pytest.fixture(scope="module")
 def prompts(tmp_path_factory):
     p = tmp_path_factory.mktemp("prompts") / "p.jsonl"
-    rows = [{"id": "z1", "domain": "zh", "prompt": "你好，"},
-            {"id": "c1", "domain": "code", "prompt": "def f(x):\n"},
-            {"id": "e1", "domain": "en", "prompt": "Once upon a time"},
-            {"id": "e2", "domain": "en", "prompt": "The cat"}]
+    rows = [
+        {"id": "z1", "domain": "zh", "prompt": "你好，"},
+        {"id": "c1", "domain": "code", "prompt": "def f(x):\n"},
+        {"id": "e1", "domain": "en", "prompt": "Once upon a time"},
+        {"id": "e2", "domain": "en", "prompt": "The cat"},
+    ]
     p.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
     return str(p)
 
@@ -221,9 +245,19 @@ def _evaluate(models, prompts, out, **kw):
     from reap.eval import evaluate
 
     tiny, pruned = models
-    args = dict(builds=[tiny, f"small={pruned}"], reference=tiny, corpora=["en"], out=str(out),
-                max_docs=2, max_tokens_per_doc=24, prompts=prompts, gen_tokens=6, bootstrap=50,
-                progress=False, preset="max")
+    args = {
+        "builds": [tiny, f"small={pruned}"],
+        "reference": tiny,
+        "corpora": ["en"],
+        "out": str(out),
+        "max_docs": 2,
+        "max_tokens_per_doc": 24,
+        "prompts": prompts,
+        "gen_tokens": 6,
+        "bootstrap": 50,
+        "progress": False,
+        "preset": "max",
+    }
     return evaluate(**{**args, **kw})
 
 
@@ -254,10 +288,15 @@ def test_build_compared_with_itself_and_the_cache(models, prompts, tmp_path, mon
     assert again["cache"]["hits"] == 5 and again["quality"] == r["quality"]
     assert again["generations"] == r["generations"]
     monkeypatch.undo()
-    fewer = _evaluate(models, prompts, tmp_path, gen_tokens=3, plots=False)  # only generations recomputed
+    fewer = _evaluate(
+        models, prompts, tmp_path, gen_tokens=3, plots=False
+    )  # only generations recomputed
     assert fewer["cache"]["hits"] == 2 and fewer["cache"]["misses"] == 3
-    assert all(len(o["metrics"]) and o["metrics"]["tokens"] <= 3
-               for row in fewer["generations"]["en"] for o in row["outputs"].values())
+    assert all(
+        len(o["metrics"]) and o["metrics"]["tokens"] <= 3
+        for row in fewer["generations"]["en"]
+        for o in row["outputs"].values()
+    )
 
 
 # -- CLI ----------------------------------------------------------------------------------------
@@ -279,8 +318,7 @@ def test_cli_bad_input_is_one_line_exit_2(models, tmp_path, capsys):
         ([*base, "--corpus", "nosuch"], "unknown corpus"),
         ([*base, "--prompts", str(bad)], "bad.jsonl:2"),
         ([*base, "--max-docs", "0"], "--max-docs must be positive"),
-        ([str(tmp_path / "missing"), "--reference", tiny, "--out", str(tmp_path / "o")],
-         "missing"),
+        ([str(tmp_path / "missing"), "--reference", tiny, "--out", str(tmp_path / "o")], "missing"),
         ([*base, "--gen-domains", "xx"], "domain 'xx'"),
     ]
     for args, msg in cases:
@@ -303,15 +341,48 @@ def test_cli_exit_4_when_a_build_expert_fails_and_nothing_is_cached(models, tmp_
             f.seek(t.start)
             f.write(b"\xff" * t.nbytes)
     out = tmp_path / "o"
-    code, stdout, err = _run(f"bad={d}", "--reference", tiny, "--corpus", "en", "--out", str(out),
-                             "--max-docs", "1", "--max-tokens-per-doc", "12", "--gen-tokens",
-                             "0", "--bootstrap", "0", "--preset", "max", "--quiet", "--no-plots",
-                             capsys=capsys)
+    code, stdout, err = _run(
+        f"bad={d}",
+        "--reference",
+        tiny,
+        "--corpus",
+        "en",
+        "--out",
+        str(out),
+        "--max-docs",
+        "1",
+        "--max-tokens-per-doc",
+        "12",
+        "--gen-tokens",
+        "0",
+        "--bootstrap",
+        "0",
+        "--preset",
+        "max",
+        "--quiet",
+        "--no-plots",
+        capsys=capsys,
+    )
     assert code == 4 and "bad:" in err and "not trustworthy" in err
     results = json.loads((out / "results.json").read_text())
     assert {layer for layer, _, _ in results["expert_failures"]["bad"]} == {1}
     assert not list((out / "cache").glob("*.json"))
-    code, stdout, _ = _run(tiny, "--reference", tiny, "--corpus", "en", "--out", str(out),
-                           "--max-docs", "1", "--max-tokens-per-doc", "12", "--gen-tokens", "0",
-                           "--quiet", "--no-plots", capsys=capsys)
+    code, stdout, _ = _run(
+        tiny,
+        "--reference",
+        tiny,
+        "--corpus",
+        "en",
+        "--out",
+        str(out),
+        "--max-docs",
+        "1",
+        "--max-tokens-per-doc",
+        "12",
+        "--gen-tokens",
+        "0",
+        "--quiet",
+        "--no-plots",
+        capsys=capsys,
+    )
     assert code == 0 and "report.md" in stdout and (out / "report.html").is_file()
