@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+_MERGE_MAX = 1 << 28  # the plain copy reads adjacent tensors together, up to 256 MiB at a time
 
 
 def plain_copy(src: str, plan_path: str, out: str) -> int:
@@ -46,7 +47,8 @@ def plain_copy(src: str, plan_path: str, out: str) -> int:
             if it.kind == "router":  # kept rows of an expert-major tensor: one range per row
                 row = info.nbytes // info.shape[it.axis]
                 ranges += [(info.file, info.start + r * row, row) for r in it.rows]
-            elif ranges and ranges[-1][0] == info.file and sum(ranges[-1][1:]) == info.start:
+            elif (ranges and ranges[-1][0] == info.file and sum(ranges[-1][1:]) == info.start
+                  and ranges[-1][2] + info.nbytes <= _MERGE_MAX):
                 ranges[-1] = (info.file, ranges[-1][1], ranges[-1][2] + info.nbytes)  # adjacent
             else:
                 ranges.append((info.file, info.start, info.nbytes))
@@ -56,9 +58,12 @@ def plain_copy(src: str, plan_path: str, out: str) -> int:
             f = _next_file(f, out, n)
             n, used = n + 1, 0
         fd = fds.setdefault(file, os.open(file, os.O_RDONLY))
-        buf = bytearray(size)
-        got = os.preadv(fd, [buf], start)
-        assert got == size, (file, start, size, got)
+        buf = memoryview(bytearray(size))
+        done = 0
+        while done < size:  # one syscall moves at most ~2 GiB
+            n = os.preadv(fd, [buf[done:]], start + done)
+            assert n > 0, (file, start, size, done)
+            done += n
         f.write(buf)
         used, total = used + size, total + size
     _next_file(f, out, -1)
@@ -130,7 +135,8 @@ def report(result: dict) -> None:
     r = result
     md = f"""# `reap prune` benchmark
 
-Command: `{r['command']}` ({r['date']}, {r['machine']}).
+Command: `{r['command']}` ({r['date']}, {r['machine']}, load average
+{r['load_average'][0]:.1f} before and {r['load_average'][1]:.1f} after: a shared machine).
 
 Source: `reap synth {r['config']} --layers {r['layers']}`, {r['source_bytes'] / 1e9:.2f} GB
 (larger than the stated RAM budget of {r['ram_budget'] / 1e9:.0f} GB and than the machine's
@@ -183,8 +189,9 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     src, plan, sizes = prepare(work, a.config, a.layers, a.keep)
     runs: dict[str, list[dict]] = {"copy": [], "prune": []}
-    for _ in range(a.repeat):
-        for method in ("copy", "prune"):
+    load = [os.getloadavg()[0]]
+    for r in range(a.repeat):  # ABBA order: drift in machine load hits both methods alike
+        for method in ("copy", "prune") if r % 2 == 0 else ("prune", "copy"):
             runs[method].append(run_child(method, src, plan, work / method))
             if method == "copy":
                 shutil.rmtree(work / "copy")
@@ -193,12 +200,13 @@ def main() -> None:
                    "gb_per_s": v[0]["bytes"] / statistics.median(x["seconds"] for x in v) / 1e9,
                    "peak_rss": max(x["peak_rss"] for x in v), "bytes": v[0]["bytes"]}
                for m, v in runs.items()}
+    load.append(os.getloadavg()[0])
     written = methods["prune"]["bytes"]
     result = {
         "command": "python experiments/bench_prune.py " + " ".join(sys.argv[1:]),
         "date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()}, "
         f"{os.cpu_count()} cores", "ram": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
-        "ram_budget": a.ram_budget, "config": a.config, "layers": a.layers, "keep": a.keep,
+        "load_average": load, "ram_budget": a.ram_budget, "config": a.config, "layers": a.layers, "keep": a.keep,
         **sizes, "bytes_written": written,
         "size_error": written / sizes["predicted_bytes"] - 1, "methods": methods,
         "speed_ratio": methods["copy"]["median"] / methods["prune"]["median"],

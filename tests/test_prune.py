@@ -265,3 +265,18 @@ def test_predicted_size_equals_bytes_written(tmp_path):
     index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
     data = size.fixed_bytes + sum(size.expert_bytes[la] * 5 for la in size.moe_layers)
     assert index["metadata"]["total_size"] == data
+
+
+def test_prune_knows_no_family_and_imports_no_later_stage():
+    import ast
+
+    later = ("reap.engine", "reap.eval", "reap.models.kimi_k3", "reap.models.blocks")
+    pattern = re.compile(r"block_sparse_moe|e_score|weight_packed|language_model|kimi|\.experts\.")
+    for f in sorted((Path(__file__).parent.parent / "reap" / "prune").glob("*.py")):
+        text = f.read_text()
+        assert not pattern.search(text), f
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                mods = [a.name for a in node.names] if isinstance(node, ast.Import) else [
+                    node.module or ""]
+                assert not [m for m in mods if m.startswith(later)], (f, mods)
