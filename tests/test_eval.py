@@ -386,3 +386,30 @@ def test_cli_exit_4_when_a_build_expert_fails_and_nothing_is_cached(models, tmp_
         capsys=capsys,
     )
     assert code == 0 and "report.md" in stdout and (out / "report.html").is_file()
+
+
+def test_reference_and_build_share_one_budget(models):
+    from reap.eval.pipeline import Engines, make_builds
+
+    tiny, pruned = models
+    ref, build = make_builds([tiny, pruned])
+    opts = {
+        "budget": "1GB",
+        "preset": None,
+        "context": 64,
+        "device": "cpu",
+        "dtype": "auto",
+        "plan_batch": 2,
+        "gen_tokens": 4,
+    }
+    engines = Engines(ref, opts)
+    r = engines.reference_engine()
+    b = engines.build_engine(build)
+    try:
+        half = r.plan.baseline + (10**9 - r.plan.baseline) // 2  # baseline: RSS when opened
+        assert abs(r.plan.budget - half) < 20 * 10**6
+        assert b.plan.budget == 10**9 - (r.plan.total - r.plan.baseline)
+        assert (r.plan.total - r.plan.baseline) + b.plan.total <= 10**9
+    finally:
+        b.close()
+        engines.close()

@@ -105,8 +105,7 @@ def score_documents(
     ref, build, docs: list[EvalDoc], batch: int = 4, on_tokens: Callable[[int], None] | None = None
 ) -> list[DocScore]:
     """Score `docs` with engines `build` and `ref` in lockstep, `batch` documents at a time.
-    `build` may be None: then the reference alone is scored (nll = ref_nll, agree = all, kl = 0).
-    `on_tokens(n)` is called after each chunk with the number of positions it read."""
+    `on_tokens(n)` is called after each chunk with the number of positions it scored."""
     out: list[DocScore] = []
     for i in range(0, len(docs), max(1, batch)):
         out += _score_batch(ref, build, docs[i : i + batch], on_tokens)
@@ -114,31 +113,23 @@ def score_documents(
 
 
 def _score_batch(ref, build, docs: list[EvalDoc], on_tokens) -> list[DocScore]:
-    engines = [ref] if build is None else [ref, build]
-    chunk = min(e.plan.prefill_chunk for e in engines)
-    seqs = [[e.new_sequence() for _ in docs] for e in engines]
+    chunk = min(ref.plan.prefill_chunk, build.plan.prefill_chunk)
+    seqs = [[e.new_sequence() for _ in docs] for e in (ref, build)]
     sums = [[0.0, 0.0, 0, 0.0] for _ in docs]
     pos = [0] * len(docs)
-    while True:
-        live = [k for k, d in enumerate(docs) if pos[k] < len(d.ids) - 1]
-        if not live:
-            break
-        chunks = [docs[k].ids[pos[k] : pos[k] + chunk] for k in live]
-        outs = [
-            e.step([s[k] for k in live], chunks, all_positions=True) for e, s in zip(engines, seqs)
-        ]
+    while live := [k for k, d in enumerate(docs) if pos[k] < len(d.ids) - 1]:
+        # the last token is never fed: it has no next token to score
+        chunks = [docs[k].ids[pos[k] : min(pos[k] + chunk, len(docs[k].ids) - 1)] for k in live]
+        lr, lb = (
+            e.step([s[k] for k in live], chunks, all_positions=True)
+            for e, s in zip((ref, build), seqs)
+        )  # [n_j, V] per live document
         for j, k in enumerate(live):
-            ids = docs[k].ids
-            targets = torch.tensor(ids[pos[k] + 1 : pos[k] + 1 + len(chunks[j])])  # [n]
-            n = len(targets)
-            lr = outs[0][j][:n]  # [n, V]
-            lb = outs[-1][j][:n]  # [n, V] (the reference itself when build is None)
-            for m, x in enumerate(chunk_sums(lr, lb, targets)):
+            n = len(chunks[j])
+            targets = torch.tensor(docs[k].ids[pos[k] + 1 : pos[k] + 1 + n])  # [n]
+            for m, x in enumerate(chunk_sums(lr[j], lb[j], targets)):
                 sums[k][m] += x
-            pos[k] += len(chunks[j])
+            pos[k] += n
         if on_tokens is not None:
-            on_tokens(sum(len(c) for c in chunks))
-    return [
-        DocScore(d.corpus, d.doc_id, len(d.ids) - 1, s[0], s[1], s[2], s[3])
-        for d, s in zip(docs, sums)
-    ]
+            on_tokens(sum(map(len, chunks)))
+    return [DocScore(d.corpus, d.doc_id, len(d.ids) - 1, *s) for d, s in zip(docs, sums)]

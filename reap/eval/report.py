@@ -269,7 +269,7 @@ def write_plots(results: dict, out: Path) -> dict[str, bytes]:
 def write_report(results: dict, out: str | Path, plots: bool = True) -> dict[str, str]:
     """Write every output file (see the module docstring; no plots with `plots=False`);
     returns name -> path."""
-    from reap.eval.html import html_report
+    from reap.eval.page import html_report
 
     out = Path(out)
     pngs = write_plots(results, out) if plots else {}
