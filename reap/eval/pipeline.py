@@ -151,43 +151,35 @@ def _tokenizer(path: str):
     return load_tokenizer(path)
 
 
-def _tasks(
-    ref: Build,
-    builds: list[Build],
-    docs: dict,
-    corpus_sha: dict,
-    prompts,
-    common: dict,
-    gen_tokens: int,
-) -> list[Task]:
+def _tasks(w: Workload, args: dict) -> list[Task]:
     """Every result of the evaluation with its cache key (reference generations first)."""
     out = []
+    common = {"format": FORMAT, "dtype": args["dtype"], "device": args["device"].split(":")[0]}
     qcode, gcode = C.code_digest("quality"), C.code_digest("generations")
-    for b in builds:
-        for c in docs:
+    for b in w.others:
+        for c in w.docs:
             f = {
+                **common,
                 "kind": "quality",
-                "format": FORMAT,
                 "code": qcode,
                 "build": b.identity,
-                "reference": ref.identity,
+                "reference": w.ref.identity,
                 "corpus": c,
-                "corpus_sha256": corpus_sha[c],
-                **common,
+                "corpus_sha256": w.corpus_sha[c],
+                "max_docs": args["max_docs"],
+                "max_tokens_per_doc": args["max_tokens_per_doc"],
             }
             out.append(Task("quality", b, c, f, C.key_of(f)))
-    if prompts and gen_tokens > 0:
-        for b in [ref, *builds]:
+    if w.prompts:
+        for b in [w.ref, *w.others]:
             f = {
+                **common,
                 "kind": "generations",
-                "format": FORMAT,
                 "code": gcode,
                 "build": b.identity,
-                "tokenizer": ref.identity.get("tokenizer"),
-                "prompts": prompts_digest(prompts),
-                "gen_tokens": gen_tokens,
-                "dtype": common["dtype"],
-                "device": common["device"],
+                "tokenizer": w.ref.identity.get("tokenizer"),
+                "prompts": prompts_digest(w.prompts),
+                "gen_tokens": args["gen_tokens"],
             }
             out.append(Task("generations", b, None, f, C.key_of(f)))
     return out
@@ -267,41 +259,28 @@ def evaluate(
     w = _prepare(
         builds, reference, corpora, max_docs, max_tokens_per_doc, prompts, gen_domains, gen_tokens
     )
-    common = {
+    args = {
+        "corpora": list(corpora),
         "max_docs": max_docs,
         "max_tokens_per_doc": max_tokens_per_doc,
+        "gen_domains": gen_domains,
+        "gen_tokens": gen_tokens,
+        "budget": budget,
+        "preset": preset,
+        "device": _device(device),
         "dtype": dtype,
-        "device": _device(device).split(":")[0],
+        "bootstrap": bootstrap,
+        "batch": batch,
+        "gen_batch": gen_batch,
     }
-    tasks = _tasks(w.ref, w.others, w.docs, w.corpus_sha, w.prompts, common, gen_tokens)
+    tasks = _tasks(w, args)
     cache = C.Cache(outdir)
     for t in tasks:
         t.payload = cache.get(t.kind, t.key)
     todo = [t for t in tasks if t.payload is None]
-    opts = {
-        "budget": budget,
-        "preset": preset,
-        "context": w.context(gen_tokens),
-        "device": _device(device),
-        "dtype": dtype,
-        "batch": batch,
-        "gen_batch": gen_batch,
-        "gen_tokens": gen_tokens,
-        "plan_batch": max(batch, min(gen_batch, len(w.prompts)) if w.prompts else 1),
-    }
-    engines = Engines(w.ref, opts)
-    _run_with_progress(todo, w, engines, opts, cache, progress)
-    args = {
-        **common,
-        "corpora": list(corpora),
-        "bootstrap": bootstrap,
-        "gen_tokens": gen_tokens,
-        "gen_domains": gen_domains,
-        "budget": budget,
-        "preset": preset,
-        "batch": batch,
-        "gen_batch": gen_batch,
-    }
+    plan_batch = max(batch, min(gen_batch, len(w.prompts)) if w.prompts else 1)
+    engines = Engines(w.ref, {**args, "context": w.context(gen_tokens), "plan_batch": plan_batch})
+    _run_with_progress(todo, w, engines, args, cache, progress)
     results = _results(w, tasks, prompts, args, cache, engines.failures)
     write_report(results, outdir, plots)
     if engines.failures:

@@ -101,68 +101,53 @@ def _md_cell(text: str) -> str:
     return html.escape(visible(text)).replace("|", "&#124;").replace("\n", "<br>")
 
 
-def markdown_report(results: dict, plots: list[str]) -> str:
-    """report.md: provenance, one table per domain (builds as columns), plot links."""
-    cols = results["columns"]
-    ref = results["reference"]
-    out = [
-        "# reap eval",
-        "",
-        (
-            f"Reference: `{ref['label']}` ({ref['path']}, fingerprint "
-            f"`{(ref['fingerprint'] or '')[:16]}`)"
-        ),
-        "",
-    ]
+def _md_header(results: dict) -> list[str]:
+    ref, a, pr = results["reference"], results["arguments"], results["prompts"]
+    out = ["# reap eval", ""]
     out += [
         f"- `{b['label']}`: {b['path']} (fingerprint `{(b['fingerprint'] or '')[:16]}`)"
-        for b in results["builds"]
+        + (" **reference**" if b is ref else "")
+        for b in [ref, *results["builds"]]
     ]
-    a = results["arguments"]
     out += [
         "",
         (
             f"Held-out eval splits, at most {a['max_docs'] or 'all'} documents per corpus, "
             f"{a['max_tokens_per_doc']} tokens each; intervals: 95 % bootstrap over documents "
             f"({a['bootstrap']} replicates). Generations: greedy, {a['gen_tokens']} tokens, "
-            f"prompts {results['prompts']['source']} ({results['prompts']['count']})."
+            f"prompts {pr['source']} ({pr['count']})."
         ),
         "",
     ]
+    return out
+
+
+def _md_table(head: list[str], rows: list[list[str]]) -> list[str]:
+    """A markdown table with every cell escaped (pipes, newlines, HTML)."""
+    out = ["| " + " | ".join(map(_md_cell, head)) + " |", "|" + "---|" * len(head)]
+    return out + ["| " + " | ".join(map(_md_cell, r)) + " |" for r in rows] + [""]
+
+
+def markdown_report(results: dict, plots: list[str]) -> str:
+    """report.md: provenance, one table per domain (builds as columns), plot links."""
+    out = _md_header(results)
     for dom in domains(results):
-        out += [
-            f"## {dom}",
-            "",
-            "| | " + " | ".join(_md_cell(c) for c in cols) + " |",
-            "|---|" + "---|" * len(cols),
-        ]
-        out += [
-            f"| {_md_cell(name)} | " + " | ".join(map(_md_cell, cells)) + " |"
-            for name, cells in domain_rows(results, dom)
-        ]
-        out.append("")
+        rows = [[name, *cells] for name, cells in domain_rows(results, dom)]
+        out += [f"## {dom}", "", *_md_table(["", *results["columns"]], rows)]
     if results["corpora"]:
+        rows = [
+            [c, str(v["docs"]), str(v["tokens"]), v["sha256"][:16]]
+            for c, v in results["corpora"].items()
+        ]
         out += [
             "## Corpora (eval split)",
             "",
-            "| corpus | documents | tokens | sha256 |",
-            "|---|---|---|---|",
+            *_md_table(["corpus", "documents", "tokens", "sha256"], rows),
         ]
-        out += [
-            f"| {c} | {v['docs']} | {v['tokens']} | `{v['sha256'][:16]}` |"
-            for c, v in results["corpora"].items()
-        ]
-        out.append("")
     if plots:
         out += ["## Plots", ""] + [f"![{p}](plots/{p}.png)" for p in plots] + [""]
     if results["generations"]:
-        out += [
-            (
-                "Generations side by side: [generations.md](generations.md), "
-                "[report.html](report.html)."
-            ),
-            "",
-        ]
+        out += ["Side by side: [generations.md](generations.md), [report.html](report.html).", ""]
     if results["expert_failures"]:
         out += [
             "**Routed experts failed to load; these results are not trustworthy:** "
