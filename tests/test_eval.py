@@ -313,6 +313,9 @@ def test_cli_bad_input_is_one_line_exit_2(models, tmp_path, capsys):
     tiny, _ = models
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"id": "a", "domain": "en", "prompt": "x"}\n{"id": "b"}\n')
+    other = tmp_path / "other-tokenizer"
+    shutil.copytree(tiny, other)
+    (other / "tokenizer.json").write_text((other / "tokenizer.json").read_text() + "\n")
     base = [tiny, "--reference", tiny, "--out", str(tmp_path / "o"), "--quiet"]
     cases = [
         ([*base, "--corpus", "nosuch"], "unknown corpus"),
@@ -320,6 +323,7 @@ def test_cli_bad_input_is_one_line_exit_2(models, tmp_path, capsys):
         ([*base, "--max-docs", "0"], "--max-docs must be positive"),
         ([str(tmp_path / "missing"), "--reference", tiny, "--out", str(tmp_path / "o")], "missing"),
         ([*base, "--gen-domains", "xx"], "domain 'xx'"),
+        ([str(other), "--reference", tiny, "--out", str(tmp_path / "o")], "tokenizer.json"),
     ]
     for args, msg in cases:
         code, _, err = _run(*args, capsys=capsys)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 
+from reap.engine.memory import PRESETS
 from reap.errors import ReapError
 
 EXIT_CODES = """exit codes: 0 ok, 1 binding or forward failure, 2 bad arguments or input (or a
@@ -76,7 +77,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="RAM budget of the whole process, e.g. 64GB (split "
         "between the reference and the build being evaluated)",
     )
-    mem.add_argument("--preset", help="engine memory preset, applied to each engine")
+    mem.add_argument(
+        "--preset", choices=list(PRESETS), help="engine memory preset, applied to each engine"
+    )
     p.add_argument(
         "--bootstrap",
         type=int,

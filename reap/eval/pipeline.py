@@ -323,6 +323,13 @@ def _prepare(
         raise ReapError("give at least one build to compare with the reference")
     cols = make_builds([reference, *builds])
     tokenizer = _tokenizer(cols[0].path)
+    for b in cols[1:]:
+        tok = b.identity.get("tokenizer")
+        if tok is not None and tok != cols[0].identity.get("tokenizer"):
+            raise ReapError(
+                f"{b.path}: its tokenizer.json differs from the reference's; builds "
+                f"are compared on the reference's token ids"
+            )
     docs = {c: select_documents(c, tokenizer, max_docs, max_tokens_per_doc) for c in corpora}
     corpus_sha = {c: corpus_fingerprint(c, "eval") for c in corpora}
     plist = load_prompts(prompts, gen_domains) if gen_tokens > 0 else []
