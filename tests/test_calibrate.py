@@ -254,6 +254,13 @@ def test_streamed_statistics_equal_brute_force(base, brute, env):
     parts = [ExpertStats.load(base.files[n]) for n in brute[1]]
     assert torch.equal(merged.count, sum(p.count for p in parts))
     assert merged.tokens == N_TOK and merged.meta["corpus"] == env["spec"]
+    from safetensors.torch import load_file
+
+    tok = load_file(base.token_experts)  # ids [L, N, K] int16, seq_corpus [S]
+    assert tok["ids"].dtype == torch.int16 and tok["seq_corpus"].tolist() == brute[2]
+    for li in range(len(merged.layers)):
+        counts = torch.bincount(tok["ids"][li].long().reshape(-1), minlength=merged.n_experts)
+        assert torch.equal(counts, merged.count[li])
 
 
 def test_each_expert_read_once_and_checkpoint_read_once(base):

@@ -190,11 +190,11 @@ def _execute(run: R._Run, setup, seqs, names, progress, hooks, t0) -> R.Calibrat
         run.store.close()
     result = _write(run, setup, seqs, names)
     result.resumed_after, result.seconds = resumed, time.perf_counter() - t0
-    result.peak_rss = peak_rss()
+    result.peak_rss, result.timing = peak_rss(), dict(run.timing)
     art.write_json(os.path.join(os.path.dirname(run.work), "run.json"),
                    {"seconds": result.seconds, "peak_rss": result.peak_rss,
                     "tokens_per_second": result.tokens / max(result.seconds, 1e-9),
-                    "resumed_after": resumed, "plan": run.plan.__dict__,
+                    "resumed_after": resumed, "plan": run.plan.__dict__, "timing": run.timing,
                     "estimated_peak_rss": run.plan.estimate_peak(), "files": result.files})
     R.cleanup_work(run.work)
     return result

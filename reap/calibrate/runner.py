@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -48,6 +49,7 @@ class CalibrateResult:
     seconds: float
     peak_rss: int
     plan: MemoryPlan | None = None
+    timing: dict = field(default_factory=dict)  # seconds per phase in this process
 
     @property
     def read_ratio(self) -> float:
@@ -117,6 +119,7 @@ class _Run:
     counters: dict = field(default_factory=lambda: {"bytes_read": 0, "expert_reads_max": 0,
                                                     "expert_reads": 0})
     bar: object = None
+    timing: dict = field(default_factory=dict)  # seconds per phase (not part of the results)
 
     @property
     def seq_len(self) -> int:
@@ -210,17 +213,23 @@ def run_layers(run: _Run, start: int, hooks=None) -> None:
     """Layers start.. up to the last MoE layer (start = -1: embed first). `hooks(layer)` is
     called after each committed layer (tests use it to interrupt a run)."""
     if start < 0:
-        _embed(run)
+        _timed(run, "embed", _embed, run)
         run.weights.clear()
         start = 0
     for i in range(start, max(run.moe_layers) + 1):
         moe = i in run.moe_layers
-        _attention(run, i, moe)
+        _timed(run, "attention", _attention, run, i, moe)
         if moe:
-            _moe(run, i)
-        _commit_layer(run, i, moe)
+            _timed(run, "moe", _moe, run, i)
+        _timed(run, "commit", _commit_layer, run, i, moe)
         if hooks is not None:
             hooks(i)
+
+
+def _timed(run: _Run, phase: str, fn, *args) -> None:
+    t0 = time.perf_counter()
+    fn(*args)
+    run.timing[phase] = run.timing.get(phase, 0.0) + time.perf_counter() - t0
 
 
 # -- sizes --------------------------------------------------------------------------------------
