@@ -142,7 +142,7 @@ Source: `reap synth {r['config']} --layers {r['layers']}`, {r['source_bytes'] / 
 (larger than the stated RAM budget of {r['ram_budget'] / 1e9:.0f} GB and than the machine's
 {r['ram'] / 1e9:.0f} GB of RAM, shared with other jobs). Plan: {r['keep']} of 896 random experts
 kept in the MoE layer. Output {r['bytes_written'] / 1e9:.3f} GB; predicted by the size model
-{r['predicted_bytes'] / 1e9:.3f} GB ({r['size_error']:+.4%}).
+{r['predicted_bytes'] / 1e9:.3f} GB ({r['size_error'] * 1e6:+.2f} ppm).
 
 | method | runs (s) | median (s) | GB/s | peak RSS |
 |---|---|---|---|---|
