@@ -70,24 +70,17 @@ def calibrate(*, corpus: str, tokens: int, seq_len: int, out: str, model: str | 
     after the last completed layer. Returns what was written and measured.
     """
     t0 = time.perf_counter()
-    from reap.corpora import calibration_sequences, corpus_fingerprint, parse_spec
+    from reap.corpora import corpus_fingerprint, parse_spec
 
-    parts = parse_spec(corpus)  # unknown corpora fail here, before any model work
+    names = [name for name, _ in parse_spec(corpus)]  # unknown corpora fail before model work
     R.check_lengths({}, tokens, seq_len)
-    path = model if model is not None else default_model(lambda m: print(m, file=sys.stderr))
+    if model is None:
+        model = default_model(lambda m: print(m, file=sys.stderr))
+    path = os.path.abspath(model)
     ckpt = Checkpoint.open(path)
     try:
-        setup = _setup(ckpt, path, parts, corpus, tokens, seq_len, seed, shard, device, dtype)
-        names = [name for name, _ in parts]
-        from reap.tokenizer import load_tokenizer
-
-        seqs = calibration_sequences(corpus, load_tokenizer(path), tokens, seq_len, seed)
-        s0, s1 = R.resolve_shard(shard, len(seqs))
-        seqs = seqs[s0:s1]
-        if not seqs:
-            raise ReapError(f"--shard {shard[0]}/{shard[1]} holds no sequences")
-        ids = torch.tensor([s.ids for s in seqs], dtype=torch.int64)  # [S, T]
-        seq_corpus = [names.index(s.corpus) for s in seqs]
+        setup = _setup(ckpt, path, tokens, seq_len, device, dtype)
+        seqs, (s0, s1) = _sequences(corpus, path, tokens, seq_len, seed, shard)
         if seq_counts is None:
             size = setup["size"]
             seq_counts = len(seqs) * len(size.moe_layers) * size.n_experts * 4 \
@@ -99,15 +92,28 @@ def calibrate(*, corpus: str, tokens: int, seq_len: int, out: str, model: str | 
         identity = {"arguments": args, "model": ckpt.fingerprint(),
                     "corpus_sha256": corpus_fingerprint(corpus, SPLIT),
                     "code_version": art.code_version(), "sequences": [s0, s1]}
-        run = _make_run(ckpt, setup, ids, seq_corpus, len(names), identity, out, budget, batch,
-                        seq_counts, save_token_experts)
-        result = _execute(run, setup, seqs, names, progress, hooks, t0)
+        ids = torch.tensor([s.ids for s in seqs], dtype=torch.int64)  # [S, T]
+        run = _make_run(ckpt, setup, ids, [names.index(s.corpus) for s in seqs], len(names),
+                        identity, out, budget, batch, seq_counts, save_token_experts)
+        return _execute(run, setup, seqs, names, progress, hooks, t0)
     finally:
         ckpt.close()
-    return result
 
 
-def _setup(ckpt, path, parts, corpus, tokens, seq_len, seed, shard, device, dtype) -> dict:
+def _sequences(corpus: str, path: str, tokens: int, seq_len: int, seed: int,
+               shard: tuple[int, int]) -> tuple[list, tuple[int, int]]:
+    """This shard's calibration sequences and their range [s0, s1) among all sampled ones."""
+    from reap.corpora import calibration_sequences
+    from reap.tokenizer import load_tokenizer
+
+    seqs = calibration_sequences(corpus, load_tokenizer(path), tokens, seq_len, seed)
+    s0, s1 = R.resolve_shard(shard, len(seqs))
+    if s0 == s1:
+        raise ReapError(f"--shard {shard[0]}/{shard[1]} holds no sequences")
+    return seqs[s0:s1], (s0, s1)
+
+
+def _setup(ckpt, path: str, tokens: int, seq_len: int, device: str, dtype: str) -> dict:
     """Family, model, layout and size facts of the checkpoint (bad input -> ReapError)."""
     from reap.models import family
     from reap.sizes import SizeModel
@@ -134,7 +140,7 @@ def _setup(ckpt, path, parts, corpus, tokens, seq_len, seed, shard, device, dtyp
 
 
 def _make_run(ckpt, setup, ids, seq_corpus, n_corpora, identity, out, budget, batch, seq_counts,
-              save_token_experts) -> R._Run:
+              save_token_experts) -> R.Run:
     """Plan memory, then open a fresh work directory or resume the one in `out`."""
     size, text = setup["size"], ckpt.config.get("text_config", ckpt.config)
     S, T = ids.shape
@@ -160,7 +166,7 @@ def _make_run(ckpt, setup, ids, seq_corpus, n_corpora, identity, out, budget, ba
         store = SpillStore.from_manifest(work, S, prog["store"])
         store.cleanup()  # files of the layer that was interrupted
     acc = StatsAccumulator(size.n_experts, size.top_k, seq_corpus, T, n_corpora, seq_counts)
-    run = R._Run(ckpt=ckpt, model=setup["model"], moe_layers=size.moe_layers, ids=ids, plan=plan,
+    run = R.Run(ckpt=ckpt, model=setup["model"], moe_layers=size.moe_layers, ids=ids, plan=plan,
                  store=store, acc=acc, weights=R.LayerWeights(ckpt, setup["device"]),
                  experts=R.StoreExperts(ckpt, setup["fam"], setup["device"]), work=work,
                  identity=identity, device=setup["device"])
@@ -173,7 +179,7 @@ def _make_run(ckpt, setup, ids, seq_corpus, n_corpora, identity, out, budget, ba
     return run
 
 
-def _execute(run: R._Run, setup, seqs, names, progress, hooks, t0) -> R.CalibrateResult:
+def _execute(run: R.Run, setup, seqs, names, progress, hooks, t0) -> R.CalibrateResult:
     """Run the remaining layers with a progress bar, then write the final artifacts."""
     from tqdm import tqdm
 
@@ -200,7 +206,7 @@ def _execute(run: R._Run, setup, seqs, names, progress, hooks, t0) -> R.Calibrat
     return result
 
 
-def _write(run: R._Run, setup, seqs, names) -> R.CalibrateResult:
+def _write(run: R.Run, setup, seqs, names) -> R.CalibrateResult:
     """Statistics files (and token ids) with provenance; returns the result record."""
     from reap.corpora import corpus_fingerprint
 

@@ -99,7 +99,7 @@ class StoreExperts:
 
 
 @dataclass
-class _Run:
+class Run:
     """Everything one calibration run needs while it loops over layers."""
 
     ckpt: Checkpoint
@@ -131,25 +131,25 @@ class _Run:
 
 
 # -- the layer loop -----------------------------------------------------------------------------
-def _load_state(run: _Run, s0: int, s1: int):
+def _load_state(run: Run, s0: int, s1: int):
     arrays = {k: run.store.read(k, s0, s1).to(run.device) for k in run.store.current if k != "x"}
     return state_from_arrays(arrays), arrays
 
 
-def _save_state(run: _Run, s0: int, state, gen: str, loaded: dict) -> None:
+def _save_state(run: Run, s0: int, state, gen: str, loaded: dict) -> None:
     for key, t in state_arrays(state).items():
         if loaded.get(key) is not t:  # a tensor passed through unchanged is already stored
             run.store.write(key, s0, t, gen)
 
 
-def _embed(run: _Run) -> None:
+def _embed(run: Run) -> None:
     for s0, s1 in run.batches(0, run.ids.shape[0]):
         state = run.model.embed(run.weights, run.ids[s0:s1].to(run.device))
         _save_state(run, s0, state, "e", {})
     run.store.commit()
 
 
-def _attention(run: _Run, i: int, moe: bool) -> None:
+def _attention(run: Run, i: int, moe: bool) -> None:
     """Attention of layer i over all sequences (and the whole layer if it is not MoE)."""
     for s0, s1 in run.batches(0, run.ids.shape[0]):
         state, loaded = _load_state(run, s0, s1)
@@ -164,7 +164,7 @@ def _attention(run: _Run, i: int, moe: bool) -> None:
     run.store.commit()
 
 
-def _moe(run: _Run, i: int) -> None:
+def _moe(run: Run, i: int) -> None:
     """The MoE MLP of layer i, one pass of `plan.pass_seqs` sequences at a time."""
     S, T = run.ids.shape
     for p0 in range(0, S, run.plan.pass_seqs):
@@ -182,7 +182,7 @@ def _moe(run: _Run, i: int) -> None:
     run.store.commit()
 
 
-def _commit_layer(run: _Run, i: int, moe: bool) -> None:
+def _commit_layer(run: Run, i: int, moe: bool) -> None:
     """Persist layer i: spill, statistics rows, token ids, then the progress record."""
     run.store.commit(durable=True)
     if moe:
@@ -202,14 +202,14 @@ def _commit_layer(run: _Run, i: int, moe: bool) -> None:
     run.weights.clear()
 
 
-def _tick(run: _Run, tokens: float, layer: int) -> None:
+def _tick(run: Run, tokens: float, layer: int) -> None:
     release_memory()
     if run.bar is not None:
         run.bar.update(tokens)
         run.bar.set_postfix_str(f"layer {layer}", refresh=False)
 
 
-def run_layers(run: _Run, start: int, hooks=None) -> None:
+def run_layers(run: Run, start: int, hooks=None) -> None:
     """Layers start.. up to the last MoE layer (start = -1: embed first). `hooks(layer)` is
     called after each committed layer (tests use it to interrupt a run)."""
     if start < 0:
@@ -226,7 +226,7 @@ def run_layers(run: _Run, start: int, hooks=None) -> None:
             hooks(i)
 
 
-def _timed(run: _Run, phase: str, fn, *args) -> None:
+def _timed(run: Run, phase: str, fn, *args) -> None:
     t0 = time.perf_counter()
     fn(*args)
     run.timing[phase] = run.timing.get(phase, 0.0) + time.perf_counter() - t0
