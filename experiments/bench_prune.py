@@ -47,8 +47,12 @@ def plain_copy(src: str, plan_path: str, out: str) -> int:
             if it.kind == "router":  # kept rows of an expert-major tensor: one range per row
                 row = info.nbytes // info.shape[it.axis]
                 ranges += [(info.file, info.start + r * row, row) for r in it.rows]
-            elif (ranges and ranges[-1][0] == info.file and sum(ranges[-1][1:]) == info.start
-                  and ranges[-1][2] + info.nbytes <= _MERGE_MAX):
+            elif (
+                ranges
+                and ranges[-1][0] == info.file
+                and sum(ranges[-1][1:]) == info.start
+                and ranges[-1][2] + info.nbytes <= _MERGE_MAX
+            ):
                 ranges[-1] = (info.file, ranges[-1][1], ranges[-1][2] + info.nbytes)  # adjacent
             else:
                 ranges.append((info.file, info.start, info.nbytes))
@@ -91,18 +95,36 @@ def child(method: str, src: str, plan: str, out: str) -> dict:
         written = prune(model=src, plan=plan, out=out).file_bytes
     seconds = time.perf_counter() - t0
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return {"method": method, "seconds": seconds, "bytes": written, "peak_rss": rss,
-            "gb_per_s": written / seconds / 1e9}
+    return {
+        "method": method,
+        "seconds": seconds,
+        "bytes": written,
+        "peak_rss": rss,
+        "gb_per_s": written / seconds / 1e9,
+    }
 
 
 def run_child(method: str, src: Path, plan: Path, out: Path) -> dict:
     shutil.rmtree(out, ignore_errors=True)
-    cmd = [sys.executable, __file__, "--child", method, "--src", str(src), "--plan", str(plan),
-           "--out", str(out)]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--child",
+        method,
+        "--src",
+        str(src),
+        "--plan",
+        str(plan),
+        "--out",
+        str(out),
+    ]
     res = subprocess.run(cmd, capture_output=True, text=True, check=True)
     r = json.loads(res.stdout.strip().splitlines()[-1])
-    print(f"{method:>5}: {r['seconds']:7.1f} s  {r['gb_per_s']:.3f} GB/s  "
-          f"peak RSS {r['peak_rss'] / 1e9:.2f} GB", flush=True)
+    print(
+        f"{method:>5}: {r['seconds']:7.1f} s  {r['gb_per_s']:.3f} GB/s  "
+        f"peak RSS {r['peak_rss'] / 1e9:.2f} GB",
+        flush=True,
+    )
     return r
 
 
@@ -113,16 +135,37 @@ def prepare(work: Path, config: str, layers: int, keep: int) -> tuple[Path, Path
 
     src = work / f"{config}-{layers}"
     if not (src / "config.json").exists():
-        subprocess.run(["reap", "synth", config, "--layers", str(layers), "--out", str(src),
-                        "--seed", "0", "--overwrite"], check=True)
+        subprocess.run(
+            [
+                "reap",
+                "synth",
+                config,
+                "--layers",
+                str(layers),
+                "--out",
+                str(src),
+                "--seed",
+                "0",
+                "--overwrite",
+            ],
+            check=True,
+        )
     with Checkpoint.open(src) as ck:
-        plan = make_plan(config=ck.config, model=ck.fingerprint(), criterion="random",
-                         keep=keep, seed=0)
+        plan = make_plan(
+            config=ck.config, model=ck.fingerprint(), criterion="random", keep=keep, seed=0
+        )
         source_bytes = sum(os.path.getsize(f) for f in {t.file for t in ck.tensors.values()})
         largest = max(t.nbytes for t in ck.tensors.values())
     path = plan.save(work / "plan.json")
-    return src, Path(path), {"source_bytes": source_bytes, "largest_tensor": largest,
-                             "predicted_bytes": plan.predicted_bytes}
+    return (
+        src,
+        Path(path),
+        {
+            "source_bytes": source_bytes,
+            "largest_tensor": largest,
+            "predicted_bytes": plan.predicted_bytes,
+        },
+    )
 
 
 def verify_seconds(out: Path, src: Path) -> float:
@@ -133,29 +176,33 @@ def verify_seconds(out: Path, src: Path) -> float:
 
 def report(result: dict) -> None:
     r = result
-    md = f"""# `reap prune` benchmark
+    md = (
+        f"""# `reap prune` benchmark
 
-Command: `{r['command']}` ({r['date']}, {r['machine']}, load average
-{r['load_average'][0]:.1f} before and {r['load_average'][1]:.1f} after: a shared machine).
+Command: `{r["command"]}` ({r["date"]}, {r["machine"]}, load average
+{r["load_average"][0]:.1f} before and {r["load_average"][1]:.1f} after: a shared machine).
 
-Source: `reap synth {r['config']} --layers {r['layers']}`, {r['source_bytes'] / 1e9:.2f} GB
-(larger than the stated RAM budget of {r['ram_budget'] / 1e9:.0f} GB and than the machine's
-{r['ram'] / 1e9:.0f} GB of RAM, shared with other jobs). Plan: {r['keep']} of 896 random experts
-kept in the MoE layer. Output {r['bytes_written'] / 1e9:.3f} GB; predicted by the size model
-{r['predicted_bytes'] / 1e9:.3f} GB ({r['size_error'] * 1e6:+.2f} ppm).
+Source: `reap synth {r["config"]} --layers {r["layers"]}`, {r["source_bytes"] / 1e9:.2f} GB
+(larger than the stated RAM budget of {r["ram_budget"] / 1e9:.0f} GB and than the machine's
+{r["ram"] / 1e9:.0f} GB of RAM, shared with other jobs). Plan: {r["keep"]} of 896 random experts
+kept in the MoE layer. Output {r["bytes_written"] / 1e9:.3f} GB; predicted by the size model
+{r["predicted_bytes"] / 1e9:.3f} GB ({r["size_error"] * 1e6:+.2f} ppm).
 
 | method | runs (s) | median (s) | GB/s | peak RSS |
 |---|---|---|---|---|
-""" + "".join(
-        f"| {m} | {', '.join(f'{s:.1f}' for s in v['seconds'])} | {v['median']:.1f} | "
-        f"{v['gb_per_s']:.3f} | {v['peak_rss'] / 1e9:.2f} GB |\n"
-        for m, v in r["methods"].items()) + f"""
-**Speed: prune / plain copy = {r['speed_ratio']:.2f}x** (target >= 0.8x; medians).
-Peak RSS of prune: {r['methods']['prune']['peak_rss'] / 1e9:.2f} GB for a
-{r['source_bytes'] / 1e9:.1f} GB checkpoint; the largest tensor is
-{r['largest_tensor'] / 1e9:.2f} GB (embed_tokens / lm_head, read whole), so peak RSS is that
+"""
+        + "".join(
+            f"| {m} | {', '.join(f'{s:.1f}' for s in v['seconds'])} | {v['median']:.1f} | "
+            f"{v['gb_per_s']:.3f} | {v['peak_rss'] / 1e9:.2f} GB |\n"
+            for m, v in r["methods"].items()
+        )
+        + f"""
+**Speed: prune / plain copy = {r["speed_ratio"]:.2f}x** (target >= 0.8x; medians).
+Peak RSS of prune: {r["methods"]["prune"]["peak_rss"] / 1e9:.2f} GB for a
+{r["source_bytes"] / 1e9:.1f} GB checkpoint; the largest tensor is
+{r["largest_tensor"] / 1e9:.2f} GB (embed_tokens / lm_head, read whole), so peak RSS is that
 plus the interpreter (~0.3 GB), independent of the number of layers or experts.
-`reap verify` of the output (reads both checkpoints' compared bytes): {r['verify_s']:.1f} s.
+`reap verify` of the output (reads both checkpoints' compared bytes): {r["verify_s"]:.1f} s.
 
 `copy` is the floor: bare `os.pread` + `write` of exactly the bytes prune writes (kept experts,
 trunk, kept router rows) into files of the same shard size, one fsync per file. `prune` also
@@ -163,6 +210,7 @@ computes sha256 of every kept expert, slices the routers through torch, writes t
 headers, index, manifest and config, and fsyncs each shard. Runs alternate in fresh processes;
 the page cache is not dropped (other jobs share the machine), so each run reads partly from cache.
 """
+    )
     (ROOT / "reports").mkdir(exist_ok=True)
     (ROOT / "reports" / "prune.md").write_text(md)
     (ROOT / "reports" / "prune.json").write_text(json.dumps(result, indent=1))
@@ -195,20 +243,32 @@ def main() -> None:
             runs[method].append(run_child(method, src, plan, work / method))
             if method == "copy":
                 shutil.rmtree(work / "copy")
-    methods = {m: {"seconds": [x["seconds"] for x in v],
-                   "median": statistics.median(x["seconds"] for x in v),
-                   "gb_per_s": v[0]["bytes"] / statistics.median(x["seconds"] for x in v) / 1e9,
-                   "peak_rss": max(x["peak_rss"] for x in v), "bytes": v[0]["bytes"]}
-               for m, v in runs.items()}
+    methods = {
+        m: {
+            "seconds": [x["seconds"] for x in v],
+            "median": statistics.median(x["seconds"] for x in v),
+            "gb_per_s": v[0]["bytes"] / statistics.median(x["seconds"] for x in v) / 1e9,
+            "peak_rss": max(x["peak_rss"] for x in v),
+            "bytes": v[0]["bytes"],
+        }
+        for m, v in runs.items()
+    }
     load.append(os.getloadavg()[0])
     written = methods["prune"]["bytes"]
     result = {
         "command": "python experiments/bench_prune.py " + " ".join(sys.argv[1:]),
-        "date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()}, "
-        f"{os.cpu_count()} cores", "ram": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
-        "load_average": load, "ram_budget": a.ram_budget, "config": a.config, "layers": a.layers, "keep": a.keep,
-        **sizes, "bytes_written": written,
-        "size_error": written / sizes["predicted_bytes"] - 1, "methods": methods,
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+        "ram": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
+        "load_average": load,
+        "ram_budget": a.ram_budget,
+        "config": a.config,
+        "layers": a.layers,
+        "keep": a.keep,
+        **sizes,
+        "bytes_written": written,
+        "size_error": written / sizes["predicted_bytes"] - 1,
+        "methods": methods,
         "speed_ratio": methods["copy"]["median"] / methods["prune"]["median"],
         "verify_s": verify_seconds(work / "prune", src),
     }

@@ -71,8 +71,10 @@ def test_quota_keeps_what_each_corpus_needs(tmp_path):
     E = 8
     zh = torch.tensor([[8, 7, 6, 5, 0.1, 0.1, 0.1, 0.1]], dtype=torch.float64)
     code = torch.tensor([[0.1, 0.1, 0.1, 0.2, 9, 8, 7, 6]], dtype=torch.float64)
-    paths = [save(make_stats([1], E, 2, corpus="zh", scores=zh), tmp_path, "zh"),
-             save(make_stats([1], E, 2, corpus="code", scores=code), tmp_path, "code")]
+    paths = [
+        save(make_stats([1], E, 2, corpus="zh", scores=zh), tmp_path, "zh"),
+        save(make_stats([1], E, 2, corpus="code", scores=code), tmp_path, "code"),
+    ]
     kw = {"stats": paths, "weights": "zh=3,code=1", "keep": 4, "protect": False}
     # weighted shares: zh's experts 0-3 carry 3/4 * (26/26.4); code's 4 best only 1/4 * (30/30.5)
     assert make_plan(**kw).keep == {1: [0, 1, 2, 3]}
@@ -172,8 +174,9 @@ def test_global_scope_minimizes_the_dropped_share():
 
     L, E, total = 3, 8, 13
     r = torch.rand(L, E, generator=torch.Generator().manual_seed(9), dtype=torch.float64) ** 3
-    plan = make_plan_from(make_stats([1, 2, 3], E, 2, scores=r), keep=None, ratio=total / (L * E),
-                          scope="global")
+    plan = make_plan_from(
+        make_stats([1, 2, 3], E, 2, scores=r), keep=None, ratio=total / (L * E), scope="global"
+    )
     sh = C.shares(r)
     top = [torch.sort(sh[li], descending=True).values.cumsum(0) for li in range(L)]
 
@@ -194,8 +197,9 @@ def test_global_scope_target_size_fills_exactly(tmp_path):
     r = torch.rand(len(layers), E, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
     path = save(make_stats(layers, E, size.top_k, scores=r), tmp_path, "s")
     target = int(size.predict_bytes(7) + 0.5 * (size.predict_bytes(8) - size.predict_bytes(7)))
-    plan = make_plan(stats=[path], config=cfg, target_size=f"{target}B", scope="global",
-                     protect=False)
+    plan = make_plan(
+        stats=[path], config=cfg, target_size=f"{target}B", scope="global", protect=False
+    )
     counts = [plan.counts[la] for la in layers]
     assert plan.predicted_bytes == size.predict_bytes(plan.counts) <= target
     for li, la in enumerate(layers):  # maximal: one more expert anywhere does not fit
@@ -204,8 +208,9 @@ def test_global_scope_target_size_fills_exactly(tmp_path):
     zero = {la: 0 for la in layers}
     unit = [size.predict_bytes({**zero, la: 1}) - size.predict_bytes(zero) for la in layers]
     base = size.predict_bytes(dict(zip(layers, [size.top_k] * len(layers))))
-    assert counts == naive_global(C.shares(r), [size.top_k] * len(layers), unit=unit,
-                                  base=base, target=target)
+    assert counts == naive_global(
+        C.shares(r), [size.top_k] * len(layers), unit=unit, base=base, target=target
+    )
 
 
 def test_super_experts_are_protected_and_count_toward_the_budget():
@@ -268,15 +273,18 @@ def test_k3_full_350GB_from_config_alone(capsys):
     assert 140 <= n <= 150 and f"keep {n:>5}/896" in out  # the published build: ~146
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--config", "k3-tiny", "--target-size", "12 parsecs", "--dry-run"], "cannot read size"),
-    (["--config", "k3-tiny", "--keep", "2", "--dry-run"], "outside [4, 16]"),
-    (["--config", "k3-tiny", "--keep", "5", "--out", "p.json"], "counts only"),
-    (["--config", "k3-tiny", "--dry-run"], "exactly one budget"),
-    (["--config", "k3-tiny", "--keep", "5", "--scope", "global", "--dry-run"], "needs scores"),
-    (["--keep", "5", "--dry-run"], "nothing to plan from"),
-    (["missing.safetensors", "--keep", "5", "--dry-run"], "missing.safetensors"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--config", "k3-tiny", "--target-size", "12 parsecs", "--dry-run"], "cannot read size"),
+        (["--config", "k3-tiny", "--keep", "2", "--dry-run"], "outside [4, 16]"),
+        (["--config", "k3-tiny", "--keep", "5", "--out", "p.json"], "counts only"),
+        (["--config", "k3-tiny", "--dry-run"], "exactly one budget"),
+        (["--config", "k3-tiny", "--keep", "5", "--scope", "global", "--dry-run"], "needs scores"),
+        (["--keep", "5", "--dry-run"], "nothing to plan from"),
+        (["missing.safetensors", "--keep", "5", "--dry-run"], "missing.safetensors"),
+    ],
+)
 def test_bad_input_is_one_line_exit_2(argv, message, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert main(["plan", *argv]) == 2
@@ -288,11 +296,13 @@ def test_mismatched_statistics_and_weights(tmp_path, capsys):
     a = save(make_stats([1, 2], 8, 2, corpus="zh"), tmp_path, "a")
     b = save(make_stats([1, 2], 8, 2, corpus="code", model="m2"), tmp_path, "b")
     c = save(make_stats([1, 2], 8, 2, corpus="code"), tmp_path, "c")
-    for argv, message in (([a, b], "different model fingerprint"),
-                          ([a, c, "--weights", "zh=1,en=2"], "not among"),
-                          ([a, c, "--weights", "zh=1"], "no weight for corpus code"),
-                          ([a, a], "given twice"),
-                          ([a, "--config", "k3-tiny"], "do not match the model config")):
+    for argv, message in (
+        ([a, b], "different model fingerprint"),
+        ([a, c, "--weights", "zh=1,en=2"], "not among"),
+        ([a, c, "--weights", "zh=1"], "no weight for corpus code"),
+        ([a, a], "given twice"),
+        ([a, "--config", "k3-tiny"], "do not match the model config"),
+    ):
         assert main(["plan", *map(str, argv), "--keep", "4", "--dry-run"]) == 2
         err = capsys.readouterr().err.strip()
         assert message in err and len(err.splitlines()) == 1

@@ -27,8 +27,10 @@ ROUTER = re.compile(r"^(language_model\.)?model\.layers\.(\d+)\.block_sparse_moe
 @pytest.fixture(scope="module")
 def src(tmp_path_factory):
     out = tmp_path_factory.mktemp("src") / "k3-tiny"
-    assert main(["synth", "k3-tiny", "--out", str(out), "--dtype", "float32",
-                 "--shard-gb", "0.0002"]) == 0
+    assert (
+        main(["synth", "k3-tiny", "--out", str(out), "--dtype", "float32", "--shard-gb", "0.0002"])
+        == 0
+    )
     return out
 
 
@@ -75,8 +77,13 @@ def naive_prune(tensors: dict, keep: dict[int, list[int]]) -> dict[str, torch.Te
 
 
 def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
-        a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8))
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(
+            a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8)
+        )
+    )
 
 
 def test_pruned_checkpoint_equals_naive_pruning(src, plan, pruned):
@@ -117,14 +124,18 @@ class Recorder:
 def masked(get, keep: dict[int, list[int]], n_experts: int):
     """The original weights with dropped experts' selection bias at -inf: routing restricted to
     the kept experts, routing weights (raw sigmoid scores) untouched."""
+
     def g(name):
         t = get(name)
-        m = re.match(r"model\.layers\.(\d+)\.block_sparse_moe\.gate\.e_score_correction_bias$", name)
+        m = re.match(
+            r"model\.layers\.(\d+)\.block_sparse_moe\.gate\.e_score_correction_bias$", name
+        )
         if m:
             drop = torch.ones(n_experts, dtype=torch.bool)
             drop[keep[int(m.group(1))]] = False
             t = t.masked_fill(drop, float("-inf"))
         return t
+
     return g
 
 
@@ -134,8 +145,10 @@ def test_pruned_model_equals_original_with_dropped_experts_masked(src, plan, pru
     for name, d in (("src", src), ("pruned", pruned)):
         with Checkpoint.open(d) as ck:
             fam = family(ck.config)
-            runs[name] = (fam.Model(fam.Config.from_dict(ck.config)),
-                          dict_weights({n: ck.read(n) for n in ck.tensors}))
+            runs[name] = (
+                fam.Model(fam.Config.from_dict(ck.config)),
+                dict_weights({n: ck.read(n) for n in ck.tensors}),
+            )
     ids = torch.randint(0, 384, (2, 16), generator=torch.Generator().manual_seed(0))
     (m0, w0), (m1, w1) = runs["src"], runs["pruned"]
     r_masked, r_pruned = Recorder(), Recorder()
@@ -157,8 +170,11 @@ def test_verify_passes_and_catches_flipped_bytes(src, pruned, tmp_path, capsys):
     with Checkpoint.open(pruned) as ck:
         names = list(ck.tensors)
     expert = next(n for n in names if ".experts.2.w2.weight_packed" in n)
-    cases = {expert: expert, "model.norm.weight": "model.norm.weight",
-             "model.layers.3.block_sparse_moe.gate.weight": "router tensor"}
+    cases = {
+        expert: expert,
+        "model.norm.weight": "model.norm.weight",
+        "model.layers.3.block_sparse_moe.gate.weight": "router tensor",
+    }
     for i, (name, message) in enumerate(cases.items()):
         copy = tmp_path / f"copy{i}"
         shutil.copytree(pruned, copy)
@@ -193,8 +209,9 @@ def test_verify_catches_manifest_and_config_tampering(src, pruned, tmp_path):
 
 
 def test_interrupted_prune_resumes_to_identical_files(src, plan, tmp_path, monkeypatch):
-    clean = prune(model=str(src), plan=str(plan), out=str(tmp_path / "clean"),
-                  max_shard_bytes=100_000)
+    clean = prune(
+        model=str(src), plan=str(plan), out=str(tmp_path / "clean"), max_shard_bytes=100_000
+    )
     assert clean.resumed_tensors == 0
     real_write, calls = CheckpointWriter.write, [0]
 
@@ -223,17 +240,25 @@ def test_bad_input_is_one_line_exit_2(src, plan, pruned, tmp_path, capsys):
     wrong_model = tmp_path / "wrong_model.json"
     wrong_model.write_text(json.dumps({**p, "model": "0" * 64}))
     uneven = tmp_path / "uneven.json"
-    keep = dict(p["keep"], **{"1": sorted(p["keep"]["1"] + [x for x in range(16)
-                                                          if x not in p["keep"]["1"]][:1])})
+    keep = dict(
+        p["keep"],
+        **{"1": sorted(p["keep"]["1"] + [x for x in range(16) if x not in p["keep"]["1"]][:1])},
+    )
     uneven.write_text(json.dumps({**p, "keep": keep, "counts": {**p["counts"], "1": 7}}))
     cases = [
-        (["prune", str(src), "--plan", str(wrong_model), "--out", str(tmp_path / "a")],
-         "the plan was made for model"),
-        (["prune", str(src), "--plan", str(uneven), "--out", str(tmp_path / "b")],
-         "--scope uniform"),
+        (
+            ["prune", str(src), "--plan", str(wrong_model), "--out", str(tmp_path / "a")],
+            "the plan was made for model",
+        ),
+        (
+            ["prune", str(src), "--plan", str(uneven), "--out", str(tmp_path / "b")],
+            "--scope uniform",
+        ),
         (["prune", str(src), "--plan", str(plan), "--out", str(pruned)], "already exists"),
-        (["prune", str(tmp_path / "nope"), "--plan", str(plan), "--out", str(tmp_path / "c")],
-         "nope"),
+        (
+            ["prune", str(tmp_path / "nope"), "--plan", str(plan), "--out", str(tmp_path / "c")],
+            "nope",
+        ),
         (["verify", str(src), "--source", str(src)], "reap_manifest.json"),
     ]
     for argv, message in cases:
@@ -251,8 +276,9 @@ def test_predicted_size_equals_bytes_written(tmp_path):
     config["text_config"]["moe_intermediate_size"] = 2048
     fam = family(config)
     specs = fam.layout(config)
-    w = CheckpointWriter(tmp_path / "wide", specs, max_shard_bytes=4_000_000,
-                         prefix="language_model.")
+    w = CheckpointWriter(
+        tmp_path / "wide", specs, max_shard_bytes=4_000_000, prefix="language_model."
+    )
     g = torch.Generator().manual_seed(0)
     for s in specs:
         w.write(s.name, torch.randint(0, 256, (s.nbytes,), dtype=torch.uint8, generator=g).numpy())
@@ -277,6 +303,9 @@ def test_prune_knows_no_family_and_imports_no_later_stage():
         assert not pattern.search(text), f
         for node in ast.walk(ast.parse(text)):
             if isinstance(node, (ast.Import, ast.ImportFrom)):
-                mods = [a.name for a in node.names] if isinstance(node, ast.Import) else [
-                    node.module or ""]
+                mods = (
+                    [a.name for a in node.names]
+                    if isinstance(node, ast.Import)
+                    else [node.module or ""]
+                )
                 assert not [m for m in mods if m.startswith(later)], (f, mods)

@@ -97,8 +97,10 @@ def parse_weights(text: str | None, corpora: list[str]) -> dict[str, float]:
         out[name.strip()] = w
     unknown = sorted(set(out) - set(corpora))
     if unknown:
-        raise ReapError(f"--weights names {', '.join(unknown)}, not among the statistics' "
-                        f"corpora ({', '.join(corpora)})")
+        raise ReapError(
+            f"--weights names {', '.join(unknown)}, not among the statistics' "
+            f"corpora ({', '.join(corpora)})"
+        )
     missing = sorted(set(corpora) - set(out))
     if missing:
         raise ReapError(f"--weights gives no weight for corpus {', '.join(missing)}")
@@ -120,7 +122,9 @@ class SuperExpert:
     max_act: float
 
 
-def super_experts(max_act: torch.Tensor, count: torch.Tensor, layers: list[int]) -> list[SuperExpert]:
+def super_experts(
+    max_act: torch.Tensor, count: torch.Tensor, layers: list[int]
+) -> list[SuperExpert]:
     """Experts whose max activation is a far-out outlier (see PROTECT_RULE).
 
     max_act, count: [L, E] (count = routed tokens; unrouted experts are not in the population).
@@ -135,8 +139,12 @@ def super_experts(max_act: torch.Tensor, count: torch.Tensor, layers: list[int])
     return [SuperExpert(layers[li], e, float(max_act[li, e])) for li, e in hits]
 
 
-def select_layer(n: int, combined: torch.Tensor, protected: set[int],
-                 quota: dict[str, tuple[float, torch.Tensor]] | None = None) -> list[int]:
+def select_layer(
+    n: int,
+    combined: torch.Tensor,
+    protected: set[int],
+    quota: dict[str, tuple[float, torch.Tensor]] | None = None,
+) -> list[int]:
     """The n expert ids [sorted] to keep in one layer.
 
     Protected experts first; then, with `quota` ({corpus: (weight, scores [E])}), each corpus's
@@ -144,8 +152,10 @@ def select_layer(n: int, combined: torch.Tensor, protected: set[int],
     then filled up to n by the combined score [E].
     """
     if len(protected) > n:
-        raise ReapError(f"{len(protected)} protected experts exceed the {n} to keep in a layer "
-                        f"(raise the budget or use --no-protect)")
+        raise ReapError(
+            f"{len(protected)} protected experts exceed the {n} to keep in a layer "
+            f"(raise the budget or use --no-protect)"
+        )
     kept = set(protected)
     if quota:
         room = n - len(kept)
@@ -171,8 +181,12 @@ def _apportion(n: int, weights: list[float]) -> list[int]:
     return parts
 
 
-def global_counts(combined: torch.Tensor, floor: list[int], protected: list[set[int]],
-                  admit: Callable[[list[int], int], bool]) -> list[int]:
+def global_counts(
+    combined: torch.Tensor,
+    floor: list[int],
+    protected: list[set[int]],
+    admit: Callable[[list[int], int], bool],
+) -> list[int]:
     """Per-layer counts [L] when the budget is shared across layers.
 
     Each layer starts with `floor[l]` experts (its protected ones, then its best); the remaining

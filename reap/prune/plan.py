@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from reap.errors import ReapError, WriteError
+from reap.prune import budget as B
 from reap.prune import criteria as C
 
 FORMAT = "reap.plan/1"
@@ -98,20 +99,34 @@ class Plan:
         if self.keep is None:
             return
         if sorted(self.keep) != sorted(self.layers):
-            raise ReapError(f"{where}: kept experts given for layers {sorted(self.keep)}, "
-                            f"plan layers are {self.layers}")
+            raise ReapError(
+                f"{where}: kept experts given for layers {sorted(self.keep)}, "
+                f"plan layers are {self.layers}"
+            )
         for layer, ids in self.keep.items():
             ok = ids == sorted(set(ids)) and all(0 <= e < self.n_experts for e in ids)
             if not ok or len(ids) != self.counts.get(layer) or len(ids) < self.top_k:
                 raise ReapError(f"{where}: layer {layer}: invalid kept expert list")
 
 
-def make_plan(*, stats: list[str] | None = None, config: dict | None = None,
-              model: str | None = None, criterion: str = "reap", latent: bool = False,
-              weights: str | None = None, quota: bool = False, keep: int | None = None,
-              ratio: float | None = None, target_size: str | None = None,
-              scope: str = "uniform", min_keep: int | None = None, protect: bool = True,
-              seed: int = 0, arguments: dict | None = None) -> Plan:
+def make_plan(
+    *,
+    stats: list[str] | None = None,
+    config: dict | None = None,
+    model: str | None = None,
+    criterion: str = "reap",
+    latent: bool = False,
+    weights: str | None = None,
+    quota: bool = False,
+    keep: int | None = None,
+    ratio: float | None = None,
+    target_size: str | None = None,
+    scope: str = "uniform",
+    min_keep: int | None = None,
+    protect: bool = True,
+    seed: int = 0,
+    arguments: dict | None = None,
+) -> Plan:
     """Build a plan from statistics files and/or a config.json dict (see the module docstring).
 
     Without statistics, only `criterion="random"` chooses experts; otherwise the plan holds
@@ -122,27 +137,38 @@ def make_plan(*, stats: list[str] | None = None, config: dict | None = None,
     shape = _shape(loaded, size)
     layers, E, top_k = shape
     if model and _stats_model(loaded) not in (None, model):
-        raise ReapError(f"{loaded[0][1]}: statistics of model {_stats_model(loaded)}, "
-                        f"not of the given checkpoint ({model})")
-    floor_ = _min_keep(min_keep, top_k, E)
+        raise ReapError(
+            f"{loaded[0][1]}: statistics of model {_stats_model(loaded)}, "
+            f"not of the given checkpoint ({model})"
+        )
+    floor_ = B.min_keep(min_keep, top_k, E)
     per_corpus, combined, wts = _scores(loaded, criterion, latent, weights, shape, seed)
     sup = C.super_experts(*_max_act(loaded), layers) if (protect and loaded) else []
     prot = [{e.expert for e in sup if e.layer == layer} for layer in layers]
     if scope == "global" and combined is None:
         raise ReapError("--scope global needs scores: give statistics or --criterion random")
-    counts = _counts(scope, size, shape, combined, prot, floor_, keep, ratio, target_size)
+    counts = B.layer_counts(scope, size, shape, combined, prot, floor_, keep, ratio, target_size)
     kept = _select(layers, counts, combined, prot, per_corpus if quota else None, wts)
     cmap = dict(zip(layers, counts))
     return Plan(
-        n_experts=E, top_k=top_k, layers=layers, counts=cmap, keep=kept,
-        criterion=criterion if combined is not None else None, scope=scope,
-        budget=_budget(keep, ratio, target_size, floor_),
-        combine={"mode": "quota" if quota else "weighted", "weights": wts,
-                 "normalization": "per-layer shares: score / layer total; weighted mean"},
+        n_experts=E,
+        top_k=top_k,
+        layers=layers,
+        counts=cmap,
+        keep=kept,
+        criterion=criterion if combined is not None else None,
+        scope=scope,
+        budget=B.budget_record(keep, ratio, target_size, floor_),
+        combine={
+            "mode": "quota" if quota else "weighted",
+            "weights": wts,
+            "normalization": "per-layer shares: score / layer total; weighted mean",
+        },
         protected=[{"layer": e.layer, "expert": e.expert, "max_act": e.max_act} for e in sup],
         protect_rule=C.PROTECT_RULE if (protect and loaded) else None,
         scores={layer: combined[li].tolist() for li, layer in enumerate(layers)}
-        if combined is not None else None,
+        if combined is not None
+        else None,
         predicted_bytes=size.predict_bytes(cmap) if size else None,
         predicted_params=size.predict_params(cmap) if size else None,
         source_bytes=size.predict_bytes() if size else None,
@@ -165,11 +191,13 @@ def _load_stats(paths: list[str]) -> list[tuple[str, str, object]]:
         if out:
             a = out[0][2]
             if (s.layers, s.n_experts, s.top_k) != (a.layers, a.n_experts, a.top_k):
-                raise ReapError(f"{p}: statistics of a different model or layer set than "
-                                f"{out[0][1]}")
+                raise ReapError(
+                    f"{p}: statistics of a different model or layer set than {out[0][1]}"
+                )
             if s.meta.get("model") != a.meta.get("model"):
-                raise ReapError(f"{p}: statistics of a different model fingerprint than "
-                                f"{out[0][1]}")
+                raise ReapError(
+                    f"{p}: statistics of a different model fingerprint than {out[0][1]}"
+                )
         out.append((name, p, s))
     return out
 
@@ -180,9 +208,11 @@ def _shape(loaded, size) -> tuple[list[int], int, int]:
         s = loaded[0][2]
         shape = (list(s.layers), s.n_experts, s.top_k)
         if size and shape != (size.moe_layers, size.n_experts, size.top_k):
-            raise ReapError(f"{loaded[0][1]}: statistics (layers {s.layers[:3]}..., "
-                            f"{s.n_experts} experts, top-{s.top_k}) do not match the model "
-                            f"config ({size.n_experts} experts, top-{size.top_k})")
+            raise ReapError(
+                f"{loaded[0][1]}: statistics (layers {s.layers[:3]}..., "
+                f"{s.n_experts} experts, top-{s.top_k}) do not match the model "
+                f"config ({size.n_experts} experts, top-{size.top_k})"
+            )
         return shape
     if size is None:
         raise ReapError("nothing to plan from: give statistics files and/or --model/--config")
@@ -195,13 +225,6 @@ def _size_model(config):
     from reap.sizes import SizeModel
 
     return SizeModel.from_config(config)
-
-
-def _min_keep(min_keep: int | None, top_k: int, E: int) -> int:
-    m = top_k if min_keep is None else min_keep
-    if m < top_k or m > E:
-        raise ReapError(f"--min-keep {m} must be between top_k ({top_k}) and n_experts ({E})")
-    return m
 
 
 def _scores(loaded, criterion, latent, weights, shape, seed):
@@ -238,99 +261,16 @@ def _max_act(loaded):
     return max_act, count
 
 
-def _counts(scope, size, shape, combined, prot, floor_, keep, ratio, target_size) -> list[int]:
-    """Experts to keep per layer [L] under the budget."""
-    layers, E, _ = shape
-    L = len(layers)
-    given = [x is not None for x in (keep, ratio, target_size)]
-    if sum(given) != 1:
-        raise ReapError("give exactly one budget: --keep N, --ratio R or --target-size SIZE")
-    if ratio is not None and not 0 < ratio <= 1:
-        raise ReapError(f"--ratio {ratio} must be in (0, 1]")
-    target = _target_bytes(target_size, size) if target_size is not None else None
-    if scope == "uniform":
-        if keep is not None:
-            n = keep
-        elif ratio is not None:
-            n = round(ratio * E)
-        else:
-            n = size.max_uniform_keep(target)
-        if not floor_ <= n <= E:
-            raise ReapError(_too_small(n, floor_, E, size, target))
-        return [n] * L
-    if scope != "global":
-        raise ReapError(f"unknown scope {scope!r} (uniform or global)")
-    floor = [max(floor_, len(p)) for p in prot]
-    if target is not None:
-        unit = _unit_bytes(size)
-        spent = [size.predict_bytes(dict(zip(layers, floor)))]
-        if spent[0] > target:
-            raise ReapError(_too_small(0, floor_, E, size, target))
-
-        def admit(counts, li):
-            if spent[0] + unit[li] > target:
-                return False
-            spent[0] += unit[li]
-            return True
-    else:
-        total = keep * L if keep is not None else round(ratio * E * L)
-        if not sum(floor) <= total <= E * L:
-            raise ReapError(f"budget of {total} experts is outside [{sum(floor)}, {E * L}] "
-                            f"(the per-layer minimum {floor_} x {L} layers .. all)")
-
-        def admit(counts, li):
-            return sum(counts) < total
-    counts = C.global_counts(combined, floor, prot, admit)
-    if target is not None and size.predict_bytes(dict(zip(layers, counts))) > target:
-        raise ReapError("internal: global plan exceeds the target size")  # size model not linear
-    return counts
-
-
-def _target_bytes(text: str, size) -> int:
-    from reap.sizes import parse_size
-
-    if size is None:
-        raise ReapError("--target-size needs the model: give --model DIR or --config NAME")
-    return parse_size(text)
-
-
-def _unit_bytes(size) -> list[int]:
-    """Bytes one more expert adds in each MoE layer [L] (the size model is linear in counts)."""
-    zero = {layer: 0 for layer in size.moe_layers}
-    base = size.predict_bytes(zero)
-    return [size.predict_bytes({**zero, layer: 1}) - base for layer in size.moe_layers]
-
-
-def _too_small(n, floor_, E, size, target) -> str:
-    if target is None:
-        return f"{n} experts per layer is outside [{floor_}, {E}] (min keep .. n_experts)"
-    from reap.sizes import fmt_bytes
-
-    smallest = size.predict_bytes(floor_)
-    return (f"target size {fmt_bytes(target)} is below the smallest build, "
-            f"{fmt_bytes(smallest)} with {floor_} experts per layer")
-
-
-def _budget(keep, ratio, target_size, floor_) -> dict:
-    if keep is not None:
-        b = {"keep": keep}
-    elif ratio is not None:
-        b = {"ratio": ratio}
-    else:
-        from reap.sizes import parse_size
-
-        b = {"target_size": target_size, "target_bytes": parse_size(target_size)}
-    return {**b, "min_keep": floor_}
-
-
 def _stats_model(loaded) -> str | None:
     return loaded[0][2].meta.get("model") if loaded else None
 
 
 def _provenance(loaded, model, arguments) -> dict:
     return {
-        "stats": [{"corpus": n, "path": os.path.abspath(p), "sha256": _sha256_file(p),
-                   "meta": s.meta} for n, p, s in loaded],
+        "stats": [
+            {"corpus": n, "path": os.path.abspath(p), "sha256": _sha256_file(p), "meta": s.meta}
+            for n, p, s in loaded
+        ],
         "model": model,
         "arguments": arguments or {},
         "code_version": code_version(),
@@ -371,41 +311,60 @@ def size_table(plan: Plan) -> str:
         if i == len(layers) or plan.counts[layers[i]] != plan.counts[layers[start]]:
             n = plan.counts[layers[start]]
             span = f"{layers[start]}-{layers[i - 1]}" if i - 1 > start else f"{layers[start]}"
-            rows.append(f"  layers {span:<10} keep {n:>5}/{plan.n_experts} "
-                        f"({n / plan.n_experts:6.1%})")
+            rows.append(
+                f"  layers {span:<10} keep {n:>5}/{plan.n_experts} ({n / plan.n_experts:6.1%})"
+            )
             start = i
     total = sum(plan.counts.values())
     budget = ", ".join(f"{k} {v}" for k, v in plan.budget.items() if k != "target_bytes")
-    head = (f"plan: {plan.scope} scope, criterion {plan.criterion or '(counts only)'}, "
-            f"budget: {budget}")
-    kept = (f"  experts kept: {total:,} of {plan.n_experts * len(layers):,} "
-            f"({total / max(plan.n_experts * len(layers), 1):.1%}); "
-            f"protected: {len(plan.protected)}")
+    head = (
+        f"plan: {plan.scope} scope, criterion {plan.criterion or '(counts only)'}, budget: {budget}"
+    )
+    kept = (
+        f"  experts kept: {total:,} of {plan.n_experts * len(layers):,} "
+        f"({total / max(plan.n_experts * len(layers), 1):.1%}); "
+        f"protected: {len(plan.protected)}"
+    )
     out = [head, *rows, kept]
     if plan.predicted_bytes is not None:
-        out.append(f"  predicted: {fmt_bytes(plan.predicted_bytes)} "
-                   f"({fmt_params(plan.predicted_params)} params) from "
-                   f"{fmt_bytes(plan.source_bytes)} ({fmt_params(plan.source_params)} params), "
-                   f"{plan.predicted_bytes / plan.source_bytes:.1%}")
+        out.append(
+            f"  predicted: {fmt_bytes(plan.predicted_bytes)} "
+            f"({fmt_params(plan.predicted_params)} params) from "
+            f"{fmt_bytes(plan.source_bytes)} ({fmt_params(plan.source_params)} params), "
+            f"{plan.predicted_bytes / plan.source_bytes:.1%}"
+        )
     return "\n".join(out)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("stats", nargs="*", metavar="STATS",
-                   help="statistics files from `reap calibrate`, one per corpus")
+    p.add_argument(
+        "stats",
+        nargs="*",
+        metavar="STATS",
+        help="statistics files from `reap calibrate`, one per corpus",
+    )
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--model", help="source checkpoint (config, sizes and fingerprint; default: "
-                     "the checkpoint the statistics were calibrated on, if still there)")
+    src.add_argument(
+        "--model",
+        help="source checkpoint (config, sizes and fingerprint; default: "
+        "the checkpoint the statistics were calibrated on, if still there)",
+    )
     src.add_argument("--config", help="built-in config (k3-tiny, k3-small, k3-full) or checkpoint")
     p.add_argument("--layers", type=int, help="with a built-in --config: its first N layers")
     p.add_argument("--out", help="plan JSON to write")
     p.add_argument("--dry-run", action="store_true", help="print the size table, write nothing")
     p.add_argument("--criterion", default="reap", choices=C.CRITERIA)
-    p.add_argument("--latent", action="store_true",
-                   help="reap/ean: expert output norms in the latent space, not model space")
+    p.add_argument(
+        "--latent",
+        action="store_true",
+        help="reap/ean: expert output norms in the latent space, not model space",
+    )
     p.add_argument("--weights", help="corpus weights, e.g. zh=3,code=1 (default: equal)")
-    p.add_argument("--quota", action="store_true",
-                   help="each corpus keeps its top experts for its weight's share of the budget")
+    p.add_argument(
+        "--quota",
+        action="store_true",
+        help="each corpus keeps its top experts for its weight's share of the budget",
+    )
     b = p.add_mutually_exclusive_group()
     b.add_argument("--keep", type=int, help="experts to keep per layer (on average if global)")
     b.add_argument("--ratio", type=float, help="fraction of experts to keep")
@@ -428,17 +387,31 @@ def run(args: argparse.Namespace) -> int:
     if not args.dry_run and not args.out:
         raise ReapError("give --out plan.json (or --dry-run)")
     arguments = {k: v for k, v in vars(args).items() if not k.startswith("_")}
-    plan = make_plan(stats=args.stats, config=config, model=model, criterion=args.criterion,
-                     latent=args.latent, weights=args.weights, quota=args.quota, keep=args.keep,
-                     ratio=args.ratio, target_size=args.target_size, scope=args.scope,
-                     min_keep=args.min_keep, protect=not args.no_protect, seed=args.seed,
-                     arguments=arguments)
+    plan = make_plan(
+        stats=args.stats,
+        config=config,
+        model=model,
+        criterion=args.criterion,
+        latent=args.latent,
+        weights=args.weights,
+        quota=args.quota,
+        keep=args.keep,
+        ratio=args.ratio,
+        target_size=args.target_size,
+        scope=args.scope,
+        min_keep=args.min_keep,
+        protect=not args.no_protect,
+        seed=args.seed,
+        arguments=arguments,
+    )
     print(size_table(plan))
     if args.dry_run:
         return 0
     if plan.keep is None:
-        raise ReapError("without statistics a plan has counts only: give statistics files, "
-                        "--criterion random, or --dry-run")
+        raise ReapError(
+            "without statistics a plan has counts only: give statistics files, "
+            "--criterion random, or --dry-run"
+        )
     print(plan.save(args.out), file=sys.stderr)
     return 0
 

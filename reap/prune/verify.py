@@ -45,8 +45,10 @@ def verify(*, pruned: str, source: str) -> VerifyResult:
     with Checkpoint.open(pruned) as new, Checkpoint.open(source) as old:
         man = _manifest(pruned)
         if man["source"]["fingerprint"] != old.fingerprint():
-            raise VerifyError(f"{source} is not the checkpoint {pruned} was pruned from "
-                              "(fingerprint differs from the manifest's)")
+            raise VerifyError(
+                f"{source} is not the checkpoint {pruned} was pruned from "
+                "(fingerprint differs from the manifest's)"
+            )
         fam = family(old.config)
         original = {int(la): v["original"] for la, v in man["experts"].items()}
         _check_config(fam, old.config, new.config, original, pruned)
@@ -58,8 +60,9 @@ def verify(*, pruned: str, source: str) -> VerifyResult:
                 nbytes += _compare(new, old, name, src, rows)
         for layer, ids in original.items():
             for j, e in enumerate(ids):
-                nbytes += _check_expert(new, old, fam, layer, j, e,
-                                        man["experts"][str(layer)]["sha256"][j])
+                nbytes += _check_expert(
+                    new, old, fam, layer, j, e, man["experts"][str(layer)]["sha256"][j]
+                )
     return VerifyResult(len(expected), nbytes, sum(len(v) for v in original.values()))
 
 
@@ -83,8 +86,10 @@ def _check_config(fam, source_cfg: dict, pruned_cfg: dict, original: dict, prune
     want = fam.with_experts(source_cfg, n)
     if pruned_cfg != want:
         keys = sorted(_diff_keys(want, pruned_cfg))
-        raise VerifyError(f"{pruned}/config.json is not the source config with {n} experts "
-                          f"(differs at {', '.join(keys[:3])})")
+        raise VerifyError(
+            f"{pruned}/config.json is not the source config with {n} experts "
+            f"(differs at {', '.join(keys[:3])})"
+        )
 
 
 def _diff_keys(a, b, path=""):
@@ -108,8 +113,9 @@ def _expected(old, fam, original: dict) -> dict[str, tuple[str, str, list | None
             out[name] = ("router", name, routers[name]) if name in routers else ("copy", name, None)
     for layer, ids in original.items():
         for j, e in enumerate(ids):
-            for new, src in zip(fam.expert_tensor_names(layer, j),
-                                fam.expert_tensor_names(layer, e)):
+            for new, src in zip(
+                fam.expert_tensor_names(layer, j), fam.expert_tensor_names(layer, e)
+            ):
                 out[new] = ("expert", src, None)
     return out
 
@@ -139,8 +145,9 @@ def _compare(new, old, name: str, src: str, rows) -> int:
 
 
 def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return torch.equal(a.contiguous().reshape(-1).view(torch.uint8),
-                       b.contiguous().reshape(-1).view(torch.uint8))
+    return torch.equal(
+        a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)
+    )
 
 
 def _check_expert(new, old, fam, layer: int, j: int, e: int, sha: str) -> int:
@@ -157,8 +164,9 @@ def _check_expert(new, old, fam, layer: int, j: int, e: int, sha: str) -> int:
         h_old.update(_bytes(tb))
         n += new.tensors[a].nbytes
     if h_new.hexdigest() != sha or h_old.hexdigest() != sha:
-        raise VerifyError(f"layer {layer} expert {j} (source expert {e}): sha256 differs from "
-                          f"the manifest")
+        raise VerifyError(
+            f"layer {layer} expert {j} (source expert {e}): sha256 differs from the manifest"
+        )
     return n
 
 
@@ -173,6 +181,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     r = verify(pruned=args.pruned, source=args.source)
-    print(f"{args.pruned}: OK, {r.tensors} tensors ({r.bytes_compared:,} bytes) match the source;"
-          f" {r.experts} kept experts bit-identical and matching the manifest", file=sys.stderr)
+    print(
+        f"{args.pruned}: OK, {r.tensors} tensors ({r.bytes_compared:,} bytes) match the source;"
+        f" {r.experts} kept experts bit-identical and matching the manifest",
+        file=sys.stderr,
+    )
     return 0

@@ -34,8 +34,10 @@ from reap.prune.plan import Plan, code_version
 MANIFEST = "reap_manifest.json"
 PLAN_COPY = "reap_plan.json"
 MANIFEST_FORMAT = "reap.prune_manifest/1"
-HASH_RULE = ("sha256 over the stored bytes of the expert's tensors, concatenated in the order "
-             "of the family's expert_tensor_names")
+HASH_RULE = (
+    "sha256 over the stored bytes of the expert's tensors, concatenated in the order "
+    "of the family's expert_tensor_names"
+)
 _WEIGHT_FILES = {"config.json", "model.safetensors.index.json", MANIFEST, PLAN_COPY}
 
 
@@ -64,9 +66,16 @@ class PruneResult:
     seconds: float
 
 
-def prune(*, model: str, plan: str | Plan, out: str, max_shard_bytes: int | None = None,
-          overwrite: bool = False, progress: bool = False,
-          arguments: dict | None = None) -> PruneResult:
+def prune(
+    *,
+    model: str,
+    plan: str | Plan,
+    out: str,
+    max_shard_bytes: int | None = None,
+    overwrite: bool = False,
+    progress: bool = False,
+    arguments: dict | None = None,
+) -> PruneResult:
     """Write the pruned checkpoint of `model` under `plan` to `out` (see the module docstring)."""
     from reap.checkpoint import Checkpoint, CheckpointWriter
     from reap.models import family
@@ -87,29 +96,41 @@ def prune(*, model: str, plan: str | Plan, out: str, max_shard_bytes: int | None
         writer = CheckpointWriter(out, specs, limit, prefix=ck.prefix, overwrite=overwrite)
         hashes, resumed = _stream(ck, fam, writer, items, progress)
         manifest = _manifest(ck, plan, new_ids, hashes, arguments)
-        extra = {MANIFEST: json.dumps(manifest, indent=1),
-                 PLAN_COPY: json.dumps(plan.to_json(), indent=1), **_other_files(ck)}
+        extra = {
+            MANIFEST: json.dumps(manifest, indent=1),
+            PLAN_COPY: json.dumps(plan.to_json(), indent=1),
+            **_other_files(ck),
+        }
         path = writer.close(config, extra)
     files = [p for p in Path(path).iterdir() if p.suffix == ".safetensors"]
-    return PruneResult(path, len(items), sum(p.stat().st_size for p in files),
-                       plan.predicted_bytes, sum(len(v) for v in plan.keep.values()), resumed,
-                       time.perf_counter() - t0)
+    return PruneResult(
+        path,
+        len(items),
+        sum(p.stat().st_size for p in files),
+        plan.predicted_bytes,
+        sum(len(v) for v in plan.keep.values()),
+        resumed,
+        time.perf_counter() - t0,
+    )
 
 
 def _pruned_config(fam, config: dict, plan: Plan) -> dict:
     counts = set(plan.counts.values())
     if len(counts) != 1:
-        raise ReapError(f"the plan keeps different expert counts per layer ({min(counts)}.."
-                        f"{max(counts)}) but {fam.__name__}'s config holds one count for all "
-                        "layers: make a --scope uniform plan")
+        raise ReapError(
+            f"the plan keeps different expert counts per layer ({min(counts)}.."
+            f"{max(counts)}) but {fam.__name__}'s config holds one count for all "
+            "layers: make a --scope uniform plan"
+        )
     return fam.with_experts(config, counts.pop())
 
 
 def _check_model(ck, plan: Plan) -> None:
     fp = ck.fingerprint()
     if plan.model and plan.model != fp:
-        raise ReapError(f"the plan was made for model {plan.model[:16]}..., "
-                        f"not {ck.path} ({fp[:16]}...)")
+        raise ReapError(
+            f"the plan was made for model {plan.model[:16]}..., not {ck.path} ({fp[:16]}...)"
+        )
 
 
 def plan_items(ck, fam, plan: Plan) -> tuple[list[Item], dict[int, list[int]]]:
@@ -133,8 +154,9 @@ def plan_items(ck, fam, plan: Plan) -> tuple[list[Item], dict[int, list[int]]]:
             spec = TensorSpec(info.name, info.dtype, shape, "router", None, None)
             items.append(Item(info.name, spec, "router", axis, rows))
         elif key is None:
-            items.append(Item(info.name, TensorSpec(info.name, info.dtype, info.shape, comp),
-                              "copy"))
+            items.append(
+                Item(info.name, TensorSpec(info.name, info.dtype, info.shape, comp), "copy")
+            )
         elif key in seen or key[1] not in new_ids.get(key[0], {}):
             continue  # a dropped expert, or one already emitted with its first tensor
         else:
@@ -154,13 +176,16 @@ def _experts_found(ck, fam, plan: Plan) -> dict[tuple[int, int], set[str]]:
             found.setdefault(key, set()).add(name)
     layers = sorted({layer for layer, _ in found})
     if layers != sorted(plan.layers):
-        raise ReapError(f"{ck.path}: routed experts in layers {layers[:4]}..., the plan has "
-                        f"layers {plan.layers[:4]}...")
+        raise ReapError(
+            f"{ck.path}: routed experts in layers {layers[:4]}..., the plan has "
+            f"layers {plan.layers[:4]}..."
+        )
     for layer in layers:
         n = 1 + max(e for la, e in found if la == layer)
         if n != plan.n_experts:
-            raise ReapError(f"{ck.path}: layer {layer} has {n} routed experts, the plan "
-                            f"{plan.n_experts}")
+            raise ReapError(
+                f"{ck.path}: layer {layer} has {n} routed experts, the plan {plan.n_experts}"
+            )
     return found
 
 
@@ -185,8 +210,10 @@ def _expert_items(ck, fam, key: tuple[int, int], new: int, present: set[str]) ->
 
 def _sliced_shape(info, axis: int, n: int, n_experts: int) -> tuple[int, ...]:
     if axis >= len(info.shape) or info.shape[axis] != n_experts:
-        raise ReapError(f"router tensor {info.name}: shape {info.shape} has no axis {axis} of "
-                        f"{n_experts} experts")
+        raise ReapError(
+            f"router tensor {info.name}: shape {info.shape} has no axis {axis} of "
+            f"{n_experts} experts"
+        )
     return tuple(n if i == axis else s for i, s in enumerate(info.shape))
 
 
@@ -237,8 +264,13 @@ def _stream(ck, fam, writer, items: list[Item], progress: bool):
 
     hasher = _Hasher()
     resumed = 0
-    bar = tqdm(total=sum(it.spec.nbytes for it in items), unit="B", unit_scale=True,
-               disable=not progress, desc="prune")
+    bar = tqdm(
+        total=sum(it.spec.nbytes for it in items),
+        unit="B",
+        unit_scale=True,
+        disable=not progress,
+        desc="prune",
+    )
     i = 0
     while i < len(items):
         it = items[i]
@@ -277,17 +309,26 @@ def _tensor(ck, it: Item) -> torch.Tensor:
 def _manifest(ck, plan: Plan, new_ids, hashes, arguments) -> dict:
     experts = {}
     for layer, ids in new_ids.items():
-        experts[str(layer)] = {"original": ids,
-                               "sha256": [hashes[(layer, j)] for j in range(len(ids))]}
+        experts[str(layer)] = {
+            "original": ids,
+            "sha256": [hashes[(layer, j)] for j in range(len(ids))],
+        }
     plan_bytes = json.dumps(plan.to_json(), indent=1).encode()
-    return {"format": MANIFEST_FORMAT, "hash_rule": HASH_RULE,
-            "source": {"path": os.path.abspath(ck.path), "fingerprint": ck.fingerprint()},
-            "plan_sha256": hashlib.sha256(plan_bytes).hexdigest(),
-            "n_experts": {"source": plan.n_experts, "kept": sorted(set(plan.counts.values()))},
-            "experts": experts,
-            "provenance": {"code_version": code_version(), "arguments": arguments or {},
-                           "criterion": plan.criterion, "budget": plan.budget,
-                           "plan_provenance": plan.provenance}}
+    return {
+        "format": MANIFEST_FORMAT,
+        "hash_rule": HASH_RULE,
+        "source": {"path": os.path.abspath(ck.path), "fingerprint": ck.fingerprint()},
+        "plan_sha256": hashlib.sha256(plan_bytes).hexdigest(),
+        "n_experts": {"source": plan.n_experts, "kept": sorted(set(plan.counts.values()))},
+        "experts": experts,
+        "provenance": {
+            "code_version": code_version(),
+            "arguments": arguments or {},
+            "criterion": plan.criterion,
+            "budget": plan.budget,
+            "plan_provenance": plan.provenance,
+        },
+    }
 
 
 def _other_files(ck) -> dict[str, bytes]:
@@ -318,13 +359,22 @@ def run(args: argparse.Namespace) -> int:
 
         limit = parse_size(args.max_shard_size)
     arguments = {k: v for k, v in vars(args).items() if not k.startswith("_")}
-    r = prune(model=args.model, plan=args.plan, out=args.out, max_shard_bytes=limit,
-              overwrite=args.overwrite, progress=not args.no_progress, arguments=arguments)
+    r = prune(
+        model=args.model,
+        plan=args.plan,
+        out=args.out,
+        max_shard_bytes=limit,
+        overwrite=args.overwrite,
+        progress=not args.no_progress,
+        arguments=arguments,
+    )
     from reap.sizes import fmt_bytes
 
     pred = f", predicted {fmt_bytes(r.predicted_bytes)}" if r.predicted_bytes else ""
-    print(f"{r.out}: {r.tensors} tensors, {r.kept_experts} experts kept, "
-          f"{fmt_bytes(r.file_bytes)} written{pred}, {r.seconds:.1f} s"
-          + (f" ({r.resumed_tensors} tensors resumed)" if r.resumed_tensors else ""),
-          file=sys.stderr)
+    print(
+        f"{r.out}: {r.tensors} tensors, {r.kept_experts} experts kept, "
+        f"{fmt_bytes(r.file_bytes)} written{pred}, {r.seconds:.1f} s"
+        + (f" ({r.resumed_tensors} tensors resumed)" if r.resumed_tensors else ""),
+        file=sys.stderr,
+    )
     return 0
