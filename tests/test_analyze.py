@@ -293,6 +293,7 @@ def test_expert_clusters_recover_planted_groups():
     assert ec.k in (3, 4)
     assert adjusted_rand_score(truth[used], ec.labels[used]) > 0.8
     assert len(ec.null_silhouette) == 5 and ec.best > max(ec.null_silhouette)
+    assert ec.dispersion > 0.5 > max(ec.null_dispersion)
 
 
 def test_expert_clusters_of_one_distribution_are_noise():
@@ -306,6 +307,14 @@ def test_expert_clusters_of_one_distribution_are_noise():
     ec = cluster_experts(expert_profiles(cs), seed=0, null=shuffle_sequences(cs, 10))
     assert ec.best > 0.4  # looks like structure ...
     assert ec.best <= max(ec.null_silhouette)  # ... but shuffled sequences do as well
+    assert min(ec.null_dispersion) < ec.dispersion < max(ec.null_dispersion)
+
+
+def test_profile_dispersion_by_hand():
+    from reap.analyze.cluster import profile_dispersion
+
+    assert profile_dispersion(np.array([[0.5, 0.5], [1.0, 0.0]])) == pytest.approx(0.25)
+    assert profile_dispersion(np.array([[1 / 3] * 3])) == pytest.approx(0.0)
 
 
 def test_shuffle_sequences_keep_totals_and_average_to_the_pool():

@@ -64,6 +64,8 @@ class ExpertClustering:
     centroids: np.ndarray  # [k, C] mean corpus shares of each cluster
     points: np.ndarray  # [n, C] the clustered shares (experts with labels >= 0, row-major)
     null_silhouette: list[float]  # best silhouette of the same search on shuffled sequences
+    dispersion: float  # mean distance of the profiles from an even split (see profile_dispersion)
+    null_dispersion: list[float]  # the same on every sequence shuffle
 
     @property
     def best(self) -> float:
@@ -77,6 +79,13 @@ def _used_shares(freq: np.ndarray, min_load: float) -> tuple[np.ndarray, np.ndar
     used = freq.mean(-1) >= min_load * top_k / E  # [L, E]
     x = freq[used]
     return used, x / x.sum(-1, keepdims=True)
+
+
+def profile_dispersion(shares: np.ndarray) -> float:
+    """How corpus-specific experts are: mean total-variation distance of their share vectors
+    [n, C] from the even split 1/C (0 = every expert used alike by all corpora)."""
+    C = shares.shape[-1]
+    return float(0.5 * np.abs(shares - 1.0 / C).sum(-1).mean()) if len(shares) else float("nan")
 
 
 def _sweep(x: np.ndarray, k_max: int, seed: int, sample: int) -> tuple[dict, dict]:
@@ -108,9 +117,11 @@ def cluster_experts(
     """Cluster used experts by share profile; None when too few distinct points.
 
     Experts count as used when their mean usage rate over corpora is at least `min_load` times
-    uniform. Silhouettes use a seeded sample of at most `sample` points. Its chance level: the
-    same search (best k) on the first `n_null` sequence shuffles (`specialists.shuffle_sequences`);
-    k-means finds "clusters" in noise too.
+    uniform. Silhouettes use a seeded sample of at most `sample` points. Chance levels, from
+    sequence shuffles (`specialists.shuffle_sequences`): the same search (best k) on the first
+    `n_null` shuffles, since k-means finds "clusters" in noise too; and the profile dispersion on
+    every shuffle. Dispersion says whether experts are corpus-specific at all, the silhouette
+    whether they fall into sharper groups than noise would.
     """
     used, x = _used_shares(profiles.freq, profiles.min_load)
     scores, models = _sweep(x, k_max, seed, sample)
@@ -119,13 +130,17 @@ def cluster_experts(
     best = max(scores, key=lambda k: (scores[k], -k))
     labels = np.full(used.shape, -1)
     labels[used] = models[best].labels_
-    null_best = []
-    for p in range(0 if null is None else min(n_null, len(null))):
-        s, _ = _sweep(_used_shares(null.freq(p), profiles.min_load)[1], k_max, seed, sample)
-        null_best.append(max(s.values(), default=float("nan")))
+    null_best, null_disp = [], []
+    for p in range(0 if null is None else len(null)):
+        xp = _used_shares(null.freq(p), profiles.min_load)[1]
+        null_disp.append(profile_dispersion(xp))
+        if p < n_null:
+            s, _ = _sweep(xp, k_max, seed, sample)
+            null_best.append(max(s.values(), default=float("nan")))
     return ExpertClustering(
-        profiles.corpora, best, scores, labels, models[best].cluster_centers_, x, null_best
-    )
+        profiles.corpora, best, scores, labels, models[best].cluster_centers_, x, null_best,
+        profile_dispersion(x), null_disp,
+    )  # fmt: skip
 
 
 def modularity(w: np.ndarray, labels: np.ndarray) -> float:

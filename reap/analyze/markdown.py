@@ -177,6 +177,22 @@ def _specialists(r: AnalysisResult) -> list[str]:
 _SILHOUETTE = ((0.7, "strong"), (0.5, "reasonable"), (0.25, "weak"), (-1.1, "no substantial"))
 
 
+def _dispersion(ec) -> str:
+    null = np.array([v for v in ec.null_dispersion if np.isfinite(v)])
+    head = (
+        f"Experts' corpus profiles sit {ec.dispersion:.3f} (mean total-variation distance) "
+        "from an even split"
+    )
+    if not len(null):
+        return head + "; no chance level (needs seq_count)."
+    p = (1 + (null >= ec.dispersion).sum()) / (1 + len(null))
+    verdict = "more corpus-specific than chance" if p < 0.05 else "not significant"
+    return (
+        f"{head}, against {null.mean():.3f} (max {null.max():.3f}) with sequences shuffled "
+        f"between corpora ({len(null)} shuffles): {verdict}, p = {fmt_p(p)}."
+    )
+
+
 def _cluster_chance(ec) -> str:
     null = np.array([v for v in ec.null_silhouette if np.isfinite(v)])
     if not len(null):
@@ -200,6 +216,8 @@ def _clusters(r: AnalysisResult) -> list[str]:
     strength = next(w for t, w in _SILHOUETTE if ec.best > t)
     tried = ", ".join(f"k={k}: {v:.2f}" for k, v in ec.silhouette.items())
     lines += [
+        _dispersion(ec),
+        "",
         (
             f"k-means chose k = {ec.k} by silhouette {ec.best:.2f} ({strength} structure by "
             f"the Kaufman-Rousseeuw reading; tried {tried}); {_cluster_chance(ec)}."

@@ -70,7 +70,7 @@ def overlap_vs_chance(rows: list[SetOverlap], title: str = ""):
         else:
             ax.plot(x, j, "o-", ms=3, label="observed (no CI)")
         sig = np.array([r.q_value < 0.05 for r in rs])
-        ax.plot(x[sig], j[sig], "k*", ms=7, label="q < 0.05")
+        ax.plot(x[sig], j[sig], "k*", ms=7 if len(x) <= 24 else 3, label="q < 0.05")
         ax.set(xlabel="layer", ylabel="Jaccard", ylim=(-0.02, 1.02), title=f"top-{m} by {crit}")
         _layer_axis(ax)
     axes[0].legend(fontsize=7, loc="best")
@@ -203,7 +203,7 @@ def community_modularity(comms: list[Communities]):
         label="random graph, same expected co-occurrence",
     )
     ax2 = ax.twinx()
-    ax2.bar(x, [c.n_communities for c in comms], alpha=0.15, color="C2")
+    ax2.step(x, [c.n_communities for c in comms], where="mid", color="C2", alpha=0.6)
     ax2.set_ylabel("communities", color="C2")
     ax.set(xlabel="layer", ylabel="modularity Q", title="co-activation communities")
     _layer_axis(ax)

@@ -226,6 +226,8 @@ def summary(r: AnalysisResult, files: ReportFiles | None = None) -> dict:
                 "k": ec.k,
                 "silhouette": ec.silhouette,
                 "null_silhouette": ec.null_silhouette,
+                "dispersion": ec.dispersion,
+                "null_dispersion": ec.null_dispersion,
                 "centroids": ec.centroids,
                 "corpora": ec.corpora,
             },
