@@ -385,6 +385,11 @@ def test_report_writes_everything(tmp_path):
     assert len(df) == 3 * 2 * 2 * 3 and set(df.m) == {13, 16}
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["settings"]["m"] == [13, 16]
+    assert summary["code_version"].startswith("reap ") and len(summary["inputs"]) == 3
+    import pyarrow.parquet as pq
+
+    meta = pq.read_schema(tmp_path / "set_overlap.parquet").metadata
+    assert b"synthetic-model" in b"".join(meta.values())  # provenance travels with the table
     text = (tmp_path / "report.md").read_text()
     assert "en – de" in text and "less than chance" in text and "more than chance" in text
 

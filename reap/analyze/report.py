@@ -7,11 +7,14 @@ baseline, p-value and interval, and says "not significant" where a result is not
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import math
 import os
 import re
 from dataclasses import asdict, dataclass, field, is_dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -54,8 +57,33 @@ def write_text(path: str, text: str) -> str:
     return _atomic(path, w)
 
 
+@functools.lru_cache(maxsize=1)
+def code_version() -> str:
+    """`reap <version> src <digest>`: sha256 of the analysis sources and the statistics format."""
+    from reap import __version__
+
+    root = Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    for f in [*sorted((root / "analyze").glob("*.py")), root / "stats.py"]:
+        h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes())
+    return f"reap {__version__} src {h.hexdigest()[:16]}"
+
+
+def provenance(r: AnalysisResult) -> dict:
+    """What made these results: code version, arguments, and each input's model and corpus."""
+    return _jsonable({
+        "format": "reap.analysis/1", "code_version": code_version(), "settings": r.settings,
+        "inputs": [{"corpus": c.name, "path": c.path, "model": c.meta.get("model"),
+                    "corpus_sha256": c.meta.get("corpus_sha256"), "tokens": c.tokens}
+                   for c in r.corpora],
+    })  # fmt: skip
+
+
 def tables(r: AnalysisResult) -> dict:
-    """The tidy tables, name -> pandas DataFrame (one row per observation)."""
+    """The tidy tables, name -> pandas DataFrame (one row per observation).
+
+    Each frame carries `provenance(r)` in `attrs["reap"]` (written into the Parquet metadata).
+    """
     import pandas as pd
 
     def frame(records):
@@ -73,6 +101,9 @@ def tables(r: AnalysisResult) -> dict:
     }
     out.update(_expert_tables(r))
     out.update(_community_tables(r))
+    prov = provenance(r)
+    for df in out.values():
+        df.attrs["reap"] = prov
     return out
 
 
@@ -194,14 +225,11 @@ def _jsonable(x):
 
 def summary(r: AnalysisResult, files: ReportFiles | None = None) -> dict:
     """The JSON summary: provenance, settings, overall results, clusters, notes, files."""
-    from reap import __version__
-
     p = r.profiles
     ec = r.expert_clusters
     return _jsonable(
         {
-            "format": "reap.analysis/1",
-            "reap_version": __version__,
+            **provenance(r),
             "corpora": r.corpora,
             "layers": r.layers,
             "n_experts": r.n_experts,
