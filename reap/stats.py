@@ -119,8 +119,8 @@ class ExpertStats:
             with safe_open(path, "pt") as f:
                 head = json.loads((f.metadata() or {})["reap"])
                 tensors = {k: f.get_tensor(k) for k in f.keys()}
-        except (OSError, KeyError, ValueError, json.JSONDecodeError) as e:
-            raise ReapError(f"{path}: not a reap statistics file ({e})") from e
+        except Exception as e:  # safetensors raises its own error type for non-safetensors
+            raise ReapError(f"{path}: not a reap statistics file ({type(e).__name__}: {e})") from e
         if head.get("format") != FORMAT:
             raise ReapError(f"{path}: unknown statistics format {head.get('format')!r}")
         missing = [n for n in _TENSORS if n != "seq_count" and n not in tensors]
