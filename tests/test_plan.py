@@ -251,7 +251,7 @@ def test_plan_file_roundtrip_and_provenance(tmp_path):
     prov = plan.provenance
     assert prov["stats"][0]["sha256"] == hashlib.sha256(Path(path).read_bytes()).hexdigest()
     assert prov["stats"][0]["meta"] == s.meta and prov["arguments"]["keep"] == 4
-    assert prov["code_version"].startswith("0.")
+    assert prov["code_version"].startswith("reap 0.")
     assert plan.model == "m1" and len(plan.scores[1]) == 8
     d = json.loads(out.read_text())
     d["keep"]["1"] = [0, 0, 1, 2]

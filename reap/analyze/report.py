@@ -8,13 +8,11 @@ baseline, p-value and interval, and says "not significant" where a result is not
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import math
 import os
 import re
 from dataclasses import asdict, dataclass, field, is_dataclass
-from pathlib import Path
 
 import numpy as np
 
@@ -22,6 +20,7 @@ from reap.analyze import plots
 from reap.analyze.markdown import render
 from reap.analyze.pipeline import AnalysisResult
 from reap.errors import WriteError
+from reap.provenance import code_version as _code_version
 
 
 @dataclass
@@ -59,14 +58,8 @@ def write_text(path: str, text: str) -> str:
 
 @functools.lru_cache(maxsize=1)
 def code_version() -> str:
-    """`reap <version> src <digest>`: sha256 of the analysis sources and the statistics format."""
-    from reap import __version__
-
-    root = Path(__file__).resolve().parents[1]
-    h = hashlib.sha256()
-    for f in [*sorted((root / "analyze").glob("*.py")), root / "stats.py"]:
-        h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes())
-    return f"reap {__version__} src {h.hexdigest()[:16]}"
+    """Digest of the analysis sources and the statistics format."""
+    return _code_version(("analyze", "stats.py"))
 
 
 def provenance(r: AnalysisResult) -> dict:

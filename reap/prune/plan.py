@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from reap.errors import ReapError, WriteError
+from reap.provenance import code_version as _code_version
 from reap.prune import budget as B
 from reap.prune import criteria as C
 
@@ -286,19 +287,8 @@ def _sha256_file(path: str) -> str:
 
 
 def code_version() -> str:
-    """reap's version plus the git commit of its source tree when it runs from a checkout."""
-    from reap import __version__
-
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    try:
-        with open(os.path.join(root, ".git", "HEAD")) as f:
-            head = f.read().strip()
-        if head.startswith("ref: "):
-            with open(os.path.join(root, ".git", head[5:])) as f:
-                head = f.read().strip()
-        return f"{__version__}+g{head[:12]}"
-    except OSError:
-        return __version__
+    """Digest of the sources that decide what a plan and a pruned checkpoint contain."""
+    return _code_version(("prune", "checkpoint", "models", "sizes.py", "stats.py"))
 
 
 def size_table(plan: Plan) -> str:

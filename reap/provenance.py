@@ -1,0 +1,27 @@
+"""Provenance shared by every artifact: which code made it.
+
+`code_version(parts)` is `reap <version> src <digest>`, the digest a sha256 over the source files
+that determine the artifact (an edit there, committed or not, changes it; unrelated modules do
+not). Artifacts record it next to the model fingerprint, corpus sha256 and arguments.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+from reap import __version__
+
+_ROOT = Path(__file__).resolve().parent
+
+
+def code_version(parts: tuple[str, ...] = (".",)) -> str:
+    """Version plus a digest of the sources under `parts` (paths relative to the package)."""
+    h = hashlib.sha256()
+    for part in parts:
+        path = _ROOT / part
+        files = sorted(path.rglob("*.py")) if path.is_dir() else [path]
+        for f in files:
+            if f.exists():
+                h.update(f.relative_to(_ROOT).as_posix().encode() + b"\0" + f.read_bytes())
+    return f"reap {__version__} src {h.hexdigest()[:16]}"
