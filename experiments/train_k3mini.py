@@ -12,7 +12,7 @@ experts (straight-through gradient).
 
     python experiments/train_k3mini.py bench                      # tokens/s of this machine
     python experiments/train_k3mini.py train --run DIR --steps N  # starts, or resumes from DIR
-    python experiments/train_k3mini.py export --run DIR --out reap/models/k3mini
+    python experiments/export_k3mini.py --run DIR --out reap/models/k3mini  # the shipped model
 
 A run directory holds `tokenizer.json`, tokenized train data (`data/*.npy`), `ckpt/` (params,
 AdamW state as safetensors, step state as JSON; replaced atomically every few minutes) and
@@ -217,7 +217,7 @@ def _init_tensor(name: str, shape: tuple, cfg, g, out_scale: float) -> torch.Ten
         return a
     if last == "dt_bias":
         return -0.5 + 0.3 * torch.randn(shape, generator=g)
-    if last.endswith("correction_bias") or last.endswith("res_proj"):
+    if last.endswith(("correction_bias", "res_proj")):
         return torch.zeros(shape)  # AttnRes starts as a uniform mix
     if "norm" in last or last.endswith("layernorm"):
         return torch.ones(shape)
@@ -498,7 +498,7 @@ def bench(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
-    for name, fn in (("train", train), ("bench", bench), ("export", lambda a: export(a))):
+    for name, fn in (("train", train), ("bench", bench)):
         s = sub.add_parser(name)
         s.set_defaults(func=fn)
         s.add_argument("--run", default="/work/k3mini-run", help="run directory")
@@ -520,8 +520,6 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--eval-every", type=int, default=200)
     t.add_argument("--ckpt-minutes", type=float, default=4.0)
     sub.choices["bench"].add_argument("--bench-steps", type=int, default=4)
-    e = sub.choices["export"]
-    e.add_argument("--out", default=str(Path(__file__).parents[1] / "reap/models/k3mini"))
     args = p.parse_args(argv)
     return args.func(args)
 

@@ -1,0 +1,162 @@
+"""The shipped k3-mini model (reap/models/k3mini, made by experiments/train_k3mini.py and
+experiments/export_k3mini.py): its files are exactly the released K3 layout of its config with
+MXFP4 experts, its tokenizer round-trips every training domain, a forward from the files
+reproduces the held-out losses its card records and they are far below the uniform loss, the
+router spreads load over the experts and routes domains differently, and mlx-lm's reference
+implementation loads the same files and computes the same logits."""
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import reap.models
+from reap import mxfp4
+from reap.checkpoint import Checkpoint
+from reap.corpora import sample_sequences
+from reap.models import family, kimi_k3
+from reap.models.base import dict_weights
+from reap.tokenizer import load_tokenizer
+
+MODEL = Path(reap.models.__file__).parent / "k3mini"
+
+
+@pytest.fixture(scope="module")
+def shipped():
+    if not (MODEL / "config.json").is_file():
+        pytest.fail(f"{MODEL}: the bundled model is missing")
+    ck = Checkpoint.open(MODEL)
+    summary = json.loads((MODEL / "training_log.json").read_text())["summary"]
+    weights = {n: ck.read(n) for n in ck.tensors}
+    return ck, kimi_k3.Config.from_dict(ck.config), weights, summary
+
+
+@pytest.fixture(scope="module")
+def smoke(shipped):
+    """The held-out sequences the card's smoke losses were measured on: {domain: [N, T+1]}."""
+    _, _, _, summary = shipped
+    tok = load_tokenizer(MODEL)
+    n, t = summary["smoke_eval"]["sequences"], summary["smoke_eval"]["tokens"]
+    return {
+        d: torch.tensor([s.ids for s in sample_sequences(d, "eval", tok, n * (t + 1), t + 1)])
+        for d in summary["domains"]
+    }
+
+
+class Usage:
+    """Observer: tokens routed to each expert, per MoE layer."""
+
+    wants_norms = False
+
+    def __init__(self, n_experts):
+        self.n, self.counts = n_experts, {}
+
+    def on_moe(self, rec):
+        c = torch.bincount(rec.ids.reshape(-1), minlength=self.n).double()  # [E]
+        self.counts[rec.layer] = self.counts.get(rec.layer, 0) + c
+
+
+def test_files_are_the_released_layout_with_mxfp4_experts(shipped):
+    ck, cfg, _, _ = shipped
+    assert ck.config["model_type"] == "kimi_k3" and ck.prefix == "language_model."
+    specs = family(ck.config).layout(ck.config)
+    assert {s.name for s in specs} == set(ck.tensors)
+    for s in specs:
+        info = ck.tensors[s.name]
+        assert (info.dtype, tuple(info.shape)) == (s.dtype, tuple(s.shape)), s.name
+    experts = [s for s in specs if s.expert is not None]
+    assert experts and all(s.dtype == "U8" for s in experts)
+    assert {s.name.rsplit(".", 1)[1] for s in experts} == {"weight_packed", "weight_scale"}
+    # the K3 features the toolkit exercises
+    assert 64 <= cfg.num_experts <= 128 and 4 <= cfg.num_experts_per_token <= 8
+    assert cfg.first_k_dense_replace == 1 and cfg.num_shared_experts >= 1
+    assert cfg.latent < cfg.hidden_size and cfg.latent_moe_use_norm and cfg.attn_res_block_size
+    kinds = {cfg.is_kda(i) for i in range(cfg.num_hidden_layers)}
+    assert kinds == {True, False}  # both KDA and MLA layers
+    total = sum(p.stat().st_size for p in MODEL.iterdir())
+    assert total < 40e6, total
+
+
+def test_tokenizer_round_trips_each_domain(shipped):
+    ck, cfg, _, summary = shipped
+    tok = load_tokenizer(MODEL)
+    assert tok.vocab_size == cfg.vocab_size
+    assert tok.eos_id == ck.config["text_config"]["eos_token_id"]
+    from reap.corpora import load_documents
+
+    for d in summary["domains"]:
+        text = load_documents(d, "eval")[0].text[:2000]
+        ids = tok.encode(text)
+        assert tok.decode(ids) == text
+        assert len(ids) < len(text.encode()) / 1.5, d  # the BPE actually merges in every domain
+
+
+def test_forward_from_files_reproduces_card_losses(shipped, smoke):
+    _, cfg, weights, summary = shipped
+    model, get = kimi_k3.Model(cfg), dict_weights(weights)
+    recorded = summary["smoke_eval"]["loss"]
+    usage = {}
+    for d, ids in smoke.items():
+        usage[d] = Usage(cfg.num_experts)
+        with torch.no_grad():
+            logits = model.forward(get, ids[:, :-1], observer=usage[d])  # [N, T, V]
+        loss = float(torch.nn.functional.cross_entropy(logits.flatten(0, 1),
+                                                       ids[:, 1:].reshape(-1)))
+        assert loss == pytest.approx(recorded[d], abs=2e-3), d
+        assert loss < 0.6 * math.log(cfg.vocab_size), (d, loss)
+    # every full-eval figure of the card is far below uniform, and MXFP4 cost little
+    ev = summary["eval"]
+    for d in summary["domains"]:
+        assert ev["shipped"][d] < 0.6 * summary["uniform_loss"]
+        assert ev["mxfp4_experts"][d] - ev["float_experts"][d] < 0.1
+    _check_routing(usage, cfg)
+
+
+def _check_routing(usage: dict, cfg) -> None:
+    """Balanced load (most experts used, none hoarding) and domain-dependent routing: in some
+    layer, zh and code route with clearly different expert-usage distributions."""
+    total = {layer: sum(u.counts[layer] for u in usage.values()) for layer in usage["zh"].counts}
+    for layer, c in total.items():
+        assert (c > 0).float().mean() >= 0.75, layer
+        assert c.max() / c.mean() < 5, layer
+    tv = []
+    for layer in total:
+        p, q = (usage[d].counts[layer] / usage[d].counts[layer].sum() for d in ("zh", "code"))
+        tv.append(0.5 * float((p - q).abs().sum()))
+    assert max(tv) > 0.3, tv
+
+
+def test_mlx_lm_loads_the_files_and_agrees(shipped, smoke):
+    mx = pytest.importorskip("mlx.core")
+    from mlx.utils import tree_map
+    from mlx_lm.utils import load_model
+
+    _, cfg, weights, _ = shipped
+    ref, _ = load_model(MODEL)
+    # compute in float32 on both sides (bf16 weights upcast exactly; MXFP4 experts untouched)
+    ref.update(tree_map(lambda x: x.astype(mx.float32) if x.dtype == mx.bfloat16 else x,
+                        ref.parameters()))
+    ids = smoke["en"][:1, :48]
+    ours = kimi_k3.Model(cfg).forward(dict_weights(weights), ids).numpy()
+    theirs = np.array(ref(mx.array(ids.numpy())))
+    assert np.abs(ours - theirs).max() < 1e-3 * max(1.0, np.abs(theirs).max())
+    assert (ours.argmax(-1) == theirs.argmax(-1)).all()
+
+
+def test_expert_bytes_decode_like_the_reference(shipped):
+    """One expert per MoE layer: the fast MXFP4 decode equals the bit-level reference decoder,
+    and decoded experts are distinct, finite, non-degenerate matrices."""
+    _, cfg, weights, _ = shipped
+    for layer in (i for i in range(cfg.num_hidden_layers) if cfg.is_moe(i)):
+        mats = []
+        for e in (0, cfg.num_experts - 1):
+            p, s = (weights[n] for n in kimi_k3.expert_tensor_names(layer, e)[:2])  # w1
+            fast = mxfp4.dequantize(p, s)
+            torch.testing.assert_close(fast.double(), mxfp4.dequantize_reference(p, s).double(),
+                                       rtol=0, atol=0)
+            assert torch.isfinite(fast).all() and fast.std() > 0
+            mats.append(fast)
+        assert not torch.equal(mats[0], mats[1])
