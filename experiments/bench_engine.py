@@ -39,9 +39,18 @@ GB = 1e9
 def _reap(*args: str, threads: int, timeout: int = 900) -> dict:
     """Run `reap run ... --json --quiet` in a fresh process; its JSON result."""
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
-    cmd = [sys.executable, "-m", "reap.cli", "run", *args, "--json", "--quiet",
-           "--threads", str(threads)]
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    cmd = [
+        sys.executable,
+        "-m",
+        "reap.cli",
+        "run",
+        *args,
+        "--json",
+        "--quiet",
+        "--threads",
+        str(threads),
+    ]
+    p = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True, timeout=timeout)
     if p.returncode != 0:
         raise SystemExit(f"reap run failed ({p.returncode}): {p.stderr.strip()[-500:]}")
     return json.loads(p.stdout)
@@ -61,8 +70,20 @@ def ensure_checkpoint(work: Path, layers: int) -> Path:
     if free < need * 1.2:
         raise SystemExit(f"{work}: {free / GB:.1f} GB free, the checkpoint needs {need / GB:.1f}")
     print(f"synthesizing k3-full --layers {layers} ({need / GB:.1f} GB) into {out}", flush=True)
-    subprocess.run([sys.executable, "-m", "reap.cli", "synth", "k3-full", "--layers",
-                    str(layers), "--out", str(out)], check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "reap.cli",
+            "synth",
+            "k3-full",
+            "--layers",
+            str(layers),
+            "--out",
+            str(out),
+        ],
+        check=True,
+    )
     return out
 
 
@@ -106,7 +127,7 @@ def disk_bandwidth(ckpt: Path, seconds: float = 6.0) -> dict:
     return {"sequential_gbps": seq, "expert_gbps": rand}
 
 
-def matmul_throughput(threads: int, d: int = 7168, n: int = 12288) -> dict:
+def matmul_throughput(threads: int, d: int = 7168, n: int = 12288, seconds: float = 2.0) -> dict:
     """bf16 matmul FLOP/s at the decode shape (M=1) and at M=16, on `threads` threads."""
     torch.set_num_threads(threads)
     w = torch.randn(n, d).to(torch.bfloat16)
@@ -115,7 +136,7 @@ def matmul_throughput(threads: int, d: int = 7168, n: int = 12288) -> dict:
         x = torch.randn(m, d).to(torch.bfloat16)
         x @ w.T
         t0, reps = time.perf_counter(), 0
-        while time.perf_counter() - t0 < 2.0:
+        while time.perf_counter() - t0 < seconds:
             x @ w.T
             reps += 1
         out[f"m{m}_gflops"] = 2 * m * n * d * reps / (time.perf_counter() - t0) / 1e9
@@ -127,9 +148,13 @@ def expert_decode_seconds(threads: int) -> float:
     from reap.engine.kernels import decode_mxfp4
 
     torch.set_num_threads(threads)
-    mats = [(torch.randint(0, 256, (r, c // 2), dtype=torch.uint8),
-             torch.randint(120, 130, (r, c // 32), dtype=torch.uint8))
-            for r, c in ((3072, 3584), (3584, 3072), (3072, 3584))]
+    mats = [
+        (
+            torch.randint(0, 256, (r, c // 2), dtype=torch.uint8),
+            torch.randint(120, 130, (r, c // 32), dtype=torch.uint8),
+        )
+        for r, c in ((3072, 3584), (3584, 3072), (3072, 3584))
+    ]
     t0, reps = time.perf_counter(), 0
     while time.perf_counter() - t0 < 2.0:
         for p, s in mats:
@@ -151,51 +176,104 @@ def decode_flops(config: dict) -> float:
 PROMPT = "3,14,15,92,65,35,89,79"
 
 
-def ladder(ckpt: Path, budgets: list[str], tokens: int, threads: int, rates: dict,
-           flops: float) -> list[dict]:
-    """One fresh `reap run --direct` per budget; the floor and the ratio for each."""
+def ladder(
+    ckpt: Path, budgets: list[str], tokens: int, threads: int, measure, flops: float
+) -> list[dict]:
+    """One fresh `reap run --direct` per budget; the floor (from rates measured just before
+    that run: the shared machine's load drifts) and the ratio for each."""
     rows = []
     for b in budgets:
         flag = ["--preset", b] if not b[0].isdigit() else ["--budget", b]
+        rates = measure()
         t0 = time.perf_counter()
-        res = _reap(str(ckpt), "--prompt-ids", PROMPT, "--max-tokens", str(tokens), "--direct",
-                    "--context", "256", *flag, threads=threads)
+        res = _reap(
+            str(ckpt),
+            "--prompt-ids",
+            PROMPT,
+            "--max-tokens",
+            str(tokens),
+            "--direct",
+            "--context",
+            "256",
+            *flag,
+            threads=threads,
+        )
         d, plan = res["metrics"]["decode"], res["plan"]
         trunk = d["bytes"]["trunk"] / d["tokens"]
         experts = (d["bytes"]["experts"] + d["bytes"]["embed"]) / d["tokens"]
-        floor = (trunk / (rates["sequential_gbps"] * GB) + experts / (rates["expert_gbps"] * GB)
-                 + flops / (rates["m1_gflops"] * 1e9))
+        floor = (
+            trunk / (rates["sequential_gbps"] * GB)
+            + experts / (rates["expert_gbps"] * GB)
+            + flops / (rates["m1_gflops"] * 1e9)
+        )
         s_tok = d["seconds"] / d["tokens"]
-        rows.append({"budget": b, "plan_total": plan["total"], "pinned": plan["pinned_units"],
-                     "expert_cache": plan["expert_cache"], "s_per_token": s_tok,
-                     "trunk_bytes_per_token": trunk, "expert_bytes_per_token": experts,
-                     "hit_rate": d["expert_hit_rate"], "io_share": d["io_share"],
-                     "read_gbps": d["read_gbps"], "peak_rss": res["metrics"]["peak_rss"],
-                     "floor_s": floor, "ratio": s_tok / floor, "ids": res["generations"][0]["ids"],
-                     "unit_seconds": res["unit_seconds"], "wall_s": time.perf_counter() - t0})
-        print(f"  budget {b}: {s_tok:.2f} s/token, {(trunk + experts) / GB:.2f} GB/token, "
-              f"peak RSS {rows[-1]['peak_rss'] / GB:.2f} GB, floor {floor:.2f} s "
-              f"(x{s_tok / floor:.2f})", flush=True)
+        rows.append(
+            {
+                "budget": b,
+                "rates": rates,
+                "plan_total": plan["total"],
+                "pinned": plan["pinned_units"],
+                "expert_cache": plan["expert_cache"],
+                "s_per_token": s_tok,
+                "trunk_bytes_per_token": trunk,
+                "expert_bytes_per_token": experts,
+                "hit_rate": d["expert_hit_rate"],
+                "io_share": d["io_share"],
+                "read_gbps": d["read_gbps"],
+                "peak_rss": res["metrics"]["peak_rss"],
+                "floor_s": floor,
+                "ratio": s_tok / floor,
+                "ids": res["generations"][0]["ids"],
+                "unit_seconds": res["unit_seconds"],
+                "wall_s": time.perf_counter() - t0,
+            }
+        )
+        print(
+            f"  budget {b}: {s_tok:.2f} s/token, {(trunk + experts) / GB:.2f} GB/token, "
+            f"peak RSS {rows[-1]['peak_rss'] / GB:.2f} GB, floor {floor:.2f} s "
+            f"(x{s_tok / floor:.2f})",
+            flush=True,
+        )
     return rows
 
 
-def batch_bytes(ckpt: Path, budget: str, sizes: list[int], tokens: int, threads: int,
-                work: Path) -> list[dict]:
+def batch_bytes(
+    ckpt: Path, budget: str, sizes: list[int], tokens: int, threads: int, work: Path
+) -> list[dict]:
     """Bytes read per generated token when `n` sequences decode in lockstep."""
     rows = []
     for n in sizes:
         f = work / f"prompts-{n}.jsonl"
         rng = random.Random(n)
-        f.write_text("".join(json.dumps({"ids": [rng.randrange(256) for _ in range(4)],
-                                         "max_tokens": tokens}) + "\n" for _ in range(n)))
-        res = _reap(str(ckpt), "--prompts", str(f), "--budget", budget, "--direct",
-                    "--context", "64", threads=threads)
+        f.write_text(
+            "".join(
+                json.dumps({"ids": [rng.randrange(256) for _ in range(4)], "max_tokens": tokens})
+                + "\n"
+                for _ in range(n)
+            )
+        )
+        res = _reap(
+            str(ckpt),
+            "--prompts",
+            str(f),
+            "--budget",
+            budget,
+            "--direct",
+            "--context",
+            "64",
+            threads=threads,
+        )
         d = res["metrics"]["decode"]
-        rows.append({"batch": n, "decode_tokens": d["tokens"],
-                     "bytes_per_token": d["bytes_per_token"],
-                     "trunk_bytes_per_token": d["trunk_bytes_per_token"],
-                     "expert_bytes_per_token": d["expert_bytes_per_token"],
-                     "s_per_step": d["seconds"] / max(1, d["tokens"] // n)})
+        rows.append(
+            {
+                "batch": n,
+                "decode_tokens": d["tokens"],
+                "bytes_per_token": d["bytes_per_token"],
+                "trunk_bytes_per_token": d["trunk_bytes_per_token"],
+                "expert_bytes_per_token": d["expert_bytes_per_token"],
+                "s_per_step": d["seconds"] / max(1, d["tokens"] // n),
+            }
+        )
         print(f"  batch {n}: {d['bytes_per_token'] / GB:.3f} GB per generated token", flush=True)
     return rows
 
@@ -220,27 +298,48 @@ def versus_mlx(work: Path, tokens: int, threads: int) -> dict:
     """Engine and mlx-lm tokens/s (prefill + decode of `tokens`) on k3-small, fresh processes."""
     small = work / "k3-small"
     if not (small / "config.json").is_file():
-        subprocess.run([sys.executable, "-m", "reap.cli", "synth", "k3-small", "--out",
-                        str(small)], check=True)
+        subprocess.run(
+            [sys.executable, "-m", "reap.cli", "synth", "k3-small", "--out", str(small)], check=True
+        )
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
-    p = subprocess.run([sys.executable, "-c", _MLX, str(small), PROMPT, str(tokens)], env=env,
-                       capture_output=True, text=True, timeout=900)
+    p = subprocess.run(
+        [sys.executable, "-c", _MLX, str(small), PROMPT, str(tokens)],
+        check=False,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     if p.returncode != 0:
         return {"error": p.stderr.strip()[-300:]}
     mlx_tps, mlx_ids = p.stdout.split()
-    _reap(str(small), "--prompt-ids", PROMPT, "--max-tokens", "2", "--preset", "max",
-          threads=threads)  # warm the page cache like mlx's warm-up
+    _reap(
+        str(small), "--prompt-ids", PROMPT, "--max-tokens", "2", "--preset", "max", threads=threads
+    )  # warm the page cache like mlx's warm-up
     t0 = time.perf_counter()
-    res = _reap(str(small), "--prompt-ids", PROMPT, "--max-tokens", str(tokens), "--preset",
-                "max", threads=threads)
+    res = _reap(
+        str(small),
+        "--prompt-ids",
+        PROMPT,
+        "--max-tokens",
+        str(tokens),
+        "--preset",
+        "max",
+        threads=threads,
+    )
     m = res["metrics"]
     secs = m["prefill"]["seconds"] + m["decode"]["seconds"]
     ids = res["generations"][0]["ids"]
     mids = [int(t) for t in mlx_ids.split(",")]
     agree = next((i for i, (a, b) in enumerate(zip(ids, mids)) if a != b), len(ids))
-    return {"model": "k3-small (bf16, MXFP4 experts)", "tokens": tokens,
-            "reap_tokens_per_s": tokens / secs, "mlx_tokens_per_s": float(mlx_tps),
-            "reap_process_s": time.perf_counter() - t0, "same_prefix_tokens": agree}
+    return {
+        "model": "k3-small (bf16, MXFP4 experts)",
+        "tokens": tokens,
+        "reap_tokens_per_s": tokens / secs,
+        "mlx_tokens_per_s": float(mlx_tps),
+        "reap_process_s": time.perf_counter() - t0,
+        "same_prefix_tokens": agree,
+    }
 
 
 # -- extrapolation to the full K3 ---------------------------------------------------------------
@@ -276,17 +375,26 @@ def extrapolate(rates: dict, decode_s: float, baseline: int, threads: int) -> li
         plan = memory.make_plan(mb, memory.parse_bytes(budget), 4096, 1, 16, baseline)
         hit = plan.expert_cache / mb.experts_total
         expert_bytes = used * mb.expert_bytes[1] * (1 - hit)
-        io = (plan.streamed_bytes / (rates["sequential_gbps"] * GB)
-              + expert_bytes / (rates["expert_gbps"] * GB))
+        io = plan.streamed_bytes / (rates["sequential_gbps"] * GB) + expert_bytes / (
+            rates["expert_gbps"] * GB
+        )
         compute = flops / (rates["m1_gflops"] * 1e9) + used * decode_s
         peer_io = plan.streamed_bytes / 5.4e9 + expert_bytes / 3.2e9
-        rows.append({"budget": budget, "pinned_units": len(plan.pinned),
-                     "streamed_trunk_gb": plan.streamed_bytes / GB,
-                     "expert_cache_gb": plan.expert_cache / GB,
-                     "expert_gb_per_token": expert_bytes / GB, "io_s": io, "compute_s": compute,
-                     "predicted_s_per_token": max(io, compute),
-                     "predicted_serial_s_per_token": io + compute,
-                     "io_floor_at_peer_disk_s": peer_io, "published_s_per_token": published})
+        rows.append(
+            {
+                "budget": budget,
+                "pinned_units": len(plan.pinned),
+                "streamed_trunk_gb": plan.streamed_bytes / GB,
+                "expert_cache_gb": plan.expert_cache / GB,
+                "expert_gb_per_token": expert_bytes / GB,
+                "io_s": io,
+                "compute_s": compute,
+                "predicted_s_per_token": max(io, compute),
+                "predicted_serial_s_per_token": io + compute,
+                "io_floor_at_peer_disk_s": peer_io,
+                "published_s_per_token": published,
+            }
+        )
     return rows
 
 
@@ -300,71 +408,116 @@ def _write(path: Path, text: str) -> None:
 def report_md(r: dict) -> str:
     rt, ck = r["rates"], r["checkpoint"]
     lines = [
-        "# Streaming engine benchmark", "",
-        f"Command: `{r['command']}` ({r['wall_s'] / 60:.1f} min, {r['threads']} torch threads, "
-        f"load average {r['load'][0]:.1f} -> {r['load'][1]:.1f} on a shared {os.cpu_count()}-core "
-        "machine: absolute times are noisy, ratios measured in the same run are the signal).", "",
-        f"Checkpoint: `reap synth k3-full --layers {ck['layers']}` = {ck['bytes'] / GB:.1f} GB "
-        f"(full-width K3: dense layer 0, {ck['layers'] - 1} MoE layer(s) of 896 MXFP4 experts, "
-        "embedding and head). Reads use O_DIRECT (`--direct`), so the page cache does not help.",
-        "", "## Rates measured in this run (the floor is built from them)", "",
-        f"- O_DIRECT sequential read (16 MB blocks): **{rt['sequential_gbps']:.2f} GB/s**; "
-        f"expert-sized reads at random experts: **{rt['expert_gbps']:.2f} GB/s**",
-        f"- bf16 matmul x[1, 7168] @ W.T (decode shape): **{rt['m1_gflops']:.1f} GFLOP/s**; "
-        f"at M=16: {rt['m16_gflops']:.1f} GFLOP/s",
+        "# Streaming engine benchmark",
+        "",
+        (
+            f"Command: `{r['command']}` ({r['wall_s'] / 60:.1f} min, {r['threads']} torch threads, "
+            f"load average {r['load'][0]:.1f} -> {r['load'][1]:.1f} on a shared {os.cpu_count()}-core "
+            "machine: absolute times are noisy, ratios measured in the same run are the signal)."
+        ),
+        "",
+        (
+            f"Checkpoint: `reap synth k3-full --layers {ck['layers']}` = {ck['bytes'] / GB:.1f} GB "
+            f"(full-width K3: dense layer 0, {ck['layers'] - 1} MoE layer(s) of 896 MXFP4 experts, "
+            "embedding and head). Reads use O_DIRECT (`--direct`), so the page cache does not help."
+        ),
+        "",
+        "## Rates measured in this run (means; each ladder row uses those measured just before it)",
+        "",
+        (
+            f"- O_DIRECT sequential read (16 MB blocks): **{rt['sequential_gbps']:.2f} GB/s**; "
+            f"expert-sized reads at random experts: **{rt['expert_gbps']:.2f} GB/s**"
+        ),
+        (
+            f"- bf16 matmul x[1, 7168] @ W.T (decode shape): **{rt['m1_gflops']:.1f} GFLOP/s**; "
+            f"at M=16: {rt['m16_gflops']:.1f} GFLOP/s"
+        ),
         f"- MXFP4 decode of one K3 expert (3 matrices -> bf16): {r['expert_decode_s'] * 1e3:.0f} ms",
         f"- matmul FLOPs per decoded token of this prefix: {r['flops_per_token'] / 1e9:.2f} GFLOP",
-        "", "## Budget ladder (batch 1)", "",
-        "floor = trunk bytes / sequential bandwidth + expert bytes / expert bandwidth + FLOPs / "
-        "matmul throughput (no overlap assumed); ratio = measured s/token / floor.", "",
-        "| budget | plan total | pinned units | expert cache | s/token | GB/token (trunk + experts) "
-        "| expert hit | I/O wait | peak RSS | floor s | ratio |",
-        "|---|---|---|---|---|---|---|---|---|---|---|"]
+        "",
+        "## Budget ladder (batch 1)",
+        "",
+        (
+            "floor = trunk bytes / sequential bandwidth + expert bytes / expert bandwidth + FLOPs / "
+            "matmul throughput (no overlap assumed); ratio = measured s/token / floor."
+        ),
+        "",
+        (
+            "| budget | plan total | pinned units | expert cache | s/token | GB/token (trunk + experts) "
+            "| expert hit | I/O wait | peak RSS | floor s | ratio |"
+        ),
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for x in r["ladder"]:
         lines.append(
             f"| {x['budget']} | {x['plan_total'] / GB:.2f} GB | {len(x['pinned'])} | "
             f"{x['expert_cache'] / GB:.2f} GB | {x['s_per_token']:.2f} | "
             f"{x['trunk_bytes_per_token'] / GB:.2f} + {x['expert_bytes_per_token'] / GB:.3f} | "
             f"{100 * x['hit_rate']:.0f}% | {100 * x['io_share']:.0f}% | "
-            f"{x['peak_rss'] / GB:.2f} GB | {x['floor_s']:.2f} | {x['ratio']:.2f} |")
+            f"{x['peak_rss'] / GB:.2f} GB | {x['floor_s']:.2f} | {x['ratio']:.2f} |"
+        )
     same = len({tuple(x["ids"]) for x in r["ladder"]}) == 1
-    lines += ["", f"Generated token ids identical across all budgets: **{same}** "
-              f"({r['ladder'][0]['ids']}).", "", "## Batch mode (lockstep decoding)", "",
-              "| batch | GB read per generated token | trunk | experts | s per step |",
-              "|---|---|---|---|---|"]
+    lines += [
+        "",
+        f"Generated token ids identical across all budgets: **{same}** ({r['ladder'][0]['ids']}).",
+        "",
+        "## Batch mode (lockstep decoding)",
+        "",
+        "| batch | GB read per generated token | trunk | experts | s per step |",
+        "|---|---|---|---|---|",
+    ]
     for x in r["batch"]:
-        lines.append(f"| {x['batch']} | {x['bytes_per_token'] / GB:.3f} | "
-                     f"{x['trunk_bytes_per_token'] / GB:.3f} | "
-                     f"{x['expert_bytes_per_token'] / GB:.3f} | {x['s_per_step']:.1f} |")
+        lines.append(
+            f"| {x['batch']} | {x['bytes_per_token'] / GB:.3f} | "
+            f"{x['trunk_bytes_per_token'] / GB:.3f} | "
+            f"{x['expert_bytes_per_token'] / GB:.3f} | {x['s_per_step']:.1f} |"
+        )
     b = {x["batch"]: x["bytes_per_token"] for x in r["batch"]}
     if 1 in b and 16 in b:
-        lines.append(f"\nBatch 16 reads {b[16] / b[1]:.3f} of batch 1's bytes per generated token "
-                     f"(target <= 0.125).")
+        lines.append(
+            f"\nBatch 16 reads {b[16] / b[1]:.3f} of batch 1's bytes per generated token "
+            f"(target <= 0.125)."
+        )
     m = r["mlx"]
     lines += ["", "## A model that fits in RAM: engine vs mlx-lm", ""]
     if "error" in m:
         lines.append(f"mlx-lm failed: {m['error']}")
     else:
-        lines += [f"{m['model']}, {m['tokens']} tokens after an 8-token prompt, same checkpoint, "
-                  "fresh processes: engine (preset max) "
-                  f"**{m['reap_tokens_per_s']:.2f} tok/s**, mlx-lm (mlx[cpu]) "
-                  f"**{m['mlx_tokens_per_s']:.2f} tok/s**. Greedy tokens agree for the first "
-                  f"{m['same_prefix_tokens']} (bf16 rounding differs between the two; on float32 "
-                  "k3-tiny the ids are identical, see tests)."]
-    lines += ["", "## Extrapolation to the full 93-layer K3", "",
-              "Plan from the size model at each budget (context 4096); I/O at the bandwidths "
-              "above; compute = FLOPs / matmul throughput + one expert decode per routed expert "
-              "used (1472 per token); predicted = max(I/O, compute) with the ring overlapping "
-              "them, serial = their sum. The last columns put the I/O floor at the peer's disk "
-              "(5.4 GB/s trunk, 3.2 GB/s experts) beside its published time on 124 cores.", "",
-              "| budget | pinned | streamed trunk GB | expert GB/token | I/O s | compute s | "
-              "predicted s/token | serial | I/O floor at peer disk | published |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            (
+                f"{m['model']}, {m['tokens']} tokens after an 8-token prompt, same checkpoint, "
+                "fresh processes: engine (preset max) "
+                f"**{m['reap_tokens_per_s']:.2f} tok/s**, mlx-lm (mlx[cpu]) "
+                f"**{m['mlx_tokens_per_s']:.2f} tok/s**. Greedy tokens agree for the first "
+                f"{m['same_prefix_tokens']} (bf16 rounding differs between the two; on float32 "
+                "k3-tiny the ids are identical, see tests)."
+            )
+        ]
+    lines += [
+        "",
+        "## Extrapolation to the full 93-layer K3",
+        "",
+        (
+            "Plan from the size model at each budget (context 4096); I/O at the bandwidths "
+            "above; compute = FLOPs / matmul throughput + one expert decode per routed expert "
+            "used (1472 per token); predicted = max(I/O, compute) with the ring overlapping "
+            "them, serial = their sum. The last columns put the I/O floor at the peer's disk "
+            "(5.4 GB/s trunk, 3.2 GB/s experts) beside its published time on 124 cores."
+        ),
+        "",
+        (
+            "| budget | pinned | streamed trunk GB | expert GB/token | I/O s | compute s | "
+            "predicted s/token | serial | I/O floor at peer disk | published |"
+        ),
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for x in r["extrapolation"]:
-        lines.append(f"| {x['budget']} | {x['pinned_units']} | {x['streamed_trunk_gb']:.1f} | "
-                     f"{x['expert_gb_per_token']:.1f} | {x['io_s']:.0f} | {x['compute_s']:.0f} | "
-                     f"{x['predicted_s_per_token']:.0f} | {x['predicted_serial_s_per_token']:.0f} "
-                     f"| {x['io_floor_at_peer_disk_s']:.1f} | {x['published_s_per_token']} |")
+        lines.append(
+            f"| {x['budget']} | {x['pinned_units']} | {x['streamed_trunk_gb']:.1f} | "
+            f"{x['expert_gb_per_token']:.1f} | {x['io_s']:.0f} | {x['compute_s']:.0f} | "
+            f"{x['predicted_s_per_token']:.0f} | {x['predicted_serial_s_per_token']:.0f} "
+            f"| {x['io_floor_at_peer_disk_s']:.1f} | {x['published_s_per_token']} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -372,9 +525,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--work", default="/tmp/reap-bench", help="where checkpoints go (not the repo)")
-    ap.add_argument("--tokens", type=int, default=4, help="generated tokens per ladder run")
-    ap.add_argument("--budgets", default="ultra,6GB,9GB,12GB")
-    ap.add_argument("--batch-budget", default="6GB")
+    ap.add_argument("--tokens", type=int, default=5, help="generated tokens per ladder run")
+    ap.add_argument("--budgets", default="ultra,6.3GB,7GB,12GB")
+    ap.add_argument("--batch-budget", default="6.5GB")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--keep", action="store_true", help="keep the big checkpoint afterwards")
     ap.add_argument("--out", default=str(ROOT / "reports"))
@@ -385,13 +538,17 @@ def main(argv: list[str] | None = None) -> int:
     from reap.checkpoint import Checkpoint
 
     ck_bytes = sum(t.nbytes for t in Checkpoint.open(ckpt).tensors.values())
-    print("measuring rates", flush=True)
-    rates = {**disk_bandwidth(ckpt), **matmul_throughput(args.threads)}
     decode_s = expert_decode_seconds(args.threads)
     flops = decode_flops(json.loads((ckpt / "config.json").read_text()))
-    print(f"  {rates}, expert decode {decode_s:.3f} s", flush=True)
+
+    def measure() -> dict:
+        r = {**disk_bandwidth(ckpt, 4.0), **matmul_throughput(args.threads, seconds=1.0)}
+        print(f"  rates {', '.join(f'{k} {v:.2f}' for k, v in r.items())}", flush=True)
+        return r
+
     print("budget ladder", flush=True)
-    rows = ladder(ckpt, args.budgets.split(","), args.tokens, args.threads, rates, flops)
+    rows = ladder(ckpt, args.budgets.split(","), args.tokens, args.threads, measure, flops)
+    rates = {k: sum(x["rates"][k] for x in rows) / len(rows) for k in rows[0]["rates"]}
     for x in rows:
         assert x["plan_total"] <= ck_bytes / 2, f"budget {x['budget']} is not below half the model"
     print("batch mode", flush=True)
@@ -401,12 +558,20 @@ def main(argv: list[str] | None = None) -> int:
     from reap.engine.memory import rss_bytes
 
     extra = extrapolate(rates, decode_s, rss_bytes()[0], args.threads)
-    result = {"command": "python experiments/bench_engine.py " + " ".join(argv or sys.argv[1:]),
-              "threads": args.threads, "load": [load0, os.getloadavg()[0]],
-              "checkpoint": {"layers": args.layers, "bytes": ck_bytes, "path": str(ckpt)},
-              "rates": rates, "expert_decode_s": decode_s, "flops_per_token": flops,
-              "ladder": rows, "batch": batch, "mlx": mlx, "extrapolation": extra,
-              "wall_s": time.perf_counter() - t0}
+    result = {
+        "command": "python experiments/bench_engine.py " + " ".join(argv or sys.argv[1:]),
+        "threads": args.threads,
+        "load": [load0, os.getloadavg()[0]],
+        "checkpoint": {"layers": args.layers, "bytes": ck_bytes, "path": str(ckpt)},
+        "rates": rates,
+        "expert_decode_s": decode_s,
+        "flops_per_token": flops,
+        "ladder": rows,
+        "batch": batch,
+        "mlx": mlx,
+        "extrapolation": extra,
+        "wall_s": time.perf_counter() - t0,
+    }
     out = Path(args.out)
     _write(out / "engine.json", json.dumps(result, indent=1) + "\n")
     _write(out / "engine.md", report_md(result))

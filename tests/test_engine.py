@@ -58,8 +58,21 @@ def ref_greedy(ref, prompt: list[int], n: int) -> list[int]:
 # -- memory plan -------------------------------------------------------------------------------
 def _mb(units=(100, 80, 80, 80, 50), experts=1000) -> memory.ModelBytes:
     n = len(units)
-    return memory.ModelBytes([f"u{i}" for i in range(n)], list(units), [0] + [10] * (n - 2) + [0],
-                             [0] + [experts // 10] * (n - 2) + [0], 2, 0, 8, 10, 20, 3, 7, 5, 1)
+    return memory.ModelBytes(
+        [f"u{i}" for i in range(n)],
+        list(units),
+        [0] + [10] * (n - 2) + [0],
+        [0] + [experts // 10] * (n - 2) + [0],
+        2,
+        0,
+        8,
+        10,
+        20,
+        3,
+        7,
+        5,
+        1,
+    )
 
 
 def test_plan_gives_the_trunk_priority_then_the_expert_cache():
@@ -125,6 +138,12 @@ def test_fast_mxfp4_decode_is_bit_identical_to_the_codec(dtype):
     slow = mxfp4.dequantize(packed, scales, dtype)
     bits = torch.int32 if dtype == torch.float32 else torch.int16
     assert fast.dtype == dtype and torch.equal(fast.view(bits), slow.view(bits))
+    big_p = torch.randint(0, 256, (700, 2048), generator=g, dtype=torch.uint8)  # 2 chunks
+    big_s = torch.randint(100, 150, (700, 128), generator=g, dtype=torch.uint8)
+    assert torch.equal(
+        decode_mxfp4(big_p, big_s, dtype).view(bits),
+        mxfp4.dequantize(big_p, big_s, dtype).view(bits),
+    )
     exact = mxfp4.dequantize_reference(packed[0, :2], scales[0, :2])
     f = fast[0, :2].double()
     assert torch.equal(f.isnan(), exact.isnan()) and torch.equal(f[~f.isnan()], exact[~f.isnan()])
@@ -164,8 +183,12 @@ def test_ring_streams_every_unit_with_prefetch_and_pinned_units_stay(tiny):
     trunk.drain()
     # each pass reads the streamed units once (the wrap-around prefetch of pass 3 included)
     assert r.io.bytes["trunk"] - pinned_bytes >= 2 * streamed
-    assert r.io.bytes["trunk"] - pinned_bytes <= 2 * streamed + 2 * max(
-        sum(ck.tensors[n].nbytes for n in b.units[i]) for i in trunk.streamed) + 4096
+    assert (
+        r.io.bytes["trunk"] - pinned_bytes
+        <= 2 * streamed
+        + 2 * max(sum(ck.tensors[n].nbytes for n in b.units[i]) for i in trunk.streamed)
+        + 4096
+    )
     trunk.close()
 
 
@@ -209,8 +232,7 @@ def test_expert_cache_matches_a_brute_force_lfu_with_aging(tiny):
             hits = cache.hits
             t = cache.get(layer, e)
             assert (cache.hits > hits) == naive.access((layer, e))
-            assert torch.equal(t["w2.weight_packed"],
-                               ck.read(fam.expert_tensor_names(layer, e)[2]))
+            assert torch.equal(t["w2.weight_packed"], ck.read(fam.expert_tensor_names(layer, e)[2]))
         cache.release()
         naive.in_use.clear()
         assert set(cache.tensors) == naive.resident
@@ -228,8 +250,9 @@ def test_engine_logits_equal_the_in_memory_forward(tiny, ref):
         assert torch.equal(got, want)
         batch = eng.logits([ids, ids[:4], [3, 2, 1, 0, 9]])  # lockstep, different lengths
         for seq, lg in zip([ids, ids[:4], [3, 2, 1, 0, 9]], batch):
-            torch.testing.assert_close(lg, model.forward(get, torch.tensor([seq]))[0],
-                                       rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(
+                lg, model.forward(get, torch.tensor([seq]))[0], rtol=1e-5, atol=1e-5
+            )
     with Engine.open(tiny, preset="max", context=64, prefill_chunk=4) as eng:
         torch.testing.assert_close(eng.logits([ids])[0], want, rtol=1e-4, atol=1e-4)
 
@@ -242,8 +265,7 @@ def test_greedy_tokens_equal_reference_and_are_identical_across_budgets(tiny, re
         with Engine.open(tiny, preset=preset, context=64) as eng:
             plans.add((len(eng.plan.pinned), eng.plan.ring_slots, eng.plan.expert_cache))
             greedy = eng.generate([prompt], max_tokens=12)[0]
-            sampled = eng.generate([prompt], max_tokens=12, temperature=0.9, top_p=0.9,
-                                   seed=7)[0]
+            sampled = eng.generate([prompt], max_tokens=12, temperature=0.9, top_p=0.9, seed=7)[0]
             runs[preset] = (greedy.ids, greedy.text, sampled.ids, sampled.text)
             assert eng.metrics.decode.tokens == 2 * 11
     assert len(plans) == 3, plans
@@ -329,8 +351,17 @@ def _run(*args, capsys=None) -> tuple[int, str, str]:
 
 
 def test_run_json_output_and_bad_arguments(tiny, capsys, tmp_path):
-    code, out, err = _run(tiny, "--prompt-ids", "1,2,3", "--max-tokens", "4", "--json",
-                          "--preset", "desktop", capsys=capsys)
+    code, out, err = _run(
+        tiny,
+        "--prompt-ids",
+        "1,2,3",
+        "--max-tokens",
+        "4",
+        "--json",
+        "--preset",
+        "desktop",
+        capsys=capsys,
+    )
     assert code == 0, err
     res = json.loads(out)
     assert len(res["generations"][0]["ids"]) == 4 and "memory plan" in err
@@ -365,12 +396,21 @@ def test_run_exit_1_on_a_missing_trunk_tensor(tiny, tmp_path, capsys):
 def test_run_exit_3_when_the_result_cannot_be_written(tiny, tmp_path, capsys):
     blocker = tmp_path / "file"
     blocker.write_text("x")
-    code, out, err = _run(tiny, "--prompt", "hi", "--max-tokens", "2", "--out",
-                          str(blocker / "out.json"), capsys=capsys)
+    code, out, err = _run(
+        tiny,
+        "--prompt",
+        "hi",
+        "--max-tokens",
+        "2",
+        "--out",
+        str(blocker / "out.json"),
+        capsys=capsys,
+    )
     assert code == 3 and "cannot write" in err and out  # printed, then not written
     ok = tmp_path / "ok.json"
-    assert _run(tiny, "--prompt", "hi", "--max-tokens", "2", "--out", str(ok),
-                capsys=capsys)[0] == 0
+    assert (
+        _run(tiny, "--prompt", "hi", "--max-tokens", "2", "--out", str(ok), capsys=capsys)[0] == 0
+    )
     assert json.loads(ok.read_text())["generations"][0]["finish_reason"] == "length"
 
 
@@ -390,19 +430,35 @@ def test_run_exit_4_when_an_expert_is_corrupt(tiny, tmp_path, capsys):
 
 def _subprocess(*args):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    return subprocess.Popen([sys.executable, "-m", "reap.cli", "run", *args], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "reap.cli", "run", *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def test_run_subprocess_peak_rss_within_plan_and_exit_5_on_sigint(tiny):
-    p = _subprocess(tiny, "--prompt-ids", "1,2,3", "--max-tokens", "6", "--json",
-                    "--preset", "ultra", "--threads", "1")
+    p = _subprocess(
+        tiny,
+        "--prompt-ids",
+        "1,2,3",
+        "--max-tokens",
+        "6",
+        "--json",
+        "--preset",
+        "ultra",
+        "--threads",
+        "1",
+    )
     out, err = p.communicate(timeout=120)
     assert p.returncode == 0, err
     res = json.loads(out)
     assert 0 < res["metrics"]["peak_rss"] <= res["plan"]["total"]
-    p = _subprocess(tiny, "--prompt-ids", "1,2,3", "--max-tokens", "4000", "--context", "4100",
-                    "--threads", "1")
+    p = _subprocess(
+        tiny, "--prompt-ids", "1,2,3", "--max-tokens", "4000", "--context", "4100", "--threads", "1"
+    )
     deadline = time.time() + 60
     while time.time() < deadline:  # wait until the plan is printed: the model is running
         line = p.stderr.readline()
@@ -423,3 +479,23 @@ def test_default_model_is_synthesized_once(tmp_path, monkeypatch):
     assert Path(path, "config.json").is_file() and default_model() == path
     with Engine.open(None, preset="ultra", context=32) as eng:
         assert eng.path == path and len(eng.generate("a", max_tokens=2)[0].ids) == 2
+
+
+def test_expert_prefetch_reads_in_background_and_serves_the_same_bytes(tiny):
+    ck = Checkpoint.open(tiny)
+    fam = family(ck.config)
+    r = Reader(ck.tensors)
+    one = sum(ck.tensors[n].nbytes for n in fam.expert_tensor_names(1, 0))
+    cache = ExpertCache(r, 4 * one, fam.expert_tensor_names)
+    ids = [0, 3, 5, 9, 11]  # one more than fits: the fifth is read into a transient buffer
+    cache.prefetch(2, ids)
+    for e in ids:
+        t = cache.get(2, e)
+        for n, short in zip(fam.expert_tensor_names(2, e), fam.EXPERT_TENSORS):
+            assert torch.equal(t[short], ck.read(n))
+    assert cache.misses == 5 and r.io.reads == 5
+    cache.release()
+    assert len(cache.tensors) == 4
+    cache.prefetch(2, ids)  # resident ones are not read again
+    assert sum(cache.get(2, e) is not None for e in ids) == 5 and r.io.reads == 6
+    cache.close()

@@ -32,16 +32,23 @@ EXIT_CODES = """exit codes:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Arguments of `reap run`."""
     p.epilog = EXIT_CODES
-    p.add_argument("model", nargs="?", default=None,
-                   help="checkpoint directory or http(s) URL (default: the bundled default "
-                        "model, a k3-tiny synthesized into ~/.cache/reap on first use)")
+    p.add_argument(
+        "model",
+        nargs="?",
+        default=None,
+        help="checkpoint directory or http(s) URL (default: the bundled default "
+        "model, a k3-tiny synthesized into ~/.cache/reap on first use)",
+    )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text (encoded with the model's tokenizer)")
     src.add_argument("--prompt-ids", help="prompt as comma-separated token ids, e.g. 1,2,3")
-    src.add_argument("--prompts", metavar="FILE.jsonl",
-                     help="batch mode: one JSON object per line with 'prompt' (text) or 'ids', "
-                          "optional max_tokens/temperature/top_p/seed/stop; all sequences "
-                          "advance in lockstep so each weight read serves every sequence")
+    src.add_argument(
+        "--prompts",
+        metavar="FILE.jsonl",
+        help="batch mode: one JSON object per line with 'prompt' (text) or 'ids', "
+        "optional max_tokens/temperature/top_p/seed/stop; all sequences "
+        "advance in lockstep so each weight read serves every sequence",
+    )
     p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate (default 64)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1)")
@@ -50,21 +57,41 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     mem = p.add_mutually_exclusive_group()
     mem.add_argument("--budget", help="RAM budget, e.g. 8GB or 512MiB (the whole process)")
     mem.add_argument("--preset", choices=list(PRESETS), help=PRESET_HELP)
-    p.add_argument("--context", type=int, default=4096,
-                   help="declared context (prompt + generated tokens) the KV cache is planned "
-                        "for (default 4096)")
+    p.add_argument(
+        "--context",
+        type=int,
+        default=4096,
+        help="declared context (prompt + generated tokens) the KV cache is planned "
+        "for (default 4096)",
+    )
     p.add_argument("--max-prompt", type=int, default=32768, help="prompt length limit (32768)")
-    p.add_argument("--max-generation", type=int, default=4096,
-                   help="generation length limit (4096)")
-    p.add_argument("--prefill-chunk", type=int, default=None,
-                   help="prompt tokens per forward pass (default: chosen by the plan)")
+    p.add_argument(
+        "--max-generation", type=int, default=4096, help="generation length limit (4096)"
+    )
+    p.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=None,
+        help="prompt tokens per forward pass (default: chosen by the plan)",
+    )
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads (default: torch's choice; 1 on a shared machine)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                   help="compute dtype (auto: float32 for float32 checkpoints, else bfloat16)")
-    p.add_argument("--direct", action="store_true",
-                   help="read with O_DIRECT (bypass the page cache) where the filesystem allows")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads (default: torch's choice; 1 on a shared machine)",
+    )
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16"],
+        help="compute dtype (auto: float32 for float32 checkpoints, else bfloat16)",
+    )
+    p.add_argument(
+        "--direct",
+        action="store_true",
+        help="read with O_DIRECT (bypass the page cache) where the filesystem allows",
+    )
     p.add_argument("--plan-only", action="store_true", help="print the memory plan and stop")
     p.add_argument("--json", action="store_true", help="print text, token ids, plan and metrics")
     p.add_argument("--out", help="also write the JSON result to this file")
@@ -76,10 +103,14 @@ def _requests(args, engine) -> list:
 
     def req(prompt, **kw) -> Request:
         stop = kw.get("stop", args.stop)
-        return Request(_encode(engine, prompt), int(kw.get("max_tokens", args.max_tokens)),
-                       float(kw.get("temperature", args.temperature)),
-                       float(kw.get("top_p", args.top_p)), int(kw.get("seed", args.seed)),
-                       tuple([stop] if isinstance(stop, str) else stop))
+        return Request(
+            _encode(engine, prompt),
+            int(kw.get("max_tokens", args.max_tokens)),
+            float(kw.get("temperature", args.temperature)),
+            float(kw.get("top_p", args.top_p)),
+            int(kw.get("seed", args.seed)),
+            tuple([stop] if isinstance(stop, str) else stop),
+        )
 
     if args.prompt is not None:
         return [req(args.prompt)]
@@ -152,29 +183,44 @@ def run(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    engine = Engine.open(args.model, budget=args.budget, preset=args.preset,
-                         context=args.context, device=args.device, dtype=args.dtype,
-                         batch=batch, prefill_chunk=args.prefill_chunk, direct=args.direct,
-                         max_prompt=args.max_prompt, max_generation=args.max_generation)
+    engine = Engine.open(
+        args.model,
+        budget=args.budget,
+        preset=args.preset,
+        context=args.context,
+        device=args.device,
+        dtype=args.dtype,
+        batch=batch,
+        prefill_chunk=args.prefill_chunk,
+        direct=args.direct,
+        max_prompt=args.max_prompt,
+        max_generation=args.max_generation,
+    )
     with engine:
         if not args.quiet:
             print(engine.plan.describe(), file=sys.stderr)
         if args.plan_only:
             return 0
         gens = generate(engine, None, requests=_requests(args, engine))
-        result = {"model": engine.path, "fingerprint": engine.fingerprint,
-                  "generations": [g.as_dict() for g in gens], "plan": engine.plan.to_dict(),
-                  "metrics": engine.last_metrics.as_dict(),
-                  "unit_seconds": dict(zip(engine.binding.unit_names, engine.unit_seconds)),
-                  "expert_failures": [list(f) for f in engine.expert_failures]}
+        result = {
+            "model": engine.path,
+            "fingerprint": engine.fingerprint,
+            "generations": [g.as_dict() for g in gens],
+            "plan": engine.plan.to_dict(),
+            "metrics": engine.last_metrics.as_dict(),
+            "unit_seconds": dict(zip(engine.binding.unit_names, engine.unit_seconds)),
+            "expert_failures": [list(f) for f in engine.expert_failures],
+        }
         _print(args, gens, result, engine)
         if args.out:
             _write_atomic(args.out, json.dumps(result, indent=1) + "\n")
         if engine.expert_failures:
             f = engine.expert_failures
-            raise ReapError(f"{len(f)} routed expert load(s) failed (first: layer {f[0][0]} "
-                            f"expert {f[0][1]}: {f[0][2]}); the output is not trustworthy",
-                            EXIT_EXPERT_LOAD)
+            raise ReapError(
+                f"{len(f)} routed expert load(s) failed (first: layer {f[0][0]} "
+                f"expert {f[0][1]}: {f[0][2]}); the output is not trustworthy",
+                EXIT_EXPERT_LOAD,
+            )
     return 0
 
 

@@ -57,13 +57,18 @@ def bind(tensors: dict, fam, config: dict, path: str) -> Binding:
         if t is None:
             raise ReapError(f"{path}: tensor binding failed: {s.name} is missing", EXIT_FAILURE)
         if tuple(t.shape) != tuple(s.shape) or t.dtype != s.dtype:
-            raise ReapError(f"{path}: tensor binding failed: {s.name} is {t.dtype} "
-                            f"{list(t.shape)}, the layout wants {s.dtype} {list(s.shape)}",
-                            EXIT_FAILURE)
+            raise ReapError(
+                f"{path}: tensor binding failed: {s.name} is {t.dtype} "
+                f"{list(t.shape)}, the layout wants {s.dtype} {list(s.shape)}",
+                EXIT_FAILURE,
+            )
     unused = sorted(n for n in tensors if n not in known)
     if unused:
-        raise ReapError(f"{path}: tensor binding failed: {unused[0]} is not used by the model "
-                        f"({len(unused)} unused tensors)", EXIT_FAILURE)
+        raise ReapError(
+            f"{path}: tensor binding failed: {unused[0]} is not used by the model "
+            f"({len(unused)} unused tensors)",
+            EXIT_FAILURE,
+        )
     n_layers = 1 + max((s.layer for s in specs if s.layer is not None), default=-1)
     units: list[list[str]] = [[] for _ in range(n_layers + 1)]
     embed_specs = [s for s in specs if s.component == "embed_head" and s.layer is None]
@@ -96,15 +101,20 @@ def state_costs(fam, cfg, act_bytes: int) -> tuple[int, int, int, int]:
     k = cfg.linear_attn_config.get("short_conv_kernel_size", 4)
     per_seq = len(kda) * (cfg.kda_heads * cfg.kda_head_dim**2 * 4 + (k - 1) * 3 * P * act_bytes)
     blocks = -(-n // (cfg.attn_res_block_size or n))
-    widest = max(cfg.intermediate_size, 3 * P, cfg.num_attention_heads * (
-        cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + 2 * cfg.v_head_dim))
+    widest = max(
+        cfg.intermediate_size,
+        3 * P,
+        cfg.num_attention_heads
+        * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + 2 * cfg.v_head_dim),
+    )
     act = 4 * (cfg.hidden_size * (blocks + 8) + 4 * widest)
     pair = 4 * 3 * max(cfg.num_attention_heads, cfg.kda_heads if kda else 0)
     return per_pos, per_seq, act, pair
 
 
-def model_bytes(tensors: dict, fam, b: Binding, costs: tuple[int, int, int, int],
-                top_k: int, dtype: torch.dtype) -> memory.ModelBytes:
+def model_bytes(
+    tensors: dict, fam, b: Binding, costs: tuple[int, int, int, int], top_k: int, dtype: torch.dtype
+) -> memory.ModelBytes:
     """The plan's view of a bound checkpoint (bytes as stored) computing in `dtype`."""
     units = [sum(tensors[n].nbytes for n in names) for names in b.units]
     expert_bytes = [0] * len(units)
@@ -113,15 +123,31 @@ def model_bytes(tensors: dict, fam, b: Binding, costs: tuple[int, int, int, int]
         expert_bytes[layer] = sum(tensors[n].nbytes for n in fam.expert_tensor_names(layer, 0))
         n_experts[layer] = b.n_experts
     code, size = DTYPE_CODES[dtype], torch.finfo(dtype).bits // 8
-    cast = max((_numel(tensors[n].shape) * size for names in b.units for n in names
-                if tensors[n].dtype not in (code, "F32")), default=0)
+    cast = max(
+        (
+            _numel(tensors[n].shape) * size
+            for names in b.units
+            for n in names
+            if tensors[n].dtype not in (code, "F32")
+        ),
+        default=0,
+    )
     row = tensors[b.embed]
     return memory.ModelBytes(
-        unit_names=list(b.unit_names), units=units, expert_bytes=expert_bytes,
-        n_experts=n_experts, top_k=top_k, resident=0, embed_row=row.nbytes // row.shape[0],
-        cast_bytes=cast, decoded_expert_bytes=_decoded(tensors, fam, b, size),
-        state_per_position=costs[0], state_per_sequence=costs[1], act_per_token=costs[2],
-        attn_per_pair=costs[3])
+        unit_names=list(b.unit_names),
+        units=units,
+        expert_bytes=expert_bytes,
+        n_experts=n_experts,
+        top_k=top_k,
+        resident=0,
+        embed_row=row.nbytes // row.shape[0],
+        cast_bytes=cast,
+        decoded_expert_bytes=_decoded(tensors, fam, b, size),
+        state_per_position=costs[0],
+        state_per_sequence=costs[1],
+        act_per_token=costs[2],
+        attn_per_pair=costs[3],
+    )
 
 
 def _decoded(tensors: dict, fam, b: Binding, size: int) -> int:
@@ -130,8 +156,14 @@ def _decoded(tensors: dict, fam, b: Binding, size: int) -> int:
     if not b.expert_layers:
         return 0
     names = fam.expert_tensor_names(b.expert_layers[0], 0)
-    elems = sum(2 * tensors[n].nbytes if n.endswith("_packed") else
-                0 if n.endswith("_scale") else _numel(tensors[n].shape) for n in names)
+    elems = sum(
+        2 * tensors[n].nbytes
+        if n.endswith("_packed")
+        else 0
+        if n.endswith("_scale")
+        else _numel(tensors[n].shape)
+        for n in names
+    )
     return elems * size
 
 
@@ -161,13 +193,24 @@ class Engine:
         self.metrics = RunMetrics()
         self._sync_io = 0.0  # compute-thread read seconds (experts, embedding rows)
         self.unit_seconds = [0.0] * len(self.binding.units)  # wall time per trunk unit, cumulative
+        self._source = _ExpertSource(self)
 
     @classmethod
-    def open(cls, model: str | os.PathLike | None = None, budget: str | int | None = None,
-             preset: str | None = None, context: int = 4096, device: str = "cpu",
-             dtype: str | None = None, batch: int = 1, prefill_chunk: int | None = None,
-             direct: bool = False, max_prompt: int = 32768, max_generation: int = 4096,
-             available: int | None = None) -> "Engine":
+    def open(
+        cls,
+        model: str | os.PathLike | None = None,
+        budget: str | int | None = None,
+        preset: str | None = None,
+        context: int = 4096,
+        device: str = "cpu",
+        dtype: str | None = None,
+        batch: int = 1,
+        prefill_chunk: int | None = None,
+        direct: bool = False,
+        max_prompt: int = 32768,
+        max_generation: int = 4096,
+        available: int | None = None,
+    ) -> Engine:
         """Bind `model` (a checkpoint directory; None = the bundled default), plan memory for
         `batch` sequences of `context` positions under `budget` (bytes or "8GB") or `preset`,
         refuse a plan above 95 % of available memory (exit 2), then read the pinned trunk."""
@@ -193,23 +236,39 @@ class Engine:
         torch_dtype = _compute_dtype(dtype, cfg)
         b = bind(ckpt.tensors, fam, config, str(model))
         costs = state_costs(fam, cfg, torch.finfo(torch_dtype).bits // 8)
-        mb = model_bytes(ckpt.tensors, fam, b, costs, int(getattr(cfg, "num_experts_per_token", 0)),
-                         torch_dtype)
+        mb = model_bytes(
+            ckpt.tensors, fam, b, costs, int(getattr(cfg, "num_experts_per_token", 0)), torch_dtype
+        )
         plan = _make_plan(mb, budget, preset, context, batch, prefill_chunk, available)
         memory.check_available(plan, available)
         reader = Reader(ckpt.tensors, direct=direct, ensure=getattr(ckpt, "ensure", None))
         try:
-            trunk = TrunkStore(reader, b.units, plan.pinned, plan.ring_slots, plan.slot_bytes,
-                               device=device)
+            trunk = TrunkStore(
+                reader, b.units, plan.pinned, plan.ring_slots, plan.slot_bytes, device=device
+            )
         except ReapError:
             reader.close()
             raise
         experts = ExpertCache(reader, plan.expert_cache, fam.expert_tensor_names, device=device)
-        eng = cls(path=str(model), config=config, fam=fam, cfg=cfg, binding=b, plan=plan,
-                  reader=reader, trunk=trunk, experts=experts, device=device, dtype=torch_dtype,
-                  model=fam.Model(cfg, device=device, dtype=torch_dtype),
-                  tokenizer=_tokenizer(ckpt.path), context=context, max_prompt=max_prompt,
-                  max_generation=max_generation, fingerprint=ckpt.fingerprint())
+        eng = cls(
+            path=str(model),
+            config=config,
+            fam=fam,
+            cfg=cfg,
+            binding=b,
+            plan=plan,
+            reader=reader,
+            trunk=trunk,
+            experts=experts,
+            device=device,
+            dtype=torch_dtype,
+            model=fam.Model(cfg, device=device, dtype=torch_dtype),
+            tokenizer=_tokenizer(ckpt.path),
+            context=context,
+            max_prompt=max_prompt,
+            max_generation=max_generation,
+            fingerprint=ckpt.fingerprint(),
+        )
         eng.metrics.open_seconds = time.perf_counter() - t0
         eng.metrics.pinned_read_bytes = reader.io.bytes["trunk"]
         return eng
@@ -218,8 +277,13 @@ class Engine:
     def new_sequence(self) -> Sequence:
         return Sequence(self.model.new_caches())
 
-    def step(self, seqs: list[Sequence], chunks: list[list[int]], all_positions: bool = False,
-             more: bool = True) -> list[torch.Tensor]:
+    def step(
+        self,
+        seqs: list[Sequence],
+        chunks: list[list[int]],
+        all_positions: bool = False,
+        more: bool = True,
+    ) -> list[torch.Tensor]:
         """Advance each sequence by its chunk of token ids (all in lockstep). Returns per
         sequence the next-token logits, float32 on CPU: [T_s, V] if `all_positions` else [V].
         `more`: another step follows (lets the ring read the first layer during the head)."""
@@ -244,7 +308,7 @@ class Engine:
                 states[k], x = m.attn_block(i, get, states[k], cache=s.caches[i])
                 xs.append(x.reshape(-1, x.shape[-1]))
             x = torch.cat(xs)[None]  # [1, N, D] every sequence's tokens
-            y = m.mlp_block(i, get, x, experts=self._expert)[0]  # [N, D]
+            y = m.mlp_block(i, get, x, experts=self._source)[0]  # [N, D]
             self.experts.release()
             for k, y_k in enumerate(y.split(sizes)):
                 states[k] = m.finish_layer(i, states[k], y_k[None])
@@ -307,30 +371,63 @@ class Engine:
     def counters(self) -> dict:
         """A snapshot of the I/O and cache counters (for RunMetrics.add)."""
         io = self.reader.io
-        return {"bytes": dict(io.bytes), "reads": io.reads, "io_seconds": io.seconds,
-                "wait_seconds": io.stall + self._sync_io, "expert_hits": self.experts.hits,
-                "expert_misses": self.experts.misses}
+        return {
+            "bytes": dict(io.bytes),
+            "reads": io.reads,
+            "io_seconds": io.seconds,
+            "wait_seconds": io.stall + self._sync_io,
+            "expert_hits": self.experts.hits,
+            "expert_misses": self.experts.misses,
+        }
 
     @property
     def expert_failures(self) -> list[tuple[int, int, str]]:
         """(layer, expert, reason) of every routed expert that failed to load."""
         return list(self.experts.failed)
 
-    def generate(self, prompts, max_tokens: int = 64, temperature: float = 0.0,
-                 top_p: float = 1.0, seed: int = 0, stop=()):
+    def generate(
+        self,
+        prompts,
+        max_tokens: int = 64,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int = 0,
+        stop=(),
+    ):
         """See `reap.engine.generate.generate`."""
         from reap.engine.generate import generate
 
-        return generate(self, prompts, max_tokens=max_tokens, temperature=temperature,
-                        top_p=top_p, seed=seed, stop=stop)
+        return generate(
+            self,
+            prompts,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            seed=seed,
+            stop=stop,
+        )
 
-    def stream(self, prompt, max_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
-               seed: int = 0, stop=()):
+    def stream(
+        self,
+        prompt,
+        max_tokens: int = 64,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int = 0,
+        stop=(),
+    ):
         """See `reap.engine.generate.stream`: yields token ids as they are sampled."""
         from reap.engine.generate import stream
 
-        return stream(self, prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                      seed=seed, stop=stop)
+        return stream(
+            self,
+            prompt,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            seed=seed,
+            stop=stop,
+        )
 
     def logits(self, sequences) -> list[torch.Tensor]:
         """See `reap.engine.generate.teacher_forced_logits`: [T, V] float32 per sequence."""
@@ -344,11 +441,26 @@ class Engine:
         self.experts.close()
         self.reader.close()
 
-    def __enter__(self) -> "Engine":
+    def __enter__(self) -> Engine:  # noqa: PYI034
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class _ExpertSource:
+    """The ExpertSource handed to the model: `source(layer, expert)` -> tensors; a model that
+    knows a layer's routing before dispatching may call `source.prefetch(layer, ids)` so the
+    reads of all of them start at once, in the background."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+
+    def __call__(self, layer: int, expert: int) -> dict[str, torch.Tensor]:
+        return self.engine._expert(layer, expert)
+
+    def prefetch(self, layer: int, experts) -> None:
+        self.engine.experts.prefetch(layer, [int(e) for e in experts])
 
 
 def _compute_dtype(dtype: str | None, cfg) -> torch.dtype:
@@ -390,8 +502,9 @@ def _getter(tensors: dict[str, torch.Tensor], where: str):
         try:
             return tensors[name]
         except KeyError:
-            raise ReapError(f"tensor binding failed: {name} is not part of {where}",
-                            EXIT_FAILURE) from None
+            raise ReapError(
+                f"tensor binding failed: {name} is not part of {where}", EXIT_FAILURE
+            ) from None
 
     return get
 

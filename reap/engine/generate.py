@@ -13,8 +13,8 @@ tokens on any device and any budget. Greedy takes the lowest id among equal maxi
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
 
 import torch
 
@@ -46,12 +46,17 @@ class Generation:
     finish_reason: str = "length"
 
     def as_dict(self) -> dict:
-        return {"prompt_ids": self.prompt_ids, "ids": self.ids, "text": self.text,
-                "finish_reason": self.finish_reason}
+        return {
+            "prompt_ids": self.prompt_ids,
+            "ids": self.ids,
+            "text": self.text,
+            "finish_reason": self.finish_reason,
+        }
 
 
-def sample(logits: torch.Tensor, temperature: float, top_p: float,
-           gen: torch.Generator | None) -> int:
+def sample(
+    logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator | None
+) -> int:
     """Next token from logits [V]: argmax when temperature <= 0, else temperature + top-p."""
     if temperature <= 0:
         return int(torch.argmax(logits))
@@ -103,17 +108,22 @@ def check_request(engine, r: Request) -> None:
     if not r.ids:
         raise ReapError("empty prompt")
     if len(r.ids) > engine.max_prompt:
-        raise ReapError(f"prompt of {len(r.ids)} tokens exceeds the limit of {engine.max_prompt}"
-                        f" (--max-prompt)")
+        raise ReapError(
+            f"prompt of {len(r.ids)} tokens exceeds the limit of {engine.max_prompt} (--max-prompt)"
+        )
     if not 1 <= r.max_tokens <= engine.max_generation:
-        raise ReapError(f"max tokens {r.max_tokens} outside [1, {engine.max_generation}] "
-                        f"(--max-generation)")
+        raise ReapError(
+            f"max tokens {r.max_tokens} outside [1, {engine.max_generation}] (--max-generation)"
+        )
     if len(r.ids) + r.max_tokens > engine.context:
-        raise ReapError(f"prompt ({len(r.ids)}) + max tokens ({r.max_tokens}) exceed the declared"
-                        f" context of {engine.context} (--context)")
+        raise ReapError(
+            f"prompt ({len(r.ids)}) + max tokens ({r.max_tokens}) exceed the declared"
+            f" context of {engine.context} (--context)"
+        )
     if not 0 < r.top_p <= 1 or r.temperature < 0:
-        raise ReapError(f"need temperature >= 0 and 0 < top_p <= 1 (got {r.temperature}, "
-                        f"{r.top_p})")
+        raise ReapError(
+            f"need temperature >= 0 and 0 < top_p <= 1 (got {r.temperature}, {r.top_p})"
+        )
 
 
 def _prefill(engine, seqs, requests, metrics: RunMetrics) -> list[torch.Tensor]:
@@ -124,18 +134,24 @@ def _prefill(engine, seqs, requests, metrics: RunMetrics) -> list[torch.Tensor]:
     t0, c0 = time.perf_counter(), engine.counters()
     while any(p < len(r.ids) for p, r in zip(pos, requests)):
         live = [k for k, r in enumerate(requests) if pos[k] < len(r.ids)]
-        chunks = [requests[k].ids[pos[k]: pos[k] + chunk] for k in live]
+        chunks = [requests[k].ids[pos[k] : pos[k] + chunk] for k in live]
         outs = engine.step([seqs[k] for k in live], chunks, more=True)
         for k, c, o in zip(live, chunks, outs):
             pos[k] += len(c)
             last[k] = o
-    metrics.add("prefill", sum(len(r.ids) for r in requests), time.perf_counter() - t0, c0,
-                engine.counters())
+    metrics.add(
+        "prefill",
+        sum(len(r.ids) for r in requests),
+        time.perf_counter() - t0,
+        c0,
+        engine.counters(),
+    )
     return last
 
 
-def _events(engine, requests: list[Request], metrics: RunMetrics
-            ) -> Iterator[tuple[int, int, Generation]]:
+def _events(
+    engine, requests: list[Request], metrics: RunMetrics
+) -> Iterator[tuple[int, int, Generation]]:
     """Run requests in lockstep; yield (sequence index, token, its Generation) per new token."""
     for r in requests:
         check_request(engine, r)
@@ -159,13 +175,17 @@ def _events(engine, requests: list[Request], metrics: RunMetrics
                 elif stops[k].feed(g.ids):
                     g.finish_reason = "stop"
                 yield k, tok, g
-            live = [k for k in live if gens[k].finish_reason == "length"
-                    and len(gens[k].ids) < requests[k].max_tokens]
+            live = [
+                k
+                for k in live
+                if gens[k].finish_reason == "length" and len(gens[k].ids) < requests[k].max_tokens
+            ]
             if not live:
                 break
             more = any(len(gens[k].ids) + 1 < requests[k].max_tokens for k in live)
-            outs = engine.step([seqs[k] for k in live], [[gens[k].ids[-1]] for k in live],
-                               more=more)
+            outs = engine.step(
+                [seqs[k] for k in live], [[gens[k].ids[-1]] for k in live], more=more
+            )
             n += len(live)
             for k, o in zip(live, outs):
                 logits[k] = o
@@ -191,18 +211,28 @@ def _finish(engine, metrics: RunMetrics, requests, gens) -> None:
     engine.last_metrics = metrics
 
 
-def requests_from(engine, prompts, max_tokens: int, temperature: float, top_p: float, seed: int,
-                  stop) -> list[Request]:
+def requests_from(
+    engine, prompts, max_tokens: int, temperature: float, top_p: float, seed: int, stop
+) -> list[Request]:
     """Requests with shared settings for prompts given as text or token id lists."""
     if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
         prompts = [prompts]
     stop = (stop,) if isinstance(stop, str) else tuple(stop or ())
-    return [Request(_encode(engine, p), max_tokens, temperature, top_p, seed, stop)
-            for p in prompts]
+    return [
+        Request(_encode(engine, p), max_tokens, temperature, top_p, seed, stop) for p in prompts
+    ]
 
 
-def generate(engine, prompts, max_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
-             seed: int = 0, stop=(), requests: list[Request] | None = None) -> list[Generation]:
+def generate(
+    engine,
+    prompts,
+    max_tokens: int = 64,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    stop=(),
+    requests: list[Request] | None = None,
+) -> list[Generation]:
     """Generate for every prompt (text or token ids) in lockstep; returns one Generation each.
     `requests` instead gives each sequence its own settings."""
     reqs = requests or requests_from(engine, prompts, max_tokens, temperature, top_p, seed, stop)
@@ -212,8 +242,15 @@ def generate(engine, prompts, max_tokens: int = 64, temperature: float = 0.0, to
     return gens
 
 
-def stream(engine, prompt, max_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
-           seed: int = 0, stop=()) -> Iterator[int]:
+def stream(
+    engine,
+    prompt,
+    max_tokens: int = 64,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    stop=(),
+) -> Iterator[int]:
     """Yield the generated token ids of one prompt as they are sampled (closing the iterator
     stops generation)."""
     reqs = requests_from(engine, prompt, max_tokens, temperature, top_p, seed, stop)
@@ -235,12 +272,13 @@ def teacher_forced_logits(engine, sequences) -> list[torch.Tensor]:
     metrics, t0, c0 = RunMetrics(), time.perf_counter(), engine.counters()
     while any(p < len(r.ids) for p, r in zip(pos, reqs)):
         live = [k for k, r in enumerate(reqs) if pos[k] < len(r.ids)]
-        chunks = [reqs[k].ids[pos[k]: pos[k] + chunk] for k in live]
+        chunks = [reqs[k].ids[pos[k] : pos[k] + chunk] for k in live]
         more = any(pos[k] + chunk < len(reqs[k].ids) for k in live)
         for k, c, o in zip(live, chunks, engine.step([seqs[k] for k in live], chunks, True, more)):
             pos[k] += len(c)
             out[k].append(o)
-    metrics.add("prefill", sum(len(r.ids) for r in reqs), time.perf_counter() - t0, c0,
-                engine.counters())
+    metrics.add(
+        "prefill", sum(len(r.ids) for r in reqs), time.perf_counter() - t0, c0, engine.counters()
+    )
     _finish(engine, metrics, reqs, [])
     return [torch.cat(o) for o in out]

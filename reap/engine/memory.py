@@ -122,8 +122,15 @@ class MemoryPlan:
 
     @property
     def total(self) -> int:
-        return (self.baseline + self.resident + self.state + self.scratch + self.pinned_bytes
-                + self.ring_bytes + self.expert_cache)
+        return (
+            self.baseline
+            + self.resident
+            + self.state
+            + self.scratch
+            + self.pinned_bytes
+            + self.ring_bytes
+            + self.expert_cache
+        )
 
     def describe(self) -> str:
         """A human-readable table of the plan."""
@@ -144,13 +151,23 @@ class MemoryPlan:
 
     def to_dict(self) -> dict:
         """JSON-ready summary."""
-        return {"budget": self.budget, "total": self.total, "baseline": self.baseline,
-                "resident": self.resident, "state": self.state, "scratch": self.scratch,
-                "pinned_units": [self.unit_names[i] for i in self.pinned],
-                "pinned_bytes": self.pinned_bytes, "ring_slots": self.ring_slots,
-                "slot_bytes": self.slot_bytes, "expert_cache": self.expert_cache,
-                "streamed_bytes": self.streamed_bytes, "context": self.context,
-                "batch": self.batch, "prefill_chunk": self.prefill_chunk}
+        return {
+            "budget": self.budget,
+            "total": self.total,
+            "baseline": self.baseline,
+            "resident": self.resident,
+            "state": self.state,
+            "scratch": self.scratch,
+            "pinned_units": [self.unit_names[i] for i in self.pinned],
+            "pinned_bytes": self.pinned_bytes,
+            "ring_slots": self.ring_slots,
+            "slot_bytes": self.slot_bytes,
+            "expert_cache": self.expert_cache,
+            "streamed_bytes": self.streamed_bytes,
+            "context": self.context,
+            "batch": self.batch,
+            "prefill_chunk": self.prefill_chunk,
+        }
 
 
 def _fmt(n: int) -> str:
@@ -177,13 +194,22 @@ def fixed_costs(mb: ModelBytes, context: int, batch: int, prefill_chunk: int) ->
     # a weight cast to the compute dtype, one decoded expert (and the next, while the first
     # is released), activations of one chunk of every sequence, and the attention scores of
     # one sequence's chunk against its whole context
-    scratch = (OVERHEAD + mb.cast_bytes + 2 * mb.decoded_expert_bytes
-               + batch * chunk * mb.act_per_token + chunk * context * mb.attn_per_pair)
+    scratch = (
+        OVERHEAD
+        + mb.cast_bytes
+        + 2 * mb.decoded_expert_bytes
+        + batch * chunk * mb.act_per_token
+        + chunk * context * mb.attn_per_pair
+    )
     return state, scratch
 
 
-def choose_prefill_chunk(mb: ModelBytes, context: int, budget: int,
-                         choices: tuple[int, ...] = (512, 256, 128, 64, 32, 16)) -> int:
+def choose_prefill_chunk(
+    mb: ModelBytes,
+    context: int,
+    budget: int,
+    choices: tuple[int, ...] = (512, 256, 128, 64, 32, 16),
+) -> int:
     """The largest prefill chunk whose attention scores take at most 1/8 of the budget."""
     for c in choices:
         if c * context * mb.attn_per_pair <= budget // 8:
@@ -191,15 +217,22 @@ def choose_prefill_chunk(mb: ModelBytes, context: int, budget: int,
     return choices[-1]
 
 
-def minimum_budget(mb: ModelBytes, context: int, batch: int = 1, prefill_chunk: int = 512,
-                   baseline: int = 0) -> int:
+def minimum_budget(
+    mb: ModelBytes, context: int, batch: int = 1, prefill_chunk: int = 512, baseline: int = 0
+) -> int:
     """The smallest budget that runs: all trunk units streamed, no expert cache."""
     state, scratch = fixed_costs(mb, context, batch, prefill_chunk)
     return baseline + mb.resident + state + scratch + RING_SLOTS * max(mb.units)
 
 
-def preset_budget(mb: ModelBytes, preset: str, context: int, batch: int = 1,
-                  prefill_chunk: int = 512, baseline: int = 0) -> int:
+def preset_budget(
+    mb: ModelBytes,
+    preset: str,
+    context: int,
+    batch: int = 1,
+    prefill_chunk: int = 512,
+    baseline: int = 0,
+) -> int:
     """The budget a preset stands for on this model (see PRESETS)."""
     if preset not in PRESETS:
         raise ReapError(f"unknown preset {preset!r} (choose from {', '.join(PRESETS)})")
@@ -210,16 +243,24 @@ def preset_budget(mb: ModelBytes, preset: str, context: int, batch: int = 1,
     return base + int(f_trunk * mb.trunk) + int(f_experts * mb.experts_total)
 
 
-def make_plan(mb: ModelBytes, budget: int, context: int, batch: int = 1,
-              prefill_chunk: int = 512, baseline: int = 0) -> MemoryPlan:
+def make_plan(
+    mb: ModelBytes,
+    budget: int,
+    context: int,
+    batch: int = 1,
+    prefill_chunk: int = 512,
+    baseline: int = 0,
+) -> MemoryPlan:
     """Split `budget` bytes: fixed costs, then the ring, then pinned trunk, then expert cache.
 
     Raises ReapError (exit 2) if the budget cannot hold the smallest runnable plan."""
     state, scratch = fixed_costs(mb, context, batch, prefill_chunk)
     need = minimum_budget(mb, context, batch, prefill_chunk, baseline)
     if budget < need:
-        raise ReapError(f"budget {_fmt(budget)} is below the {_fmt(need)} this model needs at "
-                        f"context {context} x batch {batch} (short by {_fmt(need - budget)})")
+        raise ReapError(
+            f"budget {_fmt(budget)} is below the {_fmt(need)} this model needs at "
+            f"context {context} x batch {batch} (short by {_fmt(need - budget)})"
+        )
     free = budget - (baseline + mb.resident + state + scratch)
     pinned = _pin(mb.units, free)
     rest = [b for i, b in enumerate(mb.units) if i not in pinned]
@@ -227,8 +268,22 @@ def make_plan(mb: ModelBytes, budget: int, context: int, batch: int = 1,
     slot = max(rest) if rest else 0
     left = free - slots * slot - sum(mb.units[i] for i in pinned)
     cache = max(0, min(left, mb.experts_total))
-    return MemoryPlan(budget, baseline, mb.resident, state, scratch, sorted(pinned), slots, slot,
-                      cache, context, batch, prefill_chunk, list(mb.unit_names), list(mb.units))
+    return MemoryPlan(
+        budget,
+        baseline,
+        mb.resident,
+        state,
+        scratch,
+        sorted(pinned),
+        slots,
+        slot,
+        cache,
+        context,
+        batch,
+        prefill_chunk,
+        list(mb.unit_names),
+        list(mb.units),
+    )
 
 
 def _pin(units: list[int], free: int) -> set[int]:
@@ -295,8 +350,12 @@ def _cgroup_files() -> list[tuple[str, str]]:
         elif "memory" in controllers.split(","):
             base = f"/sys/fs/cgroup/memory{path}"
             out.append((f"{base}/memory.limit_in_bytes", f"{base}/memory.usage_in_bytes"))
-            out.append(("/sys/fs/cgroup/memory/memory.limit_in_bytes",
-                        "/sys/fs/cgroup/memory/memory.usage_in_bytes"))
+            out.append(
+                (
+                    "/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                    "/sys/fs/cgroup/memory/memory.usage_in_bytes",
+                )
+            )
     out.append(("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"))
     return out
 
@@ -311,9 +370,11 @@ def check_available(plan: MemoryPlan, available: int | None = None) -> None:
     need = plan.total - plan.baseline
     allowed = int(REFUSE_FRACTION * available)
     if need > allowed:
-        raise ReapError(f"memory plan needs {_fmt(need)} beyond the running process but only "
-                        f"{_fmt(allowed)} is allowed (95% of {_fmt(available)} available, "
-                        f"{source}): short by {_fmt(need - allowed)}; lower --budget or --context")
+        raise ReapError(
+            f"memory plan needs {_fmt(need)} beyond the running process but only "
+            f"{_fmt(allowed)} is allowed (95% of {_fmt(available)} available, "
+            f"{source}): short by {_fmt(need - allowed)}; lower --budget or --context"
+        )
 
 
 def rss_bytes() -> tuple[int, int]:

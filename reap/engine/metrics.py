@@ -57,10 +57,15 @@ class PhaseMetrics:
 
     def as_dict(self) -> dict:
         d = asdict(self)
-        d.update(tokens_per_s=self.tokens_per_s, bytes_per_token=self.bytes_per_token(),
-                 trunk_bytes_per_token=self.bytes_per_token("trunk"),
-                 expert_bytes_per_token=self.bytes_per_token("experts"),
-                 expert_hit_rate=self.hit_rate, read_gbps=self.read_gbps, io_share=self.io_share)
+        d.update(
+            tokens_per_s=self.tokens_per_s,
+            bytes_per_token=self.bytes_per_token(),
+            trunk_bytes_per_token=self.bytes_per_token("trunk"),
+            expert_bytes_per_token=self.bytes_per_token("experts"),
+            expert_hit_rate=self.hit_rate,
+            read_gbps=self.read_gbps,
+            io_share=self.io_share,
+        )
         return d
 
 
@@ -88,7 +93,7 @@ class RunMetrics:
         for name in ("reads", "io_seconds", "wait_seconds", "expert_hits", "expert_misses"):
             setattr(p, name, getattr(p, name) + after[name] - before[name])
 
-    def merge(self, other: "RunMetrics") -> None:
+    def merge(self, other: RunMetrics) -> None:
         """Accumulate another run into this one (peak RSS: the maximum)."""
         for phase in ("prefill", "decode"):
             a, b = getattr(self, phase), getattr(other, phase)
@@ -104,21 +109,33 @@ class RunMetrics:
         self.peak_rss = max(self.peak_rss, other.peak_rss)
 
     def as_dict(self) -> dict:
-        return {"prefill": self.prefill.as_dict(), "decode": self.decode.as_dict(),
-                "sequences": self.sequences, "generated_tokens": self.generated_tokens,
-                "expert_failures": self.expert_failures, "peak_rss": self.peak_rss,
-                "open_seconds": self.open_seconds, "pinned_read_bytes": self.pinned_read_bytes}
+        return {
+            "prefill": self.prefill.as_dict(),
+            "decode": self.decode.as_dict(),
+            "sequences": self.sequences,
+            "generated_tokens": self.generated_tokens,
+            "expert_failures": self.expert_failures,
+            "peak_rss": self.peak_rss,
+            "open_seconds": self.open_seconds,
+            "pinned_read_bytes": self.pinned_read_bytes,
+        }
 
     def describe(self) -> str:
         """A few human-readable lines."""
         p, d = self.prefill, self.decode
-        return "\n".join([
-            f"prefill: {p.tokens} tokens in {p.seconds:.3f} s ({p.tokens_per_s:.2f} tok/s)",
-            f"decode:  {d.tokens} tokens in {d.seconds:.3f} s ({d.tokens_per_s:.2f} tok/s, "
-            f"{d.seconds / d.tokens if d.tokens else 0:.3f} s/token)",
-            f"read per decoded token: trunk {d.bytes_per_token('trunk') / 1e6:.2f} MB, experts "
-            f"{d.bytes_per_token('experts') / 1e6:.2f} MB; expert hit rate "
-            f"{100 * d.hit_rate:.1f}%; {d.read_gbps:.2f} GB/s while reading; I/O wait "
-            f"{100 * d.io_share:.0f}% of decode time",
-            f"peak RSS {self.peak_rss / 1e9:.3f} GB; expert load failures {self.expert_failures}",
-        ])
+        return "\n".join(
+            [
+                f"prefill: {p.tokens} tokens in {p.seconds:.3f} s ({p.tokens_per_s:.2f} tok/s)",
+                (
+                    f"decode:  {d.tokens} tokens in {d.seconds:.3f} s ({d.tokens_per_s:.2f} tok/s, "
+                    f"{d.seconds / d.tokens if d.tokens else 0:.3f} s/token)"
+                ),
+                (
+                    f"read per decoded token: trunk {d.bytes_per_token('trunk') / 1e6:.2f} MB, experts "
+                    f"{d.bytes_per_token('experts') / 1e6:.2f} MB; expert hit rate "
+                    f"{100 * d.hit_rate:.1f}%; {d.read_gbps:.2f} GB/s while reading; I/O wait "
+                    f"{100 * d.io_share:.0f}% of decode time"
+                ),
+                f"peak RSS {self.peak_rss / 1e9:.3f} GB; expert load failures {self.expert_failures}",
+            ]
+        )

@@ -18,13 +18,14 @@ import heapq
 import os
 import threading
 import time
+from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import torch
 
 from reap.checkpoint import DTYPE_SIZES, TORCH_DTYPES, TensorInfo
-from reap.errors import EXIT_FAILURE, ExpertLoadError, ReapError
+from reap.errors import EXIT_FAILURE, ReapError
 
 _ALIGN = 4096  # O_DIRECT alignment of offsets, lengths and buffer addresses
 
@@ -39,8 +40,12 @@ class IOCounters:
     stall: float = 0.0  # time the compute thread waited for the ring
 
     def snapshot(self) -> dict:
-        return {"bytes": dict(self.bytes), "reads": self.reads, "seconds": self.seconds,
-                "stall": self.stall}
+        return {
+            "bytes": dict(self.bytes),
+            "reads": self.reads,
+            "seconds": self.seconds,
+            "stall": self.stall,
+        }
 
 
 class Reader:
@@ -103,8 +108,9 @@ class Reader:
             return sum(r[-1].end - r[0].start + 2 * _ALIGN for r in self.runs(infos)) + _ALIGN
         return sum(r[-1].end - r[0].start + 128 for r in self.runs(infos)) + 64
 
-    def read_into(self, infos: Sequence[TensorInfo], buf: torch.Tensor, kind: str
-                  ) -> dict[str, torch.Tensor]:
+    def read_into(
+        self, infos: Sequence[TensorInfo], buf: torch.Tensor, kind: str
+    ) -> dict[str, torch.Tensor]:
         """Read tensors into `buf` (uint8 [n] with n >= span(infos)) and return name -> view.
 
         Each run of contiguous tensors is one positioned read; a view whose address is not a
@@ -117,9 +123,10 @@ class Reader:
             lo = start - start % align  # the buffer keeps the file's alignment mod `align`
             hi = -(-end // _ALIGN) * _ALIGN if self.direct else end
             if pos + hi - lo > buf.numel():
-                raise ReapError(f"read buffer too small for {run[0].name} ({hi - lo} bytes)",
-                                EXIT_FAILURE)
-            self._pread(run[0].file, buf[pos: pos + hi - lo], lo, end - lo, kind)
+                raise ReapError(
+                    f"read buffer too small for {run[0].name} ({hi - lo} bytes)", EXIT_FAILURE
+                )
+            self._pread(run[0].file, buf[pos : pos + hi - lo], lo, end - lo, kind)
             for t in run:
                 out[t.name] = _view(buf, pos + t.start - lo, t)
             pos += -(-(hi - lo) // align) * align
@@ -139,11 +146,15 @@ class Reader:
                     break
                 got += n
         except OSError as e:
-            raise ReapError(f"{path}: read at {offset} failed ({e.strerror})", EXIT_FAILURE) from None
+            raise ReapError(
+                f"{path}: read at {offset} failed ({e.strerror})", EXIT_FAILURE
+            ) from None
         dt = time.perf_counter() - t0
         if got < need:
-            raise ReapError(f"{path}: short read at offset {offset} ({got} of {need} bytes; "
-                            f"file truncated?)", EXIT_FAILURE)
+            raise ReapError(
+                f"{path}: short read at offset {offset} ({got} of {need} bytes; file truncated?)",
+                EXIT_FAILURE,
+            )
         with self._lock:
             self.io.bytes[kind] = self.io.bytes.get(kind, 0) + need
             self.io.reads += 1
@@ -159,21 +170,34 @@ class Reader:
         """Rows of a 2-D tensor [R, C], one positioned read per row: [len(rows), C]."""
         t = self.info(name)
         width = t.shape[1] * DTYPE_SIZES[t.dtype]
-        out = torch.empty((len(rows), width + 2 * _ALIGN), dtype=torch.uint8)
-        views = []
-        for i, r in enumerate(rows):
+        infos = []
+        for r in rows:
             if not 0 <= r < t.shape[0]:
                 raise ReapError(f"row {r} outside {name} with {t.shape[0]} rows")
-            row_info = TensorInfo(t.name, t.key, t.dtype, (t.shape[1],), t.file,
-                                  t.start + r * width, t.start + (r + 1) * width)
-            views.append(self.read_into([row_info], out[i], kind)[t.name])
-        return torch.stack(views) if views else torch.empty((0, t.shape[1]),
-                                                            dtype=TORCH_DTYPES[t.dtype])
+            infos.append(
+                TensorInfo(
+                    t.name,
+                    t.key,
+                    t.dtype,
+                    (t.shape[1],),
+                    t.file,
+                    t.start + r * width,
+                    t.start + (r + 1) * width,
+                )
+            )
+        span = self.span(infos[:1]) if infos else 0
+        out = torch.empty((len(rows), span), dtype=torch.uint8)
+        views = [self.read_into([info], out[i], kind)[t.name] for i, info in enumerate(infos)]
+        return (
+            torch.stack(views)
+            if views
+            else torch.empty((0, t.shape[1]), dtype=TORCH_DTYPES[t.dtype])
+        )
 
 
 def _view(buf: torch.Tensor, offset: int, t: TensorInfo) -> torch.Tensor:
     """Tensor `t` viewed inside `buf` at byte `offset` (copied when misaligned)."""
-    raw = buf[offset: offset + t.nbytes]
+    raw = buf[offset : offset + t.nbytes]
     itemsize = DTYPE_SIZES[t.dtype]
     if (raw.data_ptr() % itemsize) != 0:
         raw = raw.clone()
@@ -188,8 +212,15 @@ class TrunkStore:
     Units are consumed in cyclic order 0, 1, ..., n-1, 0, ...; `get(i)` releases the slot of the
     previously fetched streamed unit (its tensors must no longer be used)."""
 
-    def __init__(self, reader: Reader, units: list[list[str]], pinned: Sequence[int],
-                 slots: int = 2, slot_bytes: int = 0, device: str = "cpu"):
+    def __init__(
+        self,
+        reader: Reader,
+        units: list[list[str]],
+        pinned: Sequence[int],
+        slots: int = 2,
+        slot_bytes: int = 0,
+        device: str = "cpu",
+    ):
         self.reader, self.units, self.device = reader, units, device
         self.pinned: dict[int, dict[str, torch.Tensor]] = {}
         self.streamed = [i for i in range(len(units)) if i not in set(pinned)]
@@ -197,8 +228,10 @@ class TrunkStore:
             self.pinned[i] = _to(reader.read(units[i], "trunk"), device)
         self._infos = [[reader.info(n) for n in names] for names in units]
         need = max((reader.span(self._infos[i]) for i in self.streamed), default=0)
-        self.slots = [torch.empty(max(need, slot_bytes), dtype=torch.uint8)
-                      for _ in range(slots if self.streamed else 0)]
+        self.slots = [
+            torch.empty(max(need, slot_bytes), dtype=torch.uint8)
+            for _ in range(slots if self.streamed else 0)
+        ]
         self._slot_of: dict[int, int] = {}  # streamed unit -> slot holding (or reading) it
         self._ready: dict[int, threading.Event] = {}
         self._result: dict[int, dict[str, torch.Tensor] | BaseException] = {}
@@ -237,7 +270,12 @@ class TrunkStore:
 
     def _prefetch_after(self, i: int, wrap: bool) -> None:
         nxt = self._next_streamed(i)
-        if nxt is not None and (wrap or nxt > i) and nxt not in self._slot_of and self._pool is not None:
+        if (
+            nxt is not None
+            and (wrap or nxt > i)
+            and nxt not in self._slot_of
+            and self._pool is not None
+        ):
             self._start(nxt)
 
     def _start(self, i: int) -> None:
@@ -256,7 +294,7 @@ class TrunkStore:
         try:
             tensors = self.reader.read_into(self._infos[i], self.slots[slot], "trunk")
             self._result[i] = _to(tensors, self.device)
-        except BaseException as e:  # re-raised in the compute thread by get()
+        except Exception as e:  # noqa: BLE001  (re-raised in the compute thread by get())
             self._result[i] = e
         self._ready[i].set()
 
@@ -287,13 +325,20 @@ class ExpertCache:
     just before the next token wants it again, while LFU keeps the experts the router keeps
     choosing. Aging (each hit weighs 2^(t/half_life) for access counter t) lets the resident set
     follow a change of topic. Experts fetched in the current layer are never evicted until
-    `release()`: the model may still hold views of them.
+    `release()`: the model may still hold views of them. `prefetch(layer, ids)` starts the reads
+    of a layer's routed experts in background threads as soon as the routing is known.
 
     A failed read raises nothing: it is recorded in `failed` and the expert is served as None
     so the engine can finish and report exit code 4."""
 
-    def __init__(self, reader: Reader, capacity_bytes: int, names_of, half_life: int = 4096,
-                 device: str = "cpu"):
+    def __init__(
+        self,
+        reader: Reader,
+        capacity_bytes: int,
+        names_of,
+        half_life: int = 4096,
+        device: str = "cpu",
+    ):
         self.reader, self.names_of, self.device = reader, names_of, device
         self.half_life = half_life
         self.slot_bytes = 0
@@ -309,6 +354,8 @@ class ExpertCache:
         self.clock = 0
         self.hits = self.misses = 0
         self.failed: list[tuple[int, int, str]] = []
+        self._pending: dict[tuple[int, int], Future] = {}
+        self._pool = None
 
     def _ensure_slab(self, span: int, raw: int) -> None:
         """Size the slab on first use: capacity counts stored bytes, each slot holds one
@@ -320,6 +367,15 @@ class ExpertCache:
                 self.slab = torch.empty(self.n_slots * span, dtype=torch.uint8)
             self._free = list(range(self.n_slots))[::-1]
 
+    def prefetch(self, layer: int, experts: Sequence[int]) -> None:
+        """Start reading every listed expert that is not resident, in background threads (the
+        eviction decisions are made here, in order, so they do not depend on timing)."""
+        keys = [(layer, int(e)) for e in experts]
+        self._in_use.update(keys)  # none of them may be evicted to make room for another
+        for key in keys:
+            if key not in self.tensors and key not in self._pending:
+                self._pending[key] = self._start(key, background=True)
+
     def get(self, layer: int, expert: int) -> dict[str, torch.Tensor] | None:
         """The expert's tensors by short name (e.g. "w1.weight_packed"), or None if unreadable."""
         key = (layer, expert)
@@ -330,28 +386,65 @@ class ExpertCache:
             self._bump(key)
             return self.tensors[key]
         self.misses += 1
-        names = self.names_of(layer, expert)
-        slot = None
+        return self._install(key, self._pending.pop(key, None) or self._start(key, False))
+
+    def _start(self, key: tuple[int, int], background: bool) -> Future:
+        """Claim a slot (or a transient buffer) for `key` and read it; a Future of the raw
+        tensors with `.slot` and `.names` attached."""
+        fut: Future = Future()
+        fut.slot, fut.names = None, self.names_of(*key)
         try:
-            infos = [self.reader.info(n) for n in names]
+            infos = [self.reader.info(n) for n in fut.names]
             span = self.reader.span(infos)
             self._ensure_slab(span, sum(t.nbytes for t in infos))
-            slot = self._claim() if span <= self.slot_bytes else None
-            if slot is None:
-                buf = torch.empty(span, dtype=torch.uint8)
-            else:
-                buf = self.slab[slot * self.slot_bytes: (slot + 1) * self.slot_bytes]
+            fut.slot = self._claim() if span <= self.slot_bytes else None
+        except ReapError as e:
+            fut.set_exception(e)
+            return fut
+        if fut.slot is None:
+            buf = torch.empty(span, dtype=torch.uint8)
+        else:
+            buf = self.slab[fut.slot * self.slot_bytes : (fut.slot + 1) * self.slot_bytes]
+
+        def work():
             raw = self.reader.read_into(infos, buf, "experts")
             _check_scales(raw)
+            return raw
+
+        if background:
+            if self._pool is None:
+                from concurrent.futures import ThreadPoolExecutor
+
+                self._pool = ThreadPoolExecutor(4, thread_name_prefix="reap-experts")
+            slot, names = fut.slot, fut.names
+            fut = self._pool.submit(work)
+            fut.slot, fut.names = slot, names
+            return fut
+        try:
+            fut.set_result(work())
         except ReapError as e:
-            if slot is not None:
-                self._free.append(slot)
-            self.failed.append((layer, expert, str(e)))
+            fut.set_exception(e)
+        return fut
+
+    def _install(
+        self, key: tuple[int, int], fut: Future, count: bool = True
+    ) -> dict[str, torch.Tensor] | None:
+        try:
+            raw = fut.result()
+        except ReapError as e:
+            if fut.slot is not None:
+                self._free.append(fut.slot)
+            self.failed.append((key[0], key[1], str(e)))
             return None
+        names = fut.names
         out = _to({_short(n, names): raw[n] for n in names}, self.device)
-        if slot is not None:
-            self.where[key], self.tensors[key] = slot, out
-            self._bump(key)
+        if fut.slot is not None:
+            self.where[key], self.tensors[key] = fut.slot, out
+            if count:
+                self._bump(key)
+            else:  # prefetched but never asked for: first in line for eviction
+                self.score[key] = 0.0
+                heapq.heappush(self._heap, (0.0, key))
         return out
 
     def _bump(self, key: tuple[int, int]) -> None:
@@ -393,6 +486,9 @@ class ExpertCache:
 
     def release(self) -> None:
         """The current layer is done: its experts may be evicted again."""
+        for key, fut in list(self._pending.items()):
+            self._install(key, fut, count=False)
+        self._pending.clear()
         self._in_use.clear()
 
     @property
@@ -400,6 +496,8 @@ class ExpertCache:
         return len(self.tensors) * self.slot_bytes
 
     def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
         self.tensors.clear()
         self.where.clear()
         self.slab = None
@@ -416,4 +514,4 @@ def _short(name: str, names: Sequence[str]) -> str:
     """The part of a tensor name after the longest prefix shared by the expert's tensors."""
     prefix = os.path.commonprefix(list(names))
     prefix = prefix[: prefix.rfind(".") + 1]
-    return name[len(prefix):]
+    return name[len(prefix) :]
