@@ -128,24 +128,25 @@ def test_refusal_names_the_shortfall_and_parse_bytes():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_fast_mxfp4_decode_is_bit_identical_to_the_codec(dtype):
     from reap import mxfp4
+    from reap.engine import kernels
 
     g = torch.Generator().manual_seed(1)
-    packed = torch.randint(0, 256, (3, 5, 48), generator=g, dtype=torch.uint8)
-    scales = torch.randint(0, 256, (3, 5, 3), generator=g, dtype=torch.uint8)
-    if dtype == torch.float16:
-        scales = torch.randint(118, 136, (3, 5, 3), generator=g, dtype=torch.uint8)
-    fast = decode_mxfp4(packed, scales, dtype)
-    slow = mxfp4.dequantize(packed, scales, dtype)
+    lo, hi = (118, 136) if dtype == torch.float16 else (0, 256)  # fp16 overflows outside
     bits = torch.int32 if dtype == torch.float32 else torch.int16
-    assert fast.dtype == dtype and torch.equal(fast.view(bits), slow.view(bits))
-    big_p = torch.randint(0, 256, (700, 2048), generator=g, dtype=torch.uint8)  # 2 chunks
-    big_s = torch.randint(100, 150, (700, 128), generator=g, dtype=torch.uint8)
-    assert torch.equal(
-        decode_mxfp4(big_p, big_s, dtype).view(bits),
-        mxfp4.dequantize(big_p, big_s, dtype).view(bits),
-    )
-    exact = mxfp4.dequantize_reference(packed[0, :2], scales[0, :2])
-    f = fast[0, :2].double()
+    for shape in ((3, 5, 48), (700, 2048)):  # the second spans several chunks and threads
+        packed = torch.randint(0, 256, shape, generator=g, dtype=torch.uint8)
+        scales = torch.randint(
+            lo, hi, (*shape[:-1], shape[-1] // 16), generator=g, dtype=torch.uint8
+        )
+        slow = mxfp4.dequantize(packed, scales, dtype).view(bits)
+        fast = decode_mxfp4(packed, scales, dtype)  # C kernel when a compiler is available
+        assert fast.dtype == dtype and torch.equal(fast.view(bits), slow)
+        if dtype in kernels._WORD:  # and the pure-torch fallback
+            words = kernels._decode_torch(packed, scales, kernels._table(dtype))
+            assert torch.equal(words.view(dtype).reshape(slow.shape).view(bits), slow)
+    p2, s2 = packed[:2, :64], scales[:2, :4]  # two rows, against the per-element decoder
+    exact = mxfp4.dequantize_reference(p2, s2)
+    f = decode_mxfp4(p2, s2, dtype).double()
     assert torch.equal(f.isnan(), exact.isnan()) and torch.equal(f[~f.isnan()], exact[~f.isnan()])
 
 
