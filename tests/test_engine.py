@@ -500,3 +500,21 @@ def test_expert_prefetch_reads_in_background_and_serves_the_same_bytes(tiny):
     cache.prefetch(2, ids)  # resident ones are not read again
     assert sum(cache.get(2, e) is not None for e in ids) == 5 and r.io.reads == 6
     cache.close()
+
+
+def test_decode_buffers_are_reused_only_when_nothing_refers_to_them():
+    from reap.engine.kernels import BufferPool
+
+    g = torch.Generator().manual_seed(2)
+    packed = torch.randint(0, 256, (64, 32), generator=g, dtype=torch.uint8)
+    scales = torch.randint(120, 130, (64, 2), generator=g, dtype=torch.uint8)
+    pool = BufferPool(1 << 20)
+    a = decode_mxfp4(packed, scales, torch.bfloat16, pool)
+    keep = a.T  # a live view: the buffer must not be handed out again
+    b = decode_mxfp4(packed.flip(0), scales.flip(0), torch.bfloat16, pool)
+    assert a.data_ptr() != b.data_ptr() and torch.equal(keep.T, decode_mxfp4(packed, scales))
+    ptr_b = b.data_ptr()
+    del a, keep, b
+    c = decode_mxfp4(packed, scales, torch.bfloat16, pool)
+    assert c.data_ptr() in {p.data_ptr() for p in pool.buffers} and len(pool.buffers) == 2
+    assert ptr_b in {p.data_ptr() for p in pool.buffers}

@@ -26,7 +26,7 @@ import torch
 
 from reap.checkpoint import DTYPE_CODES
 from reap.engine import memory
-from reap.engine.kernels import decode_mxfp4
+from reap.engine.kernels import BufferPool, decode_mxfp4
 from reap.engine.metrics import RunMetrics
 from reap.engine.store import ExpertCache, Reader, TrunkStore
 from reap.errors import EXIT_FAILURE, ReapError
@@ -194,6 +194,8 @@ class Engine:
         self._sync_io = 0.0  # compute-thread read seconds (experts, embedding rows)
         self.unit_seconds = [0.0] * len(self.binding.units)  # wall time per trunk unit, cumulative
         self._source = _ExpertSource(self)
+        # decoded expert weights: reused buffers, as much as the plan's scratch allows
+        self._decoded = BufferPool(2 * self.plan_bytes.decoded_expert_bytes)
 
     @classmethod
     def open(
@@ -251,6 +253,7 @@ class Engine:
             raise
         experts = ExpertCache(reader, plan.expert_cache, fam.expert_tensor_names, device=device)
         eng = cls(
+            plan_bytes=mb,
             path=str(model),
             config=config,
             fam=fam,
@@ -351,7 +354,7 @@ class Engine:
         for name, v in t.items():
             if name.endswith("_packed"):
                 base = name[: -len("_packed")]
-                out[base] = decode_mxfp4(v, t[base + "_scale"], self.dtype)
+                out[base] = decode_mxfp4(v, t[base + "_scale"], self.dtype, self._decoded)
             elif not (name.endswith("_scale") and name[: -len("_scale")] + "_packed" in t):
                 out[name] = v
         return out

@@ -98,10 +98,48 @@ def decode_threads(n: int | None = None) -> int:
     return max(1, n if n is not None else torch.get_num_threads())
 
 
+class BufferPool:
+    """Output buffers reused across decodes (fresh 20-40 MB allocations cost more in page
+    faults than the decode itself). A buffer is handed out again only when no tensor refers to
+    its storage any more, so a caller that keeps a decoded weight never sees it overwritten.
+    Holds at most `max_bytes`; beyond that, buffers are plain allocations."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes, self.buffers = max_bytes, []
+
+    def take(self, nbytes: int, device) -> torch.Tensor:
+        """A uint8 buffer of at least `nbytes` on `device` that nothing else uses."""
+        for buf in self.buffers:
+            if buf.numel() >= nbytes and buf.device == device and _unused(buf):
+                return buf
+        buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        if _USES is not None and sum(b.numel() for b in self.buffers) + nbytes <= self.max_bytes:
+            self.buffers.append(buf)
+        return buf
+
+
+def _storage_uses(t: torch.Tensor) -> int | None:
+    try:
+        return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+    except (AttributeError, RuntimeError):  # private API gone: never reuse
+        return None
+
+
+_USES = _storage_uses(torch.empty(1))  # the count of a storage held by one tensor
+
+
+def _unused(buf: torch.Tensor) -> bool:
+    return _USES is not None and _storage_uses(buf) == _USES
+
+
 def decode_mxfp4(
-    packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    dtype: torch.dtype = torch.float32,
+    pool: BufferPool | None = None,
 ) -> torch.Tensor:
-    """MXFP4 packed uint8 [..., N/2] with E8M0 scales uint8 [..., N/32] -> dtype [..., N]."""
+    """MXFP4 packed uint8 [..., N/2] with E8M0 scales uint8 [..., N/32] -> dtype [..., N]
+    (written into a buffer from `pool` when given)."""
     if dtype not in _WORD:
         return mxfp4.dequantize(packed, scales, dtype)
     lead, half = packed.shape[:-1], packed.shape[-1]
@@ -109,19 +147,23 @@ def decode_mxfp4(
     if half != nb * (mxfp4.BLOCK // 2) or scales.shape[:-1] != lead:
         return mxfp4.dequantize(packed, scales, dtype)  # raises its shape error
     table = _table(dtype).to(packed.device)
+    n = packed.numel() * table.element_size()
+    buf = pool.take(n, packed.device) if pool is not None else None
+    words = (
+        buf[:n] if buf is not None else torch.empty(n, dtype=torch.uint8, device=packed.device)
+    ).view(table.dtype)  # [R * N/2] value pairs
     lib = _library() if packed.device.type == "cpu" else None
     if lib is not None:
-        words = _decode_c(lib, packed.contiguous(), scales.contiguous(), table)
+        _decode_c(lib, packed.contiguous(), scales.contiguous(), table, words)
     else:
-        words = _decode_torch(packed, scales, table)
+        _decode_torch(packed, scales, table, words)
     return words.view(dtype).reshape(*lead, 2 * half)
 
 
-def _decode_c(lib, packed: torch.Tensor, scales: torch.Tensor, table: torch.Tensor):
-    """The C loop over all blocks, split into contiguous block ranges per thread."""
+def _decode_c(lib, packed, scales, table, words) -> None:
+    """The C loop over all blocks into `words` [blocks * 16], block ranges split over threads."""
     fn = lib.reap_decode_u32 if table.dtype == torch.int32 else lib.reap_decode_u64
     blocks = scales.numel()
-    words = torch.empty(blocks * 16, dtype=table.dtype)  # [blocks * 16] value pairs
     n = min(decode_threads(), max(1, blocks // 4096))
     cuts = [blocks * i // n for i in range(n + 1)]
     size = table.element_size()
@@ -143,15 +185,15 @@ def _decode_c(lib, packed: torch.Tensor, scales: torch.Tensor, table: torch.Tens
             t.start()
         for t in threads:
             t.join()
-    return words
 
 
-def _decode_torch(packed: torch.Tensor, scales: torch.Tensor, table: torch.Tensor):
-    """The same lookup with torch ops, rows in cache-sized chunks."""
+def _decode_torch(packed, scales, table, words=None) -> torch.Tensor:
+    """The same lookup with torch ops into `words` [R * N/2], rows in cache-sized chunks."""
     nb, half = scales.shape[-1], packed.shape[-1]
     p = packed.reshape(-1, nb, mxfp4.BLOCK // 2)  # [R, nb, 16] bytes
     s = scales.reshape(-1, nb, 1)  # [R, nb, 1]
-    words = torch.empty(p.shape[0] * half, dtype=table.dtype, device=packed.device)  # [R*N/2]
+    if words is None:
+        words = torch.empty(p.shape[0] * half, dtype=table.dtype, device=packed.device)
     # rows in chunks of ~1M bytes so the index buffer stays in cache (4-5x faster than one pass)
     step = max(1, _CHUNK // max(1, half))
     idx = torch.empty(
