@@ -16,8 +16,8 @@ import torch
 
 from reap.models.base import MoERecord
 
-# Tokens per bincount of co-activation pairs: bounds the [n, K, K] int64 temporary.
-_PAIR_CHUNK = 8192
+# Tokens per step of the [n, E] and [n, K, K] temporaries (bounds their memory).
+_CHUNK = 4096
 
 
 @dataclass
@@ -128,9 +128,9 @@ class StatsAccumulator:
         row.ean_sum.index_add_(0, flat, model_norm.reshape(-1))
         row.ean_latent_sum.index_add_(0, flat, latent_norm.reshape(-1))
         row.max_act.scatter_reduce_(0, flat, rec.max_act[sel].float().reshape(-1), "amax")
-        row.prob_mass += rec.probs[sel].double().sum(0)
-        for i in range(0, ids.shape[0], _PAIR_CHUNK):
-            part = ids[i:i + _PAIR_CHUNK]  # [m, K]
+        for i in range(0, ids.shape[0], _CHUNK):
+            row.prob_mass += rec.probs[sel[i:i + _CHUNK]].double().sum(0)  # [m, E] -> [E]
+            part = ids[i:i + _CHUNK]  # [m, K]
             pairs = part[:, :, None] * E + part[:, None, :]  # [m, K, K]
             row.coact += torch.bincount(pairs.reshape(-1), minlength=E * E).view(E, E)
         if row.seq_count is not None:

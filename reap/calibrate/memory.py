@@ -97,7 +97,9 @@ def plan_memory(*, weight_bytes: dict, hidden: int, heads: int, dense_ffn: int, 
     # attention projections and temporaries (~32 D-wide fp32 rows per token, measured on
     # k3-small), a dense layer's GLU rows, and the [H, T] attention scores and probabilities
     per_seq_attn = T * (state_tok + _F32 * (32 * hidden + 3 * dense_ffn + 2 * heads * T))
-    per_seq_mlp = T * _F32 * (8 * hidden + 4 * n_experts + 8 * top_k)
+    # MLP pass: ~12 D-wide rows (input, router/shared/latent outputs, the layer output) and
+    # ~8 E-wide router rows per token (measured on k3-small, 512 experts)
+    per_seq_mlp = T * _F32 * (12 * hidden + 8 * n_experts + 8 * top_k)
     free = budget - baseline - weights
     need = baseline + weights + max(per_seq_attn, per_seq_mlp)
     if free < max(per_seq_attn, per_seq_mlp):

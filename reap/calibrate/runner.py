@@ -70,6 +70,7 @@ class LayerWeights:
         return t
 
     def clear(self) -> None:
+        """Drop the cached tensors (end of a layer)."""
         self.cache.clear()
 
 
@@ -84,6 +85,7 @@ class StoreExperts:
         self.total = 0
 
     def new_pass(self) -> None:
+        """Start counting reads of a new MLP pass."""
         self.pass_reads = {}
 
     def __call__(self, layer: int, expert: int) -> dict[str, torch.Tensor]:
@@ -125,7 +127,8 @@ class Run:
     def seq_len(self) -> int:
         return self.ids.shape[1]
 
-    def batches(self, s0: int, s1: int):
+    def batches(self, s0: int, s1: int) -> list[tuple[int, int]]:
+        """Sequence ranges of at most `plan.batch` sequences covering [s0, s1)."""
         b = self.plan.batch
         return [(a, min(a + b, s1)) for a in range(s0, s1, b)]
 
