@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 import torch
 
@@ -110,7 +110,7 @@ class ExpertStats:
         return path
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> "ExpertStats":
+    def load(cls, path: str | os.PathLike) -> ExpertStats:
         """Read a statistics file; a clear error if it is not one."""
         from safetensors import safe_open
 
@@ -128,6 +128,35 @@ class ExpertStats:
             raise ReapError(f"{path}: statistics file lacks {', '.join(missing)}")
         return cls(head["layers"], head["n_experts"], head["top_k"], head["tokens"],
                    meta=head.get("meta", {}), **tensors)
+
+
+def expand_paths(paths: list[str]) -> tuple[list[str], list[str]]:
+    """Statistics files: files as given; a directory (a calibration output) contributes its
+    per-corpus files, skipping `*.safetensors` that are not statistics (token expert ids) or
+    that merge others (`all.safetensors`). Returns (files, skipped)."""
+    import glob
+
+    files, skipped = [], []
+    for p in paths:
+        if not os.path.isdir(p):
+            files.append(p)
+            continue
+        for f in sorted(glob.glob(os.path.join(p, "*.safetensors"))):
+            head = _header(f)
+            ok = head is not None and head.get("format") == FORMAT
+            ok = ok and "merged_from" not in head.get("meta", {})
+            (files if ok else skipped).append(f)
+    return files, skipped
+
+
+def _header(path: str) -> dict | None:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(path, "pt") as f:
+            return json.loads((f.metadata() or {}).get("reap", "null"))
+    except Exception:  # not safetensors, or not ours
+        return None
 
 
 def merge(parts: list[ExpertStats], meta: dict | None = None) -> ExpertStats:

@@ -18,8 +18,6 @@ Dimension letters: C corpora, L layers, E experts, S sequences, N bootstrap repl
 
 from __future__ import annotations
 
-import glob
-import json
 import os
 from dataclasses import dataclass
 
@@ -27,7 +25,7 @@ import numpy as np
 
 from reap.analyze import chance
 from reap.errors import ReapError
-from reap.stats import FORMAT, ExpertStats
+from reap.stats import ExpertStats, expand_paths
 
 CRITERIA = ("count", "reap_mass")
 
@@ -83,33 +81,8 @@ def from_stats(stats: ExpertStats, path: str = "", name: str | None = None) -> C
 
 
 def expand_inputs(paths: list[str]) -> tuple[list[str], list[str]]:
-    """Statistics files to analyze: files as given; a directory contributes its per-corpus files.
-
-    In a directory, `*.safetensors` files that are not statistics (e.g. calibrate's
-    token_experts.safetensors) or that merge others (calibrate's all.safetensors) are skipped.
-    Returns (files, skipped).
-    """
-    files, skipped = [], []
-    for p in paths:
-        if not os.path.isdir(p):
-            files.append(p)
-            continue
-        for f in sorted(glob.glob(os.path.join(p, "*.safetensors"))):
-            head = _header(f)
-            ok = head is not None and head.get("format") == FORMAT
-            ok = ok and "merged_from" not in head.get("meta", {})
-            (files if ok else skipped).append(f)
-    return files, skipped
-
-
-def _header(path: str) -> dict | None:
-    from safetensors import SafetensorError, safe_open
-
-    try:
-        with safe_open(path, "pt") as f:
-            return json.loads((f.metadata() or {}).get("reap", "null"))
-    except (OSError, ValueError, SafetensorError):
-        return None
+    """Statistics files to analyze (see `reap.stats.expand_paths`): (files, skipped)."""
+    return expand_paths(paths)
 
 
 def load_corpora(paths: list[str]) -> list[CorpusUsage]:

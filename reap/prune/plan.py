@@ -180,11 +180,12 @@ def make_plan(
 
 
 def _load_stats(paths: list[str]) -> list[tuple[str, str, object]]:
-    """[(corpus name, path, ExpertStats)]; all from one model and layer set."""
-    from reap.stats import ExpertStats
+    """[(corpus name, path, ExpertStats)]; all from one model and layer set. A directory (a
+    calibration output) stands for its per-corpus files."""
+    from reap.stats import ExpertStats, expand_paths
 
     out = []
-    for p in paths:
+    for p in expand_paths(paths)[0]:
         s = ExpertStats.load(p)
         name = str(s.meta.get("corpus") or os.path.splitext(os.path.basename(p))[0])
         if any(name == n for n, _, _ in out):
@@ -410,9 +411,12 @@ def _calibrated_model(stats_path: str) -> tuple[dict | None, str | None]:
     """The config of the checkpoint a statistics file was calibrated on, when that checkpoint
     is still where calibration found it with the same fingerprint; else (None, None)."""
     from reap.checkpoint import Checkpoint
-    from reap.stats import ExpertStats
+    from reap.stats import ExpertStats, expand_paths
 
-    meta = ExpertStats.load(stats_path).meta
+    files = expand_paths([stats_path])[0]
+    if not files:
+        raise ReapError(f"{stats_path}: no statistics files")
+    meta = ExpertStats.load(files[0]).meta
     path = (meta.get("arguments") or {}).get("model")
     if not path or not os.path.exists(path):
         return None, None
