@@ -252,6 +252,8 @@ class Engine:
             reader.close()
             raise
         experts = ExpertCache(reader, plan.expert_cache, fam.expert_tensor_names, device=device)
+        if b.expert_layers:
+            experts.reserve(fam.expert_tensor_names(b.expert_layers[0], 0))
         eng = cls(
             plan_bytes=mb,
             path=str(model),

@@ -229,7 +229,7 @@ class TrunkStore:
         self._infos = [[reader.info(n) for n in names] for names in units]
         need = max((reader.span(self._infos[i]) for i in self.streamed), default=0)
         self.slots = [
-            torch.empty(max(need, slot_bytes), dtype=torch.uint8)
+            torch.zeros(max(need, slot_bytes), dtype=torch.uint8)  # touched: no page faults later
             for _ in range(slots if self.streamed else 0)
         ]
         self._slot_of: dict[int, int] = {}  # streamed unit -> slot holding (or reading) it
@@ -359,13 +359,19 @@ class ExpertCache:
 
     def _ensure_slab(self, span: int, raw: int) -> None:
         """Size the slab on first use: capacity counts stored bytes, each slot holds one
-        expert's span (its bytes plus a little alignment slack)."""
+        expert's span (its bytes plus a little alignment slack). The slab is touched once so
+        reads never pay for first-touch page faults (and the budget is really held)."""
         if self.slab is None:
             self.slot_bytes = span
             self.n_slots = self.capacity_bytes // raw if raw else 0
             if self.n_slots:
-                self.slab = torch.empty(self.n_slots * span, dtype=torch.uint8)
+                self.slab = torch.zeros(self.n_slots * span, dtype=torch.uint8)
             self._free = list(range(self.n_slots))[::-1]
+
+    def reserve(self, names: Sequence[str]) -> None:
+        """Allocate the slab now, sized by one expert's tensors (else on the first read)."""
+        infos = [self.reader.info(n) for n in names]
+        self._ensure_slab(self.reader.span(infos), sum(t.nbytes for t in infos))
 
     def prefetch(self, layer: int, experts: Sequence[int]) -> None:
         """Start reading every listed expert that is not resident, in background threads (the
