@@ -518,3 +518,33 @@ def test_decode_buffers_are_reused_only_when_nothing_refers_to_them():
     c = decode_mxfp4(packed, scales, torch.bfloat16, pool)
     assert c.data_ptr() in {p.data_ptr() for p in pool.buffers} and len(pool.buffers) == 2
     assert ptr_b in {p.data_ptr() for p in pool.buffers}
+
+
+def test_a_model_that_announces_its_routing_gets_prefetched_experts(tiny, ref, monkeypatch):
+    """If the MoE block calls `experts.prefetch(layer, ids)` before dispatching (the hook the
+    engine's ExpertSource offers), every miss is read in the background and the logits do not
+    change. The hook is simulated by wrapping the shared dispatch."""
+    from reap.models import blocks
+
+    model, get = ref
+    ids = [5, 17, 200, 31, 7]
+    want = model.forward(get, torch.tensor([ids]))[0]
+    with Engine.open(tiny, preset="ultra", context=64) as eng:
+        layer, calls = {}, []
+        inner_mlp, inner_dispatch = eng.model.mlp_block, blocks.dispatch
+
+        def mlp_block(i, *a, **k):
+            layer["i"] = i
+            return inner_mlp(i, *a, **k)
+
+        def dispatch(xl, route_ids, *a, **k):
+            calls.append(len(route_ids.unique()))
+            eng._source.prefetch(layer["i"], route_ids.unique().tolist())
+            assert eng.experts._pending  # reads are in flight before the first expert runs
+            return inner_dispatch(xl, route_ids, *a, **k)
+
+        monkeypatch.setattr(eng.model, "mlp_block", mlp_block)
+        monkeypatch.setattr(blocks, "dispatch", dispatch)
+        assert torch.equal(eng.logits([ids])[0], want)
+        # no cache at this preset: every routed expert of every layer is one background read
+        assert eng.experts._pool is not None and eng.experts.misses == sum(calls) > 0

@@ -212,10 +212,15 @@ class Engine:
         max_prompt: int = 32768,
         max_generation: int = 4096,
         available: int | None = None,
+        baseline: int | None = None,
     ) -> Engine:
-        """Bind `model` (a checkpoint directory; None = the bundled default), plan memory for
-        `batch` sequences of `context` positions under `budget` (bytes or "8GB") or `preset`,
-        refuse a plan above 95 % of available memory (exit 2), then read the pinned trunk."""
+        """Bind `model` (a checkpoint directory or URL; None = the bundled default), plan memory
+        for `batch` sequences of `context` positions under `budget` (bytes or "8GB") or `preset`,
+        refuse a plan above 95 % of available memory (exit 2), then read the pinned trunk.
+
+        The budget covers the whole process: `baseline` (default: this process's RSS now, so a
+        second engine in the same process sees the first one's memory as already used) plus
+        everything the engine holds. `dtype` None/"auto": the checkpoint's (float32 or bf16)."""
         from reap.checkpoint import Checkpoint
         from reap.models import family
 
@@ -241,7 +246,7 @@ class Engine:
         mb = model_bytes(
             ckpt.tensors, fam, b, costs, int(getattr(cfg, "num_experts_per_token", 0)), torch_dtype
         )
-        plan = _make_plan(mb, budget, preset, context, batch, prefill_chunk, available)
+        plan = _make_plan(mb, budget, preset, context, batch, prefill_chunk, available, baseline)
         memory.check_available(plan, available)
         reader = Reader(ckpt.tensors, direct=direct, ensure=getattr(ckpt, "ensure", None))
         try:
@@ -476,12 +481,14 @@ def _compute_dtype(dtype: str | None, cfg) -> torch.dtype:
     return DTYPES[dtype]
 
 
-def _make_plan(mb, budget, preset, context, batch, prefill_chunk, available) -> memory.MemoryPlan:
+def _make_plan(
+    mb, budget, preset, context, batch, prefill_chunk, available, baseline=None
+) -> memory.MemoryPlan:
     if budget is not None and preset is not None:
         raise ReapError("give --budget or --preset, not both")
     if context < 1 or batch < 1:
         raise ReapError(f"--context and batch must be positive (got {context}, {batch})")
-    base, _ = memory.rss_bytes()
+    base = memory.rss_bytes()[0] if baseline is None else baseline
     avail = available if available is not None else memory.available_memory()[0]
     if budget is not None:
         b = memory.parse_bytes(budget) if isinstance(budget, str) else int(budget)
