@@ -374,6 +374,8 @@ def test_run_json_output_and_bad_arguments(tiny, capsys, tmp_path):
     assert code == 2 and "short by" in err
     code, _, err = _run(tiny, "--prompt", "hi", "--budget", "1MB", capsys=capsys)
     assert code == 2 and "below" in err
+    code, _, err = _run(tiny, "--prompt", "hi", "--device", "tpu", capsys=capsys)
+    assert code == 2 and "device" in err
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "ab"}\n{"ids": [1, 2], "max_tokens": 2, "seed": 4}\n')
     code, out, err = _run(tiny, "--prompts", str(prompts), "--json", "--quiet", capsys=capsys)

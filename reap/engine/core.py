@@ -225,6 +225,7 @@ class Engine:
         from reap.models import family
 
         t0 = time.perf_counter()
+        _check_device(device)
         if model is None:
             from reap.engine.defaults import default_model
 
@@ -471,6 +472,17 @@ class _ExpertSource:
 
     def prefetch(self, layer: int, experts) -> None:
         self.engine.experts.prefetch(layer, [int(e) for e in experts])
+
+
+def _check_device(device: str) -> None:
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ReapError(f"unknown device {device!r} (cpu or cuda)") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ReapError(f"device {device!r} requested but CUDA is not available")
+    if dev.type not in ("cpu", "cuda"):
+        raise ReapError(f"device {device!r} is not supported (cpu or cuda)")
 
 
 def _compute_dtype(dtype: str | None, cfg) -> torch.dtype:
