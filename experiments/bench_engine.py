@@ -127,17 +127,20 @@ def disk_bandwidth(ckpt: Path, seconds: float = 6.0) -> dict:
     return {"sequential_gbps": seq, "expert_gbps": rand}
 
 
-def matmul_throughput(threads: int, d: int = 7168, n: int = 12288, seconds: float = 2.0) -> dict:
-    """bf16 matmul FLOP/s at the decode shape (M=1) and at M=16, on `threads` threads."""
+def matmul_throughput(
+    threads: int, d: int = 7168, n: int = 12288, seconds: float = 2.0, copies: int = 8
+) -> dict:
+    """bf16 matmul FLOP/s at the decode shape (M=1) and at M=16, on `threads` threads, cycling
+    over `copies` distinct weights (1.4 GB) so they come from DRAM as the model's do."""
     torch.set_num_threads(threads)
-    w = torch.randn(n, d).to(torch.bfloat16)
+    ws = [torch.randn(n, d).to(torch.bfloat16) for _ in range(copies)]
     out = {}
     for m in (1, 16):
         x = torch.randn(m, d).to(torch.bfloat16)
-        x @ w.T
+        x @ ws[0].T
         t0, reps = time.perf_counter(), 0
         while time.perf_counter() - t0 < seconds:
-            x @ w.T
+            x @ ws[reps % copies].T
             reps += 1
         out[f"m{m}_gflops"] = 2 * m * n * d * reps / (time.perf_counter() - t0) / 1e9
     return out
