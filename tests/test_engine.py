@@ -475,7 +475,7 @@ def test_run_subprocess_peak_rss_within_plan_and_exit_5_on_sigint(tiny):
 
 
 def test_default_model_is_synthesized_once(tmp_path, monkeypatch):
-    from reap.engine.defaults import default_model
+    from reap.defaults import default_model
 
     monkeypatch.setenv("REAP_CACHE", str(tmp_path))
     path = default_model()
@@ -550,3 +550,17 @@ def test_a_model_that_announces_its_routing_gets_prefetched_experts(tiny, ref, m
         assert torch.equal(eng.logits([ids])[0], want)
         # no cache at this preset: every routed expert of every layer is one background read
         assert eng.experts._pool is not None and eng.experts.misses == sum(calls) > 0
+
+
+def test_engine_greedy_tokens_equal_mlx_lm(tiny):
+    """The oracle end to end: mlx-lm's own K3 implementation on the same float32 checkpoint."""
+    mx = pytest.importorskip("mlx.core")
+    from mlx_lm.generate import generate_step
+    from mlx_lm.utils import load_model
+
+    prompt = [72, 101, 108, 108, 111, 44, 32]
+    model, _ = load_model(Path(tiny))
+    steps = zip(generate_step(mx.array(prompt), model, max_tokens=10), range(10))
+    want = [int(tok) for (tok, _), _ in steps]
+    with Engine.open(tiny, preset="ultra", context=64) as eng:
+        assert eng.generate([prompt], max_tokens=10)[0].ids == want
