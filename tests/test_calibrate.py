@@ -375,12 +375,15 @@ def test_bad_input_is_one_line_exit_2(env, capsys, args, message):
 def test_default_model_is_synthesized_on_first_use(env, tmp_path, monkeypatch, capsys):
     from reap.cli import main
 
+    import reap.defaults
+
     monkeypatch.setenv("REAP_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(reap.defaults, "BUNDLED", tmp_path / "no-bundled-model")
     rc = main(["calibrate", "--corpus", env["spec"], "--tokens", "64", "--seq-len", "16",
                "--out", str(tmp_path / "out"), "--no-progress"])
     cap = capsys.readouterr()
     assert rc == 0, cap.err
     assert "synthesizing a random k3-tiny" in cap.err
-    assert (tmp_path / "cache" / "models" / "k3-tiny" / "config.json").exists()
+    assert (tmp_path / "cache" / "models" / "k3-tiny-seed0" / "config.json").exists()
     st = ExpertStats.load(tmp_path / "out" / "all.safetensors")
     assert st.tokens == 64 and int(st.count.sum()) == 64 * st.top_k * len(st.layers)

@@ -14,7 +14,6 @@ differs between an interrupted-and-resumed run and an uninterrupted one).
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import os
 import re
@@ -23,9 +22,9 @@ from pathlib import Path
 
 import torch
 
-from reap import __version__
 from reap.calibrate.accumulate import LayerRow
 from reap.errors import WriteError
+from reap.provenance import code_version as _code_version
 from reap.stats import ExpertStats, merge
 
 
@@ -59,16 +58,8 @@ _RESULT_CODE = ("calibrate", "models", "checkpoint", "corpora", "mxfp4.py", "sta
 
 @functools.lru_cache(maxsize=1)
 def code_version() -> str:
-    """`reap <version> src <digest>`: sha256 over the source of the modules that determine the
-    statistics (so an edit there, committed or not, changes it; unrelated modules do not)."""
-    root = Path(__file__).resolve().parents[1]
-    h = hashlib.sha256()
-    for part in _RESULT_CODE:
-        files = sorted((root / part).rglob("*.py")) if (root / part).is_dir() else [root / part]
-        for f in files:
-            if f.exists():
-                h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes())
-    return f"reap {__version__} src {h.hexdigest()[:16]}"
+    """Digest of the sources that determine the statistics (see `reap.provenance`)."""
+    return _code_version(_RESULT_CODE)
 
 
 def safe_name(corpus: str) -> str:

@@ -20,9 +20,9 @@ from reap.calibrate.accumulate import StatsAccumulator
 from reap.calibrate.memory import peak_rss, plan_memory
 from reap.calibrate.spill import SpillStore
 from reap.checkpoint import Checkpoint
+from reap.defaults import default_model as _default_model
 from reap.errors import ReapError
 
-DEFAULT_MODEL = "k3-tiny"  # synthesized until a trained default model ships
 SPLIT = "calibration"
 # progress in whole calibrated tokens (token-layers scaled by 1/layers), tokens/s and ETA
 _BAR = "{desc}: {percentage:3.0f}%|{bar}| {n:.0f}/{total:.0f} tok [{elapsed}<{remaining}, " \
@@ -31,25 +31,9 @@ _BAR = "{desc}: {percentage:3.0f}%|{bar}| {n:.0f}/{total:.0f} tok [{elapsed}<{re
 SEQ_COUNT_AUTO_BYTES = 256 << 20
 
 
-def cache_dir() -> str:
-    """Where reap keeps downloaded or synthesized models."""
-    base = os.environ.get("REAP_CACHE")
-    if not base:
-        xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        base = os.path.join(xdg, "reap")
-    return base
-
-
 def default_model(log=print) -> str:
-    """Path of the default model, synthesizing it on first use (says so through `log`)."""
-    path = os.path.join(cache_dir(), "models", DEFAULT_MODEL)
-    if not os.path.exists(os.path.join(path, "config.json")):
-        from reap.synth import synth
-
-        log(f"reap: no trained default model ships yet; synthesizing a random {DEFAULT_MODEL} "
-            f"into {path} (statistics of a random model are for trying the pipeline only)")
-        synth(DEFAULT_MODEL, out=path, seed=0)
-    return path
+    """Path of the default model (see `reap.defaults`), announcing a synthesized fallback."""
+    return _default_model(log)
 
 
 def calibrate(*, corpus: str, tokens: int, seq_len: int, out: str, model: str | None = None,

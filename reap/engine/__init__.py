@@ -30,7 +30,7 @@ def __getattr__(name: str):
 
         return getattr(generate, name)
     if name == "default_model":
-        from reap.engine.defaults import default_model
+        from reap.defaults import default_model
 
         return default_model
     raise AttributeError(f"module 'reap.engine' has no attribute {name!r}")

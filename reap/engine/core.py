@@ -227,7 +227,7 @@ class Engine:
         t0 = time.perf_counter()
         _check_device(device)
         if model is None:
-            from reap.engine.defaults import default_model
+            from reap.defaults import default_model
 
             model = default_model()
         if str(model).lower().startswith(("http://", "https://")):

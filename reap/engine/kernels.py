@@ -71,7 +71,7 @@ def _library():
 
 
 def _build():
-    from reap.engine.defaults import cache_dir
+    from reap.defaults import cache_dir
 
     tag = hashlib.sha256((_C_SOURCE + os.uname().machine).encode()).hexdigest()[:16]
     so = cache_dir() / "kernels" / f"mxfp4-{tag}.so"

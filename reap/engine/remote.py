@@ -29,7 +29,7 @@ import urllib.parse
 from pathlib import Path
 
 from reap.checkpoint import INDEX_NAME, SINGLE_NAME, Checkpoint
-from reap.engine.defaults import cache_dir
+from reap.defaults import cache_dir
 from reap.errors import CheckpointError
 
 # Small files fetched whole when present; the first two decide the layout.
