@@ -474,12 +474,13 @@ def test_run_subprocess_peak_rss_within_plan_and_exit_5_on_sigint(tiny):
     assert "interrupted" in err and "Traceback" not in err
 
 
-def test_default_model_is_synthesized_once(tmp_path, monkeypatch):
-    from reap.defaults import default_model
+def test_default_model_is_synthesized_once_without_a_bundled_one(tmp_path, monkeypatch):
+    import reap.defaults
 
+    monkeypatch.setattr(reap.defaults, "BUNDLED", tmp_path / "no-bundled-model")
     monkeypatch.setenv("REAP_CACHE", str(tmp_path))
-    path = default_model()
-    assert Path(path, "config.json").is_file() and default_model() == path
+    path = reap.defaults.default_model()
+    assert Path(path, "config.json").is_file() and reap.defaults.default_model() == path
     with Engine.open(None, preset="ultra", context=32) as eng:
         assert eng.path == path and len(eng.generate("a", max_tokens=2)[0].ids) == 2
 
