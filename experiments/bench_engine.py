@@ -393,16 +393,16 @@ def extrapolate(rates: dict, decode_s: float, baseline: int, threads: int) -> li
     size model; I/O = streamed trunk / sequential bandwidth + missed experts / expert bandwidth
     (hit rate = the cached share of the experts, i.e. uniform routing, pessimistic); compute =
     FLOPs / matmul throughput + one MXFP4 decode per routed expert used."""
-    from reap.engine import core, memory
+    from reap.engine import binding, memory
     from reap.models import builtin_config, family
 
     cfgd = builtin_config("k3-full")
     fam = family(cfgd)
     cfg = fam.Config.from_dict(cfgd)
     tensors = {s.name: _Spec(s) for s in fam.layout(cfgd) if s.component != "vision"}
-    b = core.bind(tensors, fam, cfgd, "k3-full")
-    costs = core.state_costs(fam, cfg, 2)
-    mb = core.model_bytes(tensors, fam, b, costs, cfg.num_experts_per_token, torch.bfloat16)
+    b = binding.bind(tensors, fam, cfgd, "k3-full")
+    costs = binding.state_costs(fam, cfg, 2)
+    mb = binding.model_bytes(tensors, fam, b, costs, cfg.num_experts_per_token, torch.bfloat16)
     flops = decode_flops(cfgd)
     used = len(b.expert_layers) * cfg.num_experts_per_token
     rows = []

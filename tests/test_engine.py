@@ -19,9 +19,10 @@ import torch
 from reap.checkpoint import Checkpoint
 from reap.cli import main
 from reap.engine import Engine, memory
+from reap.engine.experts import ExpertCache
 from reap.engine.generate import StopMatcher, sample
 from reap.engine.kernels import decode_mxfp4
-from reap.engine.store import ExpertCache, Reader, TrunkStore
+from reap.engine.store import Reader, TrunkStore
 from reap.errors import ReapError
 from reap.models import family
 from reap.models.base import dict_weights
@@ -168,7 +169,7 @@ def test_reader_coalesces_an_expert_into_one_read_and_matches_checkpoint(tiny):
 def test_ring_streams_every_unit_with_prefetch_and_pinned_units_stay(tiny):
     ck = Checkpoint.open(tiny)
     fam = family(ck.config)
-    from reap.engine.core import bind
+    from reap.engine.binding import bind
 
     b = bind(ck.tensors, fam, ck.config, tiny)
     r = Reader(ck.tensors)

@@ -24,154 +24,16 @@ from pathlib import Path
 
 import torch
 
-from reap.checkpoint import DTYPE_CODES
 from reap.engine import memory
+from reap.engine.binding import Binding, bind, model_bytes, state_costs
+from reap.engine.experts import ExpertCache, _short
 from reap.engine.kernels import BufferPool, decode_mxfp4
 from reap.engine.metrics import RunMetrics
-from reap.engine.store import ExpertCache, Reader, TrunkStore
+from reap.engine.store import Reader, TrunkStore
 from reap.errors import EXIT_FAILURE, ReapError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 PREFILL_CHUNKS = (512, 256, 128, 64, 32, 16)
-
-
-@dataclass
-class Binding:
-    """What the engine reads, by trunk unit: units[i] names unit i's tensors (decoder layers in
-    order, then the head); `embed` is the embedding table, read by rows."""
-
-    unit_names: list[str]
-    units: list[list[str]]
-    embed: str
-    expert_layers: list[int]
-    n_experts: int
-
-
-def bind(tensors: dict, fam, config: dict, path: str) -> Binding:
-    """Match the checkpoint's tensors to the family layout, strictly: a missing tensor, a wrong
-    shape or dtype, or a tensor the layout does not use is a binding failure (exit 1)."""
-    specs = [s for s in fam.layout(config) if s.component != "vision"]
-    known = {s.name for s in fam.layout(config)}
-    for s in specs:
-        t = tensors.get(s.name)
-        if t is None:
-            raise ReapError(f"{path}: tensor binding failed: {s.name} is missing", EXIT_FAILURE)
-        if tuple(t.shape) != tuple(s.shape) or t.dtype != s.dtype:
-            raise ReapError(
-                f"{path}: tensor binding failed: {s.name} is {t.dtype} "
-                f"{list(t.shape)}, the layout wants {s.dtype} {list(s.shape)}",
-                EXIT_FAILURE,
-            )
-    unused = sorted(n for n in tensors if n not in known)
-    if unused:
-        raise ReapError(
-            f"{path}: tensor binding failed: {unused[0]} is not used by the model "
-            f"({len(unused)} unused tensors)",
-            EXIT_FAILURE,
-        )
-    n_layers = 1 + max((s.layer for s in specs if s.layer is not None), default=-1)
-    units: list[list[str]] = [[] for _ in range(n_layers + 1)]
-    embed_specs = [s for s in specs if s.component == "embed_head" and s.layer is None]
-    embed = embed_specs[0].name  # the layout lists the embedding first (file order)
-    for s in specs:
-        if s.component == "routed_experts":
-            continue
-        if s.layer is not None:
-            units[s.layer].append(s.name)
-        elif s.name != embed or len(embed_specs) == 1:  # a tied table is also the head
-            units[n_layers].append(s.name)
-    expert_layers = sorted({s.layer for s in specs if s.component == "routed_experts"})
-    n_experts = 1 + max((s.expert for s in specs if s.expert is not None), default=-1)
-    names = [f"layer {i}" for i in range(n_layers)] + ["head"]
-    return Binding(names, units, embed, expert_layers, n_experts)
-
-
-def state_costs(fam, cfg, act_bytes: int) -> tuple[int, int, int, int]:
-    """(KV bytes per position, recurrent-state bytes per sequence, activation bytes per token,
-    attention-score bytes per (query, key) pair) of one sequence.
-
-    Uses the family's `state_bytes(cfg, act_bytes)` when it has one; otherwise reads the
-    kimi_linear config fields (MLA latent + rope key per position; KDA state and conv tail)."""
-    if hasattr(fam, "state_bytes"):
-        return fam.state_bytes(cfg, act_bytes)
-    n = cfg.num_hidden_layers
-    kda = [i for i in range(n) if cfg.is_kda(i)]
-    per_pos = (n - len(kda)) * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * act_bytes
-    P = cfg.kda_heads * cfg.kda_head_dim if kda else 0
-    k = cfg.linear_attn_config.get("short_conv_kernel_size", 4)
-    per_seq = len(kda) * (cfg.kda_heads * cfg.kda_head_dim**2 * 4 + (k - 1) * 3 * P * act_bytes)
-    blocks = -(-n // (cfg.attn_res_block_size or n))
-    widest = max(
-        cfg.intermediate_size,
-        3 * P,
-        cfg.num_attention_heads
-        * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + 2 * cfg.v_head_dim),
-    )
-    act = 4 * (cfg.hidden_size * (blocks + 8) + 4 * widest)
-    pair = 4 * 3 * max(cfg.num_attention_heads, cfg.kda_heads if kda else 0)
-    return per_pos, per_seq, act, pair
-
-
-def model_bytes(
-    tensors: dict, fam, b: Binding, costs: tuple[int, int, int, int], top_k: int, dtype: torch.dtype
-) -> memory.ModelBytes:
-    """The plan's view of a bound checkpoint (bytes as stored) computing in `dtype`."""
-    units = [sum(tensors[n].nbytes for n in names) for names in b.units]
-    expert_bytes = [0] * len(units)
-    n_experts = [0] * len(units)
-    for layer in b.expert_layers:
-        expert_bytes[layer] = sum(tensors[n].nbytes for n in fam.expert_tensor_names(layer, 0))
-        n_experts[layer] = b.n_experts
-    code, size = DTYPE_CODES[dtype], torch.finfo(dtype).bits // 8
-    cast = max(
-        (
-            _numel(tensors[n].shape) * size
-            for names in b.units
-            for n in names
-            if tensors[n].dtype not in (code, "F32")
-        ),
-        default=0,
-    )
-    row = tensors[b.embed]
-    return memory.ModelBytes(
-        unit_names=list(b.unit_names),
-        units=units,
-        expert_bytes=expert_bytes,
-        n_experts=n_experts,
-        top_k=top_k,
-        resident=0,
-        embed_row=row.nbytes // row.shape[0],
-        cast_bytes=cast,
-        decoded_expert_bytes=_decoded(tensors, fam, b, size),
-        state_per_position=costs[0],
-        state_per_sequence=costs[1],
-        act_per_token=costs[2],
-        attn_per_pair=costs[3],
-    )
-
-
-def _decoded(tensors: dict, fam, b: Binding, size: int) -> int:
-    """Bytes of one routed expert's weights decoded to `size`-byte elements (MXFP4: two values
-    per packed byte; scale bytes produce none)."""
-    if not b.expert_layers:
-        return 0
-    names = fam.expert_tensor_names(b.expert_layers[0], 0)
-    elems = sum(
-        2 * tensors[n].nbytes
-        if n.endswith("_packed")
-        else 0
-        if n.endswith("_scale")
-        else _numel(tensors[n].shape)
-        for n in names
-    )
-    return elems * size
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 @dataclass
@@ -221,65 +83,28 @@ class Engine:
         The budget covers the whole process: `baseline` (default: this process's RSS now, so a
         second engine in the same process sees the first one's memory as already used) plus
         everything the engine holds. `dtype` None/"auto": the checkpoint's (float32 or bf16)."""
-        from reap.checkpoint import Checkpoint
         from reap.models import family
 
         t0 = time.perf_counter()
         _check_device(device)
-        if model is None:
-            from reap.defaults import default_model
-
-            model = default_model()
-        if str(model).lower().startswith(("http://", "https://")):
-            from reap.engine.remote import open_checkpoint
-
-            ckpt = open_checkpoint(str(model))
-        else:
-            ckpt = Checkpoint.open(model)
-        config = ckpt.config
-        if not config:
-            raise ReapError(f"{model}: no config.json; the engine needs a model directory")
-        fam = family(config)
-        cfg = fam.Config.from_dict(config)
+        ckpt, model = _open_checkpoint(model)
+        fam = family(ckpt.config)
+        cfg = fam.Config.from_dict(ckpt.config)
         torch_dtype = _compute_dtype(dtype, cfg)
-        b = bind(ckpt.tensors, fam, config, str(model))
+        b = bind(ckpt.tensors, fam, ckpt.config, str(model))
         costs = state_costs(fam, cfg, torch.finfo(torch_dtype).bits // 8)
-        mb = model_bytes(
-            ckpt.tensors, fam, b, costs, int(getattr(cfg, "num_experts_per_token", 0)), torch_dtype
-        )
+        top_k = int(getattr(cfg, "num_experts_per_token", 0))
+        mb = model_bytes(ckpt.tensors, fam, b, costs, top_k, torch_dtype)
         plan = _make_plan(mb, budget, preset, context, batch, prefill_chunk, available, baseline)
         memory.check_available(plan, available)
-        reader = Reader(ckpt.tensors, direct=direct, ensure=getattr(ckpt, "ensure", None))
-        try:
-            trunk = TrunkStore(
-                reader, b.units, plan.pinned, plan.ring_slots, plan.slot_bytes, device=device
-            )
-        except ReapError:
-            reader.close()
-            raise
-        experts = ExpertCache(reader, plan.expert_cache, fam.expert_tensor_names, device=device)
-        if b.expert_layers:
-            experts.reserve(fam.expert_tensor_names(b.expert_layers[0], 0))
+        reader, trunk, experts = _stores(ckpt, fam, b, plan, direct, device)
         eng = cls(
-            plan_bytes=mb,
-            path=str(model),
-            config=config,
-            fam=fam,
-            cfg=cfg,
-            binding=b,
-            plan=plan,
-            reader=reader,
-            trunk=trunk,
-            experts=experts,
-            device=device,
-            dtype=torch_dtype,
-            model=fam.Model(cfg, device=device, dtype=torch_dtype),
-            tokenizer=_tokenizer(ckpt.path),
-            context=context,
-            max_prompt=max_prompt,
-            max_generation=max_generation,
-            fingerprint=ckpt.fingerprint(),
-        )
+            plan_bytes=mb, path=str(model), config=ckpt.config, fam=fam, cfg=cfg, binding=b,
+            plan=plan, reader=reader, trunk=trunk, experts=experts, device=device,
+            dtype=torch_dtype, model=fam.Model(cfg, device=device, dtype=torch_dtype),
+            tokenizer=_tokenizer(ckpt.path), context=context, max_prompt=max_prompt,
+            max_generation=max_generation, fingerprint=ckpt.fingerprint(),
+        )  # fmt: skip
         eng.metrics.open_seconds = time.perf_counter() - t0
         eng.metrics.pinned_read_bytes = reader.io.bytes["trunk"]
         return eng
@@ -370,12 +195,10 @@ class Engine:
     def _zero_expert(self, layer: int, expert: int) -> dict[str, torch.Tensor]:
         """All-zero bytes decode to all-zero weights: the expert contributes nothing."""
         names = self.fam.expert_tensor_names(layer, expert)
-        from reap.engine.store import _short
-
         out = {}
         for n in names:
-            info = self.reader.tensors.get(n) or _spec_info(self.fam, self.config, n)
-            out[_short(n, names)] = torch.zeros(info.shape, dtype=torch.uint8)
+            # bind() checked every expert tensor is listed; only its bytes failed to load
+            out[_short(n, names)] = torch.zeros(self.reader.tensors[n].shape, dtype=torch.uint8)
         return out
 
     # -- accounting ---------------------------------------------------------------------------
@@ -474,6 +297,41 @@ class _ExpertSource:
         self.engine.experts.prefetch(layer, [int(e) for e in experts])
 
 
+def _open_checkpoint(model):
+    """(Checkpoint, its path or URL) for MODEL: None = the default model; http(s) = remote."""
+    from reap.checkpoint import Checkpoint
+
+    if model is None:
+        from reap.defaults import default_model
+
+        model = default_model()
+    if str(model).lower().startswith(("http://", "https://")):
+        from reap.engine.remote import open_checkpoint
+
+        ckpt = open_checkpoint(str(model))
+    else:
+        ckpt = Checkpoint.open(model)
+    if not ckpt.config:
+        raise ReapError(f"{model}: no config.json; the engine needs a model directory")
+    return ckpt, model
+
+
+def _stores(ckpt, fam, b: Binding, plan: memory.MemoryPlan, direct: bool, device: str):
+    """The reader, the trunk store (pinned units read now) and the expert cache (slab held)."""
+    reader = Reader(ckpt.tensors, direct=direct, ensure=getattr(ckpt, "ensure", None))
+    try:
+        trunk = TrunkStore(
+            reader, b.units, plan.pinned, plan.ring_slots, plan.slot_bytes, device=device
+        )
+    except ReapError:
+        reader.close()
+        raise
+    experts = ExpertCache(reader, plan.expert_cache, fam.expert_tensor_names, device=device)
+    if b.expert_layers:
+        experts.reserve(fam.expert_tensor_names(b.expert_layers[0], 0))
+    return reader, trunk, experts
+
+
 def _check_device(device: str) -> None:
     try:
         dev = torch.device(device)
@@ -536,10 +394,3 @@ def _getter(tensors: dict[str, torch.Tensor], where: str):
 def _last(state):
     """The state of the last position only (the head works per position)."""
     return type(state)(state.hidden[:, -1:], [b[:, -1:] for b in state.blocks])
-
-
-def _spec_info(fam, config, name):
-    for s in fam.layout(config):
-        if s.name == name:
-            return s
-    raise ReapError(f"routed expert tensor {name} is not in the layout", EXIT_FAILURE)

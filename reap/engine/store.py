@@ -1,11 +1,10 @@
 """Weight residency for the streaming engine: positioned reads into preallocated buffers, the
-pinned trunk, the streamed-layer ring with a background reader, and the routed-expert cache.
+pinned trunk and the streamed-layer ring with a background reader (the routed-expert cache is
+in `reap.engine.experts`).
 
-    reader = Reader(checkpoint, direct=False)        # preadv into caller buffers, I/O counters
+    reader = Reader(checkpoint.tensors, direct=False)  # preadv into caller buffers, I/O counters
     trunk = TrunkStore(reader, units, pinned, slots=2, slot_bytes=...)
     weights = trunk.get(i)                           # unit i's tensors; unit i+1.. read meanwhile
-    cache = ExpertCache(reader, capacity_bytes, expert_infos)
-    tensors = cache.get(layer, expert)               # one positioned read on a miss
 
 Reads go straight into long-lived buffers (ring slots, expert-cache slabs) so steady-state
 decoding allocates nothing and the resident set stays inside the memory plan. `TensorInfo`
@@ -14,12 +13,10 @@ offsets come from `reap.checkpoint`, the only code that parses the files.
 
 from __future__ import annotations
 
-import heapq
 import os
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
@@ -314,210 +311,3 @@ def _to(tensors: dict[str, torch.Tensor], device: str) -> dict[str, torch.Tensor
     if device == "cpu":
         return tensors
     return {k: v.to(device, non_blocking=False) for k, v in tensors.items()}
-
-
-class ExpertCache:
-    """Routed experts read on demand (one positioned read per expert: its six tensors are
-    contiguous) into a slab of fixed-size slots, evicted by LFU with exponential aging.
-
-    Why LFU with aging and not LRU: a decode step visits every MoE layer in order, so the
-    experts it touches form a cyclic scan much larger than most caches; LRU evicts each expert
-    just before the next token wants it again, while LFU keeps the experts the router keeps
-    choosing. Aging (each hit weighs 2^(t/half_life) for access counter t) lets the resident set
-    follow a change of topic. Experts fetched in the current layer are never evicted until
-    `release()`: the model may still hold views of them. `prefetch(layer, ids)` starts the reads
-    of a layer's routed experts in background threads as soon as the routing is known.
-
-    A failed read raises nothing: it is recorded in `failed` and the expert is served as None
-    so the engine can finish and report exit code 4."""
-
-    def __init__(
-        self,
-        reader: Reader,
-        capacity_bytes: int,
-        names_of,
-        half_life: int = 4096,
-        device: str = "cpu",
-    ):
-        self.reader, self.names_of, self.device = reader, names_of, device
-        self.half_life = half_life
-        self.slot_bytes = 0
-        self.capacity_bytes = capacity_bytes
-        self.slab: torch.Tensor | None = None
-        self.n_slots = 0
-        self.where: dict[tuple[int, int], int] = {}  # key -> slot
-        self.tensors: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
-        self.score: dict[tuple[int, int], float] = {}
-        self._heap: list[tuple[float, tuple[int, int]]] = []
-        self._free: list[int] = []
-        self._in_use: set[tuple[int, int]] = set()
-        self.clock = 0
-        self.hits = self.misses = 0
-        self.failed: list[tuple[int, int, str]] = []
-        self._pending: dict[tuple[int, int], Future] = {}
-        self._pool = None
-
-    def _ensure_slab(self, span: int, raw: int) -> None:
-        """Size the slab on first use: capacity counts stored bytes, each slot holds one
-        expert's span (its bytes plus a little alignment slack). The slab is touched once so
-        reads never pay for first-touch page faults (and the budget is really held)."""
-        if self.slab is None:
-            self.slot_bytes = span
-            self.n_slots = self.capacity_bytes // raw if raw else 0
-            if self.n_slots:
-                self.slab = torch.zeros(self.n_slots * span, dtype=torch.uint8)
-            self._free = list(range(self.n_slots))[::-1]
-
-    def reserve(self, names: Sequence[str]) -> None:
-        """Allocate the slab now, sized by one expert's tensors (else on the first read)."""
-        infos = [self.reader.info(n) for n in names]
-        self._ensure_slab(self.reader.span(infos), sum(t.nbytes for t in infos))
-
-    def prefetch(self, layer: int, experts: Sequence[int]) -> None:
-        """Start reading every listed expert that is not resident, in background threads (the
-        eviction decisions are made here, in order, so they do not depend on timing)."""
-        keys = [(layer, int(e)) for e in experts]
-        self._in_use.update(keys)  # none of them may be evicted to make room for another
-        for key in keys:
-            if key not in self.tensors and key not in self._pending:
-                self._pending[key] = self._start(key, background=True)
-
-    def get(self, layer: int, expert: int) -> dict[str, torch.Tensor] | None:
-        """The expert's tensors by short name (e.g. "w1.weight_packed"), or None if unreadable."""
-        key = (layer, expert)
-        self.clock += 1
-        self._in_use.add(key)
-        if key in self.tensors:
-            self.hits += 1
-            self._bump(key)
-            return self.tensors[key]
-        self.misses += 1
-        return self._install(key, self._pending.pop(key, None) or self._start(key, False))
-
-    def _start(self, key: tuple[int, int], background: bool) -> Future:
-        """Claim a slot (or a transient buffer) for `key` and read it; a Future of the raw
-        tensors with `.slot` and `.names` attached."""
-        fut: Future = Future()
-        fut.slot, fut.names = None, self.names_of(*key)
-        try:
-            infos = [self.reader.info(n) for n in fut.names]
-            span = self.reader.span(infos)
-            self._ensure_slab(span, sum(t.nbytes for t in infos))
-            fut.slot = self._claim() if span <= self.slot_bytes else None
-        except ReapError as e:
-            fut.set_exception(e)
-            return fut
-        if fut.slot is None:
-            buf = torch.empty(span, dtype=torch.uint8)
-        else:
-            buf = self.slab[fut.slot * self.slot_bytes : (fut.slot + 1) * self.slot_bytes]
-
-        def work():
-            raw = self.reader.read_into(infos, buf, "experts")
-            _check_scales(raw)
-            return raw
-
-        if background:
-            if self._pool is None:
-                from concurrent.futures import ThreadPoolExecutor
-
-                self._pool = ThreadPoolExecutor(4, thread_name_prefix="reap-experts")
-            slot, names = fut.slot, fut.names
-            fut = self._pool.submit(work)
-            fut.slot, fut.names = slot, names
-            return fut
-        try:
-            fut.set_result(work())
-        except ReapError as e:
-            fut.set_exception(e)
-        return fut
-
-    def _install(
-        self, key: tuple[int, int], fut: Future, count: bool = True
-    ) -> dict[str, torch.Tensor] | None:
-        try:
-            raw = fut.result()
-        except ReapError as e:
-            if fut.slot is not None:
-                self._free.append(fut.slot)
-            self.failed.append((key[0], key[1], str(e)))
-            return None
-        names = fut.names
-        out = _to({_short(n, names): raw[n] for n in names}, self.device)
-        if fut.slot is not None:
-            self.where[key], self.tensors[key] = fut.slot, out
-            if count:
-                self._bump(key)
-            else:  # prefetched but never asked for: first in line for eviction
-                self.score[key] = 0.0
-                heapq.heappush(self._heap, (0.0, key))
-        return out
-
-    def _bump(self, key: tuple[int, int]) -> None:
-        self.score[key] = self.score.get(key, 0.0) + 2.0 ** (self.clock / self.half_life)
-        heapq.heappush(self._heap, (self.score[key], key))
-        if self.clock > 64 * self.half_life:  # renormalize before the weights overflow
-            self._rescale()
-
-    def _rescale(self) -> None:
-        f = 2.0 ** (-self.clock / self.half_life)
-        self.score = {k: s * f for k, s in self.score.items() if k in self.tensors}
-        self.clock = 0
-        self._heap = [(s, k) for k, s in self.score.items()]
-        heapq.heapify(self._heap)
-
-    def _claim(self) -> int | None:
-        """A free slot, evicting the least-valued resident expert not in use; None if all are."""
-        if self._free:
-            return self._free.pop()
-        skipped = []
-        slot = None
-        while self._heap:
-            s, key = heapq.heappop(self._heap)
-            if key not in self.tensors or s != self.score.get(key):
-                continue  # stale heap entry
-            if key in self._in_use:
-                skipped.append((s, key))
-                continue
-            slot = self.where.pop(key)
-            del self.tensors[key]
-            self.score.pop(key, None)
-            break
-        for item in skipped:
-            heapq.heappush(self._heap, item)
-        if len(self._heap) > 8 * max(1, len(self.tensors)) + 1024:
-            self._heap = [(s, k) for k, s in self.score.items() if k in self.tensors]
-            heapq.heapify(self._heap)
-        return slot
-
-    def release(self) -> None:
-        """The current layer is done: its experts may be evicted again."""
-        for key, fut in list(self._pending.items()):
-            self._install(key, fut, count=False)
-        self._pending.clear()
-        self._in_use.clear()
-
-    @property
-    def resident_bytes(self) -> int:
-        return len(self.tensors) * self.slot_bytes
-
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-        self.tensors.clear()
-        self.where.clear()
-        self.slab = None
-
-
-def _check_scales(tensors: dict[str, torch.Tensor]) -> None:
-    """E8M0 scale byte 255 encodes NaN: no trained expert has one, so it means corrupt bytes."""
-    for name, t in tensors.items():
-        if name.endswith("_scale") and t.dtype == torch.uint8 and bool((t == 255).any()):
-            raise ReapError(f"{name}: E8M0 scale byte 255 (NaN): corrupt expert bytes")
-
-
-def _short(name: str, names: Sequence[str]) -> str:
-    """The part of a tensor name after the longest prefix shared by the expert's tensors."""
-    prefix = os.path.commonprefix(list(names))
-    prefix = prefix[: prefix.rfind(".") + 1]
-    return name[len(prefix) :]

@@ -1,0 +1,159 @@
+"""Binding a checkpoint to its model family, and what the memory plan needs to know about it.
+
+    b = bind(checkpoint.tensors, fam, config, path)       # strict: missing/unused -> exit 1
+    mb = model_bytes(checkpoint.tensors, fam, b, state_costs(fam, cfg, 2), top_k, torch.bfloat16)
+
+The engine reads a checkpoint as *trunk units* (each decoder layer without its routed experts,
+then the head) plus routed experts read on demand; the embedding table is read by rows. Works on
+anything with `.shape`, `.dtype` and `.nbytes` per tensor name (TensorInfo, or TensorSpec for a
+layout with no checkpoint, as the benchmark's full-K3 extrapolation does).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from reap.checkpoint import DTYPE_CODES
+from reap.engine import memory
+from reap.errors import EXIT_FAILURE, ReapError
+
+
+@dataclass
+class Binding:
+    """What the engine reads, by trunk unit: units[i] names unit i's tensors (decoder layers in
+    order, then the head); `embed` is the embedding table, read by rows."""
+
+    unit_names: list[str]
+    units: list[list[str]]
+    embed: str
+    expert_layers: list[int]
+    n_experts: int
+
+
+def bind(tensors: dict, fam, config: dict, path: str) -> Binding:
+    """Match the checkpoint's tensors to the family layout, strictly: a missing tensor, a wrong
+    shape or dtype, or a tensor the layout does not use is a binding failure (exit 1)."""
+    specs = [s for s in fam.layout(config) if s.component != "vision"]
+    known = {s.name for s in fam.layout(config)}
+    for s in specs:
+        t = tensors.get(s.name)
+        if t is None:
+            raise ReapError(f"{path}: tensor binding failed: {s.name} is missing", EXIT_FAILURE)
+        if tuple(t.shape) != tuple(s.shape) or t.dtype != s.dtype:
+            raise ReapError(
+                f"{path}: tensor binding failed: {s.name} is {t.dtype} "
+                f"{list(t.shape)}, the layout wants {s.dtype} {list(s.shape)}",
+                EXIT_FAILURE,
+            )
+    unused = sorted(n for n in tensors if n not in known)
+    if unused:
+        raise ReapError(
+            f"{path}: tensor binding failed: {unused[0]} is not used by the model "
+            f"({len(unused)} unused tensors)",
+            EXIT_FAILURE,
+        )
+    n_layers = 1 + max((s.layer for s in specs if s.layer is not None), default=-1)
+    units: list[list[str]] = [[] for _ in range(n_layers + 1)]
+    embed_specs = [s for s in specs if s.component == "embed_head" and s.layer is None]
+    embed = embed_specs[0].name  # the layout lists the embedding first (file order)
+    for s in specs:
+        if s.component == "routed_experts":
+            continue
+        if s.layer is not None:
+            units[s.layer].append(s.name)
+        elif s.name != embed or len(embed_specs) == 1:  # a tied table is also the head
+            units[n_layers].append(s.name)
+    expert_layers = sorted({s.layer for s in specs if s.component == "routed_experts"})
+    n_experts = 1 + max((s.expert for s in specs if s.expert is not None), default=-1)
+    names = [f"layer {i}" for i in range(n_layers)] + ["head"]
+    return Binding(names, units, embed, expert_layers, n_experts)
+
+
+def state_costs(fam, cfg, act_bytes: int) -> tuple[int, int, int, int]:
+    """(KV bytes per position, recurrent-state bytes per sequence, activation bytes per token,
+    attention-score bytes per (query, key) pair) of one sequence.
+
+    Uses the family's `state_bytes(cfg, act_bytes)` when it has one; otherwise reads the
+    kimi_linear config fields (MLA latent + rope key per position; KDA state and conv tail)."""
+    if hasattr(fam, "state_bytes"):
+        return fam.state_bytes(cfg, act_bytes)
+    n = cfg.num_hidden_layers
+    kda = [i for i in range(n) if cfg.is_kda(i)]
+    per_pos = (n - len(kda)) * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * act_bytes
+    P = cfg.kda_heads * cfg.kda_head_dim if kda else 0
+    k = cfg.linear_attn_config.get("short_conv_kernel_size", 4)
+    per_seq = len(kda) * (cfg.kda_heads * cfg.kda_head_dim**2 * 4 + (k - 1) * 3 * P * act_bytes)
+    blocks = -(-n // (cfg.attn_res_block_size or n))
+    widest = max(
+        cfg.intermediate_size,
+        3 * P,
+        cfg.num_attention_heads
+        * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + 2 * cfg.v_head_dim),
+    )
+    act = 4 * (cfg.hidden_size * (blocks + 8) + 4 * widest)
+    pair = 4 * 3 * max(cfg.num_attention_heads, cfg.kda_heads if kda else 0)
+    return per_pos, per_seq, act, pair
+
+
+def model_bytes(
+    tensors: dict, fam, b: Binding, costs: tuple[int, int, int, int], top_k: int, dtype: torch.dtype
+) -> memory.ModelBytes:
+    """The plan's view of a bound checkpoint (bytes as stored) computing in `dtype`."""
+    units = [sum(tensors[n].nbytes for n in names) for names in b.units]
+    expert_bytes = [0] * len(units)
+    n_experts = [0] * len(units)
+    for layer in b.expert_layers:
+        expert_bytes[layer] = sum(tensors[n].nbytes for n in fam.expert_tensor_names(layer, 0))
+        n_experts[layer] = b.n_experts
+    code, size = DTYPE_CODES[dtype], torch.finfo(dtype).bits // 8
+    cast = max(
+        (
+            _numel(tensors[n].shape) * size
+            for names in b.units
+            for n in names
+            if tensors[n].dtype not in (code, "F32")
+        ),
+        default=0,
+    )
+    row = tensors[b.embed]
+    return memory.ModelBytes(
+        unit_names=list(b.unit_names),
+        units=units,
+        expert_bytes=expert_bytes,
+        n_experts=n_experts,
+        top_k=top_k,
+        resident=0,
+        embed_row=row.nbytes // row.shape[0],
+        cast_bytes=cast,
+        decoded_expert_bytes=_decoded(tensors, fam, b, size),
+        state_per_position=costs[0],
+        state_per_sequence=costs[1],
+        act_per_token=costs[2],
+        attn_per_pair=costs[3],
+    )
+
+
+def _decoded(tensors: dict, fam, b: Binding, size: int) -> int:
+    """Bytes of one routed expert's weights decoded to `size`-byte elements (MXFP4: two values
+    per packed byte; scale bytes produce none)."""
+    if not b.expert_layers:
+        return 0
+    names = fam.expert_tensor_names(b.expert_layers[0], 0)
+    elems = sum(
+        2 * tensors[n].nbytes
+        if n.endswith("_packed")
+        else 0
+        if n.endswith("_scale")
+        else _numel(tensors[n].shape)
+        for n in names
+    )
+    return elems * size
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
