@@ -9,9 +9,10 @@ trunk resident, streaming the other layers through a ring buffer and caching rou
         for token in engine.stream([1, 2, 3], max_tokens=8): ...
         logits = engine.logits([[1, 2, 3]])        # [[3, V]] next-token logits per position
 
-Modules: `memory` (the plan), `store` (reads, ring, expert cache), `kernels` (MXFP4 decode),
-`core` (binding and the layer-by-layer step), `generate` (sampling, stop strings, lockstep
-batches), `metrics`, `cli` (`reap run`), `defaults` (the bundled default model). `reap serve`
+Modules: `memory` (the plan), `binding` (checkpoint -> trunk units, byte census), `store`
+(positioned reads, pinned trunk, streamed-layer ring), `experts` (routed-expert cache),
+`kernels` (MXFP4 decode), `core` (Engine: open and the layer-by-layer step), `generate`
+(sampling, stop strings, lockstep batches), `metrics`, `cli` (`reap run`). `reap serve`
 (server, chat, remote) builds on this API. Importing this package loads nothing heavy.
 """
 

@@ -25,7 +25,7 @@ EXIT_CODES = """exit codes:
   2  bad arguments, unknown config, or a memory plan refused by the budget / available memory
   3  finished, but the result file (--out) could not be written
   4  finished, but at least one routed expert failed to load: the tokens are not trustworthy
-     (the failed experts contributed nothing; they are listed on stderr)
+     (the failed experts contributed nothing; stderr names the first, --json lists all)
   5  interrupted (Ctrl-C)"""
 
 
