@@ -35,6 +35,8 @@ from typing import Protocol
 import torch
 
 # (layer, expert) -> that expert's tensors by short name, e.g. "w1.weight_packed", "w1.weight_scale".
+# A source may also have `prefetch(layer, expert_ids)`: MoE layers call it with every expert they
+# are about to use (ascending ids) once routing is known, before the first fetch.
 ExpertSource = Callable[[int, int], Mapping[str, torch.Tensor]]
 
 # name (without prefix) -> tensor; raises reap.errors.CheckpointError for unknown names.

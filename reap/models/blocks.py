@@ -388,6 +388,9 @@ def latent_moe(
         return linear(o, up) if up is not None else o
 
     xl = linear(x, w("routed_expert_down_proj.weight")) if d.latent else x  # [N, Dl]
+    prefetch = getattr(experts, "prefetch", None)
+    if prefetch is not None:  # a streaming source may start every read now, in the background
+        prefetch(layer, torch.unique(ids).tolist())
     wants = observer is not None and observer.wants_norms
     y, stats = dispatch(
         xl,
