@@ -51,6 +51,7 @@ class Config:
     mla_use_nope: bool = True
     mla_use_output_gate: bool = False
     num_experts: int = 0
+    num_experts_per_layer: dict | None = None  # reap extension: {"layer": n} (global prune)
     num_experts_per_token: int = 16
     num_shared_experts: int = 0
     moe_intermediate_size: int = 0
@@ -100,6 +101,11 @@ class Config:
             and layer >= self.first_k_dense_replace
             and layer % self.moe_layer_freq == 0
         )
+
+    def experts_in(self, layer: int) -> int:
+        """Routed experts of MoE layer `layer` (per-layer counts after a global-scope prune)."""
+        per = self.num_experts_per_layer or {}
+        return int(per.get(str(layer), self.num_experts))
 
     @property
     def kda_heads(self) -> int:
@@ -207,7 +213,7 @@ def _mla_specs(cfg: Config, t) -> list[TensorSpec]:
 
 
 def _moe_specs(cfg: Config, i: int, t, fdt: str) -> list[TensorSpec]:
-    D, E, m = cfg.hidden_size, cfg.num_experts, "block_sparse_moe."
+    D, E, m = cfg.hidden_size, cfg.experts_in(i), "block_sparse_moe."
     out = [
         t(m + "gate.weight", (E, D), "router"),
         t(m + "gate.e_score_correction_bias", (E,), "router", "F32"),
@@ -276,12 +282,18 @@ def router_tensors(cfg: Config | dict, layer: int) -> dict[str, int]:
     return {p + "weight": 0, p + "e_score_correction_bias": 0}
 
 
-def with_experts(config_dict: dict, n_experts: int) -> dict:
-    """A copy of the config with `n_experts` routed experts per layer (top_k capped at n)."""
+def with_experts(config_dict: dict, n_experts: int | dict[int, int]) -> dict:
+    """The config with `n_experts` per layer, or {layer: n} (non-uniform counts go to the reap
+    extension `num_experts_per_layer`); top_k capped at the smallest count."""
     out = copy.deepcopy(config_dict)
     text = out.get("text_config", out)
-    text["num_experts"] = n_experts
-    text["num_experts_per_token"] = min(text["num_experts_per_token"], n_experts)
+    counts = n_experts if isinstance(n_experts, dict) else {}
+    text.pop("num_experts_per_layer", None)
+    if len(set(counts.values())) > 1:
+        text["num_experts_per_layer"] = {str(k): int(v) for k, v in sorted(counts.items())}
+    n, low = (max(counts.values()), min(counts.values())) if counts else (n_experts, n_experts)
+    text["num_experts"] = int(n)
+    text["num_experts_per_token"] = min(text["num_experts_per_token"], low)
     return out
 
 

@@ -116,13 +116,9 @@ def prune(
 
 def _pruned_config(fam, config: dict, plan: Plan) -> dict:
     counts = set(plan.counts.values())
-    if len(counts) != 1:
-        raise ReapError(
-            f"the plan keeps different expert counts per layer ({min(counts)}.."
-            f"{max(counts)}) but {fam.__name__}'s config holds one count for all "
-            "layers: make a --scope uniform plan"
-        )
-    return fam.with_experts(config, counts.pop())
+    if len(counts) == 1:
+        return fam.with_experts(config, counts.pop())
+    return fam.with_experts(config, {int(k): v for k, v in plan.counts.items()})
 
 
 def _check_model(ck, plan: Plan) -> None:
