@@ -4,8 +4,7 @@ and the torch model driven layer by layer through the protocol of `reap.models.b
 Architecture (reference: mlx-lm 0.32.2 `models/kimi_k3.py`): layer 0 dense, layers 1.. LatentMoE;
 attention is KDA (gated delta rule, `linear_attn_config.kda_layers`, one-based) or gated NoPE MLA;
 the residual stream is AttnRes (softmax mix over block snapshots). Shapes: B batch, T tokens,
-D hidden, V vocab, E n_experts, K top_k.
-"""
+D hidden, V vocab, E n_experts, K top_k."""
 
 from __future__ import annotations
 
@@ -104,8 +103,7 @@ class Config:
 
     def experts_in(self, layer: int) -> int:
         """Routed experts of MoE layer `layer` (per-layer counts after a global-scope prune)."""
-        per = self.num_experts_per_layer or {}
-        return int(per.get(str(layer), self.num_experts))
+        return int((self.num_experts_per_layer or {}).get(str(layer), self.num_experts))
 
     @property
     def kda_heads(self) -> int:
