@@ -32,7 +32,7 @@ from reap.models import kimi_k3
 from reap.models.base import dict_weights
 
 _TORCH = {"BF16": torch.bfloat16, "F32": torch.float32, "U8": torch.uint8}
-SMOKE = (2, 128)  # sequences x tokens per domain that tests/test_k3mini.py recomputes exactly
+SMOKE = (4, 128)  # sequences x tokens per domain that tests/test_k3mini.py recomputes exactly
 
 
 def released_tensors(cfgd: dict, params: dict) -> dict[str, torch.Tensor]:
@@ -68,8 +68,13 @@ def eval_three_ways(cfgd, params, shipped: dict, tok, n_seq: int, seq: int) -> d
     fp = held_out_loss(cfgd, dict_weights(params), T.expert_source(params, False), batches)
     q = held_out_loss(cfgd, dict_weights(params), T.expert_source(params, True), batches)
     ship = held_out_loss(cfgd, dict_weights(shipped), None, batches)
-    return {"float_experts": fp, "mxfp4_experts": q, "shipped": ship,
-            "sequences_per_domain": n_seq, "tokens_per_sequence": seq}
+    return {
+        "float_experts": fp,
+        "mxfp4_experts": q,
+        "shipped": ship,
+        "sequences_per_domain": n_seq,
+        "tokens_per_sequence": seq,
+    }
 
 
 def read_log(run: Path) -> list[dict]:
@@ -82,8 +87,9 @@ def read_log(run: Path) -> list[dict]:
     return [by_step[k] for k in sorted(by_step)]
 
 
-def loss_plot(log: list[dict], vocab: int) -> bytes:
-    """PNG: train loss per domain (per logging window) and held-out loss per domain vs tokens."""
+def loss_plot(log: list[dict], vocab: int, eval_what: str) -> bytes:
+    """PNG: train loss per domain (per logging window) and held-out loss per domain (on
+    `eval_what`, e.g. "8 x 256 tokens") vs tokens seen."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -98,7 +104,9 @@ def loss_plot(log: list[dict], vocab: int) -> bytes:
         if ev:
             axes[1].plot(*zip(*ev), "o-", color=c, label=d)
     qat = next((r["tokens"] / 1e6 for r in log if r.get("qat")), None)
-    for ax, title in zip(axes, ("train (per 10-step window)", "held-out eval split")):
+    for ax, title in zip(
+        axes, ("train (per 10-step window)", f"held-out eval split ({eval_what} per domain)")
+    ):
         ax.axhline(math.log(vocab), color="gray", ls=":", label="uniform ln(V)")
         if qat is not None:
             ax.axvline(qat, color="k", ls="--", lw=0.8, label="MXFP4 QAT starts")
@@ -127,16 +135,21 @@ def export(args: argparse.Namespace) -> str:
     cfgd, tok = state["config"], load_tokenizer(run)
     shipped = released_tensors(cfgd, params)
     evals = eval_three_ways(cfgd, params, shipped, tok, args.eval_seqs, args.seq)
-    smoke = held_out_loss(cfgd, dict_weights(shipped), None, T.eval_batches(tok, SMOKE[1],
-                                                                            SMOKE[0]))
+    smoke = held_out_loss(
+        cfgd, dict_weights(shipped), None, T.eval_batches(tok, SMOKE[1], SMOKE[0])
+    )
     log = read_log(run)
     summary = run_summary(cfgd, state, params, evals, smoke)
     files = {
         "tokenizer.json": (run / "tokenizer.json").read_text(),
         "tokenizer_config.json": (run / "tokenizer_config.json").read_text(),
         "training_log.json": json.dumps({"summary": summary, "log": log}, indent=1),
-        "loss_curves.png": loss_plot(log, cfgd["text_config"]["vocab_size"]),
-        "MODEL_CARD.md": model_card(summary, cfgd),
+        "loss_curves.png": loss_plot(
+            log,
+            cfgd["text_config"]["vocab_size"],
+            f"{state['args']['eval_seqs']} x {state['args']['seq']} tokens",
+        ),
+        "MODEL_CARD.md": model_card(summary, cfgd, args.note),
     }
     specs = kimi_k3.layout(cfgd)
     w = CheckpointWriter(args.out, specs, prefix="language_model.", overwrite=True)
@@ -167,22 +180,33 @@ def run_summary(cfgd: dict, state: dict, params: dict, evals: dict, smoke: dict)
     active = n_all - n_expert + n_expert * cfg.num_experts_per_token // cfg.num_experts
     active -= cfg.vocab_size * cfg.hidden_size  # the embedding is a lookup
     return {
-        "params": n_all, "routed_expert_params": n_expert, "active_params_per_token": active,
-        "moe_layers": moe, "steps": state["step"], "tokens": state["tokens"],
-        "train_seconds": round(state["seconds"]), "args": state.get("args", {}),
-        "domains": T.DOMAINS, "train_corpora": {d: T.leaves(d) for d in T.DOMAINS},
+        "params": n_all,
+        "routed_expert_params": n_expert,
+        "active_params_per_token": active,
+        "moe_layers": moe,
+        "steps": state["step"],
+        "tokens": state["tokens"],
+        "train_seconds": round(state["seconds"]),
+        "args": state.get("args", {}),
+        "domains": T.DOMAINS,
+        "train_corpora": {d: T.leaves(d) for d in T.DOMAINS},
         "train_fingerprints": {d: corpus_fingerprint(d, "train") for d in T.DOMAINS},
-        "eval": evals, "uniform_loss": round(math.log(cfg.vocab_size), 4),
+        "eval": evals,
+        "uniform_loss": round(math.log(cfg.vocab_size), 4),
         "smoke_eval": {"sequences": SMOKE[0], "tokens": SMOKE[1], "loss": smoke},
     }
 
 
 def _loss_table(ev: dict, uniform: float) -> str:
-    rows = ["| domain | float experts | MXFP4 experts | shipped (bf16 trunk + MXFP4) |",
-            "|---|---|---|---|"]
+    rows = [
+        "| domain | float experts | MXFP4 experts | shipped (bf16 trunk + MXFP4) |",
+        "|---|---|---|---|",
+    ]
     for d in T.DOMAINS:
-        rows.append(f"| {d} | {ev['float_experts'][d]:.3f} | {ev['mxfp4_experts'][d]:.3f} | "
-                    f"{ev['shipped'][d]:.3f} |")
+        rows.append(
+            f"| {d} | {ev['float_experts'][d]:.3f} | {ev['mxfp4_experts'][d]:.3f} | "
+            f"{ev['shipped'][d]:.3f} |"
+        )
     return "\n".join(rows) + f"\n\nUniform over the vocabulary: ln(V) = {uniform:.3f} nats."
 
 
@@ -191,35 +215,55 @@ def architecture(cfgd: dict) -> str:
     c = kimi_k3.Config.from_dict(cfgd)
     la = c.linear_attn_config
     lines = [
-        (f"- {c.num_hidden_layers} layers, hidden {c.hidden_size}, vocab {c.vocab_size} "
-         "(byte-level BPE trained on the same mix, `tokenizer.json`)."),
-        (f"- Attention: KDA (gated delta rule, {la['num_heads']} heads x {la['head_dim']}, "
-         f"short conv {la['short_conv_kernel_size']}) at one-based layers {la['kda_layers']}; "
-         f"gated NoPE MLA ({c.num_attention_heads} heads, kv_lora {c.kv_lora_rank}) at "
-         f"{la['full_attn_layers']} (K3's rule: every 4th and the last). No positional encoding."),
-        (f"- Layer 0: dense SiTU GLU (intermediate {c.intermediate_size}). Layers "
-         f"1-{c.num_hidden_layers - 1}: LatentMoE with {c.num_experts} routed experts, "
-         f"top-{c.num_experts_per_token}, sigmoid router with `e_score_correction_bias`, experts "
-         f"(intermediate {c.moe_intermediate_size}) in a {c.latent}-wide latent space (down/up "
-         f"projections, RMSNorm), {c.num_shared_experts} shared experts; AttnRes block "
-         f"snapshots every {c.attn_res_block_size} layers."),
+        (
+            f"- {c.num_hidden_layers} layers, hidden {c.hidden_size}, vocab {c.vocab_size} "
+            "(byte-level BPE trained on the same mix, `tokenizer.json`)."
+        ),
+        (
+            f"- Attention: KDA (gated delta rule, {la['num_heads']} heads x {la['head_dim']}, "
+            f"short conv {la['short_conv_kernel_size']}) at one-based layers {la['kda_layers']}; "
+            f"gated NoPE MLA ({c.num_attention_heads} heads, kv_lora {c.kv_lora_rank}) at "
+            f"{la['full_attn_layers']} (K3's rule: every 4th and the last). No positional encoding."
+        ),
+        (
+            f"- Layer 0: dense SiTU GLU (intermediate {c.intermediate_size}). Layers "
+            f"1-{c.num_hidden_layers - 1}: LatentMoE with {c.num_experts} routed experts, "
+            f"top-{c.num_experts_per_token}, sigmoid router with `e_score_correction_bias`, experts "
+            f"(intermediate {c.moe_intermediate_size}) in a {c.latent}-wide latent space (down/up "
+            f"projections, RMSNorm), {c.num_shared_experts} shared experts; AttnRes block "
+            f"snapshots every {c.attn_res_block_size} layers."
+        ),
     ]
     return "\n".join(lines)
 
 
-def model_card(s: dict, cfgd: dict) -> str:
-    """MODEL_CARD.md text from the run summary and config."""
+def model_card(s: dict, cfgd: dict, note: str = "") -> str:
+    """MODEL_CARD.md text from the run summary and config (plus a note on the run, if any)."""
     a, ev = s["args"], s["eval"]
-    corpora = ", ".join(f"{d} ({'+'.join(p)}, weight {s['domains'][d]})"
-                        for d, p in s["train_corpora"].items())
+    corpora = ", ".join(
+        f"{d} ({'+'.join(p)}, weight {s['domains'][d]})" for d, p in s["train_corpora"].items()
+    )
     return CARD.format(
-        arch=architecture(cfgd), params=s["params"] / 1e6, experts=s["routed_expert_params"] / 1e6,
-        active=s["active_params_per_token"] / 1e6, steps=s["steps"], tokens=s["tokens"] / 1e6,
-        minutes=s["train_seconds"] / 60, batch=a.get("batch"), seq=a.get("seq"),
-        lr=a.get("lr"), gamma=a.get("gamma"), qat=a.get("qat"), corpora=corpora,
-        n_eval=ev["sequences_per_domain"], t_eval=ev["tokens_per_sequence"],
-        table=_loss_table(ev, s["uniform_loss"]), run_args=" ".join(
-            f"--{k.replace('_', '-')} {v}" for k, v in a.items() if k not in ("run", "cmd")),
+        arch=architecture(cfgd),
+        note=f"- {note}\n" if note else "",
+        params=s["params"] / 1e6,
+        experts=s["routed_expert_params"] / 1e6,
+        active=s["active_params_per_token"] / 1e6,
+        steps=s["steps"],
+        tokens=s["tokens"] / 1e6,
+        minutes=s["train_seconds"] / 60,
+        batch=a.get("batch"),
+        seq=a.get("seq"),
+        lr=a.get("lr"),
+        gamma=a.get("gamma"),
+        qat=a.get("qat"),
+        corpora=corpora,
+        n_eval=ev["sequences_per_domain"],
+        t_eval=ev["tokens_per_sequence"],
+        table=_loss_table(ev, s["uniform_loss"]),
+        run_args=" ".join(
+            f"--{k.replace('_', '-')} {v}" for k, v in a.items() if k not in ("run", "cmd")
+        ),
     )
 
 
@@ -251,7 +295,7 @@ It is a test instrument, not a useful language model.
 - Quantization-aware finish: the last {qat:.0%} of steps ran the routed experts through MXFP4
   fake quantization (straight-through gradient); the export quantizes them with
   `reap.mxfp4.quantize`.
-
+{note}
 ## Held-out loss (nats/token, eval splits, {n_eval} sequences x {t_eval} tokens per domain)
 {table}
 
@@ -262,7 +306,7 @@ held-out loss every few hundred steps, gradient norm, worst expert load over mea
 
 ## Retrain
 ```
-python experiments/train_k3mini.py train --run /tmp/k3mini-run {run_args}
+python experiments/train_k3mini.py --run /tmp/k3mini-run {run_args}
 python experiments/export_k3mini.py --run /tmp/k3mini-run --out reap/models/k3mini
 ```
 The run directory keeps the tokenizer, tokenized data, `log.jsonl` and an atomic checkpoint
@@ -278,6 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--eval-seqs", type=int, default=32, help="held-out sequences per domain")
     p.add_argument("--seq", type=int, default=256, help="tokens per held-out sequence")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--note", default="", help="a line about this run for the model card")
     export(p.parse_args(argv))
     return 0
 

@@ -10,8 +10,7 @@ load balancing is aux-loss-free (the router's `e_score_correction_bias` is nudge
 by +/- gamma toward uniform load). The last `--qat` fraction of steps sees MXFP4 fake-quantized
 experts (straight-through gradient).
 
-    python experiments/train_k3mini.py bench                      # tokens/s of this machine
-    python experiments/train_k3mini.py train --run DIR --steps N  # starts, or resumes from DIR
+    python experiments/train_k3mini.py --run DIR           # starts, or resumes from DIR
     python experiments/export_k3mini.py --run DIR --out reap/models/k3mini  # the shipped model
 
 A run directory holds `tokenizer.json`, tokenized train data (`data/*.npy`), `ckpt/` (params,
@@ -38,8 +37,9 @@ import torch.nn.functional as F
 from reap import mxfp4
 from reap.models import builtin_config, kimi_k3
 from reap.models.base import dict_weights
+from reap.tokenizer import EOS_TOKEN as EOS
+from reap.tokenizer import byte_tokenizer_files
 
-EOS = "<|endoftext|>"
 # domain -> sampling weight (mix corpora spread it equally over their parts)
 DOMAINS = {"zh": 1.0, "en": 1.0, "eu": 1.5, "ja": 1.0, "code": 1.5}
 SHAPE = {
@@ -116,15 +116,9 @@ def train_tokenizer(path: Path, vocab_size: int, budget: int = 3_000_000) -> Non
         show_progress=False,
     )
     tok.train_from_iterator(texts(), trainer)
-    config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "eos_token": EOS,
-        "bos_token": None,
-        "model_max_length": 1048576,
-        "clean_up_tokenization_spaces": False,
-    }
+    config = byte_tokenizer_files()["tokenizer_config.json"]  # same special tokens and settings
     _atomic_write(path / "tokenizer.json", tok.to_str().encode())
-    _atomic_write(path / "tokenizer_config.json", json.dumps(config, indent=2).encode())
+    _atomic_write(path / "tokenizer_config.json", config.encode())
 
 
 def tokenize_train(run: Path, tok) -> dict[str, np.ndarray]:
@@ -153,8 +147,9 @@ def batch_plan(batch: int) -> list[str]:
 
     from reap.corpora import allocate
 
-    slots = [(leaf, Fraction(str(w)) / len(leaves(d))) for d, w in DOMAINS.items()
-             for leaf in leaves(d)]
+    slots = [
+        (leaf, Fraction(str(w)) / len(leaves(d))) for d, w in DOMAINS.items() for leaf in leaves(d)
+    ]
     counts = allocate(batch, [w for _, w in slots])
     return [leaf for (leaf, _), c in zip(slots, counts) for _ in range(c)]
 
@@ -176,8 +171,9 @@ def eval_batches(tok, seq: int, n_seq: int) -> dict[str, torch.Tensor]:
     from reap.corpora import sample_sequences
 
     return {
-        d: torch.tensor([s.ids for s in sample_sequences(d, "eval", tok, n_seq * (seq + 1),
-                                                          seq + 1, seed=0)])
+        d: torch.tensor(
+            [s.ids for s in sample_sequences(d, "eval", tok, n_seq * (seq + 1), seq + 1, seed=0)]
+        )
         for d in DOMAINS
     }
 
@@ -275,8 +271,9 @@ def expert_source(params: dict, qat: bool):
 
 def seq_losses(model, params: dict, ids: torch.Tensor, qat: bool, observer=None) -> torch.Tensor:
     """Mean next-token cross-entropy (nats) of each row: ids [B, T+1] -> [B]."""
-    logits = model.forward(dict_weights(params), ids[:, :-1], experts=expert_source(params, qat),
-                           observer=observer)  # [B, T, V]
+    logits = model.forward(
+        dict_weights(params), ids[:, :-1], experts=expert_source(params, qat), observer=observer
+    )  # [B, T, V]
     nll = F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].reshape(-1), reduction="none")
     return nll.view(ids.shape[0], -1).mean(1)
 
@@ -353,10 +350,14 @@ def load_ckpt(run: Path) -> tuple[dict, dict, dict] | None:
 def make_optimizer(params: dict, moments: dict | None, steps: dict | None, wd: float):
     """AdamW over the trainable tensors (decay on matrices), restoring saved moments."""
     groups = [
-        {"params": [t for n, t in params.items() if trainable(n) and decays(n, t)],
-         "weight_decay": wd},
-        {"params": [t for n, t in params.items() if trainable(n) and not decays(n, t)],
-         "weight_decay": 0.0},
+        {
+            "params": [t for n, t in params.items() if trainable(n) and decays(n, t)],
+            "weight_decay": wd,
+        },
+        {
+            "params": [t for n, t in params.items() if trainable(n) and not decays(n, t)],
+            "weight_decay": 0.0,
+        },
     ]
     opt = torch.optim.AdamW(groups, lr=1e-3, betas=(0.9, 0.95), eps=1e-8)
     for n, t in params.items():
@@ -395,62 +396,82 @@ def train(args: argparse.Namespace) -> int:
     evals = eval_batches(tok, args.seq, args.eval_seqs)
     loaded = load_ckpt(run)
     if loaded is None:
-        params, moments, state = init_params(cfgd, args.seed), None, {"step": 0, "tokens": 0,
-                                                                       "seconds": 0.0}
+        params, moments, state = (
+            init_params(cfgd, args.seed),
+            None,
+            {"step": 0, "tokens": 0, "seconds": 0.0},
+        )
     else:
         params, moments, state = loaded
         print(f"resuming at step {state['step']}", flush=True)
     for n, t in params.items():
         t.requires_grad_(trainable(n))
     opt = make_optimizer(params, moments, state.get("adamw_steps"), args.wd)
-    state.update(config=cfgd, args={k: v for k, v in vars(args).items() if k != "func"})
+    state.update(config=cfgd, args=vars(args))
     _train_loop(run, model, params, opt, state, streams, evals, args)
     return 0
 
 
+def _train_step(model, params, opt, ids, qat: bool, lr: float, args) -> tuple:
+    """One AdamW step on ids [B, T+1], then the bias nudge; returns (per-row losses [B],
+    gradient norm, worst max/mean expert load)."""
+    for gr in opt.param_groups:
+        gr["lr"] = lr
+    counter = LoadCounter(model.cfg.num_experts)
+    losses = seq_losses(model, params, ids, qat, counter)  # [B]
+    opt.zero_grad(set_to_none=True)
+    losses.mean().backward()
+    trained = [t for t in params.values() if t.requires_grad]
+    gnorm = float(torch.nn.utils.clip_grad_norm_(trained, args.clip))
+    opt.step()
+    with torch.no_grad():
+        imbalance = balance(params, counter, args.gamma)
+    return losses.detach(), gnorm, imbalance
+
+
 def _train_loop(run, model, params, opt, state, streams, evals, args) -> None:
     stop = {"flag": False}
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in (signal.SIGTERM, signal.SIGINT):  # finish the step, checkpoint, exit
         signal.signal(sig, lambda *_: stop.update(flag=True))
     plan = batch_plan(args.batch)
     domain_of = {leaf: d for d in DOMAINS for leaf in leaves(d)}
-    E = model.cfg.num_experts
     qat_from = int(args.steps * (1 - args.qat))
     last_save, window = time.time(), []
     log = open(run / "log.jsonl", "a")  # noqa: SIM115
     while state["step"] < args.steps and not stop["flag"]:
         step, t0 = state["step"], time.time()
-        qat = step >= qat_from
-        lr = lr_at(step, args.steps, args.lr, args.warmup)
-        for gr in opt.param_groups:
-            gr["lr"] = lr
+        qat, lr = step >= qat_from, lr_at(step, args.steps, args.lr, args.warmup)
         ids = draw_batch(streams, plan, args.seq, args.seed, step)
-        counter = LoadCounter(E)
-        losses = seq_losses(model, params, ids, qat, counter)  # [B]
-        opt.zero_grad(set_to_none=True)
-        losses.mean().backward()
-        gnorm = float(torch.nn.utils.clip_grad_norm_(
-            [t for t in params.values() if t.requires_grad], args.clip))
-        opt.step()
-        with torch.no_grad():
-            imbalance = balance(params, counter, args.gamma)
+        losses, gnorm, imbalance = _train_step(model, params, opt, ids, qat, lr, args)
         dt = time.time() - t0
-        state.update(step=step + 1, tokens=state["tokens"] + ids[:, 1:].numel(),
-                     seconds=state["seconds"] + dt)
+        state.update(
+            step=step + 1,
+            tokens=state["tokens"] + ids[:, 1:].numel(),
+            seconds=state["seconds"] + dt,
+        )
         per = {}
-        for leaf, l in zip(plan, losses.tolist()):
-            per.setdefault(domain_of[leaf], []).append(l)
-        window.append({"loss": float(losses.detach().mean()), "gnorm": gnorm, "imbalance": imbalance,
-                       "dt": dt, **{d: sum(v) / len(v) for d, v in per.items()}})
-        if (step + 1) % args.log_every == 0 or state["step"] == args.steps:
+        for leaf, v in zip(plan, losses.tolist()):
+            per.setdefault(domain_of[leaf], []).append(v)
+        window.append(
+            {
+                "loss": float(losses.mean()),
+                "gnorm": gnorm,
+                "imbalance": imbalance,
+                "dt": dt,
+                **{d: sum(v) / len(v) for d, v in per.items()},
+            }
+        )
+        last = state["step"] == args.steps
+        if state["step"] % args.log_every == 0 or last:
             rec = _summarize(window, state, lr, qat, args)
-            if (step + 1) % args.eval_every == 0 or state["step"] == args.steps:
-                rec["eval"] = evaluate(model, params, evals, qat)
+            if state["step"] % args.eval_every == 0 or last:
+                ev = evaluate(model, params, evals, qat)
+                rec["eval"] = {d: round(v, 4) for d, v in ev.items()}
             log.write(json.dumps(rec) + "\n")
             log.flush()
             print(json.dumps(rec), flush=True)
             window = []
-        if time.time() - last_save > args.ckpt_minutes * 60 or state["step"] == args.steps:
+        if time.time() - last_save > args.ckpt_minutes * 60 or last:
             save_ckpt(run, params, opt, state)
             last_save = time.time()
     if stop["flag"]:
@@ -463,65 +484,39 @@ def _summarize(window: list[dict], state: dict, lr: float, qat: bool, args) -> d
     keys = {k for w in window for k in w}
     mean = {k: sum(w[k] for w in window if k in w) / sum(k in w for w in window) for k in keys}
     tps = args.batch * args.seq * len(window) / sum(w["dt"] for w in window)
-    rec = {"step": state["step"], "tokens": state["tokens"], "seconds": round(state["seconds"]),
-           "lr": lr, "qat": qat, "tok_per_s": round(tps)}
+    rec = {
+        "step": state["step"],
+        "tokens": state["tokens"],
+        "seconds": round(state["seconds"]),
+        "lr": lr,
+        "qat": qat,
+        "tok_per_s": round(tps),
+    }
     rec["train"] = {d: round(mean[d], 4) for d in DOMAINS if d in mean}
     rec.update({k: round(mean[k], 4) for k in ("loss", "gnorm", "imbalance")})
     return rec
 
 
-def bench(args: argparse.Namespace) -> int:
-    """Time a few training steps on random tokens at the k3-mini shape."""
-    torch.set_num_threads(args.threads)
-    cfgd = mini_config(args.vocab, 0)
-    model = kimi_k3.Model(kimi_k3.Config.from_dict(cfgd))
-    params = init_params(cfgd, 0)
-    for n, t in params.items():
-        t.requires_grad_(trainable(n))
-    opt = make_optimizer(params, None, None, 0.1)
-    n_params = sum(t.numel() for t in params.values())
-    print(f"params {n_params / 1e6:.2f} M", flush=True)
-    g = torch.Generator().manual_seed(0)
-    for i in range(args.bench_steps):
-        t0 = time.time()
-        ids = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=g)
-        loss = seq_losses(model, params, ids, i % 2 == 1, LoadCounter(SHAPE["num_experts"]))
-        opt.zero_grad()
-        loss.mean().backward()
-        opt.step()
-        dt = time.time() - t0
-        print(f"step {i} qat={i % 2 == 1} {dt:.2f}s {args.batch * args.seq / dt:.0f} tok/s",
-              flush=True)
-    return 0
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    sub = p.add_subparsers(dest="cmd", required=True)
-    for name, fn in (("train", train), ("bench", bench)):
-        s = sub.add_parser(name)
-        s.set_defaults(func=fn)
-        s.add_argument("--run", default="/work/k3mini-run", help="run directory")
-        s.add_argument("--threads", type=int, default=2)
-        s.add_argument("--vocab", type=int, default=SHAPE["vocab_size"])
-        s.add_argument("--batch", type=int, default=16)
-        s.add_argument("--seq", type=int, default=256)
-        s.add_argument("--eval-seqs", type=int, default=8, help="eval sequences per domain")
-    t = sub.choices["train"]
-    t.add_argument("--steps", type=int, default=2400)
-    t.add_argument("--lr", type=float, default=2e-3)
-    t.add_argument("--warmup", type=int, default=100)
-    t.add_argument("--wd", type=float, default=0.1)
-    t.add_argument("--clip", type=float, default=1.0)
-    t.add_argument("--gamma", type=float, default=1e-2, help="bias balancing step")
-    t.add_argument("--qat", type=float, default=0.15, help="final fraction of steps with QAT")
-    t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--log-every", type=int, default=10)
-    t.add_argument("--eval-every", type=int, default=200)
-    t.add_argument("--ckpt-minutes", type=float, default=4.0)
-    sub.choices["bench"].add_argument("--bench-steps", type=int, default=4)
-    args = p.parse_args(argv)
-    return args.func(args)
+    p.add_argument("--run", default="/work/k3mini-run", help="run directory")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (1 on a busy machine)")
+    p.add_argument("--vocab", type=int, default=SHAPE["vocab_size"], help="BPE vocabulary")
+    p.add_argument("--batch", type=int, default=16, help="sequences per step")
+    p.add_argument("--seq", type=int, default=256, help="tokens per sequence")
+    p.add_argument("--eval-seqs", type=int, default=8, help="held-out sequences per domain")
+    p.add_argument("--steps", type=int, default=1250)
+    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
+    p.add_argument("--warmup", type=int, default=40)
+    p.add_argument("--wd", type=float, default=0.1)
+    p.add_argument("--clip", type=float, default=1.0)
+    p.add_argument("--gamma", type=float, default=1e-2, help="bias balancing step")
+    p.add_argument("--qat", type=float, default=0.15, help="final fraction of steps with QAT")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--eval-every", type=int, default=100)
+    p.add_argument("--ckpt-minutes", type=float, default=4.0)
+    return train(p.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -47,15 +47,16 @@ def smoke(shipped):
 
 
 class Usage:
-    """Observer: tokens routed to each expert, per MoE layer."""
+    """Observer: tokens routed to each expert, per MoE layer and sequence ([B, E] float64)."""
 
     wants_norms = False
 
-    def __init__(self, n_experts):
-        self.n, self.counts = n_experts, {}
+    def __init__(self, n_seqs, n_experts):
+        self.b, self.n, self.counts = n_seqs, n_experts, {}
 
     def on_moe(self, rec):
-        c = torch.bincount(rec.ids.reshape(-1), minlength=self.n).double()  # [E]
+        ids = rec.ids.reshape(self.b, -1)  # [B, T*K]
+        c = torch.stack([torch.bincount(r, minlength=self.n) for r in ids]).double()  # [B, E]
         self.counts[rec.layer] = self.counts.get(rec.layer, 0) + c
 
 
@@ -100,33 +101,69 @@ def test_forward_from_files_reproduces_card_losses(shipped, smoke):
     recorded = summary["smoke_eval"]["loss"]
     usage = {}
     for d, ids in smoke.items():
-        usage[d] = Usage(cfg.num_experts)
+        usage[d] = Usage(ids.shape[0], cfg.num_experts)
         with torch.no_grad():
             logits = model.forward(get, ids[:, :-1], observer=usage[d])  # [N, T, V]
-        loss = float(torch.nn.functional.cross_entropy(logits.flatten(0, 1),
-                                                       ids[:, 1:].reshape(-1)))
+        loss = float(
+            torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].reshape(-1))
+        )
         assert loss == pytest.approx(recorded[d], abs=2e-3), d
-        assert loss < 0.6 * math.log(cfg.vocab_size), (d, loss)
+        assert loss < math.log(cfg.vocab_size) - 2, (d, loss)  # perplexity 7x below uniform
     # every full-eval figure of the card is far below uniform, and MXFP4 cost little
     ev = summary["eval"]
     for d in summary["domains"]:
-        assert ev["shipped"][d] < 0.6 * summary["uniform_loss"]
+        assert ev["shipped"][d] < summary["uniform_loss"] - 2
         assert ev["mxfp4_experts"][d] - ev["float_experts"][d] < 0.1
     _check_routing(usage, cfg)
 
 
+def _spread(counts: torch.Tensor, labels: torch.Tensor, n_groups: int) -> float:
+    """Sum over layers and domains of the total-variation distance between a domain's expert
+    usage and the pooled usage. counts [S, L, E] per sequence, labels [S] domain ids."""
+    pooled = counts.sum(0)
+    pooled = pooled / pooled.sum(-1, keepdim=True)  # [L, E]
+    out = 0.0
+    for g in range(n_groups):
+        dom = counts[labels == g].sum(0)
+        out += 0.5 * float((dom / dom.sum(-1, keepdim=True) - pooled).abs().sum())
+    return out
+
+
 def _check_routing(usage: dict, cfg) -> None:
-    """Balanced load (most experts used, none hoarding) and domain-dependent routing: in some
-    layer, zh and code route with clearly different expert-usage distributions."""
-    total = {layer: sum(u.counts[layer] for u in usage.values()) for layer in usage["zh"].counts}
-    for layer, c in total.items():
-        assert (c > 0).float().mean() >= 0.75, layer
-        assert c.max() / c.mean() < 5, layer
-    tv = []
-    for layer in total:
-        p, q = (usage[d].counts[layer] / usage[d].counts[layer].sum() for d in ("zh", "code"))
-        tv.append(0.5 * float((p - q).abs().sum()))
-    assert max(tv) > 0.3, tv
+    """Balanced load (every expert used, none hoarding) and domain-dependent routing: a
+    permutation test over held-out sequences. Expert usage is more domain-specific under the
+    true domain labels than under 198 of 200 random relabelings of the same sequences
+    (sequence-to-sequence variation within a domain is the null)."""
+    layers = sorted(usage["zh"].counts)
+    for layer in layers:
+        total = sum(u.counts[layer].sum(0) for u in usage.values())  # [E]
+        assert (total > 0).all() and total.max() / total.mean() < 3, layer
+    counts = torch.cat(
+        [torch.stack([u.counts[i] for i in layers], 1) for u in usage.values()]
+    )  # [S, L, E]
+    labels = torch.cat([torch.full((u.b,), g) for g, u in enumerate(usage.values())])
+    observed = _spread(counts, labels, len(usage))
+    g = torch.Generator().manual_seed(0)
+    null = [
+        _spread(counts, labels[torch.randperm(len(labels), generator=g)], len(usage))
+        for _ in range(200)
+    ]
+    assert observed > sorted(null)[-3], (observed, max(null))  # p < 0.015
+
+
+def test_card_losses_beat_the_best_unigram_model(shipped):
+    """The card's held-out losses (every domain, shipped files) are at least 1 nat below the
+    entropy of the unigram distribution fit to the very tokens scored: the best any
+    context-free predictor could do on them (an optimistic, in-sample bar)."""
+    _, cfg, _, summary = shipped
+    tok, ev = load_tokenizer(MODEL), summary["eval"]
+    n, t = ev["sequences_per_domain"], ev["tokens_per_sequence"]
+    for d in summary["domains"]:
+        seqs = sample_sequences(d, "eval", tok, n * (t + 1), t + 1)
+        targets = torch.tensor([s.ids[1:] for s in seqs]).reshape(-1)
+        p = torch.bincount(targets, minlength=cfg.vocab_size).double() / targets.numel()
+        entropy = float(-(p[p > 0] * p[p > 0].log()).sum())
+        assert ev["shipped"][d] < entropy - 1.0, (d, ev["shipped"][d], entropy)
 
 
 def test_mlx_lm_loads_the_files_and_agrees(shipped, smoke):
@@ -137,8 +174,9 @@ def test_mlx_lm_loads_the_files_and_agrees(shipped, smoke):
     _, cfg, weights, _ = shipped
     ref, _ = load_model(MODEL)
     # compute in float32 on both sides (bf16 weights upcast exactly; MXFP4 experts untouched)
-    ref.update(tree_map(lambda x: x.astype(mx.float32) if x.dtype == mx.bfloat16 else x,
-                        ref.parameters()))
+    ref.update(
+        tree_map(lambda x: x.astype(mx.float32) if x.dtype == mx.bfloat16 else x, ref.parameters())
+    )
     ids = smoke["en"][:1, :48]
     ours = kimi_k3.Model(cfg).forward(dict_weights(weights), ids).numpy()
     theirs = np.array(ref(mx.array(ids.numpy())))
@@ -155,8 +193,9 @@ def test_expert_bytes_decode_like_the_reference(shipped):
         for e in (0, cfg.num_experts - 1):
             p, s = (weights[n] for n in kimi_k3.expert_tensor_names(layer, e)[:2])  # w1
             fast = mxfp4.dequantize(p, s)
-            torch.testing.assert_close(fast.double(), mxfp4.dequantize_reference(p, s).double(),
-                                       rtol=0, atol=0)
+            torch.testing.assert_close(
+                fast.double(), mxfp4.dequantize_reference(p, s).double(), rtol=0, atol=0
+            )
             assert torch.isfinite(fast).all() and fast.std() > 0
             mats.append(fast)
         assert not torch.equal(mats[0], mats[1])
