@@ -19,8 +19,8 @@ once per pass (the pass count is recorded). Interrupted runs resume with the sam
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=None,
-                   help="checkpoint directory (default: the bundled default model; until a "
-                        "trained one ships, a k3-tiny synthesized on first use)")
+                   help="checkpoint directory (default: the bundled k3-mini, see "
+                        "reap/models/k3mini/MODEL_CARD.md)")
     p.add_argument("--corpus", required=True,
                    help="corpus mixture, e.g. zh+code or zh:3+code:1 (see `reap corpora list`)")
     p.add_argument("--tokens", type=int, default=65536, help="calibration tokens (default 65536)")

@@ -36,8 +36,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "model",
         nargs="?",
         default=None,
-        help="checkpoint directory or http(s) URL (default: the bundled default "
-        "model, a k3-tiny synthesized into ~/.cache/reap on first use)",
+        help="checkpoint directory or http(s) URL (default: the bundled k3-mini, "
+        "see reap/models/k3mini/MODEL_CARD.md)",
     )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text (encoded with the model's tokenizer)")
