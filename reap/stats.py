@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from reap.errors import ReapError, WriteError
+from reap.errors import ReapError
+from reap.fileio import atomic_path
 
 FORMAT = "reap.expert_stats/1"
 
@@ -98,16 +99,10 @@ class ExpertStats:
         """Write atomically (temp file, then rename); returns the path."""
         from safetensors.torch import save_file
 
-        path = os.fspath(path)
-        tmp = f"{path}.tmp.{os.getpid()}"
-        try:
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            tensors = {k: v.contiguous() for k, v in self.tensors().items()}
+        tensors = {k: v.contiguous() for k, v in self.tensors().items()}
+        with atomic_path(path) as tmp:
             save_file(tensors, tmp, metadata={"reap": json.dumps(self.header())})
-            os.replace(tmp, path)
-        except OSError as e:
-            raise WriteError(f"cannot write statistics {path}: {e.strerror or e}") from e
-        return path
+        return os.fspath(path)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> ExpertStats:

@@ -7,7 +7,8 @@ import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "reap"
 STAGES = ["corpora", "calibrate", "analyze", "prune", "engine", "eval"]
-SHARED = {"checkpoint", "mxfp4", "models", "stats", "sizes", "tokenizer", "synth", "errors"}
+SHARED = {"checkpoint", "mxfp4", "models", "stats", "sizes", "tokenizer", "synth", "errors",
+          "fileio", "provenance", "defaults"}
 
 
 def _imports(path: pathlib.Path) -> set[str]:

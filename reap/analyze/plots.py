@@ -7,14 +7,12 @@ atomically. Nothing here computes statistics: it draws the records of the other 
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 
 from reap.analyze.cluster import Communities, CorpusClustering, ExpertClustering
 from reap.analyze.overlap import SetOverlap, SetOverlapOverall, UsageSimilarity
 from reap.analyze.specialists import ExpertProfiles, SpecialistNull
-from reap.errors import WriteError
+from reap.fileio import atomic_path
 
 
 def _figure(w: float, h: float):
@@ -31,12 +29,8 @@ def _layer_axis(ax) -> None:
 
 def save_figure(fig, path: str) -> str:
     """Write a figure as PNG atomically (temp file, then rename); returns the path."""
-    tmp = f"{path}.tmp.{os.getpid()}"
-    try:
+    with atomic_path(path) as tmp:
         fig.savefig(tmp, format="png", dpi=110)
-        os.replace(tmp, path)
-    except OSError as e:
-        raise WriteError(f"cannot write figure {path}: {e.strerror or e}") from e
     return path
 
 

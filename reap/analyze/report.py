@@ -20,6 +20,7 @@ from reap.analyze import plots
 from reap.analyze.markdown import render
 from reap.analyze.pipeline import AnalysisResult
 from reap.errors import WriteError
+from reap.fileio import atomic_path
 from reap.provenance import code_version as _code_version
 
 
@@ -35,14 +36,8 @@ class ReportFiles:
 
 
 def _atomic(path: str, write) -> str:
-    tmp = f"{path}.tmp.{os.getpid()}"
-    try:
+    with atomic_path(path) as tmp:
         write(tmp)
-        os.replace(tmp, path)
-    except OSError as e:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise WriteError(f"cannot write {path}: {e.strerror or e}") from e
     return path
 
 

@@ -30,7 +30,8 @@ from reap.corpora.store import (
     split_of,
 )
 from reap.corpora.text import count_words
-from reap.errors import ReapError, WriteError
+from reap.errors import ReapError
+from reap.fileio import write_atomic as _write_atomic
 
 
 def default_cache() -> Path:
@@ -40,14 +41,7 @@ def default_cache() -> Path:
 
 def write_atomic(path: Path, data: bytes) -> None:
     """Write `data` to `path` through a temporary name and a rename."""
-    tmp = path.with_name(f"{path.name}.tmp.{os.getpid()}")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise WriteError(f"{path}: cannot write ({e})") from None
+    _write_atomic(path, data)
 
 
 def split_documents(docs: list[Document]) -> dict[str, list[Document]]:

@@ -16,7 +16,8 @@ import json
 import os
 from pathlib import Path
 
-from reap.errors import ReapError, WriteError
+from reap.errors import ReapError
+from reap.fileio import write_atomic
 
 _REAP = Path(__file__).resolve().parents[1]
 # sources whose change changes the numbers of each kind of cached result
@@ -106,15 +107,7 @@ def write_text(path: str | Path, text: str) -> None:
 
 def write_bytes(path: str | Path, data: bytes) -> None:
     """Write a file atomically; WriteError (exit 3) naming the file on failure."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise WriteError(f"{path}: cannot write ({e.strerror or e})") from None
+    write_atomic(path, data)
 
 
 def check_out_dir(out: str | Path) -> Path:

@@ -23,7 +23,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from reap.errors import ReapError, WriteError
+from reap.errors import ReapError
+from reap.fileio import write_atomic
 from reap.provenance import code_version as _code_version
 from reap.prune import budget as B
 from reap.prune import criteria as C
@@ -66,16 +67,7 @@ class Plan:
 
     def save(self, path: str | os.PathLike) -> str:
         """Write the plan as JSON atomically (temp file, then rename); returns the path."""
-        path = os.fspath(path)
-        tmp = f"{path}.tmp.{os.getpid()}"
-        try:
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            with open(tmp, "w") as f:
-                json.dump(self.to_json(), f, indent=1)
-            os.replace(tmp, path)
-        except OSError as e:
-            raise WriteError(f"cannot write plan {path}: {e.strerror or e}") from e
-        return path
+        return write_atomic(path, json.dumps(self.to_json(), indent=1))
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Plan:
