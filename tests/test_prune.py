@@ -192,6 +192,10 @@ def test_global_plan_prunes_to_per_layer_counts(src, tmp_path):
         assert torch.equal(a.ids, torch.tensor(p.keep[b.layer])[b.ids])
     # router matmuls of different widths may round differently in the last bit
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    from reap.engine import Engine  # the streaming engine runs per-layer counts too
+
+    with Engine.open(str(out), budget="2GB", dtype="float32") as engine:
+        torch.testing.assert_close(engine.logits([ids[0].tolist()])[0], got[0], rtol=0, atol=1e-5)
 
 
 def test_verify_passes_and_catches_flipped_bytes(src, pruned, tmp_path, capsys):
