@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from reap.fileio import write_atomic
+
 ROOT = Path(__file__).resolve().parent.parent
 GB = 1e9
 
@@ -435,9 +437,7 @@ def extrapolate(rates: dict, decode_s: float, baseline: int, threads: int) -> li
 
 # -- report -------------------------------------------------------------------------------------
 def _write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    write_atomic(path, text)
 
 
 def report_md(r: dict) -> str:
