@@ -585,10 +585,10 @@ def _reading(r: dict) -> list[str]:
         out.append(
             f"- With the whole trunk pinned the engine is compute-bound at {lo:.2f}-{hi:.2f}x the "
             f"floor. The floor counts matmul FLOPs only; on top of them each token decodes 16 "
-            f"MXFP4 experts ({dec:.2f} s here) and reads its missed experts synchronously, because "
-            "the MoE block does not yet announce its routing before dispatching (the engine's "
-            "`ExpertSource.prefetch(layer, ids)` hook would move those reads to background "
-            "threads; see tests/test_engine.py)."
+            f"MXFP4 experts ({dec:.2f} s here) and runs each expert's small matmuls one at a "
+            "time; missed experts are read in background threads once the MoE block announces its "
+            "routing (`ExpertSource.prefetch`), but the reads of a layer still finish before its "
+            "dispatch ends, so I/O and compute overlap only partly."
         )
     return out
 
