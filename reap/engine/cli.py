@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import tempfile
 
 from reap.engine.memory import PRESET_HELP, PRESETS
-from reap.errors import EXIT_EXPERT_LOAD, ReapError, WriteError
+from reap.errors import EXIT_EXPERT_LOAD, ReapError
+from reap.fileio import write_atomic
 
 EXIT_CODES = """exit codes:
   0  success
@@ -157,20 +156,6 @@ def _line(path: str, i: int, line: str) -> tuple:
     return prompt, d
 
 
-def _write_atomic(path: str, text: str) -> None:
-    """Write via a temporary file in the same directory, then rename (WriteError on failure)."""
-    d = os.path.dirname(os.path.abspath(path))
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=".reap-", dir=d)
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except OSError as e:
-        if "tmp" in locals() and os.path.exists(tmp):
-            os.unlink(tmp)
-        raise WriteError(f"{path}: cannot write result ({e.strerror})") from None
-
-
 def run(args: argparse.Namespace) -> int:
     """Open the engine, generate, print; returns the exit code (see EXIT_CODES)."""
     from reap.engine.core import Engine
@@ -213,7 +198,7 @@ def run(args: argparse.Namespace) -> int:
         }
         _print(args, gens, result, engine)
         if args.out:
-            _write_atomic(args.out, json.dumps(result, indent=1) + "\n")
+            write_atomic(args.out, json.dumps(result, indent=1) + "\n")
         if engine.expert_failures:
             f = engine.expert_failures
             raise ReapError(
