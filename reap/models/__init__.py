@@ -20,7 +20,16 @@ from types import ModuleType
 from reap.errors import ReapError
 
 # model_type (top level, or of a bare text config) -> family module
-FAMILIES = {"kimi_k3": "reap.models.kimi_k3", "kimi_linear": "reap.models.kimi_k3"}
+FAMILIES = {
+    "kimi_k3": "reap.models.kimi_k3",
+    "kimi_linear": "reap.models.kimi_k3",
+    "deepseek_v3": "reap.models.deepseek_v3",
+    "kimi_k2": "reap.models.deepseek_v3",
+    "qwen3_moe": "reap.models.qwen3_moe",
+    "mixtral": "reap.models.mixtral",
+    "olmoe": "reap.models.mixtral",
+    "gpt_oss": "reap.models.gpt_oss",
+}
 
 # compressed-tensors MXFP4 as in the release: read by mlx-lm from text_config
 QUANTIZATION_CONFIG = {
