@@ -1,0 +1,166 @@
+"""Softmax attention with rotary positions, shared by the RoPE families (Qwen3-MoE, Mixtral,
+OLMoE, GPT-OSS, DeepSeek-V3's rope part): RoPE (default, linear, YaRN, Llama-3 scaling) and
+grouped-query attention over a growing KV cache, with optional sliding window and per-head sink
+logits. Families do their own projections and norms and call these on per-head tensors.
+
+    theta, scaling = rope_settings(config_dict)
+    rope = Rope.create(head_dim, theta, scaling)
+    q, k = rope.apply(q, cache.length), rope.apply(k, cache.length)
+    o = gqa_attention(q, k, v, cache, scale=head_dim**-0.5)      # [B, T, H, Dv]
+
+Dimension letters: B batch, T new tokens, S all tokens (cache + new), H query heads, Hkv key/value
+heads (H a multiple of Hkv), Dk query/key width, Dv value width, d rotated width.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from reap.errors import ReapError
+
+Tensor = torch.Tensor
+
+
+def rope_settings(config: dict | object) -> tuple[float, dict | None]:
+    """(theta, scaling) from a config dict or object: transformers 5 `rope_parameters`
+    ({"rope_type", "rope_theta", ...}) or the older `rope_theta` + `rope_scaling`."""
+    get = config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d)
+    params = get("rope_parameters")
+    if isinstance(params, dict) and "rope_theta" in params:
+        kind = params.get("rope_type", params.get("type", "default"))
+        return float(params["rope_theta"]), None if kind == "default" else dict(params)
+    scaling = get("rope_scaling")
+    theta = float(get("rope_theta", 10000.0) or 10000.0)
+    if not scaling or scaling.get("rope_type", scaling.get("type", "default")) == "default":
+        return theta, None
+    return theta, dict(scaling)
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _yarn(inv: Tensor, d: int, theta: float, s: dict) -> tuple[Tensor, float]:
+    """YaRN: interpolate the slow frequencies by `factor`, keep the fast ones, ramp between."""
+    factor, old = float(s["factor"]), float(s["original_max_position_embeddings"])
+    attn = s.get("attention_factor")
+    if attn is None:
+        m, m_all = s.get("mscale"), s.get("mscale_all_dim")
+        attn = _yarn_mscale(factor, m) / _yarn_mscale(factor, m_all) if m and m_all else None
+        attn = attn if attn is not None else _yarn_mscale(factor)
+
+    def dim_of(rotations: float) -> float:  # the dimension that turns `rotations` times
+        return d * math.log(old / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_of(s.get("beta_fast") or 32), dim_of(s.get("beta_slow") or 1)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
+    ramp = ((torch.arange(d // 2, dtype=torch.float64) - low) / max(high - low, 1e-3)).clamp(0, 1)
+    keep = 1 - ramp  # 1: extrapolate (fast, unchanged), 0: interpolate (slow, / factor)
+    return inv / factor * (1 - keep) + inv * keep, float(attn)
+
+
+def _llama3(inv: Tensor, s: dict) -> Tensor:
+    """Llama 3: long wavelengths / factor, short ones unchanged, smooth in between."""
+    factor, old = float(s["factor"]), float(s["original_max_position_embeddings"])
+    lo, hi = float(s.get("low_freq_factor", 1.0)), float(s.get("high_freq_factor", 4.0))
+    wavelen = 2 * math.pi / inv
+    smooth = ((old / wavelen - lo) / (hi - lo)).clamp(0, 1)
+    return (1 - smooth) * inv / factor + smooth * inv
+
+
+@dataclass
+class Rope:
+    """Rotary position embedding of the first `2 * len(inv_freq)` dims of each head."""
+
+    inv_freq: Tensor  # [d/2] float64
+    attention_factor: float = 1.0  # multiplies cos and sin (YaRN)
+
+    @classmethod
+    def create(cls, dim: int, theta: float, scaling: dict | None = None) -> Rope:
+        """RoPE over `dim` rotated dims with base `theta` and an HF scaling dict (or None)."""
+        inv = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)  # [d/2]
+        kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+        if kind == "default":
+            return cls(inv)
+        if kind == "linear":
+            return cls(inv / float(scaling["factor"]))
+        if kind == "yarn":
+            return cls(*_yarn(inv, dim, theta, scaling))
+        if kind == "llama3":
+            return cls(_llama3(inv, scaling))
+        raise ReapError(
+            f"unsupported rope_type {kind!r} (supported: default, linear, yarn, llama3)"
+        )
+
+    def apply(self, x: Tensor, start: int, interleaved: bool = False) -> Tensor:
+        """Rotate x [B, T, H, Dk] at positions start..start+T-1 (rotate-half pairing of dims
+        i and i + d/2; `interleaved` pairs 2i and 2i+1). Dims past d pass unchanged."""
+        T, d = x.shape[1], 2 * self.inv_freq.shape[0]
+        pos = torch.arange(start, start + T, dtype=torch.float64)
+        ang = pos[:, None] * self.inv_freq[None]  # [T, d/2]
+        cos = (ang.cos() * self.attention_factor).to(torch.float32)[None, :, None]  # [1, T, 1, d/2]
+        sin = (ang.sin() * self.attention_factor).to(torch.float32)[None, :, None]
+        rot, rest = x[..., :d].float(), x[..., d:]
+        if interleaved:
+            a, b = rot[..., 0::2], rot[..., 1::2]  # [B, T, H, d/2] each
+        else:
+            a, b = rot[..., : d // 2], rot[..., d // 2 :]
+        out = torch.cat([a * cos - b * sin, b * cos + a * sin], -1).to(x.dtype)  # half layout
+        return torch.cat([out, rest], -1) if rest.shape[-1] else out
+
+
+@dataclass
+class KVCache:
+    """Keys and values of one attention layer: k [B, Hkv, S, Dk], v [B, Hkv, S, Dv]."""
+
+    k: Tensor | None = None
+    v: Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        return 0 if self.k is None else self.k.shape[2]
+
+
+def gqa_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cache: KVCache | None,
+    scale: float,
+    sinks: Tensor | None = None,
+    window: int | None = None,
+) -> Tensor:
+    """Causal grouped-query attention of T new queries over the cache plus the T new keys.
+
+    q [B, T, H, Dk], k [B, T, Hkv, Dk], v [B, T, Hkv, Dv] -> [B, T, H, Dv]; appends k/v to
+    `cache`. `window`: a query at position p sees keys p-window+1..p. `sinks` [H]: a per-head
+    logit joining each softmax row as an extra column that receives probability but no value."""
+    Bn, T, H, _ = q.shape
+    k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hkv, T, D]
+    if cache is not None:
+        if cache.k is not None:
+            k, v = torch.cat([cache.k, k], 2), torch.cat([cache.v, v], 2)  # [B, Hkv, S, D]
+        cache.k, cache.v = k, v
+    S, group = k.shape[2], H // k.shape[1]
+    qg = q.transpose(1, 2).reshape(Bn, k.shape[1], group * T, -1)  # [B, Hkv, group*T, Dk]
+    scores = (qg @ k.transpose(-1, -2)).float() * scale  # [B, Hkv, group*T, S]
+    scores = scores.reshape(Bn, H, T, S)
+    qpos = torch.arange(S - T, S)[:, None]  # [T, 1] absolute positions of the new queries
+    kpos = torch.arange(S)[None]  # [1, S]
+    visible = kpos <= qpos
+    if window is not None:
+        visible &= kpos > qpos - window
+    scores = scores.masked_fill(~visible, float("-inf"))
+    if sinks is not None:
+        sink = sinks.float().reshape(1, H, 1, 1).expand(Bn, H, T, 1)
+        p = torch.softmax(torch.cat([scores, sink], -1), -1)[..., :S]  # [B, H, T, S]
+    else:
+        p = torch.softmax(scores, -1)
+    pg = p.to(v.dtype).reshape(Bn, k.shape[1], group * T, S)
+    o = (pg @ v).reshape(Bn, H, T, -1)  # [B, H, T, Dv]
+    return o.transpose(1, 2)
