@@ -200,3 +200,21 @@ def test_situ_formula():
         for v, g in zip(x.tolist(), gate.tolist())
     ]
     torch.testing.assert_close(B.situ(x, gate, 4.0, 25.0), torch.tensor(ref))
+
+
+def test_softmax_topk_matches_a_naive_router():
+    from reap.models.blocks import softmax_topk
+
+    torch.manual_seed(3)
+    logits = torch.randn(7, 10)
+    for renorm in (False, True):
+        ids, weights, probs = softmax_topk(logits, 3, renorm)
+        for n in range(7):
+            p = [math.exp(v) for v in logits[n].tolist()]
+            p = [v / sum(p) for v in p]
+            top = sorted(range(10), key=lambda e: -p[e])[:3]
+            assert ids[n].tolist() == top
+            w = [p[e] for e in top]
+            w = [v / sum(w) for v in w] if renorm else w
+            torch.testing.assert_close(weights[n], torch.tensor(w), rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(probs.sum(-1), torch.ones(7))

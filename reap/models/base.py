@@ -73,7 +73,7 @@ class MoERecord:
     layer: int
     ids: torch.Tensor  # [N, K] int64 routed expert ids
     weights: torch.Tensor  # [N, K] float32 routing weights (renormalized, times scaling factor)
-    probs: torch.Tensor  # [N, E] float32 router probabilities (sigmoid, before the bias)
+    probs: torch.Tensor  # [N, E] float32 router scores (sigmoid before any bias, or softmax)
     latent_norm: torch.Tensor | None = None  # [N, K] ||expert output|| in the expert space
     model_norm: torch.Tensor | None = None  # [N, K] ||contribution|| / weight, model space
     max_act: torch.Tensor | None = None  # [N, K] max |expert output| (expert space)

@@ -1,6 +1,7 @@
 """Shared torch blocks for the model families: norms, the SiTU GLU, Kimi Delta Attention (KDA,
 gated delta rule: a per-step recurrence and a chunked WY form), gated NoPE MLA with a latent KV
-cache, the sigmoid router with expert-major dispatch, and the AttnRes residual mix.
+cache, the sigmoid and softmax routers with expert-major dispatch (`routed_experts`, reported
+through `report_moe`), and the AttnRes residual mix.
 
 Functions take tensors, not modules: families pull weights by name and pass them in. Dimension
 letters: B batch, T new tokens, S all tokens (cache + new), N = B*T, H heads, Dk key/query head
@@ -288,6 +289,16 @@ def route(
     return ids, weights * scaling, probs
 
 
+def softmax_topk(logits: Tensor, top_k: int, renormalize: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """Softmax router (Mixtral, Qwen3-MoE, OLMoE). logits [N, E] -> (ids [N, K] int64, weights
+    [N, K] fp32: softmax probabilities of the chosen, renormalized if asked, probs [N, E] fp32)."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, ids = probs.topk(top_k, dim=-1)  # [N, K]
+    if renormalize:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return ids, weights, probs
+
+
 def expert_glu(
     x: Tensor, t: Mapping[str, Tensor], beta: float, linear_beta: float | None
 ) -> Tensor:
@@ -344,6 +355,44 @@ def dispatch(
     return y, stats
 
 
+def routed_experts(
+    x: Tensor,
+    ids: Tensor,
+    weights: Tensor,
+    layer: int,
+    experts: ExpertSource,
+    run: Callable[[Tensor, Mapping[str, Tensor]], Tensor],
+    to_model: Callable[[Tensor], Tensor] | None = None,
+) -> tuple[Tensor, ExpertOutputs | None]:
+    """The routed part of any MoE layer: x [N, Dx], ids/weights [N, K] -> (y [N, Dx] fp32,
+    per-slot output facts when `to_model` is given). Lets a streaming source prefetch every
+    expert it will be asked for, then runs run(x_e [M, Dx], expert tensors) expert-major."""
+    prefetch = getattr(experts, "prefetch", None)
+    if prefetch is not None:  # a streaming source may start every read now, in the background
+        prefetch(layer, torch.unique(ids).tolist())
+    return dispatch(x, ids, weights, lambda e, xs: run(xs, experts(layer, e)), to_model)
+
+
+def report_moe(
+    observer: Observer | None,
+    layer: int,
+    ids: Tensor,
+    weights: Tensor,
+    probs: Tensor,
+    stats: ExpertOutputs | None,
+    rms: Tensor | None = None,
+) -> None:
+    """Send one layer's routing (and output norms, divided by a per-token `rms` [N] when the
+    routed sum is normalized before it reaches the model) to the observer, if any."""
+    if observer is None:
+        return
+    rec = MoERecord(layer, ids, weights, probs)
+    if stats is not None:
+        rec.latent_norm, rec.max_act = stats.latent_norm, stats.max_act
+        rec.model_norm = stats.model_norm if rms is None else stats.model_norm / rms[:, None]
+    observer.on_moe(rec)
+
+
 @dataclass
 class MoEDims:
     """Sigmoid-routed MoE settings (LatentMoE when `latent`)."""
@@ -388,15 +437,14 @@ def latent_moe(
         return linear(o, up) if up is not None else o
 
     xl = linear(x, w("routed_expert_down_proj.weight")) if d.latent else x  # [N, Dl]
-    prefetch = getattr(experts, "prefetch", None)
-    if prefetch is not None:  # a streaming source may start every read now, in the background
-        prefetch(layer, torch.unique(ids).tolist())
     wants = observer is not None and observer.wants_norms
-    y, stats = dispatch(
+    y, stats = routed_experts(
         xl,
         ids,
         weights,
-        lambda e, xs: expert_glu(xs, experts(layer, e), d.beta, d.linear_beta),
+        layer,
+        experts,
+        lambda xs, t: expert_glu(xs, t, d.beta, d.linear_beta),
         to_model if wants else None,
     )
     y = y.to(x.dtype)
@@ -415,12 +463,7 @@ def latent_moe(
             d.beta,
             d.linear_beta,
         )
-    if observer is not None:
-        rec = MoERecord(layer, ids, weights, probs)
-        if stats is not None:
-            rec.latent_norm, rec.max_act = stats.latent_norm, stats.max_act
-            rec.model_norm = stats.model_norm / rms[:, None]
-        observer.on_moe(rec)
+    report_moe(observer, layer, ids, weights, probs, stats, rms)
     return y
 
 
