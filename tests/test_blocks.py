@@ -218,3 +218,16 @@ def test_softmax_topk_matches_a_naive_router():
             w = [v / sum(w) for v in w] if renorm else w
             torch.testing.assert_close(weights[n], torch.tensor(w), rtol=1e-6, atol=1e-7)
         torch.testing.assert_close(probs.sum(-1), torch.ones(7))
+
+
+def test_silu_glu_matches_the_formula():
+    from reap.models.blocks import silu_glu
+
+    torch.manual_seed(4)
+    x, g, u, d = torch.randn(3, 8), torch.randn(5, 8), torch.randn(5, 8), torch.randn(8, 5)
+    h = [[0.0] * 5 for _ in range(3)]
+    for n in range(3):
+        for f in range(5):
+            a, b = float(x[n] @ g[f]), float(x[n] @ u[f])
+            h[n][f] = a / (1 + math.exp(-a)) * b
+    torch.testing.assert_close(silu_glu(x, g, u, d), torch.tensor(h) @ d.T, rtol=1e-5, atol=1e-5)

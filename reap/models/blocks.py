@@ -52,6 +52,12 @@ def glu_mlp(
     return linear(situ(linear(x, up_w), linear(x, gate_w), beta, linear_beta), down_w)
 
 
+def silu_glu(x: Tensor, gate_w: Tensor, up_w: Tensor, down_w: Tensor) -> Tensor:
+    """down(silu(gate(x)) * up(x)): the SwiGLU MLP of Llama-style families, [..., D] -> [..., D]
+    (weights [F, D], [F, D], [D, F])."""
+    return linear(F.silu(linear(x, gate_w)) * linear(x, up_w), down_w)
+
+
 # -- KDA ---------------------------------------------------------------------------------------
 @dataclass
 class KDACache:
