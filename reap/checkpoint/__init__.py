@@ -9,6 +9,10 @@ Writing (`CheckpointWriter`, in `writer.py`) streams tensors, declared up front 
 `TensorSpec`s, into deterministic shards under `<out>.partial/` and renames the directory into
 place on `close()`; a killed job resumes from the shards it completed.
 
+Fused tensors: `X[e]` names slice e of a stored tensor X along its first axis (a fused expert
+tensor [E, ...] addressed one expert at a time); `Checkpoint.tensors` resolves such views on
+lookup to the slice's byte range, while iteration lists only the stored names.
+
 Names: a tensor's `name` never carries the `language_model.` prefix that the release puts on
 text tensors; the stored `key` does. Vision tensors (component "vision") keep their names.
 """
@@ -23,6 +27,8 @@ from reap.checkpoint.spec import (
     TORCH_DTYPES,
     TensorInfo,
     TensorSpec,
+    split_view,
+    view_name,
 )
 from reap.checkpoint.writer import CheckpointWriter
 
@@ -38,4 +44,6 @@ __all__ = [
     "TensorInfo",
     "TensorSpec",
     "file_size",
+    "split_view",
+    "view_name",
 ]

@@ -4,6 +4,7 @@ name with positioned reads (one `pread` per tensor, or per run of adjacent tenso
     with Checkpoint.open("path/to/model") as ck:     # HF dir, dir with model.safetensors, or file
         w = ck.read("model.layers.3.mlp.gate.weight")
         expert = ck.read_many(names_of_one_expert)      # contiguous: one read
+        one = ck.read("model.layers.3.mlp.experts.down_proj[5]")  # slice 5 of a fused tensor
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ from reap.checkpoint.spec import (
     TEXT_PREFIX,
     TORCH_DTYPES,
     TensorInfo,
+    split_view,
+    view_name,
 )
 from reap.errors import CheckpointError
 
@@ -65,13 +68,25 @@ class TensorTable(Mapping[str, TensorInfo]):
         return name
 
     def __getitem__(self, name: str) -> TensorInfo:
-        return parse_shard(self._shards[self._where[self._key(name)]])[name]
+        try:
+            key = self._key(name)
+        except KeyError:
+            base, index = split_view(name)
+            if index is None:
+                raise
+            return _slice(parse_shard(self._shards[self._where[self._key(base)]])[base], index)
+        return parse_shard(self._shards[self._where[key]])[name]
 
     def __contains__(self, name: object) -> bool:
         try:
             self._key(name)  # type: ignore[arg-type]
         except (KeyError, AttributeError):
-            return False
+            if not isinstance(name, str) or split_view(name)[1] is None:
+                return False
+            try:
+                self[name]
+            except KeyError:
+                return False
         return True
 
     def __iter__(self) -> Iterator[str]:
@@ -84,6 +99,23 @@ class TensorTable(Mapping[str, TensorInfo]):
     def shard_of(self, name: str) -> str:
         """The file holding tensor `name`, without parsing its shard."""
         return self._shards[self._where[self._key(name)]].path
+
+
+def _slice(info: TensorInfo, index: int) -> TensorInfo:
+    """The view `X[index]` of stored tensor X [E, ...]: its contiguous byte range, shape [...]."""
+    if not info.shape or not 0 <= index < info.shape[0]:
+        raise KeyError(view_name(info.name, index))
+    row = info.nbytes // info.shape[0]  # bytes per slice along axis 0
+    start = info.start + index * row
+    return TensorInfo(
+        view_name(info.name, index),
+        view_name(info.key, index),
+        info.dtype,
+        info.shape[1:],
+        info.file,
+        start,
+        start + row,
+    )
 
 
 def _index_shards(shards: list[Shard], path: Path) -> tuple[dict[str, int], bool]:
@@ -264,7 +296,15 @@ class Checkpoint:
         try:
             return self.tensors[name]
         except KeyError:
-            raise CheckpointError(f"{self.path}: no tensor {name}") from None
+            pass
+        base, index = split_view(name)
+        if index is not None and base in self.tensors:
+            shape = list(self.tensors[base].shape)
+            raise CheckpointError(
+                f"{self.path}: no tensor {name}: index {index} is out of range for {base} "
+                f"of shape {shape}"
+            )
+        raise CheckpointError(f"{self.path}: no tensor {name}")
 
     def _pread(self, fd: int, buf: torch.Tensor, offset: int) -> int:
         """Fill uint8 buf from offset (short only at end of file); returns the bytes read."""

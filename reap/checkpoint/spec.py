@@ -3,6 +3,7 @@ declared tensor of a layout) and `TensorInfo` (where a stored tensor lives)."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -48,6 +49,20 @@ DTYPE_CODES = {v: k for k, v in TORCH_DTYPES.items()}
 TEXT_PREFIX = "language_model."
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
+
+# `X[e]` names slice e of a stored tensor X along its first axis (a fused expert tensor [E, ...])
+_VIEW = re.compile(r"^(.+)\[(\d+)\]$")
+
+
+def view_name(base: str, index: int) -> str:
+    """The view name of slice `index` of stored tensor `base` along axis 0: `base[index]`."""
+    return f"{base}[{index}]"
+
+
+def split_view(name: str) -> tuple[str, int | None]:
+    """(stored name, slice index) of a view name `X[e]`; (name, None) for a plain name."""
+    m = _VIEW.match(name)
+    return (m.group(1), int(m.group(2))) if m else (name, None)
 
 
 @dataclass(frozen=True)
