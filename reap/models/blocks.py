@@ -219,7 +219,8 @@ class MLADims:
 
     @classmethod
     def from_config(cls, c) -> MLADims:
-        """From a DeepSeek-style config object (num_attention_heads, qk_nope_head_dim, ...)."""
+        """From a DeepSeek-style config object (num_attention_heads, qk_nope_head_dim, ...;
+        no `mla_use_output_gate` field: no output gate)."""
         return cls(
             c.num_attention_heads,
             c.qk_nope_head_dim,
@@ -227,16 +228,25 @@ class MLADims:
             c.v_head_dim,
             c.kv_lora_rank,
             c.q_lora_rank,
-            c.mla_use_output_gate,
+            getattr(c, "mla_use_output_gate", False),
         )
 
 
 def mla_attention(
-    x: Tensor, w: WeightFn, d: MLADims, cache: MLACache | None = None, absorbed: bool | None = None
+    x: Tensor,
+    w: WeightFn,
+    d: MLADims,
+    cache: MLACache | None = None,
+    absorbed: bool | None = None,
+    rope: Callable[[Tensor, int], Tensor] | None = None,
+    scale: float | None = None,
 ) -> Tensor:
-    """Gated NoPE multi-head latent attention: x [B, T, D] -> [B, T, D], causal over the cache
-    plus the new tokens. `absorbed` (default: when T == 1) folds kv_b into the query and output
-    so attention runs in the R-wide latent space; otherwise keys/values are expanded per head."""
+    """Multi-head latent attention (gated NoPE for K3, RoPE for DeepSeek-V3): x [B, T, D] ->
+    [B, T, D], causal over the cache plus the new tokens. `absorbed` (default: when T == 1) folds
+    kv_b into the query and output so attention runs in the R-wide latent space; otherwise
+    keys/values are expanded per head. `rope(x [B, T, H, rope], start)` rotates q_pe and the
+    shared k_pe at positions start.. (start = tokens already cached; k_pe is cached rotated);
+    `scale` overrides the softmax scale 1/sqrt(nope + rope) (YaRN's mscale)."""
     Bn, T, _ = x.shape
     H = d.heads
     if d.q_lora:
@@ -250,13 +260,17 @@ def mla_attention(
     q_nope, q_pe = q.split([d.nope, d.rope], dim=-1)
     c, k_pe = linear(x, w("kv_a_proj_with_mqa.weight")).split([d.kv_lora, d.rope], dim=-1)
     c = rms_norm(c, w("kv_a_layernorm.weight"), 1e-6)  # [B, T, R]
+    if rope is not None:
+        start = cache.length if cache is not None else 0
+        q_pe = rope(q_pe, start)
+        k_pe = rope(k_pe[:, :, None], start)[:, :, 0]  # [B, T, rope] one head shared by all
     if cache is not None:
         if cache.kv_latent is not None:
             c, k_pe = torch.cat([cache.kv_latent, c], 1), torch.cat([cache.k_pe, k_pe], 1)
         cache.kv_latent, cache.k_pe = c, k_pe
     kv_b = w("kv_b_proj.weight").reshape(H, d.nope + d.v, d.kv_lora)  # [H, nope+v, R]
     wk, wv = kv_b[:, : d.nope], kv_b[:, d.nope :]  # [H, nope, R], [H, v, R]
-    scale = (d.nope + d.rope) ** -0.5
+    scale = (d.nope + d.rope) ** -0.5 if scale is None else scale
     scores = torch.einsum("bthr,bsr->bhts", q_pe, k_pe)  # [B, H, T, S]
     if absorbed if absorbed is not None else T == 1:
         q_lat = torch.einsum("bthn,hnr->bthr", q_nope, wk)
