@@ -27,7 +27,7 @@ FAMILIES = {
     "kimi_k2": "reap.models.deepseek_v3",
     "qwen3_moe": "reap.models.qwen3_moe",
     "mixtral": "reap.models.mixtral",
-    "olmoe": "reap.models.mixtral",
+    "olmoe": "reap.models.qwen3_moe",  # named like Qwen3-MoE (mlp.experts.E.*_proj)
     "gpt_oss": "reap.models.gpt_oss",
 }
 

@@ -1,0 +1,89 @@
+"""Mixtral (`model_type` mixtral): softmax top-k routed SwiGLU experts behind grouped-query RoPE
+attention, read from Hugging Face checkpoints in place.
+
+The architecture is the softmax-routed core of `reap.models.qwen3_moe` without q/k norms or dense
+layers, with its own names: the MoE block is `block_sparse_moe`, expert e's matrices are
+`experts.e.w1` (gate), `w3` (up) and `w2` (down); `num_local_experts` counts them; the top-k
+weights are always renormalized; `sliding_window` (None by default) limits every layer's
+attention. OLMoE, named like Qwen3-MoE, is served by `reap.models.qwen3_moe`.
+
+References: transformers 5 `modeling_mixtral.py`, mlx-lm `mixtral.py`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from reap.checkpoint import TensorSpec
+from reap.models import qwen3_moe as Q
+from reap.models.qwen3_moe import Model, Naming, default_experts  # noqa: F401 - family API
+
+NAMES = Naming("block_sparse_moe.", "w1.weight", "w3.weight", "w2.weight", "num_local_experts")
+
+
+@dataclass
+class Config(Q.Config):
+    """A Mixtral config; field names are the `config.json` names (`num_local_experts` is read
+    as `num_experts`, `intermediate_size` is the expert width)."""
+
+    names: ClassVar[Naming] = NAMES
+    model_type: str = "mixtral"
+    vocab_size: int = 32000
+    hidden_size: int = 4096
+    num_hidden_layers: int = 32
+    num_key_value_heads: int = 8
+    intermediate_size: int = 14336
+    num_experts: int = 8
+    num_experts_per_tok: int = 2
+    norm_topk_prob: bool = True
+    rms_norm_eps: float = 1e-5
+
+    @staticmethod
+    def _aliases(text: dict) -> dict:
+        text = Q.Config._aliases(text)
+        text["norm_topk_prob"] = True  # Mixtral always renormalizes its top-k weights
+        text.pop("moe_intermediate_size", None)
+        return text
+
+    @staticmethod
+    def _window(text: dict) -> int | None:
+        return text.get("sliding_window")
+
+    @property
+    def qk_norm(self) -> str | None:
+        return None
+
+    def is_moe(self, layer: int) -> bool:
+        """Every Mixtral layer routes to experts."""
+        return self.num_experts > 0
+
+
+def layout(config_dict: dict) -> list[TensorSpec]:
+    """Every tensor of the checkpoint (names as Hugging Face saves them)."""
+    return Q.layout_of(Config.from_dict(config_dict))
+
+
+def expert_key(name: str) -> tuple[int, int] | None:
+    """(layer, expert) of a routed-expert tensor name (prefix optional), else None."""
+    return NAMES.expert_key(name)
+
+
+def expert_tensor_names(layer: int, expert: int) -> list[str]:
+    """The three tensor names (w1, w2, w3) of routed expert `expert` of `layer`, file order."""
+    return NAMES.expert_names(layer, expert)
+
+
+def router_tensors(cfg: Config | dict, layer: int) -> dict[str, int]:
+    """Tensors of `layer` indexed by expert id -> the axis to slice when pruning experts."""
+    return Q.router_names(cfg if isinstance(cfg, Config) else Config.from_dict(cfg), layer)
+
+
+def with_experts(config_dict: dict, n_experts: int | dict[int, int]) -> dict:
+    """The config with `n_experts` routed experts per layer (see `qwen3_moe.set_experts`)."""
+    return Q.set_experts(config_dict, n_experts, NAMES.expert_count_key)
+
+
+def state_bytes(cfg: Config, act_bytes: int) -> tuple[int, int, int, int]:
+    """Per-sequence state costs for the engine's memory plan (see `qwen3_moe.kv_state_bytes`)."""
+    return Q.kv_state_bytes(cfg, act_bytes)

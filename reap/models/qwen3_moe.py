@@ -1,0 +1,401 @@
+"""Qwen3-MoE and OLMoE (`model_type` qwen3_moe, olmoe): softmax top-k routed SwiGLU experts
+behind grouped-query RoPE attention with q/k RMSNorm, read from Hugging Face checkpoints in place.
+
+Also the shared core of `reap.models.mixtral`, which differs only in names and config fields:
+`Naming` says where the MoE block and an expert's three matrices live, so the layout, the expert
+names and the model are written once. Differences handled here, all read from config.json:
+Qwen3-MoE normalizes q and k per head and may keep dense MLP layers (`mlp_only_layers`,
+`decoder_sparse_step`) and renormalize the top-k weights (`norm_topk_prob`); OLMoE normalizes
+the whole q and k projections and may clip q, k, v (`clip_qkv`).
+
+References: transformers 5 `modeling_qwen3_moe.py` / `modeling_olmoe.py`, mlx-lm `qwen3_moe.py` /
+`olmoe.py`. Shapes: B batch, T tokens, N = B*T, D hidden, H heads, Hkv key/value heads,
+Dh head width, V vocab, E n_experts, K top_k, F expert width.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from dataclasses import dataclass, field, fields
+from typing import ClassVar
+
+import torch
+
+from reap.checkpoint import TensorSpec
+from reap.errors import ReapError
+from reap.models import blocks as B
+from reap.models.attention import KVCache, Rope, gqa_attention, rope_settings
+from reap.models.base import ExpertSource, LayerModel, Observer, State, Weights
+
+_DTYPES = {"bfloat16": "BF16", "float32": "F32", "float16": "F16"}
+
+
+@dataclass(frozen=True)
+class Naming:
+    """Where a family keeps its MoE tensors: `moe` is the block's prefix inside a layer, `gate`,
+    `up`, `down` an expert's matrices (short names), `order` their order in the file."""
+
+    moe: str
+    gate: str
+    up: str
+    down: str
+    expert_count_key: str  # the config.json key holding n_experts
+
+    @property
+    def order(self) -> tuple[str, str, str]:
+        return tuple(sorted((self.gate, self.up, self.down)))  # safetensors writes names sorted
+
+    def expert_names(self, layer: int, expert: int) -> list[str]:
+        p = f"model.layers.{layer}.{self.moe}experts.{expert}."
+        return [p + s for s in self.order]
+
+    def expert_key(self, name: str) -> tuple[int, int] | None:
+        pattern = rf"(?:^|\.)model\.layers\.(\d+)\.{re.escape(self.moe)}experts\.(\d+)\."
+        m = re.search(pattern, name)
+        return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+NAMES = Naming("mlp.", "gate_proj.weight", "up_proj.weight", "down_proj.weight", "num_experts")
+
+
+@dataclass
+class Config:
+    """A Qwen3-MoE or OLMoE config; field names are the `config.json` names (transformers 5's
+    `num_local_experts` and `dtype` are read as `num_experts` and `torch_dtype`)."""
+
+    names: ClassVar[Naming] = NAMES
+    model_type: str = "qwen3_moe"
+    vocab_size: int = 151936
+    hidden_size: int = 2048
+    num_hidden_layers: int = 24
+    num_attention_heads: int = 32
+    num_key_value_heads: int = 4
+    head_dim: int | None = None
+    intermediate_size: int = 6144  # dense MLP width (Qwen3-MoE); the expert width in OLMoE
+    moe_intermediate_size: int | None = None
+    num_experts: int = 128
+    num_experts_per_tok: int = 8
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list = field(default_factory=list)
+    rms_norm_eps: float = 1e-6
+    attention_bias: bool = False
+    use_sliding_window: bool = False
+    sliding_window: int | None = None
+    clip_qkv: float | None = None
+    hidden_act: str = "silu"
+    tie_word_embeddings: bool = False
+    torch_dtype: str = "bfloat16"
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Config:
+        """From a config.json dict (or one with a `text_config`); unknown keys ignored."""
+        text = dict(d.get("text_config", d))
+        text = cls._aliases(text)
+        names = {f.name for f in fields(cls)}
+        cfg = cls(**{k: v for k, v in text.items() if k in names and v is not None})
+        cfg.rope_theta, cfg.rope_scaling = rope_settings(text)
+        cfg.sliding_window = cls._window(text)
+        cfg._check()
+        return cfg
+
+    @staticmethod
+    def _aliases(text: dict) -> dict:
+        text.setdefault("num_experts", text.get("num_local_experts"))
+        text.setdefault("torch_dtype", text.get("dtype"))
+        return text
+
+    @staticmethod
+    def _window(text: dict) -> int | None:
+        # transformers drops Qwen3-MoE's window unless use_sliding_window is set
+        return text.get("sliding_window") if text.get("use_sliding_window") else None
+
+    def _check(self) -> None:
+        if self.hidden_act != "silu":
+            raise ReapError(f"{self.model_type} config: unsupported hidden_act={self.hidden_act!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ReapError(f"{self.model_type} config: heads not a multiple of key/value heads")
+
+    # -- derived facts ------------------------------------------------------------------------
+    @property
+    def dh(self) -> int:
+        """Per-head width."""
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    @property
+    def expert_width(self) -> int:
+        """F, the hidden width of one routed expert."""
+        return self.moe_intermediate_size or self.intermediate_size
+
+    @property
+    def qk_norm(self) -> str | None:
+        """ "head" (per-head RMSNorm of q and k), "full" (over the whole projection) or None."""
+        return "full" if self.model_type == "olmoe" else "head"
+
+    @property
+    def renormalize(self) -> bool:
+        return self.norm_topk_prob
+
+    def is_moe(self, layer: int) -> bool:
+        """Whether decoder layer `layer` (zero-based) has routed experts (else a dense MLP)."""
+        return (
+            self.num_experts > 0
+            and layer not in self.mlp_only_layers
+            and (layer + 1) % self.decoder_sparse_step == 0
+        )
+
+    def experts_in(self, layer: int) -> int:
+        """Routed experts of MoE layer `layer` (one count for all layers)."""
+        return self.num_experts
+
+
+# -- layout ------------------------------------------------------------------------------------
+def layout_of(cfg: Config) -> list[TensorSpec]:
+    """Every tensor of the Hugging Face layout of `cfg` (logical order: embedding, layers,
+    final norm, head)."""
+    dt = _DTYPES.get(cfg.torch_dtype, "BF16")
+    D, V = cfg.hidden_size, cfg.vocab_size
+    specs = [TensorSpec("model.embed_tokens.weight", dt, (V, D), "embed_head")]
+    for i in range(cfg.num_hidden_layers):
+        specs += _layer_specs(cfg, i, dt)
+    specs.append(TensorSpec("model.norm.weight", dt, (D,), "norms"))
+    if not cfg.tie_word_embeddings:
+        specs.append(TensorSpec("lm_head.weight", dt, (V, D), "embed_head"))
+    return specs
+
+
+def _layer_specs(cfg: Config, i: int, dt: str) -> list[TensorSpec]:
+    D, p = cfg.hidden_size, f"model.layers.{i}."
+
+    def t(name, shape, comp):
+        return TensorSpec(p + name, dt, tuple(shape), comp, i)
+
+    out = [t("input_layernorm.weight", (D,), "norms")]
+    out += _attn_specs(cfg, t)
+    out.append(t("post_attention_layernorm.weight", (D,), "norms"))
+    if not cfg.is_moe(i):
+        F = cfg.intermediate_size
+        dense = (("gate_proj", (F, D)), ("up_proj", (F, D)), ("down_proj", (D, F)))
+        return out + [t(f"mlp.{n}.weight", s, "dense_mlp") for n, s in dense]
+    out.append(t(cfg.names.moe + "gate.weight", (cfg.experts_in(i), D), "router"))
+    for e in range(cfg.experts_in(i)):
+        out += expert_specs(cfg, i, e, dt)
+    return out
+
+
+def _attn_specs(cfg: Config, t) -> list[TensorSpec]:
+    D, Dh, a = cfg.hidden_size, cfg.dh, "self_attn."
+    H, Hkv = cfg.num_attention_heads, cfg.num_key_value_heads
+    rows = {"q": H * Dh, "k": Hkv * Dh, "v": Hkv * Dh}
+    out = [t(f"{a}{n}_proj.weight", (r, D), "attention") for n, r in rows.items()]
+    out.append(t(a + "o_proj.weight", (D, H * Dh), "attention"))
+    if cfg.attention_bias:
+        out += [t(f"{a}{n}_proj.bias", (r,), "attention") for n, r in rows.items()]
+        out.append(t(a + "o_proj.bias", (D,), "attention"))
+    if cfg.qk_norm == "head":
+        out += [t(a + f"{n}_norm.weight", (Dh,), "attention") for n in "qk"]
+    elif cfg.qk_norm == "full":  # transformers sizes them from hidden_size, as OLMoE does
+        kv = cfg.hidden_size // H * Hkv
+        out += [
+            t(a + "q_norm.weight", (D,), "attention"),
+            t(a + "k_norm.weight", (kv,), "attention"),
+        ]
+    return out
+
+
+def expert_specs(cfg: Config, layer: int, expert: int, dt: str | None = None) -> list[TensorSpec]:
+    """The three matrices of one routed expert, file order."""
+    dt = dt or _DTYPES.get(cfg.torch_dtype, "BF16")
+    D, F, n = cfg.hidden_size, cfg.expert_width, cfg.names
+    shapes = {n.gate: (F, D), n.up: (F, D), n.down: (D, F)}
+    names = n.expert_names(layer, expert)
+    return [
+        TensorSpec(name, dt, shapes[s], "routed_experts", layer, expert)
+        for name, s in zip(names, n.order)
+    ]
+
+
+def router_names(cfg: Config, layer: int) -> dict[str, int]:
+    """The router tensor of `layer` -> its expert axis."""
+    return {f"model.layers.{layer}.{cfg.names.moe}gate.weight": 0}
+
+
+def set_experts(config_dict: dict, n_experts: int | dict[int, int], key: str) -> dict:
+    """config.json with `n_experts` routed experts per MoE layer (under `key` and any alias
+    already present), top-k capped at that count. The Hugging Face configs hold one count for
+    every layer, so differing per-layer counts are refused."""
+    counts = set(n_experts.values()) if isinstance(n_experts, dict) else {n_experts}
+    if len(counts) != 1:
+        raise ReapError(
+            "this family's config.json has one expert count for all layers: "
+            "prune every layer to the same count (a uniform or layer-scope plan)"
+        )
+    n = int(counts.pop())
+    out = copy.deepcopy(config_dict)
+    text = out.get("text_config", out)
+    for k in {key} | ({"num_experts", "num_local_experts"} & text.keys()):
+        text[k] = n
+    text["num_experts_per_tok"] = min(int(text.get("num_experts_per_tok", n)), n)
+    return out
+
+
+def kv_state_bytes(cfg: Config, act_bytes: int) -> tuple[int, int, int, int]:
+    """(KV bytes per position, recurrent bytes per sequence (none), activation bytes per token,
+    attention-score bytes per (query, key) pair) for the engine's memory plan."""
+    H, Hkv, Dh = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.dh
+    per_pos = cfg.num_hidden_layers * 2 * Hkv * Dh * act_bytes
+    widest = max(cfg.intermediate_size, cfg.expert_width, (H + 2 * Hkv) * Dh, cfg.vocab_size)
+    act = 4 * (cfg.hidden_size * 8 + 4 * widest)
+    return per_pos, 0, act, 4 * 3 * H
+
+
+# -- the family API ----------------------------------------------------------------------------
+def layout(config_dict: dict) -> list[TensorSpec]:
+    """Every tensor of the checkpoint (names as Hugging Face saves them)."""
+    return layout_of(Config.from_dict(config_dict))
+
+
+def expert_key(name: str) -> tuple[int, int] | None:
+    """(layer, expert) of a routed-expert tensor name (prefix optional), else None."""
+    return NAMES.expert_key(name)
+
+
+def expert_tensor_names(layer: int, expert: int) -> list[str]:
+    """The three tensor names of routed expert `expert` of `layer`, file order."""
+    return NAMES.expert_names(layer, expert)
+
+
+def router_tensors(cfg: Config | dict, layer: int) -> dict[str, int]:
+    """Tensors of `layer` indexed by expert id -> the axis to slice when pruning experts."""
+    return router_names(cfg if isinstance(cfg, Config) else Config.from_dict(cfg), layer)
+
+
+def with_experts(config_dict: dict, n_experts: int | dict[int, int]) -> dict:
+    """The config with `n_experts` routed experts per layer (see `set_experts`)."""
+    return set_experts(config_dict, n_experts, NAMES.expert_count_key)
+
+
+def state_bytes(cfg: Config, act_bytes: int) -> tuple[int, int, int, int]:
+    """Per-sequence state costs for the engine's memory plan (see `kv_state_bytes`)."""
+    return kv_state_bytes(cfg, act_bytes)
+
+
+# -- the model ---------------------------------------------------------------------------------
+def default_experts(get: Weights, names: Naming = NAMES) -> ExpertSource:
+    """An ExpertSource pulling an expert's three matrices through the weight getter."""
+
+    def source(layer: int, expert: int) -> dict[str, torch.Tensor]:
+        return {s: get(n) for s, n in zip(names.order, names.expert_names(layer, expert))}
+
+    return source
+
+
+class Model(LayerModel):
+    """Pre-norm decoder with GQA RoPE attention and softmax-routed SwiGLU experts; holds no
+    weights (see `reap.models.base`). Compute runs in `dtype` on `device`; router probabilities,
+    norms and attention softmax in fp32."""
+
+    def __init__(
+        self, cfg: Config, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+    ):
+        self.cfg, self.device, self.dtype = cfg, torch.device(device), dtype
+        self.n_layers = cfg.num_hidden_layers
+        self.rope = Rope.create(cfg.dh, cfg.rope_theta, cfg.rope_scaling)
+
+    def _w(self, get: Weights, prefix: str) -> B.WeightFn:
+        def w(name: str) -> torch.Tensor:
+            return get(prefix + name).to(self.device, self.dtype)
+
+        return w
+
+    def new_caches(self) -> list[KVCache]:
+        """Empty per-layer KV caches."""
+        return [KVCache() for _ in range(self.n_layers)]
+
+    def embed(self, get: Weights, ids: torch.Tensor) -> State:
+        """ids [B, T] int -> State with hidden [B, T, D]."""
+        table = get("model.embed_tokens.weight")
+        return State(table[ids.to(table.device)].to(self.device, self.dtype))
+
+    def attn_block(
+        self, i: int, get: Weights, state: State, cache: KVCache | None = None
+    ) -> tuple[State, torch.Tensor]:
+        """Attention of layer i with its residual; returns (state, MLP input [B, T, D])."""
+        w, eps = self._w(get, f"model.layers.{i}."), self.cfg.rms_norm_eps
+        h = state.hidden
+        a = self._attention(B.rms_norm(h, w("input_layernorm.weight"), eps), w, cache)
+        h = h + a
+        return State(h), B.rms_norm(h, w("post_attention_layernorm.weight"), eps)
+
+    def _attention(self, x: torch.Tensor, w: B.WeightFn, cache: KVCache | None) -> torch.Tensor:
+        cfg, Bn, T = self.cfg, x.shape[0], x.shape[1]
+        H, Hkv, Dh, eps = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.dh, cfg.rms_norm_eps
+        q, k, v = (self._proj(x, w, n) for n in "qkv")  # [B, T, H*Dh], [B, T, Hkv*Dh] x2
+        if cfg.qk_norm == "full":
+            q = B.rms_norm(q, w("self_attn.q_norm.weight"), eps)
+            k = B.rms_norm(k, w("self_attn.k_norm.weight"), eps)
+        if cfg.clip_qkv is not None:
+            q, k, v = (t.clamp(-cfg.clip_qkv, cfg.clip_qkv) for t in (q, k, v))
+        q, k = q.reshape(Bn, T, H, Dh), k.reshape(Bn, T, Hkv, Dh)  # per head
+        v = v.reshape(Bn, T, Hkv, Dh)
+        if cfg.qk_norm == "head":
+            q = B.rms_norm(q, w("self_attn.q_norm.weight"), eps)
+            k = B.rms_norm(k, w("self_attn.k_norm.weight"), eps)
+        start = cache.length if cache is not None else 0
+        q, k = self.rope.apply(q, start), self.rope.apply(k, start)
+        o = gqa_attention(q, k, v, cache, Dh**-0.5, window=cfg.sliding_window)  # [B, T, H, Dh]
+        return self._proj(o.reshape(Bn, T, H * Dh), w, "o")
+
+    def _proj(self, x: torch.Tensor, w: B.WeightFn, n: str) -> torch.Tensor:
+        y = B.linear(x, w(f"self_attn.{n}_proj.weight"))
+        return y + w(f"self_attn.{n}_proj.bias") if self.cfg.attention_bias else y
+
+    def mlp_block(
+        self,
+        i: int,
+        get: Weights,
+        x: torch.Tensor,
+        experts: ExpertSource | None = None,
+        observer: Observer | None = None,
+    ) -> torch.Tensor:
+        """Dense SwiGLU MLP or the routed experts of layer i: x [B, T, D] -> [B, T, D]."""
+        cfg = self.cfg
+        if not cfg.is_moe(i):
+            w = self._w(get, f"model.layers.{i}.mlp.")
+            return B.silu_glu(x, *(w(f"{n}_proj.weight") for n in ("gate", "up", "down")))
+        w = self._w(get, f"model.layers.{i}.{cfg.names.moe}")
+        flat = x.reshape(-1, x.shape[-1])  # [N, D]
+        ids, weights, probs = B.softmax_topk(
+            B.linear(flat, w("gate.weight")), cfg.num_experts_per_tok, cfg.renormalize
+        )
+        wants = observer is not None and observer.wants_norms
+        y, stats = B.routed_experts(
+            flat,
+            ids,
+            weights,
+            i,
+            experts or default_experts(get, cfg.names),
+            self._expert,
+            (lambda o: o) if wants else None,  # experts work in the model space
+        )
+        B.report_moe(observer, i, ids, weights, probs, stats)
+        return y.to(x.dtype).reshape(x.shape)
+
+    def _expert(self, x: torch.Tensor, t) -> torch.Tensor:
+        """One routed expert on its tokens: x [M, D] -> [M, D]."""
+        n = self.cfg.names
+
+        def m(s):
+            return t[s].to(x.device, x.dtype)
+
+        return B.silu_glu(x, m(n.gate), m(n.up), m(n.down))
+
+    def head(self, get: Weights, state: State) -> torch.Tensor:
+        """Final norm and output head: -> logits [B, T, V]."""
+        cfg, w = self.cfg, self._w(get, "")
+        h = B.rms_norm(state.hidden, w("model.norm.weight"), cfg.rms_norm_eps)
+        name = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+        return B.linear(h, w(name))
