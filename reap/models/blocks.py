@@ -164,9 +164,11 @@ def kda_attention(
     eps: float,
     cache: KDACache | None = None,
     chunk: int = 16,
+    low_rank_gate: bool = False,
 ) -> Tensor:
     """Kimi Delta Attention: x [B, T, D] -> [B, T, D]. Weights (short names): {q,k,v}_proj,
-    {q,k,v}_conv1d, f_a_proj, f_b_proj, b_proj, g_proj, A_log (padded), dt_bias, o_norm, o_proj.
+    {q,k,v}_conv1d, f_a_proj, f_b_proj, b_proj, g_proj (or g_a_proj, g_b_proj with
+    `low_rank_gate`, Kimi Linear), A_log (padded), dt_bias, o_norm, o_proj.
     Updates `cache` in place when given (decode)."""
     Bn, T, _ = x.shape
     H, Dk, P = heads, head_dim, heads * head_dim
@@ -187,7 +189,11 @@ def kda_attention(
     o, state = core(q.float(), k.float(), v.float(), log_g, beta, state)
     if cache is not None:
         cache.conv, cache.state = tail, state
-    gate = torch.sigmoid(linear(x, w("g_proj.weight")).float()).reshape(Bn, T, H, Dk)
+    if low_rank_gate:
+        g = linear(linear(x, w("g_a_proj.weight")), w("g_b_proj.weight"))  # [B, T, P]
+    else:
+        g = linear(x, w("g_proj.weight"))
+    gate = torch.sigmoid(g.float()).reshape(Bn, T, H, Dk)
     o = rms_norm(o, w("o_norm.weight"), eps).float() * gate
     return linear(o.reshape(Bn, T, P).to(x.dtype), w("o_proj.weight"))
 
