@@ -30,6 +30,7 @@ from reap.calibrate.memory import MemoryPlan, release_memory
 from reap.calibrate.spill import SpillStore, state_arrays, state_from_arrays
 from reap.checkpoint import Checkpoint
 from reap.errors import CheckpointError, ExpertLoadError, ReapError
+from reap.models.base import expert_short_names
 
 
 @dataclass
@@ -96,8 +97,7 @@ class StoreExperts:
             raise ExpertLoadError(f"layer {layer} expert {expert} failed to load: {e}") from e
         n = self.pass_reads[(layer, expert)] = self.pass_reads.get((layer, expert), 0) + 1
         self.max_reads, self.total = max(self.max_reads, n), self.total + 1
-        cut = os.path.commonprefix(names).rfind(".") + 1  # "...experts.7.w" -> "...experts.7."
-        return {k[cut:]: v for k, v in got.items()}
+        return dict(zip(expert_short_names(names), (got[n] for n in names)))
 
 
 @dataclass

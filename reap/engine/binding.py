@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from reap.checkpoint import DTYPE_CODES
+from reap.checkpoint import DTYPE_CODES, split_view
 from reap.engine import memory
 from reap.errors import EXIT_FAILURE, ReapError
 
@@ -36,7 +36,7 @@ def bind(tensors: dict, fam, config: dict, path: str) -> Binding:
     """Match the checkpoint's tensors to the family layout, strictly: a missing tensor, a wrong
     shape or dtype, or a tensor the layout does not use is a binding failure (exit 1)."""
     specs = [s for s in fam.layout(config) if s.component != "vision"]
-    known = {s.name for s in fam.layout(config)}
+    known = {split_view(s.name)[0] for s in fam.layout(config)}  # fused views: stored name
     for s in specs:
         t = tensors.get(s.name)
         if t is None:
@@ -137,17 +137,18 @@ def model_bytes(
 
 def _decoded(tensors: dict, fam, b: Binding, size: int) -> int:
     """Bytes of one routed expert's weights decoded to `size`-byte elements (MXFP4: two values
-    per packed byte; scale bytes produce none)."""
+    per packed byte or MXFP4 block byte; scale bytes produce none)."""
     if not b.expert_layers:
         return 0
     names = fam.expert_tensor_names(b.expert_layers[0], 0)
+    bases = [split_view(n)[0] for n in names]
     elems = sum(
         2 * tensors[n].nbytes
-        if n.endswith("_packed")
+        if base.endswith(("_packed", "_blocks"))
         else 0
-        if n.endswith("_scale")
+        if base.endswith(("_scale", "_scales"))
         else _numel(tensors[n].shape)
-        for n in names
+        for n, base in zip(names, bases)
     )
     return elems * size
 

@@ -11,7 +11,6 @@ layer's experts can start in background threads as soon as its routing is known.
 from __future__ import annotations
 
 import heapq
-import os
 from collections.abc import Sequence
 from concurrent.futures import Future
 
@@ -19,6 +18,7 @@ import torch
 
 from reap.engine.store import Reader, _to
 from reap.errors import ReapError
+from reap.models.base import expert_short_names
 
 
 class ExpertCache:
@@ -222,7 +222,6 @@ def _check_scales(tensors: dict[str, torch.Tensor]) -> None:
 
 
 def _short(name: str, names: Sequence[str]) -> str:
-    """The part of a tensor name after the longest prefix shared by the expert's tensors."""
-    prefix = os.path.commonprefix(list(names))
-    prefix = prefix[: prefix.rfind(".") + 1]
-    return name[len(prefix) :]
+    """The part of a tensor name after the prefix shared by the expert's tensors (a fused
+    view's `[e]` dropped: `reap.models.base.expert_short_names`)."""
+    return expert_short_names(list(names))[list(names).index(name)]

@@ -22,7 +22,7 @@ from reap.errors import ReapError
 # model_type (top level, or of a bare text config) -> family module
 FAMILIES = {
     "kimi_k3": "reap.models.kimi_k3",
-    "kimi_linear": "reap.models.kimi_k3",
+    "kimi_linear": "reap.models.kimi_linear",
     "deepseek_v3": "reap.models.deepseek_v3",
     "kimi_k2": "reap.models.deepseek_v3",
     "qwen3_moe": "reap.models.qwen3_moe",
@@ -120,7 +120,7 @@ _K3_TINY = {
     "routed_expert_hidden_size": 32,
 }
 BUILTIN = {"k3-tiny": _K3_TINY, "k3-small": _K3_SMALL, "k3-full": _K3_FULL}
-# the released vision tower as a size stand-in (see kimi_k3._vision): 168 tensors, 400.8 M params
+# the released vision tower as a size stand-in (see reap.models.vision): 168 tensors, 400.8 M params
 _VISION = {
     "model_type": "moonvit_standin",
     "hidden_size": 1152,
@@ -196,8 +196,19 @@ def _text_config(b: dict) -> dict:
 
 
 def family(config_dict: dict) -> ModuleType:
-    """The family module implementing this config.json (dispatch on `model_type`)."""
+    """The family module implementing this config.json (dispatch on `model_type`; a kimi_linear
+    text config with K3-only fields, as a bare K3 `text_config` is, goes to kimi_k3)."""
     mt = config_dict.get("model_type") or config_dict.get("text_config", {}).get("model_type")
+    if mt == "kimi_linear" and _is_k3_text(config_dict.get("text_config", config_dict)):
+        mt = "kimi_k3"
     if mt not in FAMILIES:
         raise ReapError(f"unsupported model_type {mt!r} (supported: {', '.join(sorted(FAMILIES))})")
-    return importlib.import_module(FAMILIES[mt])
+    module = importlib.import_module(FAMILIES[mt])
+    variant = getattr(module, "variant", None)  # a family whose names depend on the storage
+    return variant(config_dict) if variant is not None else module
+
+
+def _is_k3_text(text: dict) -> bool:
+    """Whether a kimi_linear text config is K3's: LatentMoE, AttnRes or the SiTU activation."""
+    k3_only = ("routed_expert_hidden_size", "attn_res_block_size", "activation_situ_beta")
+    return any(text.get(k) is not None for k in k3_only) or text.get("hidden_act") == "situ"

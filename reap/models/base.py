@@ -28,11 +28,14 @@ results do not depend on caching or memory budgets.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
+
+from reap.checkpoint.spec import split_view
 
 # (layer, expert) -> that expert's tensors by short name, e.g. "w1.weight_packed", "w1.weight_scale".
 # A source may also have `prefetch(layer, expert_ids)`: MoE layers call it with every expert they
@@ -85,6 +88,16 @@ class Observer(Protocol):
     wants_norms: bool
 
     def on_moe(self, record: MoERecord) -> None: ...
+
+
+def expert_short_names(names: list[str]) -> list[str]:
+    """Short names of one expert's tensors (`expert_tensor_names` order): each name after the
+    prefix the names share up to a dot, with a fused view's `[e]` dropped, e.g.
+    "...experts.7.w1.weight_packed" -> "w1.weight_packed", "...experts.down_proj[7]" -> "down_proj"."""
+    bases = [split_view(n)[0] for n in names]
+    prefix = os.path.commonprefix(bases)
+    cut = prefix.rfind(".") + 1
+    return [b[cut:] for b in bases]
 
 
 def dict_weights(tensors: Mapping[str, torch.Tensor]) -> Weights:

@@ -1,0 +1,370 @@
+"""GPT-OSS (`model_type` gpt_oss): config, checkpoint layout and the torch model driven layer by
+layer through the protocol of `reap.models.base`.
+
+Architecture (references: transformers `models/gpt_oss`, mlx-lm `models/gpt_oss.py`): every layer
+is grouped-query attention with q/k/v/o biases, YaRN RoPE, a learned per-head sink logit and, on
+`layer_types` "sliding_attention" layers, a sliding window; then an MoE whose router is a biased
+linear (top-k on the logits, softmax over the chosen) and whose experts are biased GLUs with
+interleaved gate/up columns, clamped at `swiglu_limit`: (up + 1) * gate * sigmoid(alpha * gate).
+
+Experts are stored fused, one tensor per layer with the expert axis first, in one of two forms:
+- the MXFP4 release (`quantization_config.quant_method` "mxfp4"): `gate_up_proj_blocks`
+  [E, 2F, D/32, 16] uint8, `gate_up_proj_scales` [E, 2F, D/32] uint8 (E8M0), `down_proj_blocks`
+  [E, D, F/32, 16], `down_proj_scales` [E, D, F/32], plus `{gate_up,down}_proj_bias`;
+- transformers' `save_pretrained` (dequantized): `gate_up_proj` [E, D, 2F], `down_proj` [E, F, D]
+  plus the biases.
+Expert e is addressed by the checkpoint's fused views `X[e]` (see `reap.checkpoint`); `sanitize`
+is the one place that turns either form into plain matrices. Shapes: B batch, T tokens,
+D hidden, V vocab, H heads, Hkv kv heads, Dh head width, E n_experts, K top_k, F expert width.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+import sys
+import types
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+
+import torch
+
+from reap import mxfp4
+from reap.checkpoint import TensorSpec, view_name
+from reap.errors import ReapError
+from reap.models import blocks as B
+from reap.models.attention import KVCache, Rope, gqa_attention, rope_settings
+from reap.models.base import ExpertSource, LayerModel, Observer, State, Weights
+
+DENSE_TENSORS = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
+MXFP4_TENSORS = (
+    "gate_up_proj_blocks",
+    "gate_up_proj_scales",
+    "gate_up_proj_bias",
+    "down_proj_blocks",
+    "down_proj_scales",
+    "down_proj_bias",
+)
+_EXPERT_RE = re.compile(r"(?:^|\.)model\.layers\.(\d+)\.mlp\.experts\.\w+\[(\d+)\]$")
+_DTYPES = {"bfloat16": "BF16", "float32": "F32", "float16": "F16"}
+
+
+@dataclass
+class Config:
+    """A GPT-OSS config; field names are the `config.json` names."""
+
+    vocab_size: int = 201088
+    hidden_size: int = 2880
+    intermediate_size: int = 2880
+    num_hidden_layers: int = 36
+    num_attention_heads: int = 64
+    num_key_value_heads: int = 8
+    head_dim: int = 64
+    num_local_experts: int = 128
+    num_experts_per_tok: int = 4
+    sliding_window: int = 128
+    layer_types: list | None = None
+    rms_norm_eps: float = 1e-5
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    attention_bias: bool = True
+    tie_word_embeddings: bool = False
+    quantization_config: dict | None = None
+    dtype: str | None = None
+    torch_dtype: str | None = None
+    rope: tuple = field(default=(150000.0, None), repr=False)  # (theta, HF scaling dict)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Config:
+        """From a config.json dict; unknown keys ignored."""
+        names = {f.name for f in fields(cls)} - {"rope"}
+        cfg = cls(**{k: v for k, v in d.items() if k in names})
+        cfg.torch_dtype = cfg.torch_dtype or cfg.dtype  # transformers 5 writes `dtype`
+        cfg.rope = rope_settings(d) if ("rope_parameters" in d or "rope_theta" in d) else cfg.rope
+        if not cfg.attention_bias:
+            raise ReapError("gpt_oss config: attention_bias false is not supported")
+        if cfg.layer_types is not None and len(cfg.layer_types) != cfg.num_hidden_layers:
+            raise ReapError("gpt_oss config: layer_types must list every layer")
+        return cfg
+
+    def is_moe(self, layer: int) -> bool:
+        """Every GPT-OSS layer is an MoE layer."""
+        return True
+
+    def experts_in(self, layer: int) -> int:
+        """Routed experts of layer `layer` (one count for all layers)."""
+        return self.num_local_experts
+
+    @property
+    def num_experts_per_token(self) -> int:
+        """top_k under the name the stages read."""
+        return self.num_experts_per_tok
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window of layer `layer`, or None for full attention."""
+        sliding = self.layer_types is not None and self.layer_types[layer] == "sliding_attention"
+        return self.sliding_window if sliding else None
+
+    @property
+    def mxfp4(self) -> bool:
+        """Whether the experts are stored as MXFP4 blocks and scales."""
+        return (self.quantization_config or {}).get("quant_method") == "mxfp4"
+
+    @property
+    def file_dtype(self) -> str:
+        return _DTYPES.get(self.torch_dtype or "bfloat16", "BF16")
+
+
+# -- layout ------------------------------------------------------------------------------------
+def layout(config_dict: dict) -> list[TensorSpec]:
+    """Every tensor in layer order; routed experts as per-expert views `X[e]` of the fused
+    tensors (component "routed_experts", layer and expert set)."""
+    cfg = Config.from_dict(config_dict)
+    fdt, D, V = cfg.file_dtype, cfg.hidden_size, cfg.vocab_size
+    specs = [TensorSpec("model.embed_tokens.weight", fdt, (V, D), "embed_head")]
+    for i in range(cfg.num_hidden_layers):
+        specs += _layer_specs(cfg, i, fdt)
+    specs.append(TensorSpec("model.norm.weight", fdt, (D,), "norms"))
+    if not cfg.tie_word_embeddings:
+        specs.append(TensorSpec("lm_head.weight", fdt, (V, D), "embed_head"))
+    return specs
+
+
+def _layer_specs(cfg: Config, i: int, fdt: str) -> list[TensorSpec]:
+    D, Dh, p = cfg.hidden_size, cfg.head_dim, f"model.layers.{i}."
+    H, Hkv, E = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.num_local_experts
+
+    def t(name, shape, comp):
+        return TensorSpec(p + name, fdt, tuple(shape), comp, i)
+
+    out = [t("input_layernorm.weight", (D,), "norms")]
+    for n, rows in (("q", H * Dh), ("k", Hkv * Dh), ("v", Hkv * Dh)):
+        out += [t(f"self_attn.{n}_proj.weight", (rows, D), "attn")]
+        out += [t(f"self_attn.{n}_proj.bias", (rows,), "attn")]
+    out += [
+        t("self_attn.o_proj.weight", (D, H * Dh), "attn"),
+        t("self_attn.o_proj.bias", (D,), "attn"),
+        t("self_attn.sinks", (H,), "attn"),
+        t("post_attention_layernorm.weight", (D,), "norms"),
+        t("mlp.router.weight", (E, D), "router"),
+        t("mlp.router.bias", (E,), "router"),
+    ]
+    for e in range(E):
+        out += expert_specs(cfg, i, e)
+    return out
+
+
+def expert_specs(cfg: Config, layer: int, expert: int) -> list[TensorSpec]:
+    """The views of one routed expert's slices of the fused tensors (expert_tensor_names order)."""
+    D, F, fdt = cfg.hidden_size, cfg.intermediate_size, cfg.file_dtype
+    if cfg.mxfp4:
+        shapes = {
+            "gate_up_proj_blocks": ((2 * F, D // 32, 16), "U8"),
+            "gate_up_proj_scales": ((2 * F, D // 32), "U8"),
+            "gate_up_proj_bias": ((2 * F,), fdt),
+            "down_proj_blocks": ((D, F // 32, 16), "U8"),
+            "down_proj_scales": ((D, F // 32), "U8"),
+            "down_proj_bias": ((D,), fdt),
+        }
+    else:
+        shapes = {
+            "gate_up_proj": ((D, 2 * F), fdt),
+            "gate_up_proj_bias": ((2 * F,), fdt),
+            "down_proj": ((F, D), fdt),
+            "down_proj_bias": ((D,), fdt),
+        }
+    names = _expert_names(MXFP4_TENSORS if cfg.mxfp4 else DENSE_TENSORS, layer, expert)
+    return [
+        TensorSpec(n, shapes[s][1], shapes[s][0], "routed_experts", layer, expert)
+        for n, s in zip(names, shapes)
+    ]
+
+
+def _expert_names(short: tuple[str, ...], layer: int, expert: int) -> list[str]:
+    return [view_name(f"model.layers.{layer}.mlp.experts.{s}", expert) for s in short]
+
+
+def expert_key(name: str) -> tuple[int, int] | None:
+    """(layer, expert) of a routed-expert view name `...experts.X[e]`, else None (the stored
+    fused tensors themselves hold every expert of their layer)."""
+    m = _EXPERT_RE.search(name)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def expert_tensor_names(layer: int, expert: int) -> list[str]:
+    """The views of expert `expert` of `layer` in transformers' dequantized fused tensors (the
+    MXFP4 variant of this module, see `variant`, names the blocks and scales)."""
+    return _expert_names(DENSE_TENSORS, layer, expert)
+
+
+def router_tensors(cfg: Config | dict, layer: int) -> dict[str, int]:
+    """Tensors of `layer` indexed by expert id -> the axis to slice when pruning experts."""
+    p = f"model.layers.{layer}.mlp.router."
+    return {p + "weight": 0, p + "bias": 0}
+
+
+def with_experts(config_dict: dict, n_experts: int | dict[int, int]) -> dict:
+    """The config with `n_experts` routed experts in every layer (top_k capped at it). GPT-OSS
+    configs hold one count for all layers, so per-layer counts must all be equal."""
+    if isinstance(n_experts, dict):
+        counts = set(n_experts.values())
+        if len(counts) != 1:
+            raise ReapError(
+                "gpt_oss: config.json holds one expert count for all layers, so a plan must "
+                f"keep the same number in every layer (got {sorted(counts)}); use per-layer scope"
+            )
+        n_experts = counts.pop()
+    out = copy.deepcopy(config_dict)
+    out["num_local_experts"] = int(n_experts)
+    out["num_experts_per_tok"] = min(out.get("num_experts_per_tok", 4), int(n_experts))
+    return out
+
+
+def variant(config_dict: dict) -> types.ModuleType:
+    """This module, or for an MXFP4 checkpoint its twin whose `expert_tensor_names` names the
+    blocks and scales (`reap.models.family` calls this, so stages get the right names)."""
+    if not Config.from_dict(config_dict).mxfp4:
+        return sys.modules[__name__]
+    twin = types.ModuleType(__name__ + ".mxfp4", __doc__)
+    twin.__dict__.update({k: v for k, v in globals().items() if not k.startswith("__")})
+    twin.expert_tensor_names = lambda layer, expert: _expert_names(MXFP4_TENSORS, layer, expert)
+    twin.variant = lambda config_dict: twin
+    return twin
+
+
+def state_bytes(cfg: Config, act_bytes: int) -> tuple[int, int, int, int]:
+    """(KV bytes per position, recurrent bytes per sequence, activation bytes per token,
+    attention-score bytes per (query, key) pair) of one sequence."""
+    H, Hkv, Dh = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    per_pos = cfg.num_hidden_layers * 2 * Hkv * Dh * act_bytes
+    widest = max((H + 2 * Hkv) * Dh, 2 * cfg.intermediate_size, cfg.num_local_experts)
+    act = 4 * (cfg.hidden_size * 8 + 4 * widest)
+    return per_pos, 0, act, 4 * 3 * H
+
+
+# -- experts -----------------------------------------------------------------------------------
+def sanitize(t: Mapping[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """One expert's stored slices (short names) -> {gate_up [D, 2F], gate_up_bias [2F],
+    down [F, D], down_bias [D]} in `dtype`: MXFP4 blocks [R, C/32, 16] with scales [R, C/32]
+    decode to [R, C] (low nibble = even column, scale 2^(byte - 127)) and are transposed."""
+    out = {
+        "gate_up_bias": t["gate_up_proj_bias"].to(dtype),
+        "down_bias": t["down_proj_bias"].to(dtype),
+    }
+    for n in ("gate_up", "down"):
+        if f"{n}_proj_blocks" in t:
+            blocks, scales = t[f"{n}_proj_blocks"], t[f"{n}_proj_scales"]
+            packed = blocks.reshape(*blocks.shape[:-2], -1)  # [R, C/2]
+            out[n] = mxfp4.dequantize(packed, scales, dtype).T  # [C, R]
+        else:
+            out[n] = t[f"{n}_proj"].to(dtype)
+    return out
+
+
+def expert_mlp(x: torch.Tensor, t: Mapping[str, torch.Tensor], alpha: float, limit: float):
+    """One expert on its tokens: x [M, D] -> [M, D] (t: stored slices by short name)."""
+    w = sanitize(t, x.dtype)
+    gate_up = x @ w["gate_up"].to(x.device) + w["gate_up_bias"].to(x.device)  # [M, 2F]
+    gate = gate_up[:, 0::2].clamp(max=limit)  # [M, F]
+    up = gate_up[:, 1::2].clamp(-limit, limit)
+    h = (up + 1) * gate * torch.sigmoid(gate * alpha)
+    return h @ w["down"].to(x.device) + w["down_bias"].to(x.device)
+
+
+def default_experts(get: Weights, names=expert_tensor_names) -> ExpertSource:
+    """An ExpertSource pulling each expert's views through the weight getter (names: the
+    `expert_tensor_names` of the module variant)."""
+    from reap.models.base import expert_short_names
+
+    def source(layer: int, expert: int) -> dict[str, torch.Tensor]:
+        full = names(layer, expert)
+        return {s: get(n) for s, n in zip(expert_short_names(full), full)}
+
+    return source
+
+
+def router(logits: torch.Tensor, top_k: int):
+    """logits [N, E] -> (ids [N, K], weights [N, K] fp32: softmax over the top-k logits,
+    probs [N, E] fp32: softmax over all logits, reported to observers)."""
+    top, ids = logits.float().topk(top_k, dim=-1)  # [N, K]
+    return ids, torch.softmax(top, dim=-1), torch.softmax(logits.float(), dim=-1)
+
+
+# -- the model ---------------------------------------------------------------------------------
+class Model(LayerModel):
+    """GPT-OSS decoder; holds no weights (see `reap.models.base` for the driving protocol).
+    Compute runs in `dtype` on `device`; norms, router softmax and attention softmax in fp32."""
+
+    def __init__(
+        self, cfg: Config, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+    ):
+        self.cfg, self.device, self.dtype = cfg, torch.device(device), dtype
+        self.n_layers = cfg.num_hidden_layers
+        self.rope = Rope.create(cfg.head_dim, *cfg.rope)
+        short = MXFP4_TENSORS if cfg.mxfp4 else DENSE_TENSORS
+        self._names = lambda layer, expert: _expert_names(short, layer, expert)
+
+    def _w(self, get: Weights, prefix: str):
+        def w(name: str) -> torch.Tensor:
+            return get(prefix + name).to(self.device, self.dtype)
+
+        return w
+
+    def new_caches(self) -> list[KVCache]:
+        """Empty per-layer KV caches."""
+        return [KVCache() for _ in range(self.n_layers)]
+
+    def embed(self, get: Weights, ids: torch.Tensor) -> State:
+        """ids [B, T] int -> State with hidden [B, T, D]."""
+        table = get("model.embed_tokens.weight")
+        return State(table[ids.to(table.device)].to(self.device, self.dtype))
+
+    def attn_block(self, i: int, get: Weights, state: State, cache=None):
+        """Attention of layer i; returns (state, MLP input [B, T, D])."""
+        cfg, w = self.cfg, self._w(get, f"model.layers.{i}.")
+        Bn, T, _ = state.hidden.shape
+        x = B.rms_norm(state.hidden, w("input_layernorm.weight"), cfg.rms_norm_eps)
+
+        def proj(n: str) -> torch.Tensor:  # [B, T, heads, Dh]
+            y = B.linear(x, w(f"self_attn.{n}_proj.weight")) + w(f"self_attn.{n}_proj.bias")
+            return y.reshape(Bn, T, -1, cfg.head_dim)
+
+        start = cache.length if cache is not None else 0
+        q, k = self.rope.apply(proj("q"), start), self.rope.apply(proj("k"), start)
+        sinks = get(f"model.layers.{i}.self_attn.sinks").to(self.device, torch.float32)
+        o = gqa_attention(q, k, proj("v"), cache, cfg.head_dim**-0.5, sinks, cfg.window(i))
+        o = o.reshape(Bn, T, -1)  # [B, T, H*Dh]
+        h = state.hidden + B.linear(o, w("self_attn.o_proj.weight")) + w("self_attn.o_proj.bias")
+        return State(h), B.rms_norm(h, w("post_attention_layernorm.weight"), cfg.rms_norm_eps)
+
+    def mlp_block(
+        self,
+        i: int,
+        get: Weights,
+        x: torch.Tensor,
+        experts: ExpertSource | None = None,
+        observer: Observer | None = None,
+    ) -> torch.Tensor:
+        """The MoE of layer i: x [B, T, D] -> [B, T, D]."""
+        cfg, w = self.cfg, self._w(get, f"model.layers.{i}.mlp.router.")
+        flat = x.reshape(-1, x.shape[-1])  # [N, D]
+        logits = B.linear(flat, w("weight")) + w("bias")  # [N, E]
+        ids, weights, probs = router(logits, cfg.num_experts_per_tok)
+        wants = observer is not None and observer.wants_norms
+        y, stats = B.routed_experts(
+            flat,
+            ids,
+            weights,
+            i,
+            experts or default_experts(get, self._names),
+            lambda xs, t: expert_mlp(xs, t, cfg.swiglu_alpha, cfg.swiglu_limit),
+            (lambda o: o) if wants else None,
+        )
+        B.report_moe(observer, i, ids, weights, probs, stats)
+        return y.to(x.dtype).reshape(x.shape)
+
+    def head(self, get: Weights, state: State) -> torch.Tensor:
+        """Final norm and output head: -> logits [B, T, V]."""
+        h = B.rms_norm(state.hidden, self._w(get, "model.")("norm.weight"), self.cfg.rms_norm_eps)
+        name = "model.embed_tokens.weight" if self.cfg.tie_word_embeddings else "lm_head.weight"
+        return B.linear(h, self._w(get, "")(name))
