@@ -4,7 +4,8 @@
 
 Every tensor is read from both checkpoints and compared byte for byte: each kept expert's tensors
 equal the source expert the manifest names (and hash to the manifest's sha256, recomputed from
-both copies), router tensors equal the source's rows of the kept experts, every other tensor is
+both copies; a fused expert tensor is checked slice by slice through its views `X[e]`, after its
+shape [n_kept, ...]), router tensors equal the source's rows of the kept experts, every other tensor is
 unchanged, no tensor is missing or extra, and config.json is the family's `with_experts` of the
 source config. Reading is one tensor (or one expert) at a time, so memory stays small.
 """
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from reap.checkpoint import split_view
 from reap.errors import ReapError
 from reap.prune.write import MANIFEST, MANIFEST_FORMAT
 
@@ -56,14 +58,17 @@ def verify(*, pruned: str, source: str) -> VerifyResult:
         _check_names(new, expected, pruned)
         nbytes = 0
         for name, (kind, src, rows) in expected.items():
-            if kind != "expert":
+            if kind == "fused":
+                _check_fused(new, old, name, len(rows[1]))
+            elif kind != "expert":
                 nbytes += _compare(new, old, name, src, rows)
         for layer, ids in original.items():
             for j, e in enumerate(ids):
                 nbytes += _check_expert(
                     new, old, fam, layer, j, e, man["experts"][str(layer)]["sha256"][j]
                 )
-    return VerifyResult(len(expected), nbytes, sum(len(v) for v in original.values()))
+    n_stored = sum(1 for n in expected if split_view(n)[1] is None)  # views are not tensors
+    return VerifyResult(n_stored, nbytes, sum(len(v) for v in original.values()))
 
 
 def _manifest(pruned: str) -> dict:
@@ -100,14 +105,19 @@ def _diff_keys(a, b, path=""):
 
 def _expected(old, fam, original: dict) -> dict[str, tuple[str, str, list | None]]:
     """Pruned tensor name -> (kind, source name, kept rows for routers)."""
+    from reap.prune.write import fused_tensors
+
     cfg = fam.Config.from_dict(old.config)
     routers = {}
     for layer, ids in original.items():
         for name, axis in fam.router_tensors(cfg, layer).items():
             routers[name] = (axis, ids)
+    fused = fused_tensors(fam, original)
     out: dict[str, tuple[str, str, list | None]] = {}
     for name in old.tensors:
-        if fam.expert_key(name) is None:
+        if name in fused:
+            out[name] = ("fused", name, (0, original[fused[name]]))
+        elif fam.expert_key(name) is None:
             out[name] = ("router", name, routers[name]) if name in routers else ("copy", name, None)
     for layer, ids in original.items():
         for j, e in enumerate(ids):
@@ -140,6 +150,17 @@ def _compare(new, old, name: str, src: str, rows) -> int:
     if got.dtype != want.dtype or got.shape != want.shape or not _same_bytes(got, want):
         raise VerifyError(f"router tensor {name} is not the source's rows of the kept experts")
     return a.nbytes
+
+
+def _check_fused(new, old, name: str, n_kept: int) -> None:
+    """A fused expert tensor keeps its dtype and holds n_kept slices (their bytes are compared
+    expert by expert through the views)."""
+    a, b = new.tensors[name], old.tensors[name]
+    want = (n_kept, *b.shape[1:])
+    if a.dtype != b.dtype or tuple(a.shape) != want:
+        raise VerifyError(
+            f"fused tensor {name} is {a.dtype} {list(a.shape)}, expected {b.dtype} {list(want)}"
+        )
 
 
 def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:

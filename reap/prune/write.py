@@ -3,12 +3,14 @@
     reap prune MODEL --plan plan.json --out DIR
 
 Kept routed experts are copied byte for byte and renumbered densely in ascending original id;
-the router tensors the family names (`router_tensors`) are sliced to the kept rows; every other
-tensor is copied verbatim; config.json gets the new expert count (`with_experts`). Tensors keep
+a fused expert tensor X [E, ...] (the family names its experts by views `X[e]`) keeps its name and
+holds the kept slices in new id order, [n_kept, ...]; the router tensors the family names
+(`router_tensors`) are sliced to the kept rows; every other tensor is copied verbatim; config.json gets the new expert count (`with_experts`). Tensors keep
 the source's file order (an expert's tensors stay together, in the family's name order), shards
 are at most as large as the source's largest unless `--max-shard-size` is given.
 
-Memory is bounded by the largest single tensor (one tensor, or one expert, in flight). Output is
+Memory is bounded by the largest single tensor (one tensor, or one expert, in flight; a fused
+tensor is assembled slice by slice). Output is
 atomic and resumable through `CheckpointWriter`: a rerun with the same arguments after a crash or
 Ctrl-C skips the completed shards. Next to the weights: `reap_manifest.json` (per layer the
 original id of every new expert id, and sha256 of every kept expert's bytes, provenance),
@@ -43,13 +45,13 @@ _WEIGHT_FILES = {"config.json", "model.safetensors.index.json", MANIFEST, PLAN_C
 
 @dataclass
 class Item:
-    """One output tensor: where it comes from and how (kind: copy | router | expert)."""
+    """One output tensor: where it comes from and how (kind: copy | router | expert | fused)."""
 
     source: str  # tensor name in the source checkpoint
     spec: object  # reap.checkpoint.TensorSpec of the output tensor
     kind: str
     axis: int = 0  # router: the expert axis
-    rows: list[int] | None = None  # router: kept original ids, ascending
+    rows: list[int] | None = None  # router, fused: kept original ids, ascending
     expert: tuple[int, int] | None = None  # expert: (layer, new id)
 
 
@@ -94,7 +96,7 @@ def prune(
         specs = [it.spec for it in items]
         limit = max_shard_bytes or _largest_shard(ck)
         writer = CheckpointWriter(out, specs, limit, prefix=ck.prefix, overwrite=overwrite)
-        hashes, resumed = _stream(ck, fam, writer, items, progress)
+        hashes, resumed = _stream(ck, fam, writer, items, progress, new_ids)
         manifest = _manifest(ck, plan, new_ids, hashes, arguments)
         extra = {
             MANIFEST: json.dumps(manifest, indent=1),
@@ -135,7 +137,8 @@ def plan_items(ck, fam, plan: Plan) -> tuple[list[Item], dict[int, list[int]]]:
 
     cfg = fam.Config.from_dict(ck.config)
     new_ids = {layer: {e: j for j, e in enumerate(ids)} for layer, ids in plan.keep.items()}
-    found = _experts_found(ck, fam, plan)
+    fused = fused_tensors(fam, plan.layers)
+    found = _experts_found(ck, fam, plan, fused)
     routers = {}
     for layer in plan.layers:
         for name, axis in fam.router_tensors(cfg, layer).items():
@@ -144,7 +147,17 @@ def plan_items(ck, fam, plan: Plan) -> tuple[list[Item], dict[int, list[int]]]:
     for info in sorted(ck.tensors.values(), key=lambda t: (t.file, t.start)):
         comp = "vision" if ck.prefix and not info.key.startswith(ck.prefix) else "other"
         key = fam.expert_key(info.name)
-        if key is None and info.name in routers:
+        if info.name in fused:
+            rows = plan.keep[fused[info.name]]
+            spec = TensorSpec(
+                info.name,
+                info.dtype,
+                (len(rows), *info.shape[1:]),
+                "routed_experts",
+                fused[info.name],
+            )
+            items.append(Item(info.name, spec, "fused", 0, rows))
+        elif key is None and info.name in routers:
             axis, rows = routers.pop(info.name)
             shape = _sliced_shape(info, axis, len(rows), plan.n_experts)
             spec = TensorSpec(info.name, info.dtype, shape, "router", None, None)
@@ -163,13 +176,33 @@ def plan_items(ck, fam, plan: Plan) -> tuple[list[Item], dict[int, list[int]]]:
     return items, {layer: list(ids) for layer, ids in plan.keep.items()}
 
 
-def _experts_found(ck, fam, plan: Plan) -> dict[tuple[int, int], set[str]]:
-    """(layer, expert) -> its tensor names; checks the experts match the plan's model."""
+def fused_tensors(fam, layers) -> dict[str, int]:
+    """Stored fused expert tensor -> its layer: the tensors X behind the views `X[e]` that the
+    family's `expert_tensor_names` use for these layers (empty for per-expert layouts)."""
+    from reap.checkpoint import split_view
+
+    out = {}
+    for layer in layers:
+        for name in fam.expert_tensor_names(layer, 0):
+            base, index = split_view(name)
+            if index is not None:
+                out[base] = layer
+    return out
+
+
+def _experts_found(ck, fam, plan: Plan, fused: dict[str, int]) -> dict[tuple[int, int], set[str]]:
+    """(layer, expert) -> its tensor names (views of fused tensors included); checks the
+    experts match the plan's model."""
+    from reap.checkpoint import view_name
+
     found: dict[tuple[int, int], set[str]] = {}
     for name in ck.tensors:
         key = fam.expert_key(name)
         if key is not None:
             found.setdefault(key, set()).add(name)
+        elif name in fused and ck.tensors[name].shape:
+            for e in range(ck.tensors[name].shape[0]):  # [E, ...]: one view per expert
+                found.setdefault((fused[name], e), set()).add(view_name(name, e))
     layers = sorted({layer for layer, _ in found})
     if layers != sorted(plan.layers):
         raise ReapError(
@@ -254,7 +287,7 @@ def _sha256(tensors: list[torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-def _stream(ck, fam, writer, items: list[Item], progress: bool):
+def _stream(ck, fam, writer, items: list[Item], progress: bool, new_ids: dict[int, list[int]]):
     """Copy every item into the writer; returns ({(layer, new id): sha256}, resumed count)."""
     from tqdm import tqdm
 
@@ -279,11 +312,26 @@ def _stream(ck, fam, writer, items: list[Item], progress: bool):
         if it.kind == "expert":  # read even when written: the manifest needs its hash
             hasher.submit(it.expert, _copy_expert(ck, writer, group))
         elif not done[0]:
-            writer.write(it.spec.name, _tensor(ck, it))
+            writer.write(it.spec.name, _fused(ck, it) if it.kind == "fused" else _tensor(ck, it))
         bar.update(sum(g.spec.nbytes for g in group))
         i += len(group)
     bar.close()
+    for layer in sorted({it.spec.layer for it in items if it.kind == "fused"}):
+        for j, e in enumerate(new_ids[layer]):  # an expert's slices lie in several tensors
+            hasher.submit(
+                (layer, j), list(ck.read_many(fam.expert_tensor_names(layer, e)).values())
+            )
     return hasher.close(), resumed
+
+
+def _fused(ck, it: Item) -> torch.Tensor:
+    """The fused tensor [n_kept, ...] of the kept slices in new id order, read one at a time."""
+    from reap.checkpoint import TORCH_DTYPES, view_name
+
+    out = torch.empty(it.spec.shape, dtype=TORCH_DTYPES[it.spec.dtype])
+    for j, e in enumerate(it.rows):
+        out[j] = ck.read(view_name(it.source, e))  # [...] slice e of the source [E, ...]
+    return out
 
 
 def _copy_expert(ck, writer, group: list[Item]) -> list[torch.Tensor]:
