@@ -73,28 +73,30 @@ def bind(tensors: dict, fam, config: dict, path: str) -> Binding:
 
 def state_costs(fam, cfg, act_bytes: int) -> tuple[int, int, int, int]:
     """(KV bytes per position, recurrent-state bytes per sequence, activation bytes per token,
-    attention-score bytes per (query, key) pair) of one sequence.
+    attention-score bytes per (query, key) pair) of one sequence, computing with `act_bytes`-byte
+    activations: the family's `state_bytes(cfg, act_bytes)`, which every family must provide.
 
-    Uses the family's `state_bytes(cfg, act_bytes)` when it has one; otherwise reads the
-    kimi_linear config fields (MLA latent + rope key per position; KDA state and conv tail)."""
-    if hasattr(fam, "state_bytes"):
-        return fam.state_bytes(cfg, act_bytes)
-    n = cfg.num_hidden_layers
-    kda = [i for i in range(n) if cfg.is_kda(i)]
-    per_pos = (n - len(kda)) * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * act_bytes
-    P = cfg.kda_heads * cfg.kda_head_dim if kda else 0
-    k = cfg.linear_attn_config.get("short_conv_kernel_size", 4)
-    per_seq = len(kda) * (cfg.kda_heads * cfg.kda_head_dim**2 * 4 + (k - 1) * 3 * P * act_bytes)
-    blocks = -(-n // (cfg.attn_res_block_size or n))
-    widest = max(
-        cfg.intermediate_size,
-        3 * P,
-        cfg.num_attention_heads
-        * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + 2 * cfg.v_head_dim),
-    )
-    act = 4 * (cfg.hidden_size * (blocks + 8) + 4 * widest)
-    pair = 4 * 3 * max(cfg.num_attention_heads, cfg.kda_heads if kda else 0)
-    return per_pos, per_seq, act, pair
+    - KV per position: what the attention caches hold per token, summed over layers (MLA latent
+      + rope key; K and V of every KV head for GQA; a sliding-window layer counts here too);
+    - recurrent per sequence: fixed-size state independent of length (KDA/linear-attention
+      state and conv tails; 0 without such layers);
+    - activation per token: peak transient bytes per token of one layer's forward;
+    - score per pair: bytes per (query, key) pair of one attention layer's scores (fp32 scores,
+      probabilities and mask: 12 bytes x the most heads of any layer)."""
+    fn, name = getattr(fam, "state_bytes", None), getattr(fam, "__name__", fam)
+    if fn is None:
+        raise ReapError(
+            f"model family {name} has no state_bytes(cfg, act_bytes): "
+            "the engine cannot size its caches",
+            EXIT_FAILURE,
+        )
+    costs = tuple(int(c) for c in fn(cfg, act_bytes))
+    if len(costs) != 4 or min(costs) < 0:
+        raise ReapError(
+            f"model family {name}: state_bytes returned {costs}, not 4 byte counts >= 0",
+            EXIT_FAILURE,
+        )
+    return costs
 
 
 def model_bytes(

@@ -18,6 +18,7 @@ from reap.checkpoint import TensorSpec
 from reap.errors import ReapError
 from reap.models import blocks as B
 from reap.models.base import ExpertSource, LayerModel, Observer, State, Weights
+from reap.models.vision import standin_specs
 
 # the six tensors of a routed expert, file order: w1 gate, w2 down, w3 up; E2M1 pairs, E8M0 scales
 EXPERT_TENSORS = tuple(f"w{i}.weight_{k}" for i in (1, 2, 3) for k in ("packed", "scale"))
@@ -122,7 +123,7 @@ class Config:
 def layout(config_dict: dict) -> list[TensorSpec]:
     """Every tensor of the released layout in file order (names without `language_model.`).
 
-    A `vision_config` in the config adds the vision tower as generic tensors (see `_vision`)."""
+    A `vision_config` in the config adds the vision tower's size stand-in (`reap.models.vision`)."""
     cfg = Config.from_dict(config_dict)
     fdt = _DTYPES.get(cfg.torch_dtype, "BF16")
     D, V = cfg.hidden_size, cfg.vocab_size
@@ -138,7 +139,7 @@ def layout(config_dict: dict) -> list[TensorSpec]:
     if not cfg.tie_word_embeddings:
         specs.append(TensorSpec("lm_head.weight", fdt, (V, D), "embed_head"))
     vision = config_dict.get("vision_config")
-    return specs + (_vision(vision, fdt) if vision else [])
+    return specs + (standin_specs(vision, fdt) if vision else [])
 
 
 def _layer_specs(cfg: Config, i: int, fdt: str) -> list[TensorSpec]:
@@ -243,25 +244,6 @@ def expert_specs(cfg: Config, layer: int, expert: int) -> list[TensorSpec]:
     return out
 
 
-def _vision(vc: dict, fdt: str) -> list[TensorSpec]:
-    """The vision tower as generic transformer-block tensors, for size accounting only: the real
-    MoonViT-V2 names and shapes are not public here; the stand-in's block count and widths are
-    chosen so its tensor count (12 per block) and parameters match the release (168, ~401 M)."""
-    W, M, n = vc["hidden_size"], vc["intermediate_size"], vc["num_hidden_layers"]
-    lin = {"attn.qkv": (3 * W, W), "attn.proj": (W, W), "mlp.fc1": (M, W), "mlp.fc2": (W, M)}
-    block = [(f"{m}.{p}", (W,)) for m in ("norm1", "norm2") for p in ("weight", "bias")]
-    block += [
-        (f"{m}.{p}", s if p == "weight" else s[:1])
-        for m, s in lin.items()
-        for p in ("weight", "bias")
-    ]
-    return [
-        TensorSpec(f"vision_tower.blocks.{b}.{k}", fdt, s, "vision")
-        for b in range(n)
-        for k, s in block
-    ]
-
-
 def expert_key(name: str) -> tuple[int, int] | None:
     """(layer, expert) of a routed-expert tensor name (prefix optional), else None."""
     m = _EXPERT_RE.search(name)
@@ -293,6 +275,24 @@ def with_experts(config_dict: dict, n_experts: int | dict[int, int]) -> dict:
     text["num_experts"] = int(n)
     text["num_experts_per_token"] = min(text["num_experts_per_token"], low)
     return out
+
+
+def state_bytes(cfg: Config, act_bytes: int) -> tuple[int, int, int, int]:
+    """(KV bytes per position, recurrent bytes per sequence, activation bytes per token, score
+    bytes per (query, key) pair) for the engine's memory plan: MLA caches latent + rope key per
+    position; KDA keeps an fp32 [H, Dk, Dk] state and a (kernel-1)-step q/k/v conv tail."""
+    n = cfg.num_hidden_layers
+    kda = [i for i in range(n) if cfg.is_kda(i)]
+    per_pos = (n - len(kda)) * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * act_bytes
+    P = cfg.kda_heads * cfg.kda_head_dim if kda else 0
+    k = cfg.linear_attn_config.get("short_conv_kernel_size", 4)
+    per_seq = len(kda) * (cfg.kda_heads * cfg.kda_head_dim**2 * 4 + (k - 1) * 3 * P * act_bytes)
+    blocks = -(-n // (cfg.attn_res_block_size or n))
+    mla = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + 2 * cfg.v_head_dim
+    widest = max(cfg.intermediate_size, 3 * P, cfg.num_attention_heads * mla)
+    act = 4 * (cfg.hidden_size * (blocks + 8) + 4 * widest)
+    pair = 4 * 3 * max(cfg.num_attention_heads, cfg.kda_heads if kda else 0)
+    return per_pos, per_seq, act, pair
 
 
 # -- the model ---------------------------------------------------------------------------------

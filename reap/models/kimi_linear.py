@@ -1,0 +1,297 @@
+"""Kimi Linear (`model_type` kimi_linear, e.g. moonshotai/Kimi-Linear-48B-A3B): config, checkpoint
+layout and torch model. It is Kimi K3's ancestor and shares K3's pieces (`reap.models.kimi_k3`:
+config fields, MLA and MLP specs, the router tensors, the model's embed/head/caches; KDA and MLA
+from `reap.models.blocks`).
+
+Where it differs from K3 (references: transformers 5 `KimiLinearForCausalLM`, mlx-lm
+`kimi_linear.py`): SiLU GLU MLPs and experts; routed experts are plain per-expert tensors
+`block_sparse_moe.experts.e.w{1,2,3}.weight` working in the model width (no LatentMoE, no MXFP4);
+the KDA output gate is low-rank (g_a_proj, g_b_proj), its decay unbounded and A_log stored
+[1, 1, H, 1]; the residual stream is plain pre-norm (no AttnRes); router logits are fp32.
+
+Configs come as released (`linear_attn_config`, `first_k_dense_replace`) or as transformers 5
+writes them (`layer_types`, `mlp_layer_types`, `dtype`); `_normalize` maps both onto `Config`.
+Shapes: B batch, T tokens, N = B*T, D hidden, V vocab, E n_experts, K top_k, H KDA heads."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from reap.checkpoint import TensorSpec
+from reap.errors import ReapError
+from reap.models import blocks as B
+from reap.models import kimi_k3 as K3
+from reap.models.base import ExpertSource, Observer, State, Weights
+
+# shared with K3: same names, same meaning
+expert_key = K3.expert_key
+router_tensors = K3.router_tensors
+state_bytes = K3.state_bytes  # MLA latent KV, KDA state + conv tail; no AttnRes blocks
+
+EXPERT_TENSORS = ("w1.weight", "w2.weight", "w3.weight")  # gate, down, up: file order
+# used in fp32 whatever the compute dtype (transformers keeps the router in fp32 too)
+_KEEP_F32 = {"A_log", "dt_bias", "gate.weight", "gate.e_score_correction_bias"}
+# stored fp32 in a bf16 checkpoint written by transformers (its keep-in-fp32 modules)
+_STORED_F32 = ("dt_bias", "gate.weight", "gate.e_score_correction_bias")
+
+
+@dataclass
+class Config(K3.Config):
+    """A Kimi Linear text config; field names are the `config.json` names (K3's, plus the
+    per-layer type lists transformers 5 writes)."""
+
+    hidden_act: str = "silu"
+    layer_types: list | None = None  # "linear_attention" (KDA) | "full_attention" (MLA)
+    mlp_layer_types: list | None = None  # "dense" | "sparse"
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Config:
+        """From a released or a transformers-written config.json; unknown keys ignored."""
+        return super().from_dict(_normalize(d.get("text_config", d)))
+
+    def _check(self) -> None:
+        unsupported = []
+        if self.hidden_act != "silu":
+            unsupported.append(f"hidden_act={self.hidden_act!r}")
+        if self.moe_router_activation_func != "sigmoid":
+            unsupported.append(f"moe_router_activation_func={self.moe_router_activation_func!r}")
+        if self.num_expert_group != 1:
+            unsupported.append(f"grouped routing (num_expert_group={self.num_expert_group})")
+        if not self.mla_use_nope:
+            unsupported.append("RoPE MLA (mla_use_nope false)")
+        if self.linear_attn_config.get("use_full_rank_gate", False):
+            unsupported.append("full-rank KDA output gate")
+        if self.num_experts_per_layer:
+            unsupported.append("per-layer expert counts")
+        if unsupported:
+            raise ReapError(f"kimi_linear config: unsupported {', '.join(unsupported)}")
+
+    def is_moe(self, layer: int) -> bool:
+        """Whether decoder layer `layer` is an MoE layer (else the dense MLP)."""
+        if self.mlp_layer_types is not None:
+            return self.num_experts > 0 and self.mlp_layer_types[layer] == "sparse"
+        return super().is_moe(layer)
+
+    @property
+    def dense_prefix(self) -> str:
+        """Where a dense layer's MLP is stored: `mlp.` as released; transformers 5 saves it under
+        the MoE block's name (its save renames every `.mlp.`) and writes `mlp_layer_types`."""
+        return "mlp." if self.mlp_layer_types is None else "block_sparse_moe."
+
+
+def _normalize(text: dict) -> dict:
+    """The text config in `Config`'s names: `dtype` -> `torch_dtype`; transformers' `linear_*`
+    fields and `layer_types` (which win over the release's kda_layers, as in transformers) fill
+    `linear_attn_config` (defaults as transformers': MLA at zero-based layers 4, 8, ...)."""
+    t = dict(text)
+    t.setdefault("torch_dtype", t.get("dtype", "bfloat16"))
+    lac = dict(t.get("linear_attn_config") or {})
+    for key, alias, default in (
+        ("num_heads", "linear_num_heads", 32),
+        ("head_dim", "linear_head_dim", 128),
+        ("short_conv_kernel_size", "linear_conv_kernel_dim", 4),
+    ):
+        lac.setdefault(key, t.get(alias, default))
+    types = t.get("layer_types")
+    if types is None and "kda_layers" not in lac:
+        n = t.get("num_hidden_layers", Config.num_hidden_layers)
+        types = ["full_attention" if i % 4 == 0 and i else "linear_attention" for i in range(n)]
+    if types is not None:
+        lac["kda_layers"] = [i + 1 for i, k in enumerate(types) if k == "linear_attention"]
+        lac["full_attn_layers"] = [i + 1 for i, k in enumerate(types) if k != "linear_attention"]
+    t["linear_attn_config"] = lac
+    return t
+
+
+def sanitize(name: str, t: torch.Tensor) -> torch.Tensor:
+    """A stored tensor in the form the shared blocks take (the one place they differ): KDA's
+    A_log is stored [1, 1, H, 1], `kda_attention` takes [H]."""
+    return t.reshape(-1) if name == "A_log" else t
+
+
+# -- layout ------------------------------------------------------------------------------------
+def layout(config_dict: dict) -> list[TensorSpec]:
+    """Every tensor of the checkpoint in file order (names without any prefix); dtypes as
+    transformers saves them: the config's dtype, fp32 for dt_bias and the router."""
+    cfg = Config.from_dict(config_dict)
+    fdt = _dtype(cfg)
+    D, V = cfg.hidden_size, cfg.vocab_size
+    specs = [TensorSpec("model.embed_tokens.weight", fdt, (V, D), "embed_head")]
+    for i in range(cfg.num_hidden_layers):
+        specs += _layer_specs(cfg, i, fdt)
+    specs.append(TensorSpec("model.norm.weight", fdt, (D,), "norms"))
+    if not cfg.tie_word_embeddings:
+        specs.append(TensorSpec("lm_head.weight", fdt, (V, D), "embed_head"))
+    return specs
+
+
+def _dtype(cfg: Config) -> str:
+    return K3._DTYPES.get(cfg.torch_dtype, "BF16")
+
+
+def _layer_specs(cfg: Config, i: int, fdt: str) -> list[TensorSpec]:
+    D, p = cfg.hidden_size, f"model.layers.{i}."
+
+    def t(name, shape, comp, dtype=None):
+        dtype = dtype or ("F32" if name.endswith(_STORED_F32) else fdt)
+        return TensorSpec(p + name, dtype, tuple(shape), comp, i)
+
+    out = [t("input_layernorm.weight", (D,), "norms")]
+    out += _kda_specs(cfg, t) if cfg.is_kda(i) else K3._mla_specs(cfg, t)
+    out.append(t("post_attention_layernorm.weight", (D,), "norms"))
+    if not cfg.is_moe(i):
+        return out + K3._mlp_specs(t, cfg.dense_prefix, D, cfg.intermediate_size, "dense_mlp")
+    m, E = "block_sparse_moe.", cfg.experts_in(i)
+    out += [
+        t(m + "gate.weight", (E, D), "router"),
+        t(m + "gate.e_score_correction_bias", (E,), "router"),
+    ]
+    if cfg.num_shared_experts:
+        F = cfg.moe_intermediate_size * cfg.num_shared_experts
+        out += K3._mlp_specs(t, m + "shared_experts.", D, F, "shared_experts")
+    for e in range(E):
+        out += expert_specs(cfg, i, e)
+    return out
+
+
+def _kda_specs(cfg: Config, t) -> list[TensorSpec]:
+    D, H, Dk = cfg.hidden_size, cfg.kda_heads, cfg.kda_head_dim
+    P, k, a = H * Dk, cfg.linear_attn_config["short_conv_kernel_size"], "self_attn."
+    out = [t(a + f"{n}_proj.weight", (P, D), "kda") for n in "qkv"]
+    out += [t(a + f"{n}_conv1d.weight", (P, 1, k), "kda") for n in "qkv"]
+    shapes = {
+        "f_a_proj.weight": (Dk, D),
+        "f_b_proj.weight": (P, Dk),
+        "b_proj.weight": (H, D),
+        "g_a_proj.weight": (Dk, D),
+        "g_b_proj.weight": (P, Dk),
+        "A_log": (1, 1, H, 1),
+        "dt_bias": (P,),
+        "o_norm.weight": (Dk,),
+        "o_proj.weight": (D, P),
+    }
+    return out + [t(a + n, s, "kda") for n, s in shapes.items()]
+
+
+def expert_specs(cfg: Config, layer: int, expert: int) -> list[TensorSpec]:
+    """The three tensors of one routed expert, in file order (w1 gate, w2 down, w3 up)."""
+    D, F = cfg.hidden_size, cfg.moe_intermediate_size
+    shapes = ((F, D), (D, F), (F, D))  # [out, in]
+    names = expert_tensor_names(layer, expert)
+    return [
+        TensorSpec(n, _dtype(cfg), s, "routed_experts", layer, expert)
+        for n, s in zip(names, shapes)
+    ]
+
+
+def expert_tensor_names(layer: int, expert: int) -> list[str]:
+    """The tensor names of routed expert `expert` of `layer`, file order."""
+    p = f"model.layers.{layer}.block_sparse_moe.experts.{expert}."
+    return [p + s for s in EXPERT_TENSORS]
+
+
+def with_experts(config_dict: dict, n_experts: int | dict[int, int]) -> dict:
+    """The config with `n_experts` routed experts in every MoE layer (top_k capped at it). The
+    config has one `num_experts` for all layers, so differing per-layer counts are refused."""
+    if isinstance(n_experts, dict):
+        counts = set(n_experts.values())
+        if len(counts) != 1:
+            raise ReapError(
+                "kimi_linear: the config holds one num_experts for every layer; a plan keeping "
+                f"different counts per layer ({min(counts)}-{max(counts)}) cannot be written "
+                "(use a per-layer scope)"
+            )
+        n_experts = counts.pop()
+    return K3.with_experts(config_dict, int(n_experts))
+
+
+# -- the model ---------------------------------------------------------------------------------
+def default_experts(get: Weights) -> ExpertSource:
+    """An ExpertSource pulling each expert's tensors (short names "w1.weight", ...) by name."""
+
+    def source(layer: int, expert: int) -> dict[str, torch.Tensor]:
+        return {s: get(n) for s, n in zip(EXPERT_TENSORS, expert_tensor_names(layer, expert))}
+
+    return source
+
+
+def _expert(x: torch.Tensor, t) -> torch.Tensor:
+    """One routed expert on its tokens: x [M, D] -> [M, D]."""
+    gate, up, down = (t[f"{n}.weight"].to(x.device) for n in ("w1", "w3", "w2"))
+    return B.silu_glu(x, gate, up, down)
+
+
+def sparse_moe(
+    x: torch.Tensor,
+    w: B.WeightFn,
+    cfg: Config,
+    layer: int,
+    experts: ExpertSource,
+    observer: Observer | None = None,
+) -> torch.Tensor:
+    """Kimi Linear's MoE on x [N, D] -> [N, D]: fp32 sigmoid router with correction bias, the
+    routed SiLU GLU experts expert-major, plus the shared experts. Experts work in the model
+    width, so a MoERecord's model_norm is the norm of the expert's own output."""
+    logits = B.linear(x.float(), w("gate.weight").float())  # [N, E]
+    bias = w("gate.e_score_correction_bias")
+    k, scale = cfg.num_experts_per_token, cfg.routed_scaling_factor
+    ids, weights, probs = B.route(logits, bias, k, scale, cfg.moe_renormalize)
+    wants = observer is not None and observer.wants_norms
+    y, stats = B.routed_experts(
+        x, ids, weights, layer, experts, _expert, (lambda o: o) if wants else None
+    )
+    y = y.to(x.dtype)
+    if cfg.num_shared_experts:
+        y = y + B.silu_glu(
+            x, *(w(f"shared_experts.{n}_proj.weight") for n in ("gate", "up", "down"))
+        )
+    B.report_moe(observer, layer, ids, weights, probs, stats)
+    return y
+
+
+class Model(K3.Model):
+    """Kimi Linear text model; holds no weights (see `reap.models.base` for the protocol).
+    Compute runs in `dtype`; the KDA decay and state, router and norms are fp32."""
+
+    def _w(self, get: Weights, prefix: str) -> B.WeightFn:
+        def w(name: str) -> torch.Tensor:
+            t = sanitize(name, get(prefix + name))
+            keep = name in _KEEP_F32 or not t.is_floating_point()
+            return t.to(self.device) if keep else t.to(self.device, self.dtype)
+
+        return w
+
+    def attn_block(
+        self, i: int, get: Weights, state: State, cache=None
+    ) -> tuple[State, torch.Tensor]:
+        """Pre-norm KDA or NoPE MLA of layer i plus the residual: (state, MLP input [B, T, D])."""
+        cfg, w, eps = self.cfg, self._w(get, f"model.layers.{i}."), self.cfg.rms_norm_eps
+        x = B.rms_norm(state.hidden, w("input_layernorm.weight"), eps)
+        sub = self._w(get, f"model.layers.{i}.self_attn.")
+        if cfg.is_kda(i):
+            H, Dk = cfg.kda_heads, cfg.kda_head_dim
+            a = B.kda_attention(x, sub, H, Dk, None, eps, cache, low_rank_gate=True)
+        else:
+            a = B.mla_attention(x, sub, self.mla, cache)
+        h = state.hidden + a
+        return State(h), B.rms_norm(h, w("post_attention_layernorm.weight"), eps)
+
+    def mlp_block(
+        self,
+        i: int,
+        get: Weights,
+        x: torch.Tensor,
+        experts: ExpertSource | None = None,
+        observer: Observer | None = None,
+    ) -> torch.Tensor:
+        """Dense SiLU GLU or the sparse MoE of layer i: x [B, T, D] -> [B, T, D]."""
+        cfg = self.cfg
+        if not cfg.is_moe(i):
+            w = self._w(get, f"model.layers.{i}.{cfg.dense_prefix}")
+            return B.silu_glu(x, *(w(f"{n}_proj.weight") for n in ("gate", "up", "down")))
+        w = self._w(get, f"model.layers.{i}.block_sparse_moe.")
+        flat = x.reshape(-1, x.shape[-1])  # [N, D]
+        y = sparse_moe(flat, w, cfg, i, experts or default_experts(get), observer)
+        return y.reshape(x.shape)
