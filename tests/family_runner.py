@@ -1,0 +1,380 @@
+"""Shared test runner for the model families (issue #8): tiny random models created and saved
+offline by `transformers`, then checked against it from every stage.
+
+    path, hf = save_hf_tiny(Qwen3MoeForCausalLM, Qwen3MoeConfig, KWARGS, tmp / "m", seed=0)
+    check_logits(path, hf, PROMPT)          # our Model on Checkpoint.open weights == transformers
+    check_mlx(path, PROMPT)                 # == mlx-lm on the same files (where it has the family)
+    check_engine(path, hf, PROMPT)          # the streaming engine: logits and greedy tokens
+    check_prune(path, tmp / "p", keep=5)    # prune -> same layout -> from_pretrained == engine
+    check_calibration(path, hf, tmp / "c")  # calibration statistics == forward hooks on hf
+
+Every check returns what it measured (worst differences, tokens) for the caller to report.
+Everything runs in float32 on the CPU in seconds for hidden sizes of 64.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ATOL = 1e-4  # float32 logits of magnitude ~1-5: measured differences are ~1e-6
+
+
+# -- building tiny models ----------------------------------------------------------------------
+def randomize(model: torch.nn.Module, seed: int) -> None:
+    """Re-draw every parameter so logits and routing have clear margins: matrices (and stacked
+    3D expert tensors) ~ N(0, 1/fan_in), norm weights 1 + N(0, 0.1), other vectors N(0, 0.1)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            r = torch.randn(p.shape, generator=gen, dtype=torch.float32)
+            if p.dim() >= 2:
+                p.copy_(r * p.shape[-1] ** -0.5)
+            elif "norm" in name:
+                p.copy_(1 + 0.1 * r)
+            else:
+                p.copy_(0.1 * r)
+
+
+def save_hf_tiny(
+    model_cls,
+    config_cls,
+    kwargs: dict,
+    path: str | os.PathLike,
+    seed: int = 0,
+    config_extra: dict | None = None,
+    tokenizer: bool = True,
+):
+    """Create `model_cls(config_cls(**kwargs))` in float32 with random weights (see `randomize`),
+    save it with `save_pretrained` and return (path, the model in eval mode). `config_extra`
+    keys are merged into the saved config.json (e.g. the older key names released checkpoints
+    carry); `tokenizer` adds reap's byte-level tokenizer files (needs vocab_size >= 257)."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**kwargs)).float().eval()
+    randomize(model, seed)
+    path = Path(path)
+    model.save_pretrained(path)
+    if config_extra:
+        cfg = json.loads((path / "config.json").read_text())
+        (path / "config.json").write_text(json.dumps({**cfg, **config_extra}, indent=2))
+    if tokenizer:
+        from reap.tokenizer import byte_tokenizer_files
+
+        for name, text in byte_tokenizer_files().items():
+            (path / name).write_text(text)
+    return str(path), model
+
+
+def with_config(path, out, **changes) -> str:
+    """A copy of checkpoint `path` at `out` with config.json keys changed (None deletes one)."""
+    import shutil
+
+    shutil.copytree(path, out)
+    cfg = json.loads((Path(out) / "config.json").read_text())
+    cfg.update(changes)
+    cfg = {k: v for k, v in cfg.items() if v is not None}
+    (Path(out) / "config.json").write_text(json.dumps(cfg, indent=2))
+    return str(out)
+
+
+def load_hf(path: str | os.PathLike):
+    """`AutoModelForCausalLM.from_pretrained(path)` in float32, eval mode."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    return transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+
+
+def load_ours(path: str | os.PathLike):
+    """(family module, Config, Model, weight getter) over every tensor of `path`, read through
+    `Checkpoint.open` (the layout must name each stored tensor exactly once)."""
+    from reap.checkpoint import Checkpoint
+    from reap.models import family
+    from reap.models.base import dict_weights
+
+    with Checkpoint.open(path) as ck:
+        fam = family(ck.config)
+        cfg = fam.Config.from_dict(ck.config)
+        weights = {n: ck.read(n) for n in ck.tensors}
+        layout = {s.name: s for s in fam.layout(ck.config)}
+    assert set(layout) == set(weights), sorted(set(layout) ^ set(weights))[:5]
+    for n, t in weights.items():
+        assert tuple(t.shape) == layout[n].shape, (n, t.shape, layout[n].shape)
+    return fam, cfg, fam.Model(cfg), dict_weights(weights)
+
+
+# -- logits ------------------------------------------------------------------------------------
+def hf_greedy(hf, ids: list[int], steps: int) -> tuple[list[np.ndarray], list[int]]:
+    """transformers' prefill logits [T, V] then `steps` greedy decode steps through its KV cache:
+    ([prefill, step 1 [1, V], ...], greedy tokens (steps + 1))."""
+    with torch.no_grad():
+        out = hf(input_ids=torch.tensor([ids]), use_cache=True)
+        cache = out.past_key_values
+        logits, tokens = [out.logits[0].numpy()], [int(out.logits[0, -1].argmax())]
+        for _ in range(steps):
+            out = hf(input_ids=torch.tensor([[tokens[-1]]]), cache=cache, use_cache=True)
+            logits.append(out.logits[0].numpy())
+            tokens.append(int(out.logits[0, -1].argmax()))
+    return logits, tokens
+
+
+def ours_greedy(path, ids: list[int], steps: int) -> tuple[list[np.ndarray], list[int]]:
+    """The same through our Model, its own caches and weights from `Checkpoint.open`."""
+    _, _, model, get = load_ours(path)
+    caches = model.new_caches()
+    out = model.forward(get, torch.tensor([ids]), caches)[0]
+    logits, tokens = [out.numpy()], [int(out[-1].argmax())]
+    for _ in range(steps):
+        out = model.forward(get, torch.tensor([[tokens[-1]]]), caches)[0]
+        logits.append(out.numpy())
+        tokens.append(int(out[-1].argmax()))
+    return logits, tokens
+
+
+def _worst(a: list[np.ndarray], b: list[np.ndarray]) -> float:
+    assert [x.shape for x in a] == [x.shape for x in b]
+    return max(float(np.abs(x - y).max()) for x, y in zip(a, b))
+
+
+def check_logits(path, hf, ids: list[int], steps: int = 8, atol: float = ATOL) -> float:
+    """Our prefill + `steps` incremental decode steps == transformers' (each side feeding its own
+    greedy tokens, which must agree). Returns the worst absolute logit difference."""
+    ref, ref_tokens = hf_greedy(hf, ids, steps)
+    got, tokens = ours_greedy(path, ids, steps)
+    worst = _worst(got, ref)
+    assert worst < atol, worst
+    assert tokens == ref_tokens
+    return worst
+
+
+def check_mlx(path, ids: list[int], steps: int = 8, atol: float = ATOL) -> float:
+    """Our prefill + decode == mlx-lm's implementation loading the same files."""
+    import pytest
+
+    mx = pytest.importorskip("mlx.core")
+    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.utils import load_model
+
+    ref_model, _ = load_model(Path(path))
+    cache = make_prompt_cache(ref_model)
+    out = np.array(ref_model(mx.array([ids]), cache=cache))[0]
+    ref, ref_tokens = [out], [int(out[-1].argmax())]
+    for _ in range(steps):
+        out = np.array(ref_model(mx.array([[ref_tokens[-1]]]), cache=cache))[0]
+        ref.append(out)
+        ref_tokens.append(int(out[-1].argmax()))
+    got, tokens = ours_greedy(path, ids, steps)
+    worst = _worst(got, ref)
+    assert worst < atol, worst
+    assert tokens == ref_tokens
+    return worst
+
+
+def check_engine(path, hf, ids: list[int], steps: int = 8, atol: float = ATOL) -> list[int]:
+    """The streaming engine at its smallest preset (layers streamed through a ring, experts read
+    on demand): teacher-forced logits == transformers', greedy tokens == transformers' greedy,
+    and the same tokens at the largest preset. Returns the greedy tokens."""
+    from reap.engine import Engine
+
+    ref, ref_tokens = hf_greedy(hf, ids, steps)
+    runs = []
+    for preset in ("ultra", "max"):
+        with Engine.open(path, preset=preset, context=64, dtype="float32") as eng:
+            got = eng.logits([ids])[0].numpy()
+            assert float(np.abs(got - ref[0]).max()) < atol
+            runs.append(eng.generate([ids], max_tokens=steps + 1)[0].ids)
+            eos = eng.tokenizer.eos_id if eng.tokenizer else None
+    n = len(runs[0])  # generation ends early if the end-of-text token comes up
+    assert runs[0] == runs[1] == ref_tokens[:n], (runs, ref_tokens)
+    assert n == steps + 1 or runs[0][-1] == eos
+    return runs[0]
+
+
+# -- pruning -----------------------------------------------------------------------------------
+def check_prune(path, out, keep: int, seed: int = 0, atol: float = ATOL) -> str:
+    """A random plan keeping `keep` experts per layer -> `reap.prune` -> the pruned checkpoint
+    has the source's layout (the same tensor names with expert ids below `keep`, sliced router
+    rows, kept experts byte-identical) and `from_pretrained` on it gives the logits of our engine
+    on it. Returns the pruned path."""
+    from reap.checkpoint import Checkpoint
+    from reap.engine import Engine
+    from reap.prune.plan import make_plan
+    from reap.prune.write import prune
+
+    with Checkpoint.open(path) as ck:
+        plan = make_plan(
+            config=ck.config, model=ck.fingerprint(), criterion="random", keep=keep, seed=seed
+        )
+    prune(model=str(path), plan=plan, out=str(out))
+    _check_pruned_layout(path, out, plan)
+    ids = [random.Random(seed).randrange(1, 200) for _ in range(12)]
+    with torch.no_grad():
+        ref = load_hf(out)(input_ids=torch.tensor([ids])).logits[0].numpy()
+    with Engine.open(out, preset="ultra", context=64, dtype="float32") as eng:
+        got = eng.logits([ids])[0].numpy()
+    worst = float(np.abs(got - ref).max())
+    assert worst < atol, worst
+    return str(out)
+
+
+def _check_pruned_layout(src, out, plan) -> None:
+    from reap.checkpoint import Checkpoint
+    from reap.models import family
+
+    with Checkpoint.open(src) as a, Checkpoint.open(out) as b:
+        fam = family(a.config)
+        cfg = fam.Config.from_dict(a.config)
+        routers = {
+            n: ax for layer in plan.layers for n, ax in fam.router_tensors(cfg, layer).items()
+        }
+        want = set()
+        for name in a.tensors:
+            key = fam.expert_key(name)
+            if key is None or key[1] < plan.counts[key[0]]:
+                want.add(name)
+        assert set(b.tensors) == want, sorted(set(b.tensors) ^ want)[:5]
+        for name in want:
+            key = fam.expert_key(name)
+            got = b.read(name)
+            if name in routers:
+                rows = torch.tensor(plan.keep[int(re.search(r"layers\.(\d+)\.", name)[1])])
+                assert torch.equal(got, a.read(name).index_select(routers[name], rows))
+            elif key is not None:
+                orig = plan.keep[key[0]][key[1]]
+                src_name = name.replace(f"experts.{key[1]}.", f"experts.{orig}.", 1)
+                assert torch.equal(got, a.read(src_name)), name
+            else:
+                assert torch.equal(got, a.read(name)), name
+
+
+# -- calibration -------------------------------------------------------------------------------
+def write_corpora(root: str | os.PathLike) -> str:
+    """Two small local jsonl corpora (latin text and code); returns the mixture spec."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    spec = []
+    for kind in ("prose", "code"):
+        rng = random.Random(kind)
+        with open(root / f"{kind}.jsonl", "w") as f:
+            for i in range(400):
+                if kind == "prose":
+                    words = [
+                        "".join(rng.choice("aeioulmnrst") for _ in range(5)) for _ in range(12)
+                    ]
+                    text = " ".join(words)
+                else:
+                    text = f"def f{rng.randrange(99)}(x):\n    return x * {rng.randrange(99)}\n"
+                f.write(json.dumps({"id": f"{kind}-{i}", "text": text}) + "\n")
+        spec.append(str(root / f"{kind}.jsonl"))
+    return "+".join(spec)
+
+
+def softmax_probs(router_out) -> torch.Tensor:
+    """Router probabilities [N, E] from a transformers router's output (logits first)."""
+    logits = router_out[0] if isinstance(router_out, tuple) else router_out
+    return torch.softmax(logits.float().reshape(-1, logits.shape[-1]), -1)
+
+
+def moe_modules(hf) -> list[tuple[int, torch.nn.Module, torch.nn.Module]]:
+    """(layer, router module, experts module) of every MoE block of a transformers model: a
+    module with an `experts` child and a `gate` or `router` child."""
+    out = []
+    for name, m in hf.named_modules():
+        router = getattr(m, "gate", None) or getattr(m, "router", None)
+        if isinstance(getattr(m, "experts", None), torch.nn.Module) and router is not None:
+            out.append((int(re.search(r"layers\.(\d+)", name)[1]), router, m.experts))
+    return out
+
+
+def expert_output(experts: torch.nn.Module, x: torch.Tensor, e: int) -> torch.Tensor:
+    """Expert e's raw output on x [M, D]: the experts module with every token routed only to e,
+    with weight 1."""
+    ids = torch.full((x.shape[0], 1), e, dtype=torch.long)
+    return experts(x, ids, torch.ones(x.shape[0], 1, dtype=x.dtype))
+
+
+def hooked_stats(hf, ids: torch.Tensor, probs_fn=softmax_probs, expert_fn=expert_output) -> dict:
+    """Brute-force REAP statistics of one transformers forward over ids [S, T]: hooks capture
+    each MoE block's router output and the (hidden, ids, weights) its experts module receives;
+    each routed expert's output is recomputed by calling the experts module on its tokens.
+    Returns {layer: {field: [E] float64}} for count, gate_sum, reap_sum, ean_sum, max_act,
+    prob_mass."""
+    seen: dict[int, dict] = {}
+    handles = []
+    for layer, router, experts in moe_modules(hf):
+        rec = seen.setdefault(layer, {"experts": experts})
+
+        def on_router(mod, args, out, rec=rec):
+            rec["probs"] = probs_fn(out)
+
+        def on_experts(mod, args, kwargs, rec=rec):
+            rec["x"], rec["ids"], rec["w"] = (list(args) + list(kwargs.values()))[:3]
+
+        handles.append(router.register_forward_hook(on_router))
+        handles.append(experts.register_forward_pre_hook(on_experts, with_kwargs=True))
+    try:
+        with torch.no_grad():
+            hf(input_ids=ids)
+    finally:
+        for h in handles:
+            h.remove()
+    with torch.no_grad():
+        return {layer: _layer_stats(rec, expert_fn) for layer, rec in sorted(seen.items())}
+
+
+def _layer_stats(rec: dict, expert_fn) -> dict:
+    x, ids, w, probs = rec["x"], rec["ids"], rec["w"].double(), rec["probs"]
+    E = probs.shape[-1]
+    s = {k: torch.zeros(E, dtype=torch.float64) for k in ("gate_sum", "reap_sum", "ean_sum")}
+    s["count"] = torch.bincount(ids.reshape(-1), minlength=E).double()
+    s["max_act"] = torch.zeros(E, dtype=torch.float64)
+    s["prob_mass"] = probs.double().sum(0)
+    for e in ids.unique().tolist():
+        tok, slot = (ids == e).nonzero(as_tuple=True)  # [M] each
+        out = expert_fn(rec["experts"], x[tok], e).double()  # [M, D]
+        norm, weight = out.norm(dim=-1), w[tok, slot]
+        s["gate_sum"][e] = weight.sum()
+        s["reap_sum"][e] = (weight * norm).sum()
+        s["ean_sum"][e] = norm.sum()
+        s["max_act"][e] = out.abs().max()
+    return s
+
+
+def check_calibration(
+    path, hf, out, tokens: int = 256, seq_len: int = 32, probs_fn=softmax_probs, expert_fn=None
+) -> dict:
+    """`reap.calibrate` on `path` (two local corpora) == `hooked_stats` on the transformers model
+    over the same sequences, for every MoE layer. Returns the brute-force statistics."""
+    from reap.calibrate.pipeline import calibrate
+    from reap.corpora import calibration_sequences
+    from reap.stats import ExpertStats
+    from reap.tokenizer import load_tokenizer
+
+    spec = write_corpora(Path(out) / "corpora")
+    res = calibrate(
+        model=str(path), corpus=spec, tokens=tokens, seq_len=seq_len, out=str(Path(out) / "stats"),
+        batch=4, progress=False,
+    )  # fmt: skip
+    seqs = calibration_sequences(spec, load_tokenizer(path), tokens, seq_len, 0)
+    ids = torch.tensor([s.ids for s in seqs])  # [S, T]
+    want = hooked_stats(hf, ids, probs_fn, expert_fn or expert_output)
+    st = ExpertStats.load(res.files["all"])
+    assert st.layers == sorted(want) and st.tokens == tokens
+    for li, layer in enumerate(st.layers):
+        for name, ref in want[layer].items():
+            got = getattr(st, name)[li].double()
+            exact = name == "count"
+            torch.testing.assert_close(
+                got, ref, rtol=0 if exact else 2e-4, atol=0 if exact else 1e-4,
+                msg=f"layer {layer} {name}",
+            )  # fmt: skip
+    return want

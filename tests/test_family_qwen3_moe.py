@@ -1,0 +1,76 @@
+"""Qwen3-MoE and OLMoE (reap.models.qwen3_moe) against transformers and mlx-lm on tiny random
+models saved by transformers: logits (prefill and decode), the streaming engine, pruning round
+trips through from_pretrained and calibration statistics against forward hooks."""
+
+import family_runner as R
+import pytest
+
+PROMPT = [3, 100, 7, 200, 55, 9, 1, 250, 17, 42, 11, 300]
+QWEN = {
+    "vocab_size": 320, "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32,
+    "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 24,
+    "num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": True, "mlp_only_layers": [1],
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+}  # fmt: skip
+# what released Qwen3-MoE config.json files spell (and mlx-lm reads)
+QWEN_LEGACY = {"num_experts": 8, "rope_theta": 10000.0}
+OLMOE = {
+    "vocab_size": 320, "hidden_size": 64, "intermediate_size": 32, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 4, "num_experts": 8, "num_experts_per_tok": 2,
+    "norm_topk_prob": False, "clip_qkv": 1.0,
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory):
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    root = tmp_path_factory.mktemp("qwen3_moe")
+    path, hf = R.save_hf_tiny(
+        Qwen3MoeForCausalLM, Qwen3MoeConfig, QWEN, root / "m", seed=1, config_extra=QWEN_LEGACY
+    )
+    return root, path, hf
+
+
+@pytest.fixture(scope="module")
+def olmoe(tmp_path_factory):
+    from transformers import OlmoeConfig, OlmoeForCausalLM
+
+    root = tmp_path_factory.mktemp("olmoe")
+    path, hf = R.save_hf_tiny(OlmoeForCausalLM, OlmoeConfig, OLMOE, root / "m", seed=2)
+    return root, path, hf
+
+
+def test_qwen3_moe_logits_equal_transformers_and_mlx(qwen):
+    _, path, hf = qwen
+    print("transformers", R.check_logits(path, hf, PROMPT))
+    print("mlx-lm", R.check_mlx(path, PROMPT))
+
+
+def test_olmoe_logits_equal_transformers_and_mlx(olmoe):
+    """clip_qkv=1 changes the logits and we follow transformers; mlx-lm ignores clip_qkv, so it
+    is compared on the same weights with the clip removed from config.json."""
+    root, path, hf = olmoe
+    print("transformers", R.check_logits(path, hf, PROMPT))
+    unclipped = R.with_config(path, root / "noclip", clip_qkv=None)
+    print("mlx-lm", R.check_mlx(unclipped, PROMPT))
+    with_clip, without = (
+        R.ours_greedy(path, PROMPT, 0)[0][0],
+        R.ours_greedy(unclipped, PROMPT, 0)[0][0],
+    )
+    assert abs(with_clip - without).max() > 1e-2  # the clip is exercised
+
+
+def test_qwen3_moe_engine(qwen):
+    _, path, hf = qwen
+    R.check_engine(path, hf, PROMPT)
+
+
+def test_qwen3_moe_prune(qwen):
+    root, path, _ = qwen
+    R.check_prune(path, root / "pruned", keep=5)
+
+
+def test_qwen3_moe_calibration(qwen):
+    root, path, hf = qwen
+    R.check_calibration(path, hf, root / "cal")
