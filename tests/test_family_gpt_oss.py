@@ -1,0 +1,262 @@
+"""GPT-OSS (reap.models.gpt_oss) on a tiny random model saved by transformers (fused dequantized
+experts) and on an MXFP4 blocks/scales copy of it (the release layout): logits against
+transformers (prefill and decode past the sliding window) and mlx-lm, MXFP4 decoding against
+transformers' own dequantization, the streaming engine, pruning in the same fused layout through
+from_pretrained and verify, and calibration statistics against forward hooks."""
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import family_runner as R
+from reap.checkpoint import Checkpoint, view_name
+from reap.errors import ReapError
+
+PROMPT = [3, 100, 7, 200, 55, 9, 1, 250, 17, 42, 11, 300]
+CONFIG = dict(
+    vocab_size=320, hidden_size=64, intermediate_size=32, num_hidden_layers=4,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=8,
+    num_experts_per_tok=2, sliding_window=4, layer_types=["sliding_attention", "full_attention"] * 2,
+    rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0,
+                     "beta_fast": 32.0, "beta_slow": 1.0, "original_max_position_embeddings": 4096,
+                     "truncate": False},
+)  # fmt: skip
+EXPERTS = "model.layers.{}.mlp.experts."
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    root = tmp_path_factory.mktemp("gpt_oss")
+    path, hf = R.save_hf_tiny(GptOssForCausalLM, GptOssConfig, CONFIG, root / "m", seed=3)
+    return root, path, hf
+
+
+@pytest.fixture(scope="module")
+def mxfp4(tiny):
+    """An MXFP4 copy of the tiny model: (path, transformers model holding the weights that
+    transformers' own `convert_moe_packed_tensors` decodes from its blocks and scales)."""
+    from transformers import GptOssForCausalLM
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    root, path, hf = tiny
+    out = _write_mxfp4(path, root / "mxfp4")
+    ref = GptOssForCausalLM(hf.config).float().eval()
+    ref.load_state_dict(hf.state_dict())
+    with Checkpoint.open(out) as ck, torch.no_grad():
+        for i, layer in enumerate(ref.model.layers):
+            for n in ("gate_up_proj", "down_proj"):
+                blocks, scales = (
+                    ck.read(EXPERTS.format(i) + f"{n}_blocks"),
+                    ck.read(EXPERTS.format(i) + f"{n}_scales"),
+                )
+                w = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+                getattr(layer.mlp.experts, n).copy_(w)
+    return out, ref
+
+
+def _write_mxfp4(src, out) -> str:
+    """Quantize the fused expert matrices with reap.mxfp4 into the release's names and shapes:
+    X [E, R, C] (transformers' [in, out] order transposed to [out, in]) -> X_blocks
+    [E, R, C/32, 16], X_scales [E, R, C/32]; config.json gets the mxfp4 quantization_config and
+    the older rope keys mlx-lm reads."""
+    from safetensors.torch import save_file
+
+    from reap import mxfp4
+
+    shutil.copytree(src, out)
+    with Checkpoint.open(src) as ck:
+        tensors = {n: ck.read(n) for n in ck.tensors}
+    for name in [n for n in tensors if n.endswith(("gate_up_proj", "down_proj"))]:
+        w = tensors.pop(name).transpose(1, 2)  # [E, out, in]
+        packed, scales = mxfp4.quantize(w)  # [E, R, C/2], [E, R, C/32]
+        tensors[name + "_blocks"] = packed.reshape(*scales.shape, 16).contiguous()
+        tensors[name + "_scales"] = scales
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((out / "config.json").read_text())
+    rope = cfg["rope_parameters"]
+    cfg.update(
+        quantization_config={"quant_method": "mxfp4", "modules_to_not_convert": ["router"]},
+        rope_theta=rope["rope_theta"],
+        rope_scaling={k: v for k, v in rope.items() if k != "rope_theta"},
+    )
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    return str(out)
+
+
+def _ours(path, ids, steps):
+    """Our prefill + greedy decode, weights pulled through Checkpoint.open (fused views too)."""
+    from reap.models import family
+
+    with Checkpoint.open(path) as ck:
+        fam = family(ck.config)
+        model = fam.Model(fam.Config.from_dict(ck.config))
+        caches = model.new_caches()
+        out = model.forward(ck.read, torch.tensor([ids]), caches)[0]
+        logits, tokens = [out.numpy()], [int(out[-1].argmax())]
+        for _ in range(steps):
+            out = model.forward(ck.read, torch.tensor([[tokens[-1]]]), caches)[0]
+            logits.append(out.numpy())
+            tokens.append(int(out[-1].argmax()))
+    return logits, tokens
+
+
+def _agree(path, hf, steps=8):
+    ref, ref_tokens = R.hf_greedy(hf, PROMPT, steps)
+    got, tokens = _ours(path, PROMPT, steps)
+    worst = max(float(np.abs(a - b).max()) for a, b in zip(got, ref))
+    assert worst < R.ATOL and tokens == ref_tokens, (worst, tokens, ref_tokens)
+    return worst
+
+
+def _agree_mlx(path, steps=8):
+    """Our prefill + decode == mlx-lm's gpt_oss loading the same (MXFP4) files."""
+    mx = pytest.importorskip("mlx.core")
+    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.utils import load_model
+
+    model, _ = load_model(Path(path))
+    cache = make_prompt_cache(model)
+    out = np.array(model(mx.array([PROMPT]), cache=cache))[0]
+    ref, ref_tokens = [out], [int(out[-1].argmax())]
+    for _ in range(steps):
+        out = np.array(model(mx.array([[ref_tokens[-1]]]), cache=cache))[0]
+        ref.append(out)
+        ref_tokens.append(int(out[-1].argmax()))
+    got, tokens = _ours(path, PROMPT, steps)
+    worst = max(float(np.abs(a - b).max()) for a, b in zip(got, ref))
+    assert worst < R.ATOL and tokens == ref_tokens, (worst, tokens, ref_tokens)
+    return worst
+
+
+def test_logits_equal_transformers_past_the_sliding_window(tiny):
+    root, path, hf = tiny
+    print("transformers", _agree(path, hf))
+    # the window and the sinks change the logits: the comparison above exercises both
+    wide = R.with_config(path, root / "wide", sliding_window=4096)
+    base = _ours(path, PROMPT, 0)[0][0]
+    assert np.abs(_ours(wide, PROMPT, 0)[0][0] - base).max() > 1e-2
+
+
+def test_mxfp4_layout_decodes_like_transformers_and_matches_mlx(mxfp4):
+    path, ref = mxfp4
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from reap.models.gpt_oss import sanitize
+
+    with Checkpoint.open(path) as ck:  # one expert's slices: our sanitize == transformers
+        t = {n: ck.read(view_name(EXPERTS.format(1) + n, 5)) for n in ("down_proj_blocks",)}
+        t["down_proj_scales"] = ck.read(view_name(EXPERTS.format(1) + "down_proj_scales", 5))
+        t["gate_up_proj_bias"] = t["down_proj_bias"] = torch.zeros(1)
+        whole = convert_moe_packed_tensors(
+            ck.read(EXPERTS.format(1) + "down_proj_blocks"),
+            ck.read(EXPERTS.format(1) + "down_proj_scales"),
+            dtype=torch.float32,
+        )
+        assert torch.equal(
+            sanitize({**t, "gate_up_proj": torch.zeros(1)}, torch.float32)["down"], whole[5]
+        )
+    print("transformers (dequantized)", _agree(path, ref))
+    # mlx-lm always truncates YaRN's correction range (transformers honours `truncate`, which
+    # the release sets false): compare with mlx-lm on a copy whose config asks for truncation
+    cfg = json.loads((Path(path) / "config.json").read_text())
+    rope = {**cfg["rope_parameters"], "truncate": True}
+    scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+    truncated = R.with_config(path, Path(path).parent / "mxfp4_truncated", rope_parameters=rope,
+                              rope_scaling=scaling)  # fmt: skip
+    print("mlx-lm", _agree_mlx(truncated))
+
+
+def test_engine_matches_transformers_and_runs_mxfp4(tiny, mxfp4):
+    from reap.engine import Engine
+
+    _, path, hf = tiny
+    print("greedy", R.check_engine(path, hf, PROMPT))
+    q_path, _ = mxfp4
+    want = _ours(q_path, PROMPT, 0)[0][0]
+    with Engine.open(q_path, preset="ultra", context=64, dtype="float32") as eng:
+        assert np.abs(eng.logits([PROMPT])[0].numpy() - want).max() < 1e-5
+
+
+def _prune(src, out, keep=5):
+    from reap.prune.plan import make_plan
+    from reap.prune.write import prune
+
+    with Checkpoint.open(src) as ck:
+        plan = make_plan(config=ck.config, model=ck.fingerprint(), criterion="random", keep=keep)
+    prune(model=str(src), plan=plan, out=str(out))
+    return plan
+
+
+def _check_same_layout(src, out, plan):
+    """Same stored names; fused tensors [n_kept, ...] whose slice j is source slice keep[j];
+    routers sliced; everything else unchanged."""
+    with Checkpoint.open(src) as a, Checkpoint.open(out) as b:
+        assert sorted(a.tensors) == sorted(b.tensors)
+        for name in a.tensors:
+            old, new = a.read(name), b.read(name)
+            layer = int(name.split(".")[2]) if ".mlp." in name else None
+            if layer is None:
+                assert torch.equal(old, new), name
+                continue
+            assert new.shape == (5, *old.shape[1:]), name
+            assert torch.equal(new, old[plan.keep[layer]]), name
+
+
+def test_prune_keeps_the_fused_layout_loads_in_transformers_and_verifies(tiny, mxfp4):
+    from reap.engine import Engine
+    from reap.prune.verify import VerifyError, verify
+
+    root, path, _ = tiny
+    plan = _prune(path, root / "pruned")
+    _check_same_layout(path, root / "pruned", plan)
+    ids = PROMPT[:10]
+    with torch.no_grad():
+        ref = R.load_hf(root / "pruned")(input_ids=torch.tensor([ids])).logits[0].numpy()
+    with Engine.open(root / "pruned", preset="ultra", context=64, dtype="float32") as eng:
+        assert np.abs(eng.logits([ids])[0].numpy() - ref).max() < R.ATOL
+    r = verify(pruned=str(root / "pruned"), source=path)
+    assert r.experts == 20 and r.tensors == len(Checkpoint.open(path).tensors)
+    # one flipped byte inside a kept slice of a fused tensor is caught and named
+    bad = root / "bad"
+    shutil.copytree(root / "pruned", bad)
+    with Checkpoint.open(bad) as ck:
+        info = ck.tensors[view_name(EXPERTS.format(2) + "down_proj", 3)]
+    with open(info.file, "r+b") as f:
+        f.seek(info.start + 17)
+        byte = f.read(1)[0]
+        f.seek(info.start + 17)
+        f.write(bytes([byte ^ 0x10]))
+    with pytest.raises(VerifyError, match=r"down_proj\[3\] differs"):
+        verify(pruned=str(bad), source=path)
+    # the MXFP4 layout prunes and verifies the same way
+    q_path, _ = mxfp4
+    q_plan = _prune(q_path, root / "q_pruned")
+    _check_same_layout(q_path, root / "q_pruned", q_plan)
+    assert verify(pruned=str(root / "q_pruned"), source=q_path).experts == 20
+
+
+def test_calibration_equals_forward_hooks(tiny):
+    root, path, hf = tiny
+    R.check_calibration(path, hf, root / "cal")
+
+
+def test_config_rules(tiny):
+    from reap.engine.binding import bind
+    from reap.models import family, gpt_oss
+
+    _, path, _ = tiny
+    with Checkpoint.open(path) as ck:
+        fam = family(ck.config)
+        b = bind(ck.tensors, fam, ck.config, path)
+        assert (b.expert_layers, b.n_experts) == ([0, 1, 2, 3], 8)
+        assert fam.expert_key(view_name(EXPERTS.format(2) + "down_proj_bias", 7)) == (2, 7)
+        assert fam.expert_key(EXPERTS.format(2) + "down_proj_bias") is None
+        assert gpt_oss.with_experts(ck.config, {0: 3, 1: 3})["num_local_experts"] == 3
+        with pytest.raises(ReapError, match="same number in every layer"):
+            gpt_oss.with_experts(ck.config, {0: 3, 1: 4})
