@@ -1,0 +1,197 @@
+"""Kimi Linear family (`reap.models.kimi_linear`) on a tiny random model created and saved offline
+by transformers (fp32: hidden 64, 4 layers KDA/MLA/KDA/MLA, layer 0 dense, 8 experts, top-2, one
+shared expert): our logits == transformers' `KimiLinearForCausalLM` (prefill over two KDA chunks
++ 8 decode steps) and == mlx-lm's `kimi_linear` on the released naming; the streaming engine;
+prune -> `from_pretrained` == engine; calibration == forward hooks; state_bytes == the caches."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import family_runner as R
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+KWARGS = {
+    "vocab_size": 288,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "moe_intermediate_size": 32,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "kv_lora_rank": 16,
+    "q_lora_rank": None,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 16,
+    "v_head_dim": 16,
+    "num_experts": 8,
+    "num_experts_per_token": 2,
+    "num_shared_experts": 1,
+    "routed_scaling_factor": 2.446,
+    "first_k_dense_replace": 1,
+    "linear_attn_config": {
+        "kda_layers": [1, 3],
+        "full_attn_layers": [2, 4],
+        "num_heads": 2,
+        "head_dim": 16,
+        "short_conv_kernel_size": 4,
+    },
+    "pad_token_id": 0,
+    "bos_token_id": 256,
+    "eos_token_id": 256,
+}
+PROMPT = [72, 101, 108, 108, 111, 44, 32, 75, 105, 109, 105, 32, 76, 105, 110, 101, 97, 114, 33, 10]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(path, transformers model): random weights, and a random router correction bias (a buffer
+    transformers leaves at zero) so that selection and weights differ."""
+    from transformers import KimiLinearConfig, KimiLinearForCausalLM
+
+    path, hf = R.save_hf_tiny(
+        KimiLinearForCausalLM, KimiLinearConfig, KWARGS, tmp_path_factory.mktemp("kl") / "m"
+    )
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, b in hf.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.3 * torch.randn(b.shape, generator=gen))
+    hf.save_pretrained(path)
+    return path, hf
+
+
+def released(path, out, **changes) -> str:
+    """A copy in the release's naming (dense MLP under `mlp.`) with a release-style config (no
+    transformers-5 type lists; rope_theta/mla_use_nope/torch_dtype as the hub config has), plus
+    `changes` to the config."""
+    out = Path(out)
+    out.mkdir()
+    for f in Path(path).iterdir():
+        if f.name not in ("config.json", "model.safetensors"):
+            shutil.copy(f, out / f.name)
+    t = load_file(Path(path) / "model.safetensors")
+    p = "model.layers.0."
+    t = {k.replace(p + "block_sparse_moe.", p + "mlp."): v for k, v in t.items()}
+    save_file(t, out / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((Path(path) / "config.json").read_text())
+    for k in ("layer_types", "mlp_layer_types", "linear_num_heads", "linear_head_dim", "dtype"):
+        cfg.pop(k)
+    cfg.update(rope_theta=10000.0, mla_use_nope=True, torch_dtype="float32", **changes)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    return str(out)
+
+
+def test_layout_is_what_transformers_saves_in_fp32_and_bf16(tiny, tmp_path):
+    from transformers import KimiLinearForCausalLM
+
+    from reap.checkpoint import Checkpoint
+    from reap.models import builtin_config, family, kimi_k3, kimi_linear
+
+    path, _ = tiny
+    bf16 = tmp_path / "bf16"
+    KimiLinearForCausalLM.from_pretrained(path, dtype=torch.bfloat16).save_pretrained(bf16)
+    for p, dtypes in ((path, {"F32"}), (bf16, {"BF16", "F32"})):
+        with Checkpoint.open(p) as ck:
+            assert family(ck.config) is kimi_linear
+            specs = kimi_linear.layout(ck.config)
+            got = {n: (tuple(t.shape), t.dtype) for n, t in ck.tensors.items()}
+        assert {s.name: (s.shape, s.dtype) for s in specs} == got
+        assert {s.dtype for s in specs} == dtypes
+    experts = [s for s in specs if s.component == "routed_experts"]
+    assert len(experts) == 3 * 3 * 8 and all(s.dtype == "BF16" for s in experts)
+    # a K3 config, whole or its bare kimi_linear text config, stays with kimi_k3
+    k3 = builtin_config("k3-tiny")
+    assert family(k3) is kimi_k3 and family(k3["text_config"]) is kimi_k3
+
+
+def test_logits_equal_transformers_prefill_and_decode(tiny):
+    path, hf = tiny
+    assert R.check_logits(path, hf, PROMPT, steps=8) < R.ATOL
+    # a batch of two in one prefill (no padding) too
+    _, _, model, get = R.load_ours(path)
+    ids = torch.tensor([PROMPT, PROMPT[::-1]])
+    with torch.no_grad():
+        ref = hf(input_ids=ids).logits
+    got = model.forward(get, ids)
+    assert ref.std() > 0.5  # logits of magnitude ~1: the tolerance is meaningful
+    torch.testing.assert_close(got, ref, rtol=0, atol=R.ATOL)
+
+
+def test_released_naming_equals_mlx_lm_and_transformers(tiny, tmp_path):
+    path, hf = tiny
+    rel = released(path, tmp_path / "released")
+    assert R.check_logits(rel, hf, PROMPT, steps=2) < R.ATOL
+    # mlx-lm normalizes the MLA latent with rms_norm_eps where transformers (and we, as the
+    # DeepSeek lineage does) use 1e-6: with rms_norm_eps 1e-6 everywhere the three agree
+    rel6 = released(path, tmp_path / "released_eps", rms_norm_eps=1e-6)
+    assert R.check_mlx(rel6, PROMPT, steps=8) < R.ATOL
+
+
+def test_engine_greedy_equals_transformers(tiny):
+    path, hf = tiny
+    tokens = R.check_engine(path, hf, PROMPT, steps=8)
+    assert len(tokens) >= 2
+
+
+def test_pruned_checkpoint_loads_in_transformers_with_the_engines_logits(tiny, tmp_path):
+    from reap.errors import ReapError
+    from reap.models import kimi_linear
+
+    path, _ = tiny
+    R.check_prune(path, tmp_path / "pruned", keep=5)
+    cfg = json.loads((Path(path) / "config.json").read_text())
+    assert kimi_linear.with_experts(cfg, {1: 4, 2: 4, 3: 4})["num_experts"] == 4
+    with pytest.raises(ReapError, match="one num_experts for every layer"):
+        kimi_linear.with_experts(cfg, {1: 4, 2: 6, 3: 5})
+
+
+def test_calibration_statistics_equal_forward_hooks(tiny, tmp_path):
+    path, hf = tiny
+
+    def sigmoid_probs(out):  # the router returns (logits, top-k weights, top-k ids)
+        return torch.sigmoid(out[0].float().reshape(-1, out[0].shape[-1]))
+
+    want = R.check_calibration(path, hf, tmp_path / "cal", probs_fn=sigmoid_probs)
+    assert sorted(want) == [1, 2, 3]
+    assert all(float(s["count"].sum()) == 256 * 2 for s in want.values())
+
+
+def test_state_bytes_are_the_decode_caches_and_the_engine_requires_them(tiny):
+    import types
+
+    from reap.engine.binding import state_costs
+    from reap.errors import ReapError
+    from reap.models import kimi_linear
+
+    path, _ = tiny
+    _, cfg, model, get = R.load_ours(path)
+    caches, T = model.new_caches(), 7
+    model.forward(get, torch.tensor([PROMPT[:T]]), caches)
+    kv = sum(c.kv_latent.nbytes + c.k_pe.nbytes for c in caches if hasattr(c, "kv_latent"))
+    rec = sum(c.state.nbytes + c.conv.nbytes for c in caches if hasattr(c, "state"))
+    per_pos, per_seq, act, pair = state_costs(kimi_linear, cfg, 4)
+    assert (per_pos * T, per_seq) == (kv, rec) and act > 0 and pair == 12 * 2
+    with pytest.raises(ReapError, match="has no state_bytes"):
+        state_costs(types.ModuleType("nostate"), cfg, 4)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+        ({"num_expert_group": 2}, "grouped routing"),
+        ({"mla_use_nope": False}, "RoPE MLA"),
+    ],
+)
+def test_unsupported_configs_are_one_line_errors(tiny, change, message):
+    from reap.errors import ReapError
+    from reap.models import kimi_linear
+
+    cfg = json.loads((Path(tiny[0]) / "config.json").read_text())
+    with pytest.raises(ReapError, match=message):
+        kimi_linear.Config.from_dict({**cfg, **change})
