@@ -1,0 +1,432 @@
+"""The DeepSeek-V3 / Kimi K2 family against its oracles, on tiny random models made and saved
+offline by transformers (per-expert tensors, read in place): logits equal transformers' and
+mlx-lm's (prefill and incremental decode, fp32), the streaming engine's greedy tokens equal
+transformers' under a small budget, calibration statistics equal brute-force hooks on the
+transformers model, and a `reap plan` + `reap prune` checkpoint loads in transformers with the
+same logits as our engine on it. Grouped routing is also checked against a per-token loop."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from reap.checkpoint import Checkpoint
+from reap.cli import main
+from reap.errors import ReapError
+from reap.models import deepseek_v3 as ds
+from reap.models import family
+from reap.models.base import dict_weights
+
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+PROMPT = [[3, 100, 7, 200, 55, 9, 1, 250, 17, 42, 11, 300]]
+BASE = {
+    "vocab_size": 320,  # the byte tokenizer's 257 ids fit
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "moe_intermediate_size": 32,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "kv_lora_rank": 32,
+    "qk_rope_head_dim": 16,
+    "qk_nope_head_dim": 16,
+    "v_head_dim": 24,
+    "num_experts_per_tok": 2,
+    "first_k_dense_replace": 1,
+    "routed_scaling_factor": 2.5,
+    "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-6,
+}
+VARIANTS = {
+    # q_lora, 16 experts in 4 groups (2 kept), YaRN with mscale: the DeepSeek-V3 / Kimi K2 shape
+    "yarn": {
+        "q_lora_rank": 48,
+        "n_routed_experts": 16,
+        "n_group": 4,
+        "topk_group": 2,
+        "n_shared_experts": 1,
+        "rope_parameters": {
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 64,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+            "beta_fast": 32,
+            "beta_slow": 1,
+        },
+    },
+    # no q_lora, 8 experts in 2 groups (1 kept), two shared experts, plain RoPE, tied head
+    "plain": {
+        "q_lora_rank": None,
+        "n_routed_experts": 8,
+        "n_group": 2,
+        "topk_group": 1,
+        "n_shared_experts": 2,
+        "tie_word_embeddings": True,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 5000.0},
+    },
+}
+
+
+def _randomize(model, seed: int) -> None:
+    """Weights of a trained-looking scale (transformers' init gives near-zero logits): matrices
+    ~ 1/sqrt(fan_in), norms ~ 1, a small non-negative selection bias."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            if "norm" in name:
+                p.copy_(1 + 0.1 * noise)
+            elif "embed_tokens" in name:
+                p.copy_(noise)
+            else:
+                p.copy_(noise / p.shape[-1] ** 0.5)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.1 * torch.rand(b.shape, generator=gen))
+
+
+def _make(root: Path, name: str, seed: int = 0):
+    import transformers
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    from reap.tokenizer import byte_tokenizer_files
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(seed)
+    model = DeepseekV3ForCausalLM(DeepseekV3Config(**BASE, **VARIANTS[name])).eval()
+    _randomize(model, seed)
+    path = root / name
+    model.save_pretrained(path)
+    for fname, text in byte_tokenizer_files().items():
+        (path / fname).write_text(text)
+    return path, model
+
+
+@pytest.fixture(scope="module", params=sorted(VARIANTS))
+def hf(request, tmp_path_factory):
+    return _make(tmp_path_factory.mktemp("ds"), request.param)
+
+
+@pytest.fixture(scope="module")
+def yarn(tmp_path_factory):
+    return _make(tmp_path_factory.mktemp("ds"), "yarn", seed=1)
+
+
+def ours(path):
+    ck = Checkpoint.open(path)
+    fam = family(ck.config)
+    weights = {n: ck.read(n) for n in ck.tensors}
+    return fam.Model(fam.Config.from_dict(ck.config)), dict_weights(weights)
+
+
+def hf_greedy(model, prompt: list[int], steps: int) -> tuple[list[torch.Tensor], list[int]]:
+    """Per step the last-position logits [V] (the prefill's [T, V] first) and the greedy tokens."""
+    from transformers import DynamicCache
+
+    cache, logits, tokens = DynamicCache(config=model.config), [], []
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        for _ in range(steps + 1):
+            out = model(ids, cache=cache, use_cache=True).logits[0]
+            logits.append(out if not logits else out[-1])
+            tokens.append(int(out[-1].argmax()))
+            ids = torch.tensor([[tokens[-1]]])
+    return logits, tokens
+
+
+def our_greedy(path, prompt: list[int], steps: int) -> tuple[list[torch.Tensor], list[int]]:
+    model, get = ours(path)
+    caches, logits, tokens = model.new_caches(), [], []
+    ids = torch.tensor([prompt])
+    for _ in range(steps + 1):
+        out = model.forward(get, ids, caches)[0]
+        logits.append(out if not logits else out[-1])
+        tokens.append(int(out[-1].argmax()))
+        ids = torch.tensor([[tokens[-1]]])
+    return logits, tokens
+
+
+# -- the forward against the oracles ------------------------------------------------------------
+def test_logits_equal_transformers_prefill_and_decode(hf):
+    path, model = hf
+    want, want_tok = hf_greedy(model, PROMPT[0], 8)
+    got, tok = our_greedy(path, PROMPT[0], 8)
+    assert want[0].abs().max() > 1  # the oracle's logits are not all near zero
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    assert tok == want_tok
+
+
+def test_rotate_half_rope_equals_transformers(hf, tmp_path):
+    """rope_interleave false (rotate-half pairing) on the same weights."""
+    from transformers import DeepseekV3ForCausalLM
+
+    path, _ = hf
+    for f in path.iterdir():
+        (tmp_path / f.name).symlink_to(f)
+    cfg = json.loads((path / "config.json").read_text())
+    (tmp_path / "config.json").unlink()
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "rope_interleave": False}))
+    model = DeepseekV3ForCausalLM.from_pretrained(tmp_path).eval()
+    want, want_tok = hf_greedy(model, PROMPT[0], 3)
+    got, tok = our_greedy(tmp_path, PROMPT[0], 3)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    assert tok == want_tok
+
+
+def test_logits_equal_mlx_lm_prefill_and_decode(hf, tmp_path):
+    mx = pytest.importorskip("mlx.core")
+    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.utils import load_model
+    from safetensors.torch import load_file, save_file
+
+    path, _ = hf
+    # mlx-lm reads rope_theta / rope_scaling (not transformers 5's rope_parameters)
+    cfg = json.loads((path / "config.json").read_text())
+    rope = dict(cfg["rope_parameters"])
+    cfg["rope_theta"] = rope.pop("rope_theta")
+    cfg["rope_scaling"] = rope if rope["rope_type"] != "default" else None
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    weights = load_file(path / "model.safetensors")
+    if cfg.get("tie_word_embeddings"):  # mlx-lm's deepseek_v3 always has its own head
+        weights["lm_head.weight"] = weights["model.embed_tokens.weight"].clone()
+    save_file({k: v.contiguous() for k, v in weights.items()}, tmp_path / "model.safetensors")
+    ref_model, _ = load_model(tmp_path)
+    model, get = ours(path)
+    ref_cache, caches = make_prompt_cache(ref_model), model.new_caches()
+    ref = np.array(ref_model(mx.array(PROMPT), cache=ref_cache))
+    got = model.forward(get, torch.tensor(PROMPT), caches).numpy()
+    worst = np.abs(got - ref).max()
+    tokens = [int(got[0, -1].argmax())]
+    assert tokens[0] == int(ref[0, -1].argmax())
+    for _ in range(8):
+        ref = np.array(ref_model(mx.array([[tokens[-1]]]), cache=ref_cache))
+        got = model.forward(get, torch.tensor([[tokens[-1]]]), caches).numpy()
+        worst = max(worst, np.abs(got - ref).max())
+        assert int(got[0, -1].argmax()) == int(ref[0, -1].argmax())
+        tokens.append(int(got[0, -1].argmax()))
+    assert worst < 1e-4, worst
+
+
+def naive_route(logits, bias, top_k, n_group, topk_group, scaling):
+    """Grouped routing one token at a time with Python sorting (float64)."""
+    E, size = logits.shape[1], logits.shape[1] // n_group
+    ids, weights = [], []
+    for row in logits.double().tolist():
+        p = [1 / (1 + np.exp(-v)) for v in row]
+        s = [p[e] + float(bias[e]) for e in range(E)]
+        groups = sorted(
+            range(n_group), key=lambda g: -sum(sorted(s[g * size : (g + 1) * size])[-2:])
+        )
+        allowed = [e for e in range(E) if e // size in groups[:topk_group]]
+        chosen = sorted(allowed, key=lambda e: -s[e])[:top_k]
+        total = sum(p[e] for e in chosen)
+        ids.append(chosen)
+        weights.append([p[e] / total * scaling for e in chosen])
+    return torch.tensor(ids), torch.tensor(weights, dtype=torch.float64)
+
+
+def test_grouped_route_equals_a_per_token_loop():
+    gen = torch.Generator().manual_seed(0)
+    logits, bias = torch.randn(200, 16, generator=gen) * 2, torch.randn(16, generator=gen) * 0.3
+    for n_group, topk_group, k in ((4, 2, 3), (2, 1, 2), (1, 1, 4), (8, 3, 5)):
+        ids, w, probs = ds.grouped_route(logits, bias, k, n_group, topk_group, 1.7, True)
+        want_ids, want_w = naive_route(logits, bias, k, n_group, topk_group, 1.7)
+        assert torch.equal(ids, want_ids)
+        torch.testing.assert_close(w.double(), want_w, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(probs, torch.sigmoid(logits))
+
+
+# -- engine, calibration, prune ----------------------------------------------------------------
+def test_engine_greedy_tokens_equal_transformers(hf):
+    from reap.engine import Engine
+
+    path, model = hf
+    prompt = [72, 101, 108, 108, 111, 44, 32]
+    _, want = hf_greedy(model, prompt, 9)
+    with Engine.open(path, preset="ultra", context=64) as eng:
+        assert not eng.plan.pinned  # every layer streamed through the ring
+        assert eng.generate([prompt], max_tokens=10)[0].ids == want
+
+
+def _corpus(path: Path) -> str:
+    import random
+
+    rng = random.Random(0)
+    with open(path, "w") as f:
+        for i in range(200):
+            words = " ".join(
+                rng.choice(["alpha", "beta", "gamma", "delta", "x = 1;"]) for _ in range(30)
+            )
+            f.write(json.dumps({"id": f"d{i}", "text": words}) + "\n")
+    return str(path)
+
+
+T_LEN, N_TOK = 32, 256
+
+
+@pytest.fixture(scope="module")
+def calibrated(yarn, tmp_path_factory):
+    from reap.calibrate.pipeline import calibrate
+
+    root = tmp_path_factory.mktemp("cal")
+    path, _ = yarn
+    spec = _corpus(root / "text.jsonl")
+    res = calibrate(model=str(path), corpus=spec, tokens=N_TOK, seq_len=T_LEN, out=str(root / "s"),
+                    batch=3, max_pass_seqs=5, progress=False)  # fmt: skip
+    return res, spec
+
+
+def hook_statistics(model, ids: torch.Tensor) -> dict[int, dict[str, torch.Tensor]]:
+    """Per MoE layer: count, gate mass and REAP saliency (sum of weight * ||expert output||) from
+    forward hooks on the transformers model, each expert output recomputed per (token, slot)."""
+    out, moe = {}, {}
+
+    def hook(layer):
+        def fn(module, args, _):
+            x = args[0].reshape(-1, args[0].shape[-1]).double()  # [N, D]
+            _, w, idx = module.gate(args[0])  # [N, K] each
+            ex, F = module.experts, module.experts.intermediate_dim
+            gate_up = ex.gate_up_proj.double()[idx]  # [N, K, 2F, D]
+            h = torch.einsum("nkfd,nd->nkf", gate_up, x)
+            a = torch.nn.functional.silu(h[..., :F]) * h[..., F:]  # [N, K, F]
+            o = torch.einsum("nkdf,nkf->nkd", ex.down_proj.double()[idx], a)  # [N, K, D]
+            E = ex.num_experts
+            flat, wd = idx.reshape(-1), w.double().reshape(-1)
+            out[layer] = {
+                "count": torch.bincount(flat, minlength=E).double(),
+                "gate_sum": torch.zeros(E, dtype=torch.float64).index_add_(0, flat, wd),
+                "reap_sum": torch.zeros(E, dtype=torch.float64).index_add_(
+                    0, flat, wd * o.norm(dim=-1).reshape(-1)
+                ),
+            }
+
+        return fn
+
+    for i, layer in enumerate(model.model.layers):
+        if hasattr(layer.mlp, "gate"):
+            moe[i] = layer.mlp.register_forward_hook(hook(i))
+    with torch.no_grad():
+        model(ids)
+    for h in moe.values():
+        h.remove()
+    return out
+
+
+def test_calibration_statistics_equal_transformers_hooks(yarn, calibrated):
+    from reap.corpora import calibration_sequences
+    from reap.stats import ExpertStats
+    from reap.tokenizer import load_tokenizer
+
+    (path, model), (res, spec) = yarn, calibrated
+    assert res.passes == 2  # two MLP passes of at most 5 sequences
+    seqs = calibration_sequences(spec, load_tokenizer(str(path)), N_TOK, T_LEN, 0)
+    want = hook_statistics(model, torch.tensor([s.ids for s in seqs]))
+    st = ExpertStats.load(res.files["all"])
+    assert st.layers == sorted(want) == [1, 2] and st.tokens == N_TOK
+    for li, layer in enumerate(st.layers):
+        for field, ref in want[layer].items():
+            got = getattr(st, field)[li].double()
+            tol = 0 if field == "count" else 1e-4
+            torch.testing.assert_close(got, ref, rtol=tol, atol=tol, msg=f"{layer} {field}")
+    assert st.count.sum() == N_TOK * 2 * 2  # every token, top-2, two MoE layers
+
+
+def test_pruned_checkpoint_loads_in_transformers_and_equals_our_engine(yarn, calibrated, tmp_path):
+    from transformers import DeepseekV3ForCausalLM
+
+    from reap.engine import Engine
+
+    (path, _), (res, _) = yarn, calibrated
+    plan, out = tmp_path / "plan.json", tmp_path / "pruned"
+    assert main(["plan", res.files["all"], "--model", str(path), "--keep", "8", "--out",
+                 str(plan)]) == 0  # fmt: skip
+    assert main(["prune", str(path), "--plan", str(plan), "--out", str(out), "--no-progress"]) == 0
+    keep = {int(k): v for k, v in json.loads(plan.read_text())["keep"].items()}
+    src, dst = Checkpoint.open(path), Checkpoint.open(out)
+    for layer, ids in keep.items():  # router rows and correction bias sliced to the kept experts
+        for n in ds.router_tensors(ds.Config.from_dict(src.config), layer):
+            assert torch.equal(dst.read(n), src.read(n)[ids])
+        for new, e in enumerate(ids):
+            for a, b in zip(ds.expert_tensor_names(layer, new), ds.expert_tensor_names(layer, e)):
+                assert torch.equal(dst.read(a), src.read(b))
+    assert dst.config["n_routed_experts"] == 8 and dst.config["n_group"] == 4
+    assert sorted(dst.tensors) == sorted(s.name for s in ds.layout(dst.config))
+    pruned = DeepseekV3ForCausalLM.from_pretrained(out).eval()
+    ids = [5, 17, 200, 31, 7, 7, 90, 1, 44, 60]
+    with torch.no_grad():
+        want = pruned(torch.tensor([ids])).logits[0]
+    with Engine.open(out, preset="ultra", context=64) as eng:
+        torch.testing.assert_close(eng.logits([ids])[0], want, rtol=1e-4, atol=1e-4)
+
+
+def test_expert_counts_that_break_the_grouping_are_refused(yarn, tmp_path, capsys):
+    path, _ = yarn
+    cfg = json.loads((path / "config.json").read_text())
+    assert ds.with_experts(cfg, 12)["n_routed_experts"] == 12
+    assert ds.with_experts(cfg, {1: 4, 2: 4})["num_experts_per_tok"] == 2
+    with pytest.raises(ReapError, match="multiple of n_group=4"):
+        ds.with_experts(cfg, 6)
+    with pytest.raises(ReapError, match="uniform"):
+        ds.with_experts(cfg, {1: 8, 2: 12})
+    with pytest.raises(ReapError, match="fewer than top_k"):
+        ds.with_experts({**cfg, "topk_group": 1, "num_experts_per_tok": 4}, 8)
+    plan = tmp_path / "plan.json"
+    args = ["plan", "--model", str(path), "--criterion", "random", "--keep", "6"]
+    assert main([*args, "--out", str(plan)]) == 0
+    capsys.readouterr()
+    assert main(["prune", str(path), "--plan", str(plan), "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "n_group=4" in err and len(err.splitlines()) == 1
+
+
+# -- layout and config -------------------------------------------------------------------------
+def test_layout_is_exactly_the_checkpoint_transformers_writes(hf, tmp_path):
+    path, _ = hf
+    ck = Checkpoint.open(path)
+    specs = ds.layout(ck.config)
+    assert {s.name: (s.dtype, s.shape) for s in specs} == {
+        n: (t.dtype, tuple(t.shape)) for n, t in ck.tensors.items()
+    }
+    cfg = ds.Config.from_dict(ck.config)
+    experts = [s for s in specs if s.component == "routed_experts"]
+    assert len(experts) == 3 * cfg.n_routed_experts * 2
+    assert all(ds.expert_key(s.name) == (s.layer, s.expert) for s in experts)
+    from transformers import DeepseekV3ForCausalLM
+
+    # a bf16 copy made the ordinary way: transformers keeps the router in float32
+    DeepseekV3ForCausalLM.from_pretrained(path, dtype=torch.bfloat16).save_pretrained(tmp_path)
+    bf = Checkpoint.open(tmp_path)
+    assert {s.name: s.dtype for s in ds.layout(bf.config)} == {
+        n: t.dtype for n, t in bf.tensors.items()
+    }
+    assert bf.tensors["model.layers.1.mlp.gate.weight"].dtype == "F32"
+
+
+def test_config_dispatch_and_unsupported_configs(yarn):
+    path, _ = yarn
+    cfg = json.loads((path / "config.json").read_text())
+    assert family(cfg) is ds and family({**cfg, "model_type": "kimi_k2"}) is ds
+    c = ds.Config.from_dict(cfg)
+    assert c.num_experts_per_token == 2 and c.is_moe(1) and not c.is_moe(0)
+    assert c.softmax_scale == pytest.approx(32**-0.5 * (0.1 * np.log(4.0) + 1) ** 2)
+    # Kimi K2's release spells the rope settings the older way
+    k2 = {k: v for k, v in cfg.items() if k != "rope_parameters"}
+    k2.update(rope_theta=50000.0, rope_scaling={**cfg["rope_parameters"], "type": "yarn"})
+    assert ds.Config.from_dict(k2).rope[0] == 50000.0
+    for bad, msg in (
+        ({"hidden_act": "gelu"}, "hidden_act"),
+        ({"topk_method": "greedy", "scoring_func": "softmax"}, "routing"),
+        ({"quantization_config": {"quant_method": "fp8"}}, "fp8"),
+        ({"n_group": 3}, "n_group=3"),
+    ):
+        with pytest.raises(ReapError, match=msg):
+            ds.Config.from_dict({**cfg, **bad})
