@@ -8,23 +8,25 @@ import json
 import shutil
 from pathlib import Path
 
+import family_runner as R
 import numpy as np
 import pytest
 import torch
 
-import family_runner as R
 from reap.checkpoint import Checkpoint, view_name
 from reap.errors import ReapError
 
 PROMPT = [3, 100, 7, 200, 55, 9, 1, 250, 17, 42, 11, 300]
-CONFIG = dict(
-    vocab_size=320, hidden_size=64, intermediate_size=32, num_hidden_layers=4,
-    num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=8,
-    num_experts_per_tok=2, sliding_window=4, layer_types=["sliding_attention", "full_attention"] * 2,
-    rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0,
-                     "beta_fast": 32.0, "beta_slow": 1.0, "original_max_position_embeddings": 4096,
-                     "truncate": False},
-)  # fmt: skip
+CONFIG = {
+    "vocab_size": 320, "hidden_size": 64, "intermediate_size": 32, "num_hidden_layers": 4,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "num_local_experts": 8,
+    "num_experts_per_tok": 2, "sliding_window": 4,
+    "layer_types": ["sliding_attention", "full_attention"] * 2,
+    "rope_parameters": {
+        "rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+        "beta_slow": 1.0, "original_max_position_embeddings": 4096, "truncate": False,
+    },
+}  # fmt: skip
 EXPERTS = "model.layers.{}.mlp.experts."
 
 
@@ -144,23 +146,24 @@ def test_logits_equal_transformers_past_the_sliding_window(tiny):
 
 
 def test_mxfp4_layout_decodes_like_transformers_and_matches_mlx(mxfp4):
-    path, ref = mxfp4
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
+    from reap.models import family
+    from reap.models.base import expert_short_names
     from reap.models.gpt_oss import sanitize
 
-    with Checkpoint.open(path) as ck:  # one expert's slices: our sanitize == transformers
-        t = {n: ck.read(view_name(EXPERTS.format(1) + n, 5)) for n in ("down_proj_blocks",)}
-        t["down_proj_scales"] = ck.read(view_name(EXPERTS.format(1) + "down_proj_scales", 5))
-        t["gate_up_proj_bias"] = t["down_proj_bias"] = torch.zeros(1)
-        whole = convert_moe_packed_tensors(
-            ck.read(EXPERTS.format(1) + "down_proj_blocks"),
-            ck.read(EXPERTS.format(1) + "down_proj_scales"),
-            dtype=torch.float32,
-        )
-        assert torch.equal(
-            sanitize({**t, "gate_up_proj": torch.zeros(1)}, torch.float32)["down"], whole[5]
-        )
+    path, ref = mxfp4
+    with Checkpoint.open(path) as ck:  # expert 5 of layer 1 through its views == transformers
+        names = family(ck.config).expert_tensor_names(1, 5)
+        assert names[0] == view_name(EXPERTS.format(1) + "gate_up_proj_blocks", 5)
+        w = sanitize(dict(zip(expert_short_names(names), map(ck.read, names))), torch.float32)
+        for n in ("gate_up", "down"):
+            blocks, scales = (
+                ck.read(EXPERTS.format(1) + f"{n}_proj_{k}") for k in ("blocks", "scales")
+            )
+            assert torch.equal(
+                w[n], convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)[5]
+            )
     print("transformers (dequantized)", _agree(path, ref))
     # mlx-lm always truncates YaRN's correction range (transformers honours `truncate`, which
     # the release sets false): compare with mlx-lm on a copy whose config asks for truncation
