@@ -74,3 +74,52 @@ def test_qwen3_moe_prune(qwen):
 def test_qwen3_moe_calibration(qwen):
     root, path, hf = qwen
     R.check_calibration(path, hf, root / "cal")
+
+
+def test_olmoe_engine_prune_calibration(olmoe):
+    root, path, hf = olmoe
+    R.check_engine(path, hf, PROMPT)
+    R.check_prune(path, root / "pruned", keep=6)
+    R.check_calibration(path, hf, root / "cal")
+
+
+def test_qwen3_moe_variants_equal_transformers(tmp_path):
+    """Unnormalized top-k weights, q/k/v/o biases, every second layer sparse, and a sliding
+    window of 5 positions (shorter than the prompt) that transformers applies only with
+    use_sliding_window."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    kw = {
+        **QWEN, "norm_topk_prob": False, "attention_bias": True, "decoder_sparse_step": 2,
+        "mlp_only_layers": [], "num_hidden_layers": 4, "use_sliding_window": True,
+        "sliding_window": 5,
+    }  # fmt: skip
+    path, hf = R.save_hf_tiny(Qwen3MoeForCausalLM, Qwen3MoeConfig, kw, tmp_path / "m", seed=5)
+    fam, cfg, _, _ = R.load_ours(path)
+    assert [cfg.is_moe(i) for i in range(4)] == [False, True, False, True]
+    assert cfg.sliding_window == 5 and not cfg.renormalize
+    print("transformers", R.check_logits(path, hf, PROMPT))
+    full = R.with_config(path, tmp_path / "full", use_sliding_window=False)
+    assert fam.Config.from_dict(R.load_hf(full).config.to_dict()).sliding_window is None
+    windowed, unwindowed = (
+        R.ours_greedy(path, PROMPT, 0)[0][0],
+        R.ours_greedy(full, PROMPT, 0)[0][0],
+    )
+    assert abs(windowed - unwindowed)[5:].max() > 1e-2  # the window is exercised
+
+
+def test_with_experts_sets_every_count_key_and_refuses_per_layer_counts(qwen):
+    from reap.checkpoint import Checkpoint
+    from reap.errors import ReapError
+    from reap.models import qwen3_moe
+
+    _, path, _ = qwen
+    with Checkpoint.open(path) as ck:
+        config = ck.config
+    out = qwen3_moe.with_experts(config, 1)
+    assert (out["num_experts"], out["num_local_experts"], out["num_experts_per_tok"]) == (1, 1, 1)
+    assert qwen3_moe.with_experts(config, {0: 6, 2: 6})["num_experts"] == 6
+    with pytest.raises(ReapError, match="one expert count for all layers"):
+        qwen3_moe.with_experts(config, {0: 6, 2: 5})
+    with pytest.raises(ReapError, match="unsupported hidden_act"):
+        qwen3_moe.Config.from_dict({**config, "hidden_act": "gelu"})

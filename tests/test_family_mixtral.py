@@ -1,0 +1,67 @@
+"""Mixtral (reap.models.mixtral) against transformers and mlx-lm on tiny random models saved by
+transformers: logits (prefill and decode, with and without a sliding window), the streaming
+engine, pruning round trips through from_pretrained and calibration statistics against forward
+hooks."""
+
+import family_runner as R
+import pytest
+
+from reap.models import family, mixtral
+
+PROMPT = [3, 100, 7, 200, 55, 9, 1, 250, 17, 42, 11, 300]
+MIXTRAL = {
+    "vocab_size": 320, "hidden_size": 64, "intermediate_size": 32, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "num_local_experts": 8,
+    "num_experts_per_tok": 2, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6},
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    root = tmp_path_factory.mktemp("mixtral")
+    path, hf = R.save_hf_tiny(MixtralForCausalLM, MixtralConfig, MIXTRAL, root / "m", seed=3)
+    return root, path, hf
+
+
+def test_logits_equal_transformers_and_mlx(tiny):
+    _, path, hf = tiny
+    assert family({"model_type": "mixtral"}) is mixtral
+    print("transformers", R.check_logits(path, hf, PROMPT))
+    print("mlx-lm", R.check_mlx(path, PROMPT))
+
+
+def test_sliding_window_equals_transformers(tmp_path):
+    """A window of 5 positions, shorter than the prompt: prefill and decode both cut keys."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    kw = {**MIXTRAL, "sliding_window": 5}
+    path, hf = R.save_hf_tiny(MixtralForCausalLM, MixtralConfig, kw, tmp_path / "m", seed=4)
+    assert mixtral.Config.from_dict(R.load_hf(path).config.to_dict()).sliding_window == 5
+    print("transformers", R.check_logits(path, hf, PROMPT))
+    full = R.with_config(path, tmp_path / "full", sliding_window=None)
+    windowed, unwindowed = (
+        R.ours_greedy(path, PROMPT, 0)[0][0],
+        R.ours_greedy(full, PROMPT, 0)[0][0],
+    )
+    assert abs(windowed - unwindowed)[5:].max() > 1e-2  # positions past the window differ
+    assert abs(windowed - unwindowed)[:5].max() < 1e-5  # those before it do not
+
+
+def test_engine(tiny):
+    _, path, hf = tiny
+    R.check_engine(path, hf, PROMPT)
+
+
+def test_prune_keeps_the_layout_and_loads_in_transformers(tiny):
+    root, path, _ = tiny
+    R.check_prune(path, root / "pruned", keep=5)
+    # below top_k the pruned config lowers num_experts_per_tok so transformers still loads it
+    pruned = R.check_prune(path, root / "pruned1", keep=1, seed=1)
+    assert R.load_hf(pruned).config.num_experts_per_tok == 1
+
+
+def test_calibration_equals_hooks(tiny):
+    root, path, hf = tiny
+    R.check_calibration(path, hf, root / "cal")
