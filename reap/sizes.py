@@ -15,7 +15,7 @@ import os
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from reap.checkpoint import TensorSpec
+from reap.checkpoint import TensorSpec, split_view
 from reap.errors import ReapError
 
 # Bytes of one safetensors header entry besides its key, dtype, shape and offset digits:
@@ -143,10 +143,12 @@ class SizeModel:
 
 
 def _params(s: TensorSpec) -> int:
-    """Weights a tensor stores: an MXFP4 packed byte holds two, a scale byte none."""
-    if s.name.endswith("weight_packed"):
+    """Weights a tensor stores: an MXFP4 packed (or GPT-OSS block) byte holds two, a scale byte
+    none (a fused view `X[e]` is named by its stored tensor X)."""
+    name = split_view(s.name)[0]
+    if name.endswith(("weight_packed", "_blocks")):
         return s.numel * 2
-    if s.name.endswith("weight_scale"):
+    if name.endswith(("weight_scale", "_scales")):
         return 0
     return s.numel
 
