@@ -263,3 +263,25 @@ def test_config_rules(tiny):
         assert gpt_oss.with_experts(ck.config, {0: 3, 1: 3})["num_local_experts"] == 3
         with pytest.raises(ReapError, match="same number in every layer"):
             gpt_oss.with_experts(ck.config, {0: 3, 1: 4})
+
+
+@pytest.mark.parametrize(
+    ("layers", "n_experts", "total", "active", "gib"),
+    [(24, 32, 20.91e9, 3.61e9, 12.8), (36, 128, 116.83e9, 5.13e9, 60.8)],
+)
+def test_size_model_reproduces_the_published_gpt_oss_sizes(layers, n_experts, total, active, gib):
+    """gpt-oss-20b / -120b model card: total and active parameters, MXFP4 checkpoint GiB."""
+    from reap.sizes import SizeModel
+
+    cfg = {
+        "model_type": "gpt_oss", "num_hidden_layers": layers, "num_local_experts": n_experts,
+        "num_experts_per_tok": 4, "vocab_size": 201088, "hidden_size": 2880,
+        "intermediate_size": 2880, "head_dim": 64, "num_attention_heads": 64,
+        "num_key_value_heads": 8, "sliding_window": 128, "torch_dtype": "bfloat16",
+        "layer_types": ["sliding_attention", "full_attention"] * (layers // 2),
+        "quantization_config": {"quant_method": "mxfp4"},
+    }  # fmt: skip
+    m = SizeModel.from_config(cfg)
+    assert abs(m.total_params / total - 1) < 5e-4
+    assert abs(m.active_params / active - 1) < 5e-3
+    assert abs(m.predict_bytes() / 2**30 / gib - 1) < 5e-3
