@@ -139,6 +139,11 @@ class Config:
     def renormalize(self) -> bool:
         return self.norm_topk_prob
 
+    @property
+    def num_experts_per_token(self) -> int:
+        """top_k under the name the sizes, plans and the engine read."""
+        return self.num_experts_per_tok
+
     def is_moe(self, layer: int) -> bool:
         """Whether decoder layer `layer` (zero-based) has routed experts (else a dense MLP)."""
         return (
