@@ -84,21 +84,24 @@ def test_olmoe_engine_prune_calibration(olmoe):
 
 
 def test_qwen3_moe_variants_equal_transformers(tmp_path):
-    """Unnormalized top-k weights, q/k/v/o biases, every second layer sparse, and a sliding
-    window of 5 positions (shorter than the prompt) that transformers applies only with
-    use_sliding_window."""
+    """Unnormalized top-k weights, q/k/v/o biases, every second layer sparse, tied embeddings,
+    YaRN rope scaling and a sliding window of 5 positions (shorter than the prompt) that
+    transformers applies only with use_sliding_window; also through the engine."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     kw = {
         **QWEN, "norm_topk_prob": False, "attention_bias": True, "decoder_sparse_step": 2,
         "mlp_only_layers": [], "num_hidden_layers": 4, "use_sliding_window": True,
-        "sliding_window": 5,
+        "sliding_window": 5, "tie_word_embeddings": True,
+        "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0,
+                            "original_max_position_embeddings": 32},
     }  # fmt: skip
     path, hf = R.save_hf_tiny(Qwen3MoeForCausalLM, Qwen3MoeConfig, kw, tmp_path / "m", seed=5)
     fam, cfg, _, _ = R.load_ours(path)
     assert [cfg.is_moe(i) for i in range(4)] == [False, True, False, True]
-    assert cfg.sliding_window == 5 and not cfg.renormalize
+    assert cfg.sliding_window == 5 and not cfg.renormalize and cfg.rope_scaling["factor"] == 4
     print("transformers", R.check_logits(path, hf, PROMPT))
+    R.check_engine(path, hf, PROMPT)
     full = R.with_config(path, tmp_path / "full", use_sliding_window=False)
     assert fam.Config.from_dict(R.load_hf(full).config.to_dict()).sliding_window is None
     windowed, unwindowed = (
