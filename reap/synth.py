@@ -68,7 +68,8 @@ def synth(
     if dtype not in ("bfloat16", "float32"):
         raise ReapError(f"--dtype must be bfloat16 or float32, got {dtype!r}")
     cfgd = json.loads(json.dumps(load_config(config, layers)))
-    cfgd.setdefault("text_config", cfgd)["torch_dtype"] = dtype
+    text = cfgd.get("text_config", cfgd)
+    text.update(torch_dtype=dtype, **({"dtype": dtype} if "dtype" in text else {}))
     fam = family(cfgd)
     specs = fam.layout(cfgd)
     writer = CheckpointWriter(
@@ -110,9 +111,8 @@ def _gen(seed: int, name: str) -> torch.Generator:
 
 
 def _draw(group: list[TensorSpec], seed: int) -> list[torch.Tensor]:
-    if group[0].expert is None:
-        s = group[0]
-        return [_float_tensor(s, _gen(seed, s.name))]
+    if group[0].expert is None or group[0].dtype != "U8":  # a tensor, or an expert in floats
+        return [_float_tensor(s, _gen(seed, s.name)) for s in group]
     out = []
     for packed, scale in zip(group[0::2], group[1::2]):  # (weight_packed, weight_scale) pairs
         g = _gen(seed, packed.name)
@@ -145,8 +145,7 @@ def _float_tensor(s: TensorSpec, g: torch.Generator) -> torch.Tensor:
     leaf = s.name.rsplit(".", 2)
     last = leaf[-2] if leaf[-1] == "weight" else leaf[-1]
     if last == "A_log":  # decay rates exp(A) in [1, 16] for the real heads, zero padding after
-        n = s.shape[0]
-        return torch.log(1 + 15 * torch.rand(n, generator=g)).to(_TORCH[s.dtype])
+        return torch.log(1 + 15 * torch.rand(s.shape, generator=g)).to(_TORCH[s.dtype])
     if last == "dt_bias":  # with A in [1, 16]: per-step decays from ~0.01 to ~0.999
         return (-0.5 + 0.3 * torch.randn(s.shape, generator=g)).to(_TORCH[s.dtype])
     if last.endswith("correction_bias"):
