@@ -99,7 +99,7 @@ def test_qwen3_moe_variants_equal_transformers(tmp_path):
     path, hf = R.save_hf_tiny(Qwen3MoeForCausalLM, Qwen3MoeConfig, kw, tmp_path / "m", seed=5)
     fam, cfg, _, _ = R.load_ours(path)
     assert [cfg.is_moe(i) for i in range(4)] == [False, True, False, True]
-    assert cfg.sliding_window == 5 and not cfg.renormalize and cfg.rope_scaling["factor"] == 4
+    assert cfg.sliding_window == 5 and not cfg.norm_topk_prob and cfg.rope_scaling["factor"] == 4
     print("transformers", R.check_logits(path, hf, PROMPT))
     R.check_engine(path, hf, PROMPT)
     full = R.with_config(path, tmp_path / "full", use_sliding_window=False)

@@ -136,10 +136,6 @@ class Config:
         return "full" if self.model_type == "olmoe" else "head"
 
     @property
-    def renormalize(self) -> bool:
-        return self.norm_topk_prob
-
-    @property
     def num_experts_per_token(self) -> int:
         """top_k under the name the sizes, plans and the engine read."""
         return self.num_experts_per_tok
@@ -374,29 +370,19 @@ class Model(LayerModel):
         w = self._w(get, f"model.layers.{i}.{cfg.names.moe}")
         flat = x.reshape(-1, x.shape[-1])  # [N, D]
         ids, weights, probs = B.softmax_topk(
-            B.linear(flat, w("gate.weight")), cfg.num_experts_per_tok, cfg.renormalize
+            B.linear(flat, w("gate.weight")), cfg.num_experts_per_tok, cfg.norm_topk_prob
         )
+        source = experts or default_experts(get, cfg.names)
         wants = observer is not None and observer.wants_norms
-        y, stats = B.routed_experts(
-            flat,
-            ids,
-            weights,
-            i,
-            experts or default_experts(get, cfg.names),
-            self._expert,
-            (lambda o: o) if wants else None,  # experts work in the model space
-        )
+        to_model = (lambda o: o) if wants else None  # experts work in the model space
+        y, stats = B.routed_experts(flat, ids, weights, i, source, self._expert, to_model)
         B.report_moe(observer, i, ids, weights, probs, stats)
         return y.to(x.dtype).reshape(x.shape)
 
     def _expert(self, x: torch.Tensor, t) -> torch.Tensor:
         """One routed expert on its tokens: x [M, D] -> [M, D]."""
         n = self.cfg.names
-
-        def m(s):
-            return t[s].to(x.device, x.dtype)
-
-        return B.silu_glu(x, m(n.gate), m(n.up), m(n.down))
+        return B.silu_glu(x, *(t[s].to(x.device, x.dtype) for s in (n.gate, n.up, n.down)))
 
     def head(self, get: Weights, state: State) -> torch.Tensor:
         """Final norm and output head: -> logits [B, T, V]."""
