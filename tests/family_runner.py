@@ -181,14 +181,16 @@ def check_mlx(path, ids: list[int], steps: int = 8, atol: float = ATOL) -> float
 
 def check_engine(path, hf, ids: list[int], steps: int = 8, atol: float = ATOL) -> list[int]:
     """The streaming engine at its smallest preset (layers streamed through a ring, experts read
-    on demand): teacher-forced logits == transformers', greedy tokens == transformers' greedy,
-    and the same tokens at the largest preset. Returns the greedy tokens."""
+    on demand) and at its largest with prefill in chunks of 4 tokens: teacher-forced logits ==
+    transformers', greedy tokens == transformers' greedy in both. Returns the greedy tokens."""
     from reap.engine import Engine
 
     ref, ref_tokens = hf_greedy(hf, ids, steps)
     runs = []
-    for preset in ("ultra", "max"):
-        with Engine.open(path, preset=preset, context=64, dtype="float32") as eng:
+    for preset, chunk in (("ultra", None), ("max", 4)):  # 4: prefill continues from the cache
+        with Engine.open(
+            path, preset=preset, context=64, dtype="float32", prefill_chunk=chunk
+        ) as eng:
             got = eng.logits([ids])[0].numpy()
             assert float(np.abs(got - ref[0]).max()) < atol
             runs.append(eng.generate([ids], max_tokens=steps + 1)[0].ids)
