@@ -27,7 +27,7 @@ import torch
 from reap.engine import memory
 from reap.engine.binding import Binding, bind, model_bytes, state_costs
 from reap.engine.experts import ExpertCache, _short
-from reap.engine.kernels import BufferPool, decode_mxfp4
+from reap.engine.kernels import BufferPool, expert_weights, fused_available
 from reap.engine.metrics import RunMetrics
 from reap.engine.store import Reader, TrunkStore
 from reap.errors import EXIT_FAILURE, ReapError
@@ -58,6 +58,7 @@ class Engine:
         self._source = _ExpertSource(self)
         # decoded expert weights: reused buffers, as much as the plan's scratch allows
         self._decoded = BufferPool(2 * self.plan_bytes.decoded_expert_bytes)
+        self._fused = fused_available(self.dtype, self.device)  # bf16 on CPU: fused expert matmuls
 
     @classmethod
     def open(
@@ -174,8 +175,10 @@ class Engine:
         return [self.model.embed(get, torch.tensor([[where[t] for t in c]])) for c in chunks]
 
     def _expert(self, layer: int, expert: int) -> dict[str, torch.Tensor]:
-        """ExpertSource: cached or freshly read tensors, MXFP4 pairs decoded to plain weights;
-        an expert that failed to load is served as zeros (recorded; exit code 4)."""
+        """ExpertSource: cached or freshly read tensors, MXFP4 pairs as weights the model uses
+        like decoded ones (in bf16, `x @ w.T` on few rows runs fused without decoding; see
+        `reap.engine.kernels.MXFP4Weight`); an expert that failed to load is served as zeros
+        (recorded; exit code 4)."""
         t0 = time.perf_counter()
         misses = self.experts.misses
         t = self.experts.get(layer, expert)
@@ -183,14 +186,7 @@ class Engine:
             self._sync_io += time.perf_counter() - t0
         if t is None:
             t = self._zero_expert(layer, expert)
-        out = {}
-        for name, v in t.items():
-            if name.endswith("_packed"):
-                base = name[: -len("_packed")]
-                out[base] = decode_mxfp4(v, t[base + "_scale"], self.dtype, self._decoded)
-            elif not (name.endswith("_scale") and name[: -len("_scale")] + "_packed" in t):
-                out[name] = v
-        return out
+        return expert_weights(t, self.dtype, self._decoded, self._fused)
 
     def _zero_expert(self, layer: int, expert: int) -> dict[str, torch.Tensor]:
         """All-zero bytes decode to all-zero weights: the expert contributes nothing."""

@@ -48,6 +48,8 @@ def _table(dtype: torch.dtype) -> torch.Tensor:
 
 _C_SOURCE = r"""
 #include <stdint.h>
+#include <string.h>
+#include <math.h>
 #define DECODE(name, T)                                                                    \
 void name(const uint8_t *p, const uint8_t *s, const T *table, T *out, int64_t blocks) {   \
     for (int64_t b = 0; b < blocks; b++) {                                                 \
@@ -57,7 +59,99 @@ void name(const uint8_t *p, const uint8_t *s, const T *table, T *out, int64_t bl
 }
 DECODE(reap_decode_u32, uint32_t)
 DECODE(reap_decode_u64, uint64_t)
+
+/* y[t, o] = x[t] . W[o] with W in MXFP4, without decoding W to memory. Per (row, token): two
+   16-lane fp32 accumulators, lane j of the first takes column 2j of every 32-column block (the
+   low nibble of byte j), lane j of the second column 2j + 1, blocks in order (fmaf); then the
+   two are added and the 16 lanes summed pairwise. Nothing depends on the token count or the
+   row range, so a token's result is the same alone or in a batch. */
+static const float FP4[16] = {0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f,
+                              -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
+static float reduce(const float *a, const float *c) {
+    float s[16];
+    for (int j = 0; j < 16; j++) s[j] = a[j] + c[j];
+    for (int w = 8; w > 0; w >>= 1)
+        for (int j = 0; j < w; j++) s[j] += s[j + w];
+    return s[0];
+}
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define SPLIT_X 1 /* x arrives with each block's even columns first, then its odd ones */
+static inline __attribute__((always_inline)) void tile(
+    const uint8_t *p, const uint8_t *s, const float *stab, const float *x, int64_t cols,
+    float *y, int64_t ldy, const int RN, const int TN) {
+    const __m512 lut = _mm512_loadu_ps(FP4);
+    const __m512i low = _mm512_set1_epi32(15);
+    __m512 a[4][4][2];
+    int64_t nb = cols / 32;
+    for (int r = 0; r < RN; r++)
+        for (int t = 0; t < TN; t++) a[r][t][0] = a[r][t][1] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++)
+        for (int r = 0; r < RN; r++) {
+            __m512i d = _mm512_cvtepu8_epi32(
+                _mm_loadu_si128((const __m128i *)(p + r * (cols / 2) + 16 * b)));
+            __m512 sc = _mm512_set1_ps(stab[s[r * nb + b]]);
+            __m512 w0 = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_and_si512(d, low), lut), sc);
+            __m512 w1 = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(d, 4), lut), sc);
+            for (int t = 0; t < TN; t++) {
+                const float *xb = x + t * cols + b * 32;
+                a[r][t][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xb), a[r][t][0]);
+                a[r][t][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xb + 16), a[r][t][1]);
+            }
+        }
+    float u[16], v[16];
+    for (int r = 0; r < RN; r++)
+        for (int t = 0; t < TN; t++) {
+            _mm512_storeu_ps(u, a[r][t][0]);
+            _mm512_storeu_ps(v, a[r][t][1]);
+            y[t * ldy + r] = reduce(u, v);
+        }
+}
+#else
+#define SPLIT_X 0
+static void tile(const uint8_t *p, const uint8_t *s, const float *stab, const float *x,
+                 int64_t cols, float *y, int64_t ldy, const int RN, const int TN) {
+    int64_t nb = cols / 32;
+    for (int r = 0; r < RN; r++)
+        for (int t = 0; t < TN; t++) {
+            float a[16] = {0}, c[16] = {0};
+            for (int64_t b = 0; b < nb; b++) {
+                const uint8_t *pb = p + r * (cols / 2) + 16 * b;
+                const float *xb = x + t * cols + b * 32, sc = stab[s[r * nb + b]];
+                for (int j = 0; j < 16; j++) {
+                    a[j] = fmaf(FP4[pb[j] & 15] * sc, xb[2 * j], a[j]);
+                    c[j] = fmaf(FP4[pb[j] >> 4] * sc, xb[2 * j + 1], c[j]);
+                }
+            }
+            y[t * ldy + r] = reduce(a, c);
+        }
+}
+#endif
+int reap_mxfp4_split_x(void) { return SPLIT_X; }
+/* rows [r0, r1) of y [m, ldy] from p [rows, cols/2], s [rows, cols/32], x [m, cols] fp32 */
+void reap_mxfp4_linear(const uint8_t *p, const uint8_t *s, const float *stab, const float *x,
+                       float *y, int64_t r0, int64_t r1, int64_t ldy, int64_t cols, int64_t m) {
+    int64_t hp = cols / 2, hs = cols / 32;
+    for (int64_t t0 = 0; t0 < m; t0 += 4) {
+        int tn = m - t0 < 4 ? (int)(m - t0) : 4;
+        const float *xt = x + t0 * cols;
+        float *yt = y + t0 * ldy;
+        int64_t o = r0;
+        if (tn == 1) /* one token: four rows at a time keep the FMA units busy */
+            for (; o + 4 <= r1; o += 4)
+                tile(p + o * hp, s + o * hs, stab, xt, cols, yt + o, ldy, 4, 1);
+        for (; o < r1; o++) {
+            const uint8_t *po = p + o * hp, *so = s + o * hs;
+            if (tn == 1) tile(po, so, stab, xt, cols, yt + o, ldy, 1, 1);
+            else if (tn == 2) tile(po, so, stab, xt, cols, yt + o, ldy, 1, 2);
+            else if (tn == 3) tile(po, so, stab, xt, cols, yt + o, ldy, 1, 3);
+            else tile(po, so, stab, xt, cols, yt + o, ldy, 1, 4);
+        }
+    }
+}
 """
+# no fp contraction: the kernels' roundings are the ones written (fmaf where fused)
+_CC = ["cc", "-O3", "-march=native", "-ffp-contract=off", "-shared", "-fPIC"]
 _LIB: list = []  # [ctypes.CDLL or None] once tried
 _LIB_LOCK = threading.Lock()
 
@@ -70,10 +164,12 @@ def _library():
         return _LIB[0]
 
 
-def _build():
+def _build(flags: tuple[str, ...] = ()):
+    """Compile the C source (with extra compiler `flags`) into the cache; the loaded library."""
     from reap.defaults import cache_dir
 
-    tag = hashlib.sha256((_C_SOURCE + os.uname().machine).encode()).hexdigest()[:16]
+    cc = [*_CC, *flags]
+    tag = hashlib.sha256((_C_SOURCE + " ".join(cc) + os.uname().machine).encode()).hexdigest()[:16]
     so = cache_dir() / "kernels" / f"mxfp4-{tag}.so"
     try:
         if not so.is_file():
@@ -81,7 +177,7 @@ def _build():
             with tempfile.TemporaryDirectory(dir=so.parent) as tmp:
                 src, out = Path(tmp) / "k.c", Path(tmp) / "k.so"
                 src.write_text(_C_SOURCE)
-                cmd = ["cc", "-O3", "-march=native", "-shared", "-fPIC", "-o", str(out), str(src)]
+                cmd = [*cc, "-o", str(out), str(src), "-lm"]
                 subprocess.run(cmd, check=True, capture_output=True, timeout=120)
                 os.replace(out, so)  # atomic: concurrent builds leave one complete file
         lib = ctypes.CDLL(str(so))
@@ -90,6 +186,9 @@ def _build():
     for name in ("reap_decode_u32", "reap_decode_u64"):
         getattr(lib, name).restype = None
         getattr(lib, name).argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64]
+    lib.reap_mxfp4_linear.restype = None
+    lib.reap_mxfp4_linear.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 5
+    lib.reap_mxfp4_split_x.restype = ctypes.c_int
     return lib
 
 
@@ -163,28 +262,182 @@ def decode_mxfp4(
 def _decode_c(lib, packed, scales, table, words) -> None:
     """The C loop over all blocks into `words` [blocks * 16], block ranges split over threads."""
     fn = lib.reap_decode_u32 if table.dtype == torch.int32 else lib.reap_decode_u64
-    blocks = scales.numel()
-    n = min(decode_threads(), max(1, blocks // 4096))
-    cuts = [blocks * i // n for i in range(n + 1)]
     size = table.element_size()
 
     def run(a: int, b: int) -> None:
-        fn(
-            packed.data_ptr() + 16 * a,
-            scales.data_ptr() + a,
-            table.data_ptr(),
-            words.data_ptr() + 16 * a * size,
-            b - a,
-        )
+        ptrs = (packed.data_ptr() + 16 * a, scales.data_ptr() + a, table.data_ptr())
+        fn(*ptrs, words.data_ptr() + 16 * a * size, b - a)
 
+    _parallel(run, scales.numel(), 4096)
+
+
+def _parallel(run, total: int, grain: int, align: int = 1) -> None:
+    """run(a, b) over [0, total) split into decode_threads() ranges of at least `grain` items
+    (cuts at multiples of `align`), each in its own thread (the C calls release the GIL)."""
+    n = min(decode_threads(), max(1, total // grain))
+    cuts = [min(total, total * i // n // align * align) for i in range(n)] + [total]
     if n == 1:
-        run(0, blocks)
+        run(0, total)
+        return
+    threads = [threading.Thread(target=run, args=(cuts[i], cuts[i + 1])) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+# -- fused MXFP4 linear ------------------------------------------------------------------------
+FUSED_MAX_ROWS = 8  # rows of x up to which the fused kernel beats decode + dense matmul
+
+
+def mxfp4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, lib=None):
+    """x [..., I] @ W.T for the MXFP4 matrix W [O, I] (packed uint8 [O, I/2], E8M0 scales
+    [O, I/32]) without decoding W to memory: [..., O] in x's dtype, accumulated in fp32 in the
+    order `mxfp4_linear_reference` spells out (the same for a token alone or among others).
+    None where the C kernel is unavailable (no compiler, REAP_NO_CKERNEL=1, not on CPU).
+    `lib`: another build of the kernel (tests compare the vector and portable C paths)."""
+    lib = lib or (_library() if x.device.type == "cpu" else None)
+    if lib is None:
+        return None
+    rows, cols = packed.shape[0], 2 * packed.shape[1]
+    xf = x.reshape(-1, cols).float()  # [M, I]
+    m = xf.shape[0]
+    if lib.reap_mxfp4_split_x():  # the vector kernel wants each block's even columns first
+        xf = xf.reshape(m, cols // 32, 16, 2).transpose(-1, -2)  # [M, I/32, 2, 16]
+    xf, packed, scales = xf.contiguous(), packed.contiguous(), scales.contiguous()
+    y = torch.empty(m, rows)  # [M, O] fp32
+    stab = mxfp4._SCALE_LUT
+
+    def run(a: int, b: int) -> None:
+        ptrs = (packed.data_ptr(), scales.data_ptr(), stab.data_ptr(), xf.data_ptr())
+        lib.reap_mxfp4_linear(*ptrs, y.data_ptr(), a, b, rows, cols, m)
+
+    _parallel(run, rows, 256, align=4)
+    return y.to(x.dtype).reshape(*x.shape[:-1], rows)
+
+
+def mxfp4_linear_reference(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor):
+    """The fused kernel's arithmetic in plain torch (slow; for tests): per row and token, lane j
+    of two 16-lane fp32 accumulators adds w*x of column 2j (resp. 2j + 1) of each 32-column
+    block, blocks in order; then the two are added and the lanes summed pairwise (halves 8, 4,
+    2, 1). Equal to the kernel bit for bit when every product w*x is exact in fp32 (x with at
+    most 21 significant bits, e.g. bf16 values): an fma then rounds exactly like the add."""
+    w = mxfp4.dequantize(packed, scales, torch.float32)  # [O, I]
+    rows, cols = w.shape
+    xf = x.reshape(-1, cols).float()  # [M, I]
+    prod = (xf[:, None, :] * w[None]).reshape(len(xf), rows, cols // 32, 16, 2)  # [M, O, nb, 16, 2]
+    acc = torch.zeros(len(xf), rows, 16, 2)
+    for b in range(cols // 32):
+        acc = acc + prod[:, :, b]
+    s = acc[..., 0] + acc[..., 1]  # [M, O, 16]
+    for h in (8, 4, 2, 1):
+        s = s[..., :h] + s[..., h : 2 * h]
+    return s[..., 0].to(x.dtype).reshape(*x.shape[:-1], rows)
+
+
+_MATMULS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__}
+
+
+class MXFP4Weight:
+    """An MXFP4 matrix [O, I] handed to a model in place of its decoded weight. `x @ w.T` (how
+    `reap.models.blocks.linear` applies a weight) and `F.linear(x, w)` with at most
+    FUSED_MAX_ROWS rows of x run `mxfp4_linear`; any other use decodes it (`decode_mxfp4`,
+    bit-identical to `reap.mxfp4.dequantize`) and proceeds with the dense tensor, so model code
+    needs no change. `.to()` to its own dtype and device returns it unchanged."""
+
+    ndim = 2
+
+    def __init__(self, packed, scales, dtype, pool: BufferPool | None = None, transposed=False):
+        self.packed, self.scales, self.dtype, self.pool = packed, scales, dtype, pool
+        self.transposed, self.device = transposed, packed.device
+        shape = (packed.shape[0], 2 * packed.shape[1])  # [O, I]
+        self.shape = torch.Size(shape[::-1] if transposed else shape)
+
+    def dense(self) -> torch.Tensor:
+        """The decoded matrix ([O, I], or its transpose view)."""
+        w = decode_mxfp4(self.packed, self.scales, self.dtype, self.pool)  # [O, I]
+        return w.T if self.transposed else w
+
+    @property
+    def T(self) -> MXFP4Weight:
+        return MXFP4Weight(self.packed, self.scales, self.dtype, self.pool, not self.transposed)
+
+    def dim(self) -> int:
+        return 2
+
+    def size(self, dim: int | None = None):
+        return self.shape if dim is None else self.shape[dim]
+
+    def to(self, *args, **kwargs):
+        device, dtype = torch._C._nn._parse_to(*args, **kwargs)[:2]
+        same_device = device is None or torch.device(device) == self.device
+        if same_device and dtype in (None, self.dtype) and not kwargs.get("copy"):
+            return self
+        return self.dense().to(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        if name.startswith("__") or name in ("packed", "scales", "dtype", "pool", "transposed"):
+            raise AttributeError(name)
+        return getattr(self.dense(), name)  # any other tensor method: on the decoded matrix
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        y = _fused(func, args, kwargs)
+        return y if y is not None else func(*_dense(args), **_dense(kwargs))
+
+
+def _fused(func, args, kwargs) -> torch.Tensor | None:
+    """`x @ W.T` or `F.linear(x, W)` on an MXFP4Weight W through the fused kernel, when the
+    call is one of those and x has at most FUSED_MAX_ROWS rows; else None."""
+    if len(args) != 2 or not isinstance(args[0], torch.Tensor):
+        return None
+    x, w = args
+    if not isinstance(w, MXFP4Weight):
+        return None
+    if func in _MATMULS and not kwargs and w.transposed:  # x @ W.T
+        cols = w.shape[0]
+    elif func is torch.nn.functional.linear and not kwargs and not w.transposed:
+        cols = w.shape[1]
     else:
-        threads = [threading.Thread(target=run, args=(cuts[i], cuts[i + 1])) for i in range(n)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        return None
+    if x.dtype != w.dtype or x.dim() < 1 or x.shape[-1] != cols:
+        return None
+    if x.numel() > FUSED_MAX_ROWS * cols:
+        return None
+    return mxfp4_linear(x, w.packed, w.scales)
+
+
+def _dense(obj):
+    """args/kwargs with every MXFP4Weight replaced by its decoded matrix."""
+    if isinstance(obj, MXFP4Weight):
+        return obj.dense()
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_dense(o) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _dense(v) for k, v in obj.items()}
+    return obj
+
+
+def expert_weights(tensors: dict, dtype: torch.dtype, pool: BufferPool | None, fused: bool):
+    """An expert's tensors by short name with each MXFP4 pair ("<w>_packed" + "<w>_scale")
+    replaced by "<w>": an MXFP4Weight when `fused`, else the matrix decoded to `dtype`."""
+    out = {}
+    for name, v in tensors.items():
+        if name.endswith("_packed"):
+            base = name[: -len("_packed")]
+            scale = tensors[base + "_scale"]
+            w = MXFP4Weight(v, scale, dtype, pool)
+            out[base] = w if fused else w.dense()
+        elif not (name.endswith("_scale") and name[: -len("_scale")] + "_packed" in tensors):
+            out[name] = v
+    return out
+
+
+def fused_available(dtype: torch.dtype, device: str) -> bool:
+    """Whether experts run fused for this compute dtype: bf16/fp16 on a CPU with the C kernel
+    (float32 keeps decode + dense matmul, equal bit for bit to the in-memory forward)."""
+    return dtype in (torch.bfloat16, torch.float16) and device == "cpu" and _library() is not None
 
 
 def _decode_torch(packed, scales, table, words=None) -> torch.Tensor:
