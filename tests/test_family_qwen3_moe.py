@@ -126,3 +126,31 @@ def test_with_experts_sets_every_count_key_and_refuses_per_layer_counts(qwen):
         qwen3_moe.with_experts(config, {0: 6, 2: 5})
     with pytest.raises(ReapError, match="unsupported hidden_act"):
         qwen3_moe.Config.from_dict({**config, "hidden_act": "gelu"})
+
+
+# the released config.json values (Qwen/Qwen3-30B-A3B, allenai/OLMoE-1B-7B-0924)
+QWEN3_30B = {
+    "model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048,
+    "intermediate_size": 6144, "moe_intermediate_size": 768, "num_hidden_layers": 48,
+    "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128,
+    "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1,
+    "mlp_only_layers": [], "rope_theta": 1e6, "sliding_window": None,
+    "use_sliding_window": False, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+}  # fmt: skip
+OLMOE_7B = {
+    "model_type": "olmoe", "vocab_size": 50304, "hidden_size": 2048, "intermediate_size": 1024,
+    "num_hidden_layers": 16, "num_attention_heads": 16, "num_key_value_heads": 16,
+    "num_experts": 64, "num_experts_per_tok": 8, "norm_topk_prob": False, "clip_qkv": None,
+    "rope_theta": 10000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("config, total, active", [(QWEN3_30B, 30.5, 3.3), (OLMOE_7B, 6.9, 1.3)])
+def test_size_model_reproduces_the_published_parameter_counts(config, total, active):
+    """The layout of the released configs gives the model cards' totals and active parameters
+    (which count the embedding table) within the rounding of their published 0.1 B."""
+    from reap.sizes import SizeModel
+
+    m = SizeModel.from_config(config)
+    assert abs(m.total_params / 1e9 - total) < 0.06  # 30.53 B, 6.92 B
+    assert abs((m.active_params + m.input_embedding_params) / 1e9 - active) < 0.06  # 3.35, 1.28
