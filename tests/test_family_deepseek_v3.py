@@ -20,6 +20,7 @@ from reap.cli import main
 from reap.errors import ReapError
 from reap.models import deepseek_v3 as ds
 from reap.models import family
+from reap.models.attention import rope_settings
 from reap.models.base import dict_weights
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -421,12 +422,156 @@ def test_config_dispatch_and_unsupported_configs(yarn):
     # Kimi K2's release spells the rope settings the older way
     k2 = {k: v for k, v in cfg.items() if k != "rope_parameters"}
     k2.update(rope_theta=50000.0, rope_scaling={**cfg["rope_parameters"], "type": "yarn"})
-    assert ds.Config.from_dict(k2).rope[0] == 50000.0
+    k2c = ds.Config.from_dict(k2)
+    assert rope_settings(k2c)[0] == 50000.0 and k2c.softmax_scale == c.softmax_scale
     for bad, msg in (
         ({"hidden_act": "gelu"}, "hidden_act"),
         ({"topk_method": "greedy", "scoring_func": "softmax"}, "routing"),
-        ({"quantization_config": {"quant_method": "fp8"}}, "fp8"),
+        ({"quantization_config": {"quant_method": "compressed-tensors"}}, "compressed-tensors"),
+        ({"quantization_config": {"quant_method": "fp8", "fmt": "e5m2"}}, "only block-scaled"),
         ({"n_group": 3}, "n_group=3"),
     ):
         with pytest.raises(ReapError, match=msg):
             ds.Config.from_dict({**cfg, **bad})
+
+
+# -- FP8 releases --------------------------------------------------------------------------------
+FP8_BLOCK = (32, 16)  # the releases use 128 x 128; smaller here so the tiny widths split
+
+
+def naive_dequantize(q: torch.Tensor, s: torch.Tensor, block) -> torch.Tensor:
+    """Block by block, in float64: every value times its block's scale."""
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for i in range(0, q.shape[0], block[0]):
+        for j in range(0, q.shape[1], block[1]):
+            scale = float(s[i // block[0], j // block[1]])
+            out[i : i + block[0], j : j + block[1]] = (
+                q[i : i + block[0], j : j + block[1]].double() * scale
+            )
+    return out
+
+
+def make_fp8(path: Path, out: Path, block: tuple[int, int]) -> dict[str, torch.Tensor]:
+    """Write `path`'s model to `out` as an FP8 release stores it: every 2-D decoder-layer weight
+    but the router in F8_E4M3 with float32 block scales; returns the naively dequantized
+    float32 weights."""
+    from safetensors.torch import load_file, save_file
+
+    from reap import fp8
+
+    out.mkdir()
+    stored, plain = {}, {}
+    for name, t in load_file(path / "model.safetensors").items():
+        if (
+            name.startswith("model.layers.")
+            and t.ndim == 2
+            and not name.endswith("mlp.gate.weight")
+        ):
+            q, s = fp8.quantize(t, block)
+            stored[name], stored[name + "_scale_inv"] = q, s
+            plain[name] = naive_dequantize(q, s, block).float()
+        else:
+            stored[name] = plain[name] = t
+    save_file(stored, out / "model.safetensors")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme":
+                                  "dynamic", "weight_block_size": list(block)}  # fmt: skip
+    (out / "config.json").write_text(json.dumps(cfg))
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (out / f).write_text((path / f).read_text())
+    return plain
+
+
+@pytest.fixture(scope="module")
+def fp8_model(yarn, tmp_path_factory):
+    out = tmp_path_factory.mktemp("fp8") / "fp8"
+    return out, make_fp8(yarn[0], out, FP8_BLOCK)
+
+
+def test_fp8_checkpoint_equals_its_naive_dequantization(yarn, fp8_model):
+    from reap.engine import Engine
+
+    (path, _), (fp8_dir, plain) = yarn, fp8_model
+    ck = Checkpoint.open(fp8_dir)
+    fam = family(ck.config)
+    assert {s.name: (s.dtype, s.shape) for s in fam.layout(ck.config)} == {
+        n: (t.dtype, tuple(t.shape)) for n, t in ck.tensors.items()
+    }
+    assert ck.tensors["model.layers.1.mlp.experts.3.up_proj.weight"].dtype == "F8_E4M3"
+    assert len(fam.expert_tensor_names(1, 3)) == 6  # the FP8 variant names the scales too
+    ids = torch.tensor(PROMPT)
+    ref = ds.Model(ds.Config.from_dict(Checkpoint.open(path).config))  # unquantized config
+    want = ref.forward(dict_weights(plain), ids)[0]
+    raw = {n: ck.read(n) for n in ck.tensors}
+    got = fam.Model(fam.Config.from_dict(ck.config)).forward(dict_weights(raw), ids)[0]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    with Engine.open(fp8_dir, preset="ultra", context=64) as eng:
+        torch.testing.assert_close(eng.logits([PROMPT[0]])[0], want, rtol=1e-5, atol=1e-5)
+
+
+def test_fp8_prune_keeps_fp8_bytes_and_scales(fp8_model, tmp_path):
+    from reap.engine import Engine
+    from reap.prune.verify import verify
+
+    fp8_dir, plain = fp8_model
+    plan, out = tmp_path / "plan.json", tmp_path / "pruned"
+    args = ["plan", "--model", str(fp8_dir), "--criterion", "random", "--keep", "8"]
+    assert main([*args, "--seed", "2", "--out", str(plan)]) == 0
+    assert (
+        main(["prune", str(fp8_dir), "--plan", str(plan), "--out", str(out), "--no-progress"]) == 0
+    )
+    keep = {int(k): v for k, v in json.loads(plan.read_text())["keep"].items()}
+    src, dst = Checkpoint.open(fp8_dir), Checkpoint.open(out)
+    fam = family(dst.config)
+    assert sorted(dst.tensors) == sorted(s.name for s in fam.layout(dst.config))
+    for layer, kept in keep.items():
+        for new, e in enumerate(kept):
+            for a, b in zip(fam.expert_tensor_names(layer, new), fam.expert_tensor_names(layer, e)):
+                assert dst.tensors[a].dtype == src.tensors[b].dtype
+                assert torch.equal(dst.read(a).view(torch.uint8), src.read(b).view(torch.uint8))
+    verify(pruned=str(out), source=str(fp8_dir))
+    # the pruned model is the dequantized model with the dropped experts' weights removed
+    pruned_plain = {}
+    for n, t in plain.items():
+        key = ds.expert_key(n)
+        if key is None:
+            rows = keep.get(int(n.split(".")[2])) if ".mlp.gate." in n else None
+            pruned_plain[n] = t if rows is None else t[rows]
+        elif key[1] in keep[key[0]]:
+            new = keep[key[0]].index(key[1])
+            pruned_plain[n.replace(f".experts.{key[1]}.", f".experts.{new}.")] = t
+    ref = ds.Model(
+        ds.Config.from_dict(
+            ds.with_experts(Checkpoint.open(fp8_dir).config, 8) | {"quantization_config": None}
+        )
+    )
+    want = ref.forward(dict_weights(pruned_plain), torch.tensor(PROMPT))[0]
+    with Engine.open(out, preset="ultra", context=64) as eng:
+        torch.testing.assert_close(eng.logits([PROMPT[0]])[0], want, rtol=1e-5, atol=1e-5)
+
+
+def test_fp8_reading_equals_mlx_lm_dequantization(yarn, tmp_path, monkeypatch):
+    """mlx-lm's own FP8 path on the same file (128 x 128 blocks, as released; partial edge
+    blocks at these widths). mlx-lm rounds each dequantized weight to bf16, so ours does too."""
+    mx = pytest.importorskip("mlx.core")
+    from mlx_lm.utils import load_model
+
+    from reap import fp8
+
+    out = tmp_path / "fp8"
+    make_fp8(yarn[0], out, (128, 128))
+    ck = Checkpoint.open(out)
+    fam = family(ck.config)
+    model, get = (
+        fam.Model(fam.Config.from_dict(ck.config)),
+        dict_weights({n: ck.read(n) for n in ck.tensors}),
+    )
+    exact = fp8.dequantize
+    monkeypatch.setattr(fp8, "dequantize", lambda *a: exact(*a).bfloat16().float())
+    got = model.forward(get, torch.tensor(PROMPT)).numpy()
+    cfg = json.loads((out / "config.json").read_text())
+    rope = dict(cfg["rope_parameters"])
+    cfg.update(rope_theta=rope.pop("rope_theta"), rope_scaling=rope)  # mlx-lm's spelling
+    (out / "config.json").write_text(json.dumps(cfg))
+    ref = np.array(load_model(out)[0](mx.array(PROMPT)))
+    assert np.abs(got - ref).max() < 1e-4 < np.abs(got).max()

@@ -1,38 +1,42 @@
 """DeepSeek-V3 / Kimi K2 (`model_type` deepseek_v3 or kimi_k2): config, checkpoint layout and the
 torch model driven layer by layer through the protocol of `reap.models.base`.
 
-Architecture (references: transformers `DeepseekV3ForCausalLM`, mlx-lm `deepseek_v3`): MLA with
-RoPE on the rope part of queries and the shared key (`rope_interleave` pairs dims 2i, 2i+1; YaRN's
-mscale enlarges the softmax scale), the first `first_k_dense_replace` layers dense, then MoE
-layers (every `moe_layer_freq`): a sigmoid router whose `e_score_correction_bias` steers only the
-selection, limited to the `topk_group` best of `n_group` expert groups, SiLU GLU experts stored
-per expert (`mlp.experts.{e}.{gate,up,down}_proj.weight`, as transformers saves them) and
-`n_shared_experts` shared experts fused into one GLU. Plain residual stream.
-Shapes: B batch, T tokens, N = B*T, D hidden, V vocab, E n_experts, G n_group, K top_k."""
+As transformers' `DeepseekV3ForCausalLM` and mlx-lm's `deepseek_v3`: MLA with (YaRN) RoPE on the
+rope part, dense first layers, then MoE: sigmoid router, `e_score_correction_bias` for selection
+only, limited to the `topk_group` best of `n_group` groups; SiLU GLU experts stored per expert, and
+shared experts. FP8 releases (F8_E4M3 projections with F32 block scales `weight_scale_inv`) are
+read in place, dequantized as pulled. Shapes: B batch, T tokens, N = B*T, D hidden, V vocab,
+E n_experts, G n_group, K top_k, O/I a weight's output/input width."""
 
 from __future__ import annotations
 
 import copy
 import math
 import re
-from dataclasses import dataclass, fields
+import sys
+import types
+from dataclasses import dataclass, fields, replace
 
 import torch
 
+from reap import fp8
 from reap.checkpoint import TensorSpec
 from reap.errors import ReapError
 from reap.models import blocks as B
 from reap.models.attention import Rope, rope_settings
-from reap.models.base import ExpertSource, LayerModel, Observer, State, Weights
+from reap.models.base import ExpertSource, LayerModel, Observer, State, Weights, expert_short_names
 
 Tensor = torch.Tensor
 
 # an expert's tensors in the order transformers writes them (by name)
 EXPERT_TENSORS = ("down_proj.weight", "gate_proj.weight", "up_proj.weight")
+FP8_EXPERT_TENSORS = tuple(n + s for n in EXPERT_TENSORS for s in ("", "_scale_inv"))
+_FP8_RE = re.compile(r"^model\.layers\.\d+\..*_proj(_with_mqa)?\.weight$")  # quantized weights
 _EXPERT_RE = re.compile(r"(?:^|\.)model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.")
 _DTYPES = {"bfloat16": "BF16", "float32": "F32", "float16": "F16"}
 _KEEP_F32 = {"gate.weight", "gate.e_score_correction_bias"}  # the router runs in fp32
 GLU = ("gate", "up", "down")  # the SwiGLU projections, as called
+_ROUTING = "num_experts_per_tok n_group topk_group routed_scaling_factor norm_topk_prob".split()  # noqa: SIM905
 
 
 @dataclass
@@ -73,32 +77,33 @@ class Config:
     torch_dtype: str = "bfloat16"
     quantization_config: dict | None = None
     router_f32: bool = False  # router weight stored in fp32 (transformers >= 5 writes it so)
+    fp8_block: tuple[int, int] | None = None  # (rows, cols) of an FP8 scale block
 
     @classmethod
     def from_dict(cls, d: dict) -> Config:
         """From a config.json dict (or one with a `text_config`); unknown keys ignored."""
         text = d.get("text_config", d)
-        names = {f.name for f in fields(cls)} - {"router_f32"}
+        names = {f.name for f in fields(cls)} - {"router_f32", "fp8_block"}
         cfg = cls(**{k: v for k, v in text.items() if k in names})
         # transformers >= 5 writes `dtype` (not `torch_dtype`) and keeps the router in fp32
         cfg.router_f32 = "dtype" in text and "torch_dtype" not in text
         cfg.torch_dtype = str(text.get("torch_dtype") or text.get("dtype") or cfg.torch_dtype)
         cfg.n_group, cfg.topk_group = cfg.n_group or 1, cfg.topk_group or 1
+        q = cfg.quantization_config
+        cfg.fp8_block = tuple(q.get("weight_block_size") or (128, 128)) if q else None
         cfg._check()
         return cfg
 
     def _check(self) -> None:
-        bad = []
+        bad, q, E = [], self.quantization_config or {}, self.n_routed_experts or 0
         if self.hidden_act != "silu":
             bad.append(f"hidden_act={self.hidden_act!r}")
         if self.scoring_func != "sigmoid" or self.topk_method != "noaux_tc":
             bad.append(f"routing {self.scoring_func}/{self.topk_method} (only sigmoid/noaux_tc)")
         if self.attention_bias:
             bad.append("attention_bias=true")
-        if self.quantization_config:
-            method = self.quantization_config.get("quant_method")
-            bad.append(f"quantized weights ({method}); dequantize to bf16 first")
-        E = self.n_routed_experts or 0
+        if q and (q.get("quant_method") != "fp8" or q.get("fmt", "e4m3") != "e4m3"):
+            bad.append(f"quantization {q.get('quant_method')} (only block-scaled FP8 e4m3)")
         if E and (E % self.n_group or self.topk_group > self.n_group):
             bad.append(f"{E} experts in n_group={self.n_group}, topk_group={self.topk_group}")
         if bad:
@@ -113,21 +118,21 @@ class Config:
         """Routed experts of MoE layer `layer` (the same in every layer)."""
         return int(self.n_routed_experts or 0)
 
+    def is_fp8(self, name: str) -> bool:
+        """Whether tensor `name` is stored FP8 (with `name + "_scale_inv"` next to it)."""
+        skip = (self.quantization_config or {}).get("modules_to_not_convert") or ()
+        return bool(self.fp8_block and _FP8_RE.match(name) and not any(m in name for m in skip))
+
     @property
     def num_experts_per_token(self) -> int:
         """top_k under the name the engine and size model read."""
         return self.num_experts_per_tok
 
     @property
-    def rope(self) -> tuple[float, dict | None]:
-        """(theta, scaling) from `rope_parameters` or `rope_theta` + `rope_scaling`."""
-        return rope_settings(self)
-
-    @property
     def softmax_scale(self) -> float:
         """1/sqrt(qk head width), times mscale(factor, mscale_all_dim)^2 under YaRN."""
         scale = (self.qk_nope_head_dim + self.qk_rope_head_dim) ** -0.5
-        _, s = self.rope
+        _, s = rope_settings(self)  # `rope_parameters`, or `rope_theta` + `rope_scaling`
         m_all = (s or {}).get("mscale_all_dim")
         if m_all and float(s["factor"]) > 1:
             scale *= (0.1 * m_all * math.log(float(s["factor"])) + 1.0) ** 2
@@ -146,70 +151,56 @@ def layout(config_dict: dict) -> list[TensorSpec]:
     specs.append(TensorSpec("model.norm.weight", fdt, (D,), "norms"))
     if not cfg.tie_word_embeddings:
         specs.append(TensorSpec("lm_head.weight", fdt, (V, D), "embed_head"))
-    return specs
+    return [q for s in specs for q in _stored(cfg, s)]
+
+
+def _stored(cfg: Config, s: TensorSpec) -> list[TensorSpec]:
+    """A tensor as stored: an FP8 weight [O, I] comes with F32 scales [ceil(O/b0), ceil(I/b1)]."""
+    if not cfg.is_fp8(s.name):
+        return [s]
+    (O, I), (b0, b1) = s.shape, cfg.fp8_block
+    scale = replace(s, name=s.name + "_scale_inv", dtype="F32", shape=(-(-O // b0), -(-I // b1)))
+    return [replace(s, dtype="F8_E4M3"), scale]
 
 
 def _layer_specs(cfg: Config, i: int, fdt: str) -> list[TensorSpec]:
-    D, p = cfg.hidden_size, f"model.layers.{i}."
+    D, F, E, p = cfg.hidden_size, cfg.moe_intermediate_size, cfg.experts_in(i), f"model.layers.{i}."
 
-    def t(name, shape, comp, dtype=fdt):
-        return TensorSpec(p + name, dtype, tuple(shape), comp, i)
+    def t(name, shape, comp, dtype=fdt, expert=None):
+        return TensorSpec(p + name, dtype, tuple(shape), comp, i, expert)
 
-    out = [t("input_layernorm.weight", (D,), "norms")]
-    out += _mla_specs(cfg, t)
-    out.append(t("post_attention_layernorm.weight", (D,), "norms"))
+    def glu(prefix: str, F: int, comp: str, expert: int | None = None) -> list[TensorSpec]:
+        shapes = {"down": (D, F), "gate": (F, D), "up": (F, D)}  # [out, in], file order
+        return [t(f"{prefix}{n}_proj.weight", s, comp, fdt, expert) for n, s in shapes.items()]
+
+    norm = [t(f"{n}_layernorm.weight", (D,), "norms") for n in ("input", "post_attention")]
+    out = [norm[0], *_mla_specs(cfg, t), norm[1]]
     if not cfg.is_moe(i):
-        return out + _mlp_specs(t, "mlp.", D, cfg.intermediate_size, "dense_mlp")
-    E = cfg.experts_in(i)
+        return out + glu("mlp.", cfg.intermediate_size, "dense_mlp")
     out += [
         t("mlp.gate.weight", (E, D), "router", "F32" if cfg.router_f32 else fdt),
         t("mlp.gate.e_score_correction_bias", (E,), "router", "F32"),
     ]
     if cfg.n_shared_experts:
-        F = cfg.moe_intermediate_size * cfg.n_shared_experts
-        out += _mlp_specs(t, "mlp.shared_experts.", D, F, "shared_experts")
+        out += glu("mlp.shared_experts.", F * cfg.n_shared_experts, "shared_experts")
     for e in range(E):
-        out += expert_specs(cfg, i, e, fdt)
+        out += glu(f"mlp.experts.{e}.", F, "routed_experts", e)
     return out
 
 
-def _mlp_specs(t, p: str, D: int, F: int, comp: str) -> list[TensorSpec]:
-    return [
-        t(p + "gate_proj.weight", (F, D), comp),
-        t(p + "up_proj.weight", (F, D), comp),
-        t(p + "down_proj.weight", (D, F), comp),
-    ]
-
-
 def _mla_specs(cfg: Config, t) -> list[TensorSpec]:
-    D, H, a = cfg.hidden_size, cfg.num_attention_heads, "self_attn."
-    q_dim, kv = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.kv_lora_rank
-    if cfg.q_lora_rank:
-        r = cfg.q_lora_rank
-        out = [
-            t(a + "q_a_proj.weight", (r, D), "mla"),
-            t(a + "q_a_layernorm.weight", (r,), "mla"),
-            t(a + "q_b_proj.weight", (H * q_dim, r), "mla"),
-        ]
-    else:
-        out = [t(a + "q_proj.weight", (H * q_dim, D), "mla")]
-    return out + [
-        t(a + "kv_a_proj_with_mqa.weight", (kv + cfg.qk_rope_head_dim, D), "mla"),
-        t(a + "kv_a_layernorm.weight", (kv,), "mla"),
-        t(a + "kv_b_proj.weight", (H * (cfg.qk_nope_head_dim + cfg.v_head_dim), kv), "mla"),
-        t(a + "o_proj.weight", (D, H * cfg.v_head_dim), "mla"),
-    ]
-
-
-def expert_specs(cfg: Config, layer: int, expert: int, fdt: str) -> list[TensorSpec]:
-    """The three tensors of one routed expert ([out, in] each), in `EXPERT_TENSORS` order."""
-    D, F = cfg.hidden_size, cfg.moe_intermediate_size
-    shapes = {"down_proj.weight": (D, F), "gate_proj.weight": (F, D), "up_proj.weight": (F, D)}
-    names = expert_tensor_names(layer, expert)
-    return [
-        TensorSpec(n, fdt, shapes[s], "routed_experts", layer, expert)
-        for n, s in zip(names, EXPERT_TENSORS)
-    ]
+    D, H, r, kv = cfg.hidden_size, cfg.num_attention_heads, cfg.q_lora_rank, cfg.kv_lora_rank
+    nope, rope, v = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+    q = {"q_proj": (H * (nope + rope), D)}
+    if r:
+        q = {"q_a_proj": (r, D), "q_a_layernorm": (r,), "q_b_proj": (H * (nope + rope), r)}
+    rest = {
+        "kv_a_proj_with_mqa": (kv + rope, D),
+        "kv_a_layernorm": (kv,),
+        "kv_b_proj": (H * (nope + v), kv),
+        "o_proj": (D, H * v),
+    }
+    return [t(f"self_attn.{n}.weight", s, "mla") for n, s in {**q, **rest}.items()]
 
 
 def expert_key(name: str) -> tuple[int, int] | None:
@@ -220,8 +211,23 @@ def expert_key(name: str) -> tuple[int, int] | None:
 
 def expert_tensor_names(layer: int, expert: int) -> list[str]:
     """The tensor names of routed expert `expert` of `layer`, in `EXPERT_TENSORS` order."""
-    p = f"model.layers.{layer}.mlp.experts.{expert}."
-    return [p + s for s in EXPERT_TENSORS]
+    return _names(EXPERT_TENSORS, layer, expert)
+
+
+def variant(config_dict: dict) -> types.ModuleType:
+    """This module, or for an FP8 checkpoint a twin whose `expert_tensor_names` also name the
+    scales (`reap.models.family` calls this, so every stage reads an expert's six tensors)."""
+    if not Config.from_dict(config_dict).fp8_block:
+        return sys.modules[__name__]
+    twin = types.ModuleType(__name__ + ".fp8", __doc__)
+    twin.__dict__.update({k: v for k, v in globals().items() if not k.startswith("__")})
+    twin.expert_tensor_names = lambda layer, expert: _names(FP8_EXPERT_TENSORS, layer, expert)
+    twin.variant = lambda config_dict: twin
+    return twin
+
+
+def _names(short: tuple[str, ...], layer: int, expert: int) -> list[str]:
+    return [f"model.layers.{layer}.mlp.experts.{expert}.{s}" for s in short]
 
 
 def router_tensors(cfg: Config | dict, layer: int) -> dict[str, int]:
@@ -231,11 +237,9 @@ def router_tensors(cfg: Config | dict, layer: int) -> dict[str, int]:
 
 
 def with_experts(config_dict: dict, n_experts: int | dict[int, int]) -> dict:
-    """The config with `n_experts` routed experts per MoE layer (top_k capped at it).
-
-    The config has one count for all layers, so {layer: n} must be uniform; the count must split
-    into the `n_group` groups (kept experts are regrouped in ascending original id) with the
-    `topk_group` best groups still holding top_k experts. Anything else is a ReapError."""
+    """The config with `n_experts` routed experts per MoE layer (top_k capped at it): one count
+    for all layers, a multiple of `n_group` (kept experts regroup in ascending original id) with
+    top_k experts left in the `topk_group` best groups; anything else is a ReapError."""
     counts = set(n_experts.values()) if isinstance(n_experts, dict) else {n_experts}
     if len(counts) != 1:  # transformers reads no per-layer counts
         raise ReapError(f"deepseek_v3 needs a uniform expert count, not {sorted(counts)}")
@@ -254,13 +258,10 @@ def with_experts(config_dict: dict, n_experts: int | dict[int, int]) -> dict:
 def state_bytes(cfg: Config, act_bytes: int) -> tuple[int, int, int, int]:
     """(KV bytes per position: latent + rotated key per layer, recurrent bytes per sequence: 0,
     activation bytes per token, attention-score bytes per (query, key) pair)."""
-    H = cfg.num_attention_heads
+    H, moe = cfg.num_attention_heads, max(cfg.n_shared_experts or 0, 2 * cfg.num_experts_per_tok)
     per_pos = cfg.num_hidden_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * act_bytes
-    widest = max(
-        cfg.intermediate_size,
-        cfg.moe_intermediate_size * max(cfg.n_shared_experts or 0, 2 * cfg.num_experts_per_tok),
-        H * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + 2 * cfg.v_head_dim),
-    )
+    attn = H * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + 2 * cfg.v_head_dim)
+    widest = max(cfg.intermediate_size, cfg.moe_intermediate_size * moe, attn)
     act = 4 * (cfg.hidden_size * 9 + 4 * widest + (cfg.n_routed_experts or 0))
     return per_pos, 0, act, 4 * 3 * H
 
@@ -291,11 +292,12 @@ def grouped_route(
 
 
 # -- the model ---------------------------------------------------------------------------------
-def default_experts(get: Weights) -> ExpertSource:
-    """An ExpertSource pulling each expert's tensors through the weight getter."""
+def default_experts(get: Weights, short: tuple[str, ...] = EXPERT_TENSORS) -> ExpertSource:
+    """An ExpertSource pulling each expert's tensors (`short` names) through the weight getter."""
 
     def source(layer: int, expert: int) -> dict[str, Tensor]:
-        return {s: get(n) for s, n in zip(EXPERT_TENSORS, expert_tensor_names(layer, expert))}
+        full = _names(short, layer, expert)
+        return dict(zip(expert_short_names(full), map(get, full)))
 
     return source
 
@@ -311,23 +313,19 @@ class Model(LayerModel):
         self.cfg, self.device, self.dtype = cfg, torch.device(device), dtype
         self.n_layers = cfg.num_hidden_layers
         self.mla = B.MLADims.from_config(cfg)
-        self.rope = Rope.create(cfg.qk_rope_head_dim, *cfg.rope)
+        self.rope = Rope.create(cfg.qk_rope_head_dim, *rope_settings(cfg))
         self.scale = cfg.softmax_scale
-        self.routing = (
-            cfg.num_experts_per_tok,
-            cfg.n_group,
-            cfg.topk_group,
-            cfg.routed_scaling_factor,
-            cfg.norm_topk_prob,
-        )
+        self.routing = tuple(getattr(cfg, k) for k in _ROUTING)  # grouped_route's settings
 
     def _rotate(self, x: Tensor, start: int) -> Tensor:
         return self.rope.apply(x, start, interleaved=self.cfg.rope_interleave)
 
     def _w(self, get: Weights, prefix: str) -> B.WeightFn:
         def w(name: str) -> Tensor:
-            dtype = torch.float32 if name in _KEEP_F32 else self.dtype
-            return get(prefix + name).to(self.device, dtype)
+            dtype, t = torch.float32 if name in _KEEP_F32 else self.dtype, get(prefix + name)
+            if self.cfg.is_fp8(prefix + name):
+                t = fp8.dequantize(t, get(prefix + name + "_scale_inv"), self.cfg.fp8_block)
+            return t.to(self.device, dtype)
 
         return w
 
@@ -345,9 +343,8 @@ class Model(LayerModel):
         w, eps = self._w(get, f"model.layers.{i}."), self.cfg.rms_norm_eps
         x = B.rms_norm(state.hidden, w("input_layernorm.weight"), eps)
         sub = self._w(get, f"model.layers.{i}.self_attn.")
-        h = state.hidden + B.mla_attention(
-            x, sub, self.mla, cache, rope=self._rotate, scale=self.scale
-        )
+        a = B.mla_attention(x, sub, self.mla, cache, rope=self._rotate, scale=self.scale)
+        h = state.hidden + a
         return State(h), B.rms_norm(h, w("post_attention_layernorm.weight"), eps)
 
     def mlp_block(
@@ -363,15 +360,16 @@ class Model(LayerModel):
         if not self.cfg.is_moe(i):
             return B.silu_glu(x, *(w(f"{n}_proj.weight") for n in GLU))
         flat = x.reshape(-1, x.shape[-1])  # [N, D]
-        y = self._moe(flat, w, i, experts or default_experts(get), observer)
+        short = FP8_EXPERT_TENSORS if self.cfg.fp8_block else EXPERT_TENSORS
+        y = self._moe(flat, w, i, experts or default_experts(get, short), observer)
         return y.reshape(x.shape)
 
     def _moe(self, x: Tensor, w: B.WeightFn, i: int, experts: ExpertSource, observer) -> Tensor:
         """Route, run the chosen experts expert-major, add the shared experts: [N, D] -> [N, D].
         Experts work in the model space, so an expert's model_norm is its output's norm."""
-        logits = B.linear(x.float(), w("gate.weight"))  # [N, E]
+        bias = w("gate.e_score_correction_bias")
         ids, weights, probs = grouped_route(
-            logits, w("gate.e_score_correction_bias"), *self.routing
+            B.linear(x.float(), w("gate.weight")), bias, *self.routing
         )
         wants = observer is not None and observer.wants_norms
         y, stats = B.routed_experts(
@@ -386,7 +384,13 @@ class Model(LayerModel):
 
     def _expert(self, x: Tensor, t) -> Tensor:
         """One routed expert on its tokens: x [M, D] -> [M, D]."""
-        return B.silu_glu(x, *(t[f"{n}_proj.weight"].to(x.device, x.dtype) for n in GLU))
+
+        def weight(n: str) -> Tensor:
+            w, s = t[f"{n}_proj.weight"], t.get(f"{n}_proj.weight_scale_inv")
+            w = w if s is None else fp8.dequantize(w, s, self.cfg.fp8_block)
+            return w.to(x.device, x.dtype)
+
+        return B.silu_glu(x, *map(weight, GLU))
 
     def head(self, get: Weights, state: State) -> Tensor:
         """Final norm and output head: -> logits [B, T, V]."""
