@@ -50,11 +50,13 @@ def save_hf_tiny(
     seed: int = 0,
     config_extra: dict | None = None,
     tokenizer: bool = True,
+    max_shard_size: str | None = None,
 ):
     """Create `model_cls(config_cls(**kwargs))` in float32 with random weights (see `randomize`),
     save it with `save_pretrained` and return (path, the model in eval mode). `config_extra`
     keys are merged into the saved config.json (e.g. the older key names released checkpoints
-    carry); `tokenizer` adds reap's byte-level tokenizer files (needs vocab_size >= 257)."""
+    carry); `tokenizer` adds reap's byte-level tokenizer files (needs vocab_size >= 257);
+    `max_shard_size` (e.g. "100KB") saves several shards and an index, as released models are."""
     import transformers
 
     transformers.logging.set_verbosity_error()
@@ -62,7 +64,7 @@ def save_hf_tiny(
     model = model_cls(config_cls(**kwargs)).float().eval()
     randomize(model, seed)
     path = Path(path)
-    model.save_pretrained(path)
+    model.save_pretrained(path, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
     if config_extra:
         cfg = json.loads((path / "config.json").read_text())
         (path / "config.json").write_text(json.dumps({**cfg, **config_extra}, indent=2))

@@ -1,7 +1,7 @@
 """Mixtral (reap.models.mixtral) against transformers and mlx-lm on tiny random models saved by
-transformers: logits (prefill and decode, with and without a sliding window), the streaming
-engine, pruning round trips through from_pretrained and calibration statistics against forward
-hooks."""
+transformers in several shards, as released: logits (prefill and decode, with and without a
+sliding window), the streaming engine, pruning round trips through from_pretrained, calibration
+statistics against forward hooks, bf16 checkpoints and the published Mixtral-8x7B sizes."""
 
 import json
 
@@ -23,7 +23,10 @@ def tiny(tmp_path_factory):
     from transformers import MixtralConfig, MixtralForCausalLM
 
     root = tmp_path_factory.mktemp("mixtral")
-    path, hf = R.save_hf_tiny(MixtralForCausalLM, MixtralConfig, MIXTRAL, root / "m", seed=3)
+    path, hf = R.save_hf_tiny(
+        MixtralForCausalLM, MixtralConfig, MIXTRAL, root / "m", seed=3, max_shard_size="100KB"
+    )
+    assert len(list(root.glob("m/model-*-of-*.safetensors"))) > 1  # sharded, with an index
     return root, path, hf
 
 
