@@ -1,6 +1,7 @@
 """Qwen3-MoE and OLMoE (reap.models.qwen3_moe) against transformers and mlx-lm on tiny random
 models saved by transformers: logits (prefill and decode), the streaming engine, pruning round
-trips through from_pretrained and calibration statistics against forward hooks."""
+trips through from_pretrained, calibration statistics against forward hooks and the published
+Qwen3-30B-A3B / OLMoE-1B-7B sizes."""
 
 import family_runner as R
 import pytest
