@@ -244,9 +244,19 @@ def test_prune_keeps_the_fused_layout_loads_in_transformers_and_verifies(tiny, m
     assert verify(pruned=str(root / "q_pruned"), source=q_path).experts == 20
 
 
-def test_calibration_equals_forward_hooks(tiny):
+def test_calibration_equals_forward_hooks_and_feeds_a_plan(tiny):
+    from reap.prune.plan import make_plan
+    from reap.prune.verify import verify
+    from reap.prune.write import prune
+
     root, path, hf = tiny
     R.check_calibration(path, hf, root / "cal")
+    with Checkpoint.open(path) as ck:
+        stats = [str(root / "cal" / "stats" / f"{c}.safetensors") for c in ("prose", "code")]
+        plan = make_plan(stats=stats, config=ck.config, model=ck.fingerprint(), keep=6)
+    assert all(len(plan.keep[layer]) == 6 for layer in range(4))
+    prune(model=path, plan=plan, out=str(root / "reap6"))
+    assert verify(pruned=str(root / "reap6"), source=path).experts == 24
 
 
 def test_config_rules(tiny):
