@@ -1,0 +1,477 @@
+"""The markdown report and plots of the corpus study, from its results.json alone.
+
+    python experiments/corpus_study_report.py                # reports/corpus-study/results.json
+    python experiments/corpus_study_report.py --results R.json --report R.md
+
+Every number in the report is read from the results file (written by
+`experiments/corpus_study.py`); the only hand-written text is the framing and the limits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+BUDGET_NAMES = {"k3": "K3 350 GB share"}
+
+
+def _budget(results: dict, b: str) -> str:
+    k, n = results["keeps"][b], results["n_experts"]
+    return f"{BUDGET_NAMES.get(b, b)} ({k}/{n} = {100 * k / n:.1f} % kept)"
+
+
+def _ci(ci: dict, fmt: str = "{:.3f}", f=lambda x: x) -> str:
+    if ci["mean"] is None:
+        return "n/a"
+    if ci["lo"] is None:
+        return fmt.format(f(ci["mean"]))
+    return f"{fmt.format(f(ci['mean']))} [{fmt.format(f(ci['lo']))}, {fmt.format(f(ci['hi']))}]"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return out + ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+
+
+def _answer_rows(block: dict, exp: bool) -> list[list[str]]:
+    rows = []
+    for name, a in block.items():
+        if not isinstance(a, dict) or "ci" not in a:
+            continue
+        ratio = _ci(a["ci"], "{:.2f}", math.exp) if exp else ""
+        rows.append([name, _ci(a["ci"]), ratio, f"**{a['verdict']}**"])
+    return rows
+
+
+def answers_section(r: dict) -> list[str]:
+    """The questions of the issue with their effects, intervals and verdicts."""
+    a = r["answers"]
+    out = ["## Answers", "", ANSWERS_INTRO, ""]
+    for b in r["settings"]["budgets"]:
+        out += [f"### Perplexity effects at {_budget(r, b)}", ""]
+        hdr = ["effect", "difference of log ppl ratios", "as a ppl ratio", "verdict"]
+        out += _table(hdr, _answer_rows(a[b], True)) + [""]
+    out += ["### Generations (greedy, first budget)", ""]
+    hdr = ["effect (build A minus build B)", "difference", "", "verdict"]
+    out += _table(hdr, _answer_rows(a["generations"], False)) + [""]
+    out += ["### Expert overlap (count criterion, top-m sets)", ""]
+    hdr = ["effect", "observed minus chance Jaccard", "", "verdict"]
+    out += _table(hdr, _answer_rows(a["overlap"], False))
+    ps = ", ".join(f"{p:.2g}" for p in a["overlap"]["zh-code: exact p_less per seed"])
+    out += [
+        "",
+        (
+            f"Exact one-sided p-values (fewer shared experts than chance, all layers) for "
+            f"zh-code, one per seed: {ps}."
+        ),
+        "",
+    ]
+    return out
+
+
+def overlap_section(r: dict, plot: str | None) -> list[str]:
+    """Observed / chance Jaccard of top-m sets for every corpus pair, and the key rows."""
+    m = str(r["overlap_m"][0])
+    cell = r["overlap_matrix"]["count"][m]
+    names = r["corpora"]
+    rows = [
+        [a] + [f"{cell['ratio'][i][j]:.2f}" if i != j else "-" for j in range(len(names))]
+        for i, a in enumerate(names)
+    ]
+    out = ["## Which experts the corpora share", "", OVERLAP_INTRO.format(m=m), ""]
+    out += _table(["observed / chance"] + names, rows) + [""]
+    if plot:
+        out += [f"![overlap]({plot})", ""]
+    out += [
+        (
+            "Chance-expected Jaccard for these set sizes: "
+            f"{cell['expected'][0][1]:.3f} (zh-en; ties can enlarge a set slightly)."
+        ),
+        "",
+    ]
+    rows = []
+    for seed, rs in r["overlap_rows"].items():
+        for x in rs:
+            if (
+                x["criterion"] == "count"
+                and str(x["m"]) == m
+                and {x["corpus_a"], x["corpus_b"]}
+                in ({"zh", "code"}, {"de", "fr"}, {"es", "it"}, {"en", "code"}, {"zh", "ja"})
+            ):
+                rows.append(
+                    [
+                        f"{x['corpus_a']}-{x['corpus_b']}",
+                        seed,
+                        f"{x['mean_jaccard']:.3f}",
+                        f"{x['mean_expected']:.3f}",
+                        f"{x['p_less']:.2g}",
+                        f"{x['p_greater']:.2g}",
+                        x["layers_above"],
+                        x["layers_below"],
+                    ]
+                )
+    hdr = [
+        "pair",
+        "seed",
+        "Jaccard",
+        "chance",
+        "p (less)",
+        "p (more)",
+        "layers more",
+        "layers less",
+    ]
+    return out + _table(hdr, sorted(rows)) + [""]
+
+
+def quality_section(r: dict, plot: str | None) -> list[str]:
+    """Per-domain perplexity ratio to the full model, every REAP build and budget."""
+    out = ["## Per-domain loss of every build", "", QUALITY_INTRO, ""]
+    ref = r["reference_loss"]
+    out += [
+        "Full model loss (nats/token) on the eval documents: "
+        + ", ".join(f"{d} {ref[d]:.3f}" for d in r["domains"])
+        + ".",
+        "",
+    ]
+    for b in r["settings"]["budgets"]:
+        rows = [
+            [x["set"]]
+            + [_ci(x["quality"][d]["log_ratio"], "{:.2f}", math.exp) for d in r["domains"]]
+            for x in r["builds"]
+            if x["criterion"] == "reap" and x["budget"] == b
+        ]
+        out += [f"### {_budget(r, b)}", ""] + _table(["build"] + r["domains"], rows) + [""]
+    if plot:
+        out += [f"![per-domain perplexity ratios]({plot})", ""]
+    b = r["settings"]["budgets"][0]
+    rows = []
+    for x in r["builds"]:
+        if x["criterion"] == "reap" and x["budget"] == b:
+            q = x["quality"]
+            rows.append(
+                [x["set"]]
+                + [
+                    f"{q[d]['agreement']['mean']:.3f} / {q[d]['kl']['mean']:.3f}"
+                    for d in r["domains"]
+                ]
+            )
+    out += (
+        [
+            (
+                f"Top-1 agreement / KL (nats/token) with the full model at {_budget(r, b)}, mean over "
+                "seeds:"
+            ),
+            "",
+        ]
+        + _table(["build"] + r["domains"], rows)
+        + [""]
+    )
+    rows = [
+        [x["set"]]
+        + [
+            ", ".join(f"[{lo:.2f}, {hi:.2f}]" for lo, hi in x["quality"][d]["doc_ci"])
+            for d in ("zh", "code")
+        ]
+        for x in r["builds"]
+        if x["criterion"] == "reap" and x["budget"] == b
+    ]
+    out += (
+        [
+            (
+                "Bootstrap 95 % intervals over eval documents of the perplexity ratio, one per seed "
+                f"({_budget(r, b)}):"
+            ),
+            "",
+        ]
+        + _table(["build", "zh", "code"], rows)
+        + [""]
+    )
+    return out
+
+
+def generation_section(r: dict) -> list[str]:
+    """Repetition, script and Python-validity metrics of the greedy generations."""
+    g = r["generations"]
+    if not g["builds"]:
+        return []
+    out = ["## Generations", "", GEN_INTRO.format(n=r["settings"]["gen_tokens"]), ""]
+    metrics = ("looping", "longest_repeat", "distinct_2", "script", "python_valid")
+    for d in g["reference"]:
+        rows = [["full model"] + [_fmt(g["reference"][d][m]) for m in metrics]]
+        rows += [
+            [s] + [_ci(v[d][m], "{:.2f}") if v[d][m]["mean"] is not None else "-" for m in metrics]
+            for s, v in g["builds"].items()
+        ]
+        out += [f"### {d} prompts", ""] + _table(["build", *metrics], rows) + [""]
+    for s, ex in r["examples"].items():
+        for d in ("zh", "code"):
+            if d in ex:
+                e = ex[d]
+                out += [
+                    (
+                        f"- `{s}` on {d}: prompt `{_q(e['prompt'])}` -> full model "
+                        f"`{_q(e['reference'])}`; build `{_q(e['build'])}`"
+                    )
+                ]
+    return out + [""]
+
+
+def _fmt(v) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
+def _q(text: str) -> str:
+    return text.replace("\n", "\\n").replace("`", "'").replace("|", "\\|")[:120]
+
+
+def criteria_section(r: dict, plot: str | None) -> list[str]:
+    """REAP vs frequency vs EAN vs random at the same budgets."""
+    a = r["answers"]["criteria"]
+    out = [
+        "## REAP against other criteria",
+        "",
+        CRIT_INTRO.format(s=r["settings"]["criteria_set"]),
+        "",
+    ]
+    for b, blk in a.items():
+        rows = [
+            [c, _ci(ci), _ci(ci, "{:.2f}", math.exp)] for c, ci in blk["mean_log_ratio"].items()
+        ]
+        out += [f"### {_budget(r, b)}", ""]
+        out += _table(["criterion", "mean log ppl ratio", "geometric-mean ppl ratio"], rows)
+        out += (
+            [""]
+            + _table(
+                ["difference", "log ppl ratio", "as a ratio", "verdict"], _answer_rows(blk, True)
+            )
+            + [""]
+        )
+    if plot:
+        out += [f"![criteria]({plot})", ""]
+    return out
+
+
+def kept_section(r: dict) -> list[str]:
+    """Jaccard between the REAP builds' kept sets, vs chance."""
+    b = r["settings"]["budgets"][0]
+    cells, sets = r["kept_overlap"][b], r["settings"]["sets"]
+    rows = [[a] + [f"{cells[f'{a}|{c}']['jaccard']:.2f}" for c in sets] for a in sets]
+    exp = cells[f"{sets[0]}|{sets[0]}"]["expected"]
+    return (
+        [
+            "## Kept sets of the builds",
+            "",
+            (
+                f"Jaccard of the kept experts between REAP builds at {_budget(r, b)}, mean over layers "
+                f"and seeds (chance for two random sets of that size: {exp:.3f}):"
+            ),
+            "",
+        ]
+        + _table(["kept by"] + sets, rows)
+        + [""]
+    )
+
+
+def method_section(r: dict) -> list[str]:
+    s, eq = r["settings"], r["equivalence_check"]
+    out = [
+        "## Method",
+        "",
+        METHOD.format(
+            seeds=len(s["seeds"]),
+            seqs=s["calib_seqs"],
+            seq_len=s["seq_len"],
+            tok=s["calib_seqs"] * s["seq_len"],
+            docs=s["max_docs"],
+            dtok=s["doc_tokens"],
+            gen=s["gen_tokens"],
+            gd=", ".join(s["gen_domains"]),
+            boot=s["bootstrap"],
+            budgets=", ".join(_budget(r, b) for b in s["budgets"]),
+            sets=", ".join(
+                f"`{k}` = {'+'.join(v)}" for k, v in r["sets"].items() if k in s["sets"]
+            ),
+            model=r["model"]["path"],
+            fp=r["model"]["fingerprint"][:12],
+            code=r["code_version"],
+            minutes=r["build_seconds"] / 60,
+        ),
+        "",
+    ]
+    if eq:
+        out += [
+            (
+                f"Equivalence check (seed {eq['seed']}): `en+code` calibrated on its own gives "
+                f"counts equal to the mixed run's: **{eq['counts_equal']}**; REAP sums differ by "
+                f"at most {eq['reap_sum_max_rel_diff']:.1e} (relative); the same kept experts: "
+                f"**{eq['kept_sets_equal']}**."
+            ),
+            "",
+        ]
+    return out
+
+
+def write_plots(r: dict, out_dir: Path, report_dir: Path) -> dict[str, str]:
+    """overlap.png, quality.png, criteria.png under out_dir; returns name -> path relative to
+    the report's directory."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rel = Path(os.path.relpath(out_dir.resolve(), report_dir.resolve())).as_posix()
+    m = str(r["overlap_m"][0])
+    ratio = np.array(r["overlap_matrix"]["count"][m]["ratio"])
+    np.fill_diagonal(ratio, np.nan)
+    fig, ax = plt.subplots(figsize=(5.5, 4.5))
+    im = ax.imshow(np.log2(ratio), cmap="RdBu_r", vmin=-2, vmax=2)
+    ax.set_xticks(range(len(r["corpora"])), r["corpora"])
+    ax.set_yticks(range(len(r["corpora"])), r["corpora"])
+    ax.set_title(f"top-{m} expert sets: log2(observed / chance Jaccard)")
+    fig.colorbar(im, ax=ax)
+    fig.tight_layout()
+    fig.savefig(out_dir / "overlap.png", dpi=110)
+    plt.close(fig)
+    _quality_plot(r, out_dir, plt, np)
+    _criteria_plot(r, out_dir, plt, np)
+    return {k: f"{rel}/{k}.png" for k in ("overlap", "quality", "criteria")}
+
+
+_ENDS = ("mean", "lo", "hi")
+
+
+def _end(ci: dict, key: str) -> float:
+    """An interval end, or the mean where there is no interval (one seed)."""
+    return ci[key] if ci[key] is not None else ci["mean"]
+
+
+def _quality_plot(r, out_dir, plt, np) -> None:
+    budgets, sets, doms = r["settings"]["budgets"], r["settings"]["sets"], r["domains"]
+    fig, axes = plt.subplots(1, len(budgets), figsize=(4.2 * len(budgets), 3.6), squeeze=False)
+    for ax, b in zip(axes[0], budgets):
+        rows = {x["set"]: x for x in r["builds"] if x["criterion"] == "reap" and x["budget"] == b}
+        w = 0.8 / len(sets)
+        for i, s in enumerate(sets):
+            q = rows[s]["quality"]
+            mean, lo, hi = (np.exp([_end(q[d]["log_ratio"], k) for d in doms]) for k in _ENDS)
+            x = np.arange(len(doms)) + (i - len(sets) / 2 + 0.5) * w
+            ax.bar(x, mean, w, label=s, yerr=[mean - lo, hi - mean], capsize=2)
+        ax.set_xticks(range(len(doms)), doms)
+        ax.set_yscale("log")
+        ax.axhline(1.0, color="k", lw=0.6)
+        ax.set_title(f"{r['keeps'][b]}/{r['n_experts']} experts kept")
+        ax.set_ylabel("perplexity / full model")
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out_dir / "quality.png", dpi=110)
+    plt.close(fig)
+
+
+def _criteria_plot(r, out_dir, plt, np) -> None:
+    a = r["answers"]["criteria"]
+    fig, ax = plt.subplots(figsize=(5, 3.6))
+    budgets = list(a)
+    crits = list(next(iter(a.values()))["mean_log_ratio"])
+    w = 0.8 / len(crits)
+    for i, c in enumerate(crits):
+        cis = [a[b]["mean_log_ratio"][c] for b in budgets]
+        mean, lo, hi = (np.exp([_end(ci, k) for ci in cis]) for k in _ENDS)
+        x = np.arange(len(budgets)) + (i - len(crits) / 2 + 0.5) * w
+        ax.bar(x, mean, w, label=c, yerr=[mean - lo, hi - mean], capsize=3)
+    ax.set_xticks(range(len(budgets)), [f"{r['keeps'][b]}/{r['n_experts']} kept" for b in budgets])
+    ax.set_ylabel("geometric-mean ppl ratio (5 domains)")
+    ax.set_title(f"criteria on `{r['settings']['criteria_set']}` statistics")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out_dir / "criteria.png", dpi=110)
+    plt.close(fig)
+
+
+def write_report(results: dict, out_dir: Path, report: Path) -> str:
+    """Plots under out_dir and the markdown at `report`; returns the report path."""
+    from reap.fileio import write_atomic
+
+    plots = write_plots(results, Path(out_dir), Path(report).parent)
+    lines = [f"# {TITLE}", "", INTRO, ""]
+    lines += answers_section(results) + overlap_section(results, plots["overlap"])
+    lines += quality_section(results, plots["quality"]) + generation_section(results)
+    lines += criteria_section(results, plots["criteria"]) + kept_section(results)
+    lines += method_section(results) + ["## Limits", "", LIMITS, ""]
+    return write_atomic(report, "\n".join(lines))
+
+
+TITLE = "Corpus study on k3-mini: what a calibration set keeps and loses"
+INTRO = """Reproduce: `python experiments/corpus_study.py` (one command, fixed seeds, resumable; work
+files in `/tmp/corpus-study`), which writes `reports/corpus-study/results.json` (summaries),
+`builds.json` (every build's record) and this report with its plots. Every number below is read
+from those files by `experiments/corpus_study_report.py`."""
+ANSWERS_INTRO = """Each effect is computed per calibration seed and summarized as mean [95 % Student-t
+interval over the seeds]. Perplexity effects are differences of log(perplexity / full model)
+between two builds at the same budget on the same eval documents; the "as a ppl ratio" column is
+its exponential (e.g. 1.30 = 30 % higher perplexity than the other build). A verdict **holds** when
+the interval excludes zero in the predicted direction, **reversed** when it excludes zero in the
+other, **inconclusive** otherwise; rows marked n/a are reported without a prediction."""
+OVERLAP_INTRO = """Each corpus's important experts in a layer are its top-{m} by routed token count
+(the size of the K3-share build); the Jaccard index of two corpora's sets, averaged over the MoE
+layers and the seeds, is divided by the exact expectation for random sets of the same sizes
+(hypergeometric null, `reap.analyze.chance`). Above 1: more shared experts than chance."""
+QUALITY_INTRO = """Perplexity of each build divided by the full model's on held-out eval documents of
+each domain: geometric mean over seeds [95 % t-interval over seeds of the log ratio,
+exponentiated]. `eu` is de+fr+es+it."""
+GEN_INTRO = """Greedy continuations of the shipped prompts ({n} tokens) by the full model and by the
+REAP builds at the first budget, measured by `reap.eval.metrics` in text units (a CJK character,
+a word or a run of one punctuation mark): `looping` = share of outputs that end in repeated
+copies of one block (greedy degeneration), `longest_repeat` = longest n-gram of units occurring
+twice, `distinct_2` = share of distinct unit bigrams, `script` = share of letters in the
+domain's script, `python_valid` = prompt + continuation parses with `ast` (also without the last,
+possibly cut, line). Mean over seeds [t-interval]."""
+CRIT_INTRO = """Builds from the same `{s}` statistics at the same budget, chosen by REAP (mean gate
+weight x expert output norm), frequency (share of routed tokens), EAN (mean output norm) or at
+random (a different random draw per seed); super experts are protected in all of them. Quality is
+the mean over the five domains of log(perplexity / full model)."""
+METHOD = """- Model: `{model}` (fingerprint {fp}), code {code}.
+- Calibration: {seeds} seeds; per seed one run over zh, en, de, fr, es, it, ja and code with
+  {seqs} sequences x {seq_len} tokens = {tok} tokens per corpus (calibration split). Per-corpus
+  statistics are assembled into the calibration sets: {sets}; `eu` is the exact merge of the four
+  languages' statistics (so it pools four times the tokens of a single corpus).
+- Budgets: {budgets}; uniform over the MoE layers; REAP criterion unless stated.
+- Evaluation (`reap.eval.evaluate`, float32, CPU): the first {docs} eval documents per domain in the
+  fixed document order, {dtok} tokens each; {boot} bootstrap replicates over documents; greedy
+  generations of {gen} tokens on the {gd} prompt sets (16 prompts each).
+- Compute: {minutes:.1f} minutes of build time (pruning + evaluation) in the run that wrote the
+  results (cached builds count the time of their first run)."""
+LIMITS = """- k3-mini has 6 M parameters and was trained on 5 M tokens: its perplexities are high, and its
+  greedy generations repeat themselves even unpruned, so repetition effects are small changes on a
+  high baseline. Expert specialization in a model this small need not match Kimi K3's.
+- 64 experts per layer and 5 MoE layers: a top-m set holds 10-32 experts, so overlap estimates
+  are coarse; the chance level is exact, but layers are treated as independent.
+- Three calibration seeds give wide Student-t intervals (t = 4.30 for 2 degrees of freedom): an
+  "inconclusive" verdict can hide a real but small effect. Document-level intervals are per seed.
+- Calibration sets are assembled from per-corpus statistics of one mixed run per seed (checked
+  equal to a separate run for `en+code`); each set's corpora get equal weight in the plan.
+- The eval documents (a few thousand tokens per domain) are held out from training and
+  calibration, but come from the same sources as the training data."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="write the corpus study's report from results.json")
+    p.add_argument("--results", default=str(ROOT / "reports" / "corpus-study" / "results.json"))
+    p.add_argument("--report", default=str(ROOT / "reports" / "corpus-study.md"))
+    a = p.parse_args(argv)
+    results = json.loads(Path(a.results).read_text())
+    print(write_report(results, Path(a.results).parent, Path(a.report)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

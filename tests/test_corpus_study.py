@@ -1,0 +1,141 @@
+"""The corpus study (experiments/corpus_study.py): its statistics helpers against exact
+arithmetic and brute force, and a smoke run of the whole study on a tiny setting (resumed)."""
+
+import itertools
+import json
+import math
+import sys
+from fractions import Fraction
+from pathlib import Path
+
+import pytest
+
+from reap.errors import ReapError
+
+EXP = Path(__file__).resolve().parent.parent / "experiments"
+sys.path.insert(0, str(EXP))
+
+import corpus_study as cs
+import corpus_study_stats as st
+
+# Student t quantile at p with 2 degrees of freedom in closed form: (2p - 1) sqrt(2 / (4p(1 - p)))
+T_975_DF2 = 0.95 * math.sqrt(2 / (4 * 0.975 * 0.025))
+
+
+def test_seed_ci_is_the_student_t_interval():
+    ci = st.seed_ci([1.0, 2.0, 3.0])
+    half = T_975_DF2 * 1.0 / math.sqrt(3)  # sample sd of 1, 2, 3 is exactly 1
+    assert ci["mean"] == 2.0 and ci["n"] == 3
+    assert ci["lo"] == pytest.approx(2.0 - half, abs=1e-9)
+    assert ci["hi"] == pytest.approx(2.0 + half, abs=1e-9)
+    one = st.seed_ci([0.5, None])
+    assert one["mean"] == 0.5 and one["lo"] is None and one["hi"] is None
+
+
+def test_verdict_reads_the_interval_side():
+    ci = lambda lo, hi: {"mean": (lo + hi) / 2, "lo": lo, "hi": hi}
+    assert st.verdict(ci(0.1, 0.3), 1) == "holds"
+    assert st.verdict(ci(0.1, 0.3), -1) == "reversed"
+    assert st.verdict(ci(-0.3, -0.1), -1) == "holds"
+    assert st.verdict(ci(-0.1, 0.3), 1) == "inconclusive"
+    assert st.verdict({"mean": 1.0, "lo": None, "hi": None}, 1) == "inconclusive"
+
+
+def _brute_expected_jaccard(n: int, a: int, b: int) -> Fraction:
+    """E[J] of a fixed a-set and a uniformly random b-set among n items, by enumeration."""
+    fixed = set(range(a))
+    subsets = list(itertools.combinations(range(n), b))
+    return sum(Fraction(len(fixed & set(s)), len(fixed | set(s))) for s in subsets) / len(subsets)
+
+
+def test_kept_overlap_against_enumeration():
+    keep_a = {1: [0, 1, 2], 2: [0, 3, 5, 7]}
+    keep_b = {1: [1, 2, 6], 2: [3, 4, 5]}
+    res = st.kept_overlap(keep_a, keep_b, n_experts=8)
+    j = (Fraction(2, 4) + Fraction(2, 5)) / 2  # {1,2} of {0,1,2,6}; {3,5} of {0,3,4,5,7}
+    e = (_brute_expected_jaccard(8, 3, 3) + _brute_expected_jaccard(8, 4, 3)) / 2
+    assert res["jaccard"] == pytest.approx(float(j), abs=1e-12)
+    assert res["expected"] == pytest.approx(float(e), abs=1e-12)
+
+
+def test_keep_count_matches_the_k3_share():
+    # the K3 350 GB build keeps 146 of 896 experts per layer (README, `reap plan --dry-run`)
+    assert cs.keep_count("k3", 64, 6) == round(64 * 146 / 896) == 10
+    assert cs.keep_count("k3", 896, 16) == 146
+    assert cs.keep_count("25%", 64, 6) == 16 and cs.keep_count("50%", 64, 6) == 32
+    assert cs.keep_count("5%", 64, 6) == 6  # never below top_k
+
+
+def _overlap_row(a, b, j, e, m=4):
+    return {
+        "corpus_a": a,
+        "corpus_b": b,
+        "criterion": "count",
+        "m": m,
+        "mean_jaccard": j,
+        "mean_expected": e,
+        "p_less": 0.5,
+        "p_greater": 0.5,
+    }
+
+
+def test_overlap_answers_are_excess_jaccard_over_seeds():
+    eu_pairs = list(itertools.combinations(st.EUROPEAN, 2))
+    overlaps = {}
+    for seed, shift in ((0, 0.0), (1, 0.1), (2, 0.2)):
+        rows = [_overlap_row(a, b, 0.3 + shift, 0.1) for a, b in eu_pairs]
+        rows += [_overlap_row(a, b, 0.1, 0.1) for a in st.EUROPEAN for b in ("zh", "ja", "code")]
+        rows.append(_overlap_row("zh", "code", 0.05 - shift / 10, 0.1))
+        overlaps[seed] = rows
+    ans = st._overlap_answers(overlaps, 4)
+    eu = ans["european pairs: excess jaccard"]
+    assert eu["ci"]["values"] == pytest.approx([0.2, 0.3, 0.4])
+    assert eu["verdict"] == "holds"
+    zc = ans["zh-code: excess jaccard"]
+    assert zc["ci"]["values"] == pytest.approx([-0.05, -0.06, -0.07])
+    assert zc["ci"]["hi"] < 0 and zc["verdict"] == "holds"
+
+
+def test_smoke_run_and_resume(tmp_path):
+    s = cs.Settings(
+        seeds=[0, 1],
+        sets=["zh", "en+code"],
+        budgets=["k3"],
+        criteria=["random"],
+        criteria_set="zh",
+        criteria_budgets=["k3"],
+        calib_seqs=1,
+        seq_len=32,
+        max_docs=1,
+        doc_tokens=12,
+        gen_tokens=2,
+        gen_domains=["zh"],
+        bootstrap=20,
+        check_equivalence=False,
+    )
+    work, out, report = tmp_path / "work", tmp_path / "out", tmp_path / "report.md"
+    res = cs.run_study(s, work, out, report)
+    recs = json.loads((out / "builds.json").read_text())
+    assert len(recs) == 2 * 2 + 2
+    # tables are recomputed naively from the per-build records
+    row = next(x for x in res["builds"] if x["set"] == "en+code" and x["criterion"] == "reap")
+    per_seed = [
+        r["quality"]["zh"]["ppl_ratio"]["value"]
+        for r in recs
+        if r["cal_set"] == "en+code" and r["criterion"] == "reap"
+    ]
+    assert row["quality"]["zh"]["ppl_ratio"]["mean"] == pytest.approx(sum(per_seed) / 2)
+    for r in recs:
+        assert all(len(ids) == res["keeps"]["k3"] for ids in r["kept"].values())
+        assert ("generations" in r) == (r["criterion"] == "reap")
+    rand = [r for r in recs if r["criterion"] == "random"]
+    assert rand[0]["kept"] != rand[1]["kept"]  # one random draw per seed
+    text = report.read_text()
+    assert "## Answers" in text and (out / "overlap.png").exists()
+    assert f"{math.exp(row['quality']['zh']['log_ratio']['mean']):.2f}" in text
+    # a second run computes nothing new: every build comes from work/results
+    stamps = {p: p.stat().st_mtime_ns for p in (work / "results").iterdir()}
+    cs.run_study(s, work, out, None)
+    assert {p: p.stat().st_mtime_ns for p in (work / "results").iterdir()} == stamps
+    with pytest.raises(ReapError, match="other settings"):
+        cs.run_study(cs.Settings(**{**s.__dict__, "max_docs": 2}), work, out, None)
