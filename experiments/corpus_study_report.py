@@ -51,6 +51,83 @@ def _answer_rows(block: dict, exp: bool) -> list[list[str]]:
     return rows
 
 
+CLAIMS = [  # (claim of the K3 study, where its effect is, key, shown as a ratio)
+    (
+        "en+code build loses Chinese (zh ppl vs the full-mix build)",
+        "budgets",
+        "en+code loses zh (vs full)",
+        True,
+    ),
+    (
+        "... and starts repeating (zh looping rate vs the full-mix build)",
+        "generations",
+        "en+code vs full: zh looping",
+        False,
+    ),
+    (
+        "zh build loses code (code ppl vs the full-mix build)",
+        "budgets",
+        "zh loses code (vs full)",
+        True,
+    ),
+    (
+        "zh+code keeps Chinese (zh ppl vs the en+code build)",
+        "budgets",
+        "zh+code beats en+code on zh",
+        True,
+    ),
+    ("zh+code keeps code (code ppl vs the zh build)", "budgets", "zh+code beats zh on code", True),
+    (
+        "European languages share experts (excess Jaccard of de/fr/es/it pairs)",
+        "overlap",
+        "european pairs: excess jaccard",
+        False,
+    ),
+    (
+        "Chinese overlaps code less than chance (excess Jaccard zh-code)",
+        "overlap",
+        "zh-code: excess jaccard",
+        False,
+    ),
+]
+
+
+def _claim_cells(r: dict, where: str, key: str, exp: bool) -> list[str]:
+    a = r["answers"]
+    blocks = [a[b] for b in r["settings"]["budgets"]] if where == "budgets" else [a[where]]
+    cells = []
+    for blk in blocks:
+        x = blk.get(key)
+        cells.append(
+            "-"
+            if x is None
+            else f"**{x['verdict']}**: "
+            + _ci(x["ci"], "{:.2f}" if exp else "{:.3f}", math.exp if exp else _same)
+        )
+    return cells + [""] * (len(r["settings"]["budgets"]) - len(cells))
+
+
+def _same(x: float) -> float:
+    return x
+
+
+def summary_section(r: dict) -> list[str]:
+    """One row per claim of the K3 pruning study: verdict and effect at each budget."""
+    budgets = [_budget(r, b) for b in r["settings"]["budgets"]]
+    rows = [[claim] + _claim_cells(r, where, key, exp) for claim, where, key, exp in CLAIMS]
+    for b, blk in r["answers"]["criteria"].items():
+        for name, x in blk.items():
+            if name.startswith("reap minus"):
+                cells = [""] * len(budgets)
+                cells[r["settings"]["budgets"].index(b) if b in r["settings"]["budgets"] else 0] = (
+                    f"**{x['verdict']}**: " + _ci(x["ci"], "{:.2f}", math.exp)
+                )
+                rows.append(
+                    [f"REAP beats {name.split()[-1]} (mean ppl ratio over domains)"] + cells
+                )
+    return ["## Summary", "", SUMMARY_INTRO, ""] + _table(["claim"] + budgets, rows) + [""]
+
+
 def answers_section(r: dict) -> list[str]:
     """The questions of the issue with their effects, intervals and verdicts."""
     a = r["answers"]
@@ -403,7 +480,11 @@ def write_report(results: dict, out_dir: Path, report: Path) -> str:
 
     plots = write_plots(results, Path(out_dir), Path(report).parent)
     lines = [f"# {TITLE}", "", INTRO, ""]
-    lines += answers_section(results) + overlap_section(results, plots["overlap"])
+    lines += (
+        summary_section(results)
+        + answers_section(results)
+        + overlap_section(results, plots["overlap"])
+    )
     lines += quality_section(results, plots["quality"]) + generation_section(results)
     lines += criteria_section(results, plots["criteria"]) + kept_section(results)
     lines += method_section(results) + ["## Limits", "", LIMITS, ""]
@@ -415,6 +496,11 @@ INTRO = """Reproduce: `python experiments/corpus_study.py` (one command, fixed s
 files in `/tmp/corpus-study`), which writes `reports/corpus-study/results.json` (summaries),
 `builds.json` (every build's record) and this report with its plots. Every number below is read
 from those files by `experiments/corpus_study_report.py`."""
+SUMMARY_INTRO = """The findings reported by the pruning study behind the K3 350 GB build, tested on
+k3-mini. Perplexity effects are shown as ratios of perplexities between the two builds (1.00 =
+no difference), overlap and generation effects as differences; mean [95 % interval over
+calibration seeds]. Generation and overlap effects are measured once (first budget's generations;
+top-m sets of the calibration statistics), so they fill the first column only."""
 ANSWERS_INTRO = """Each effect is computed per calibration seed and summarized as mean [95 % Student-t
 interval over the seeds]. Perplexity effects are differences of log(perplexity / full model)
 between two builds at the same budget on the same eval documents; the "as a ppl ratio" column is
