@@ -7,6 +7,8 @@ Every family module under `reap.models` (one file each, e.g. `kimi_k3.py`) provi
   file order, names without any `language_model.` prefix, tagged with component/layer/expert;
 - `expert_key(name) -> (layer, expert) | None`, `router_tensors(cfg, layer) -> {name: axis}`
   (tensors sliced along the expert axis when pruning) and `with_experts(config_dict, n) -> dict`;
+- `state_bytes(cfg, act_bytes)`: the engine's per-sequence cache and activation sizes (see
+  `reap.engine.binding.state_costs` for the four numbers);
 - `Model(cfg)`: holds no weights. Weights are pulled by name through a `Weights` getter, so the
   same code runs fully in memory (tests, the reference forward) and one layer at a time with
   weights streamed from disk (calibration, the engine).
