@@ -144,11 +144,12 @@ class SizeModel:
 
 def _params(s: TensorSpec) -> int:
     """Weights a tensor stores: an MXFP4 packed (or GPT-OSS block) byte holds two, a scale byte
-    none (a fused view `X[e]` is named by its stored tensor X)."""
+    (or an FP8 block scale, `weight_scale_inv`) none (a fused view `X[e]` is named by its stored
+    tensor X)."""
     name = split_view(s.name)[0]
     if name.endswith(("weight_packed", "_blocks")):
         return s.numel * 2
-    if name.endswith(("weight_scale", "_scales")):
+    if name.endswith(("weight_scale", "_scales", "weight_scale_inv")):
         return 0
     return s.numel
 

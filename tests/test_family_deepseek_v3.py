@@ -248,13 +248,18 @@ def test_grouped_route_equals_a_per_token_loop():
 
 # -- engine, calibration, prune ----------------------------------------------------------------
 def test_engine_greedy_tokens_equal_transformers(hf):
+    """Streamed under the smallest budget, and prefilled in chunks of 4 (RoPE positions and the
+    latent cache carried across multi-token steps)."""
     from reap.engine import Engine
 
     path, model = hf
-    prompt = [72, 101, 108, 108, 111, 44, 32]
-    _, want = hf_greedy(model, prompt, 9)
+    prompt = [72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108]
+    want_logits, want = hf_greedy(model, prompt, 9)
     with Engine.open(path, preset="ultra", context=64) as eng:
         assert not eng.plan.pinned  # every layer streamed through the ring
+        assert eng.generate([prompt], max_tokens=10)[0].ids == want
+    with Engine.open(path, preset="max", context=64, prefill_chunk=4) as eng:
+        torch.testing.assert_close(eng.logits([prompt])[0], want_logits[0], rtol=1e-4, atol=1e-4)
         assert eng.generate([prompt], max_tokens=10)[0].ids == want
 
 
@@ -287,27 +292,34 @@ def calibrated(yarn, tmp_path_factory):
 
 
 def hook_statistics(model, ids: torch.Tensor) -> dict[int, dict[str, torch.Tensor]]:
-    """Per MoE layer: count, gate mass and REAP saliency (sum of weight * ||expert output||) from
-    forward hooks on the transformers model, each expert output recomputed per (token, slot)."""
+    """Per MoE layer, from forward hooks on the transformers model (float64): count, gate mass,
+    REAP saliency (sum of weight * ||expert output||), EAN (sum of ||output||), max |output| and
+    router probability mass, each expert output recomputed per (token, slot) from its weights."""
     out, moe = {}, {}
 
     def hook(layer):
         def fn(module, args, _):
             x = args[0].reshape(-1, args[0].shape[-1]).double()  # [N, D]
-            _, w, idx = module.gate(args[0])  # [N, K] each
+            logits, w, idx = module.gate(args[0])  # [N, E], [N, K], [N, K]
             ex, F = module.experts, module.experts.intermediate_dim
-            gate_up = ex.gate_up_proj.double()[idx]  # [N, K, 2F, D]
-            h = torch.einsum("nkfd,nd->nkf", gate_up, x)
+            h = torch.einsum("nkfd,nd->nkf", ex.gate_up_proj.double()[idx], x)  # [N, K, 2F]
             a = torch.nn.functional.silu(h[..., :F]) * h[..., F:]  # [N, K, F]
             o = torch.einsum("nkdf,nkf->nkd", ex.down_proj.double()[idx], a)  # [N, K, D]
-            E = ex.num_experts
-            flat, wd = idx.reshape(-1), w.double().reshape(-1)
+            E, flat, wd = ex.num_experts, idx.reshape(-1), w.double().reshape(-1)
+            norm = o.norm(dim=-1).reshape(-1)  # [N*K]
+
+            def total(v):
+                return torch.zeros(E, dtype=torch.float64).index_add_(0, flat, v)
+
+            peak = torch.zeros(E, dtype=torch.float64)
+            peak.scatter_reduce_(0, flat, o.abs().amax(-1).reshape(-1), "amax")
             out[layer] = {
                 "count": torch.bincount(flat, minlength=E).double(),
-                "gate_sum": torch.zeros(E, dtype=torch.float64).index_add_(0, flat, wd),
-                "reap_sum": torch.zeros(E, dtype=torch.float64).index_add_(
-                    0, flat, wd * o.norm(dim=-1).reshape(-1)
-                ),
+                "gate_sum": total(wd),
+                "reap_sum": total(wd * norm),
+                "ean_sum": total(norm),
+                "max_act": peak,
+                "prob_mass": torch.sigmoid(logits.double()).sum(0),
             }
 
         return fn
@@ -575,3 +587,29 @@ def test_fp8_reading_equals_mlx_lm_dequantization(yarn, tmp_path, monkeypatch):
     (out / "config.json").write_text(json.dumps(cfg))
     ref = np.array(load_model(out)[0](mx.array(PROMPT)))
     assert np.abs(got - ref).max() < 1e-4 < np.abs(got).max()
+
+
+def test_layout_reproduces_published_sizes():
+    """DeepSeek-V3 (671 B parameters without its MTP layer, 37 B active) and Kimi K2 (1 T
+    total, 32 B active) from their released configs (FP8 layout)."""
+    from reap.sizes import SizeModel
+
+    v3 = {
+        "model_type": "deepseek_v3", "vocab_size": 129280, "hidden_size": 7168,
+        "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61,
+        "num_attention_heads": 128, "n_shared_experts": 1, "n_routed_experts": 256,
+        "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64, "v_head_dim": 128,
+        "qk_nope_head_dim": 128, "n_group": 8, "topk_group": 4, "num_experts_per_tok": 8,
+        "first_k_dense_replace": 3, "torch_dtype": "bfloat16",
+        "quantization_config": {"quant_method": "fp8", "fmt": "e4m3",
+                                "weight_block_size": [128, 128]},
+    }  # fmt: skip
+    k2 = {**v3, "model_type": "kimi_k2", "vocab_size": 163840, "num_attention_heads": 64,
+          "n_routed_experts": 384, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1}  # fmt: skip
+    s = SizeModel.from_config(v3)
+    assert s.total_params == pytest.approx(671e9, rel=0.005)
+    assert s.active_params == pytest.approx(37e9, rel=0.02)
+    assert s.expert_own_params[3] == 3 * 7168 * 2048
+    s = SizeModel.from_config(k2)
+    assert 1.0e12 < s.total_params < 1.04e12
+    assert s.active_params == pytest.approx(32e9, rel=0.02)
