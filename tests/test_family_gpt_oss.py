@@ -244,6 +244,22 @@ def test_prune_keeps_the_fused_layout_loads_in_transformers_and_verifies(tiny, m
     assert verify(pruned=str(root / "q_pruned"), source=q_path).experts == 20
 
 
+def test_pruned_mxfp4_checkpoint_loads_in_transformers(tiny, mxfp4):
+    """transformers dequantizes MXFP4 experts on a CPU (its quantizer needs `accelerate`)."""
+    pytest.importorskip("accelerate")
+    from reap.engine import Engine
+
+    root, _, _ = tiny
+    q_path, _ = mxfp4
+    _prune(q_path, root / "q_pruned_hf", keep=3)
+    hf = R.load_hf(root / "q_pruned_hf")
+    assert hf.model.layers[0].mlp.experts.gate_up_proj.shape[0] == 3
+    with torch.no_grad():
+        ref = hf(input_ids=torch.tensor([PROMPT])).logits[0].numpy()
+    with Engine.open(root / "q_pruned_hf", preset="ultra", context=64, dtype="float32") as eng:
+        assert np.abs(eng.logits([PROMPT])[0].numpy() - ref).max() < R.ATOL
+
+
 def test_calibration_equals_forward_hooks_and_feeds_a_plan(tiny):
     from reap.prune.plan import make_plan
     from reap.prune.verify import verify
