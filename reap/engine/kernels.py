@@ -1,19 +1,28 @@
-"""Fast MXFP4 decoding for the engine's expert path (reference: `reap.mxfp4.dequantize`).
+"""MXFP4 kernels for the engine's expert path: fast decoding (reference: `reap.mxfp4.dequantize`)
+and a fused matmul that never decodes (reference: `mxfp4_linear_reference`).
 
-Decoding an expert dominates a decode step on CPU (each weight is used for one or a few tokens),
-so the engine decodes with a single table lookup per packed byte: the table is indexed by
-(scale byte, packed byte) and holds both decoded values of the byte already multiplied by the
-block scale, packed into one 4-byte (bf16 pair) or 8-byte (fp32 pair) word. Every table entry is
-the same product `reap.mxfp4` computes (E2M1 value times 2^(e-127), exact in bf16 and fp32), so
-the result is bit-identical to `reap.mxfp4.dequantize`; tests/test_engine.py checks that.
+Decoding uses a single table lookup per packed byte: the table is indexed by (scale byte, packed
+byte) and holds both decoded values of the byte already multiplied by the block scale, packed
+into one 4-byte (bf16 pair) or 8-byte (fp32 pair) word. Every table entry is the same product
+`reap.mxfp4` computes (E2M1 value times 2^(e-127), exact in bf16 and fp32), so the result is
+bit-identical to `reap.mxfp4.dequantize`; tests/test_engine.py checks that. Two implementations
+of that lookup: a C loop and a pure-torch one (rows in chunks of about a megabyte so the widened
+index stays in cache) used when no compiler is available or `REAP_NO_CKERNEL=1`.
 
-Two implementations of that lookup: a 12-line C loop compiled on first use with the system C
-compiler (`cc -O3 -march=native`, cached under the reap cache directory, called through ctypes
-with the GIL released, rows split over `threads` threads), and a pure-torch one (rows in chunks
-of about a megabyte so the widened index stays in cache) used when no compiler is available or
-`REAP_NO_CKERNEL=1`. Both index the same table, so they agree bit for bit.
+At decode time an expert weight is used for one or a few tokens, so decoding it (writing 4x its
+packed bytes as bf16, then reading them back for the matmul) costs more than the arithmetic.
+`mxfp4_linear` multiplies straight from the packed bytes: per 32-column block, 16 bytes become
+32 fp32 weights in registers (AVX-512 permute of a 16-entry table; a plain-C loop elsewhere,
+same arithmetic), times the block scale, fused-multiply-added into fp32 accumulators in a fixed
+order. The engine uses it for bf16 compute (`MXFP4Weight`, `expert_weights`); float32 keeps
+decode + dense matmul, equal bit for bit to the in-memory forward.
+
+The C source is compiled on first use with the system C compiler (`cc -O3 -march=native`,
+cached under the reap cache directory, called through ctypes with the GIL released, rows split
+over torch's intra-op thread count).
 
     w = decode_mxfp4(packed, scales, torch.bfloat16)   # [O, N/2] + [O, N/32] uint8 -> [O, N]
+    y = mxfp4_linear(x, packed, scales)                # x [M, N] -> [M, O], None without cc
 """
 
 from __future__ import annotations
