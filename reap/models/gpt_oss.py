@@ -21,6 +21,7 @@ D hidden, V vocab, H heads, Hkv kv heads, Dh head width, E n_experts, K top_k, F
 from __future__ import annotations
 
 import copy
+import functools
 import re
 import sys
 import types
@@ -223,12 +224,14 @@ def with_experts(config_dict: dict, n_experts: int | dict[int, int]) -> dict:
 def variant(config_dict: dict) -> types.ModuleType:
     """This module, or for an MXFP4 checkpoint its twin whose `expert_tensor_names` names the
     blocks and scales (`reap.models.family` calls this, so stages get the right names)."""
-    if not Config.from_dict(config_dict).mxfp4:
-        return sys.modules[__name__]
+    return _mxfp4_twin() if Config.from_dict(config_dict).mxfp4 else sys.modules[__name__]
+
+
+@functools.cache
+def _mxfp4_twin() -> types.ModuleType:
     twin = types.ModuleType(__name__ + ".mxfp4", __doc__)
     twin.__dict__.update({k: v for k, v in globals().items() if not k.startswith("__")})
     twin.expert_tensor_names = lambda layer, expert: _expert_names(MXFP4_TENSORS, layer, expert)
-    twin.variant = lambda config_dict: twin
     return twin
 
 
