@@ -47,15 +47,12 @@ KWARGS = {
 PROMPT = [72, 101, 108, 108, 111, 44, 32, 75, 105, 109, 105, 32, 76, 105, 110, 101, 97, 114, 33, 10]
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+def make_tiny(path, **changes):
     """(path, transformers model): random weights, and a random router correction bias (a buffer
     transformers leaves at zero) so that selection and weights differ."""
     from transformers import KimiLinearConfig, KimiLinearForCausalLM
 
-    path, hf = R.save_hf_tiny(
-        KimiLinearForCausalLM, KimiLinearConfig, KWARGS, tmp_path_factory.mktemp("kl") / "m"
-    )
+    path, hf = R.save_hf_tiny(KimiLinearForCausalLM, KimiLinearConfig, {**KWARGS, **changes}, path)
     gen = torch.Generator().manual_seed(5)
     with torch.no_grad():
         for name, b in hf.named_buffers():
@@ -63,6 +60,11 @@ def tiny(tmp_path_factory):
                 b.copy_(0.3 * torch.randn(b.shape, generator=gen))
     hf.save_pretrained(path)
     return path, hf
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_tiny(tmp_path_factory.mktemp("kl") / "m")
 
 
 def released(path, out, **changes) -> str:
@@ -150,6 +152,21 @@ def test_pruned_checkpoint_loads_in_transformers_with_the_engines_logits(tiny, t
         kimi_linear.with_experts(cfg, {1: 4, 2: 6, 3: 5})
 
 
+def test_grouped_routing_equals_transformers_and_pruning_keeps_whole_groups(tmp_path):
+    """Two groups of four experts, tokens routed within the best one (transformers' DeepSeek-style
+    group score: the sum of a group's two best biased scores)."""
+    from reap.errors import ReapError
+    from reap.models import kimi_linear
+
+    path, hf = make_tiny(tmp_path / "grouped", n_group=2, topk_group=1)
+    cfg = json.loads((Path(path) / "config.json").read_text())
+    assert (cfg["num_expert_group"], cfg["topk_group"]) == (2, 1)
+    assert R.check_logits(path, hf, PROMPT, steps=4) < R.ATOL
+    R.check_prune(path, tmp_path / "pruned", keep=4)
+    with pytest.raises(ReapError, match="num_expert_group=2"):
+        kimi_linear.with_experts(cfg, 5)
+
+
 def test_calibration_statistics_equal_forward_hooks(tiny, tmp_path):
     path, hf = tiny
 
@@ -184,7 +201,7 @@ def test_state_bytes_are_the_decode_caches_and_the_engine_requires_them(tiny):
     ("change", "message"),
     [
         ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
-        ({"num_expert_group": 2}, "grouped routing"),
+        ({"num_expert_group": 3}, "8 experts in num_expert_group=3"),
         ({"mla_use_nope": False}, "RoPE MLA"),
     ],
 )

@@ -7,7 +7,8 @@ Where it differs from K3 (references: transformers 5 `KimiLinearForCausalLM`, ml
 `kimi_linear.py`): SiLU GLU MLPs and experts; routed experts are plain per-expert tensors
 `block_sparse_moe.experts.e.w{1,2,3}.weight` working in the model width (no LatentMoE, no MXFP4);
 the KDA output gate is low-rank (g_a_proj, g_b_proj), its decay unbounded and A_log stored
-[1, 1, H, 1]; the residual stream is plain pre-norm (no AttnRes); router logits are fp32.
+[1, 1, H, 1]; the residual stream is plain pre-norm (no AttnRes); the router (fp32 logits) may
+group experts as DeepSeek-V3's does, whose `grouped_route` it uses.
 
 Configs come as released (`linear_attn_config`, `first_k_dense_replace`) or as transformers 5
 writes them (`layer_types`, `mlp_layer_types`, `dtype`); `_normalize` maps both onto `Config`.
@@ -24,6 +25,7 @@ from reap.errors import ReapError
 from reap.models import blocks as B
 from reap.models import kimi_k3 as K3
 from reap.models.base import ExpertSource, Observer, State, Weights
+from reap.models.deepseek_v3 import grouped_route  # transformers' Kimi Linear router is DeepSeek's
 
 # shared with K3: same names, same meaning
 expert_key = K3.expert_key
@@ -57,8 +59,9 @@ class Config(K3.Config):
             unsupported.append(f"hidden_act={self.hidden_act!r}")
         if self.moe_router_activation_func != "sigmoid":
             unsupported.append(f"moe_router_activation_func={self.moe_router_activation_func!r}")
-        if self.num_expert_group != 1:
-            unsupported.append(f"grouped routing (num_expert_group={self.num_expert_group})")
+        E, G = self.num_experts, self.num_expert_group
+        if E % G or not 1 <= self.topk_group <= G:
+            unsupported.append(f"{E} experts in num_expert_group={G}, topk_group={self.topk_group}")
         if not self.mla_use_nope:
             unsupported.append("RoPE MLA (mla_use_nope false)")
         if self.linear_attn_config.get("use_full_rank_gate", False):
@@ -194,7 +197,8 @@ def expert_tensor_names(layer: int, expert: int) -> list[str]:
 
 def with_experts(config_dict: dict, n_experts: int | dict[int, int]) -> dict:
     """The config with `n_experts` routed experts in every MoE layer (top_k capped at it). The
-    config has one `num_experts` for all layers, so differing per-layer counts are refused."""
+    config has one `num_experts` for all layers, so differing per-layer counts are refused, as
+    are counts that break the expert groups (kept experts regroup in ascending original id)."""
     if isinstance(n_experts, dict):
         counts = set(n_experts.values())
         if len(counts) != 1:
@@ -204,7 +208,15 @@ def with_experts(config_dict: dict, n_experts: int | dict[int, int]) -> dict:
                 "(use a per-layer scope)"
             )
         n_experts = counts.pop()
-    return K3.with_experts(config_dict, int(n_experts))
+    out = K3.with_experts(config_dict, int(n_experts))
+    text = out.get("text_config", out)
+    n, G = int(n_experts), int(text.get("num_expert_group", 1))
+    if n % G or int(text.get("topk_group", 1)) * (n // G) < text["num_experts_per_token"]:
+        raise ReapError(
+            f"kimi_linear: {n} experts do not fill num_expert_group={G} groups with top_k "
+            "experts left in the best topk_group groups"
+        )
+    return out
 
 
 # -- the model ---------------------------------------------------------------------------------
@@ -236,8 +248,9 @@ def sparse_moe(
     width, so a MoERecord's model_norm is the norm of the expert's own output."""
     logits = B.linear(x.float(), w("gate.weight").float())  # [N, E]
     bias = w("gate.e_score_correction_bias")
+    groups = (cfg.num_expert_group, cfg.topk_group)
     k, scale = cfg.num_experts_per_token, cfg.routed_scaling_factor
-    ids, weights, probs = B.route(logits, bias, k, scale, cfg.moe_renormalize)
+    ids, weights, probs = grouped_route(logits, bias, k, *groups, scale, cfg.moe_renormalize)
     wants = observer is not None and observer.wants_norms
     y, stats = B.routed_experts(
         x, ids, weights, layer, experts, _expert, (lambda o: o) if wants else None
