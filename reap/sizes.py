@@ -75,8 +75,11 @@ class SizeModel:
             if s.expert is not None:
                 n_exp = max(n_exp, s.expert + 1)
                 if s.expert == 0:
+                    h = _header_bytes(s, digits)
+                    if split_view(s.name)[1] is not None:  # a fused tensor: one header entry
+                        fixed["h"], h = fixed["h"] + h, 0
                     for k, v in (("b", s.nbytes), ("ob", s.nbytes), ("p", _params(s)),
-                                 ("op", _params(s)), ("h", _header_bytes(s, digits))):
+                                 ("op", _params(s)), ("h", h)):
                         unit[k][s.layer] += v
                 continue
             fixed["h"] += _header_bytes(s, digits)
@@ -91,8 +94,9 @@ class SizeModel:
         top_k = int(getattr(cfg, "num_experts_per_token", 0) or 0)
         d = {k: dict(v) for k, v in unit.items()}
         embed = sum(s.numel for s in specs if s.name.endswith("embed_tokens.weight"))
+        stored = len({split_view(s.name)[0] for s in specs})  # a fused tensor's views: one tensor
         return cls(n_exp, top_k, moe_layers, fixed["b"], fixed["p"], d["b"], d["p"], d["ob"],
-                   d["op"], fixed["h"], d["h"], dict(census), len(specs), embed)
+                   d["op"], fixed["h"], d["h"], dict(census), stored, embed)
 
     @property
     def total_params(self) -> int:

@@ -192,7 +192,8 @@ def _prune(src, out, keep=5):
 
     with Checkpoint.open(src) as ck:
         plan = make_plan(config=ck.config, model=ck.fingerprint(), criterion="random", keep=keep)
-    prune(model=str(src), plan=plan, out=str(out))
+    r = prune(model=str(src), plan=plan, out=str(out))
+    assert abs(r.file_bytes / plan.predicted_bytes - 1) < 5e-3  # the size model knows fused layouts
     return plan
 
 
