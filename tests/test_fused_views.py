@@ -90,3 +90,13 @@ def test_view_names_round_trip():
     assert split_view(view_name("a.b", 12)) == ("a.b", 12)
     assert split_view("a.b") == ("a.b", None)
     assert split_view("a[1].b") == ("a[1].b", None)
+
+
+def test_expert_short_names_drop_the_prefix_and_the_view_index():
+    from reap.models.base import expert_short_names
+
+    k3 = [f"model.layers.3.block_sparse_moe.experts.7.w{i}.weight_packed" for i in (1, 2)]
+    assert expert_short_names(k3) == ["w1.weight_packed", "w2.weight_packed"]
+    fused = [view_name(f"model.layers.3.mlp.experts.{n}", 12) for n in ("down_proj", "down_bias")]
+    assert expert_short_names(fused) == ["down_proj", "down_bias"]
+    assert expert_short_names([view_name("a.b.gate_up_proj", 0)]) == ["gate_up_proj"]
