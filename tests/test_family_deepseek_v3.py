@@ -637,3 +637,29 @@ def test_state_bytes_equal_the_decode_caches(hf):
     per_pos, per_seq, act, pair = ds.state_bytes(model.cfg, 4)
     assert held == per_pos * len(PROMPT[0]) and per_seq == 0
     assert act > 0 and pair == 4 * 3 * model.cfg.num_attention_heads
+
+
+def test_group_balanced_prune_equals_masked_routing_in_transformers(yarn, tmp_path):
+    """Keeping the same number of experts in every original group keeps each group together
+    after renumbering, so the pruned model (loaded by transformers) routes exactly as the
+    original with the dropped experts masked out of selection (correction bias -inf)."""
+    from transformers import DeepseekV3ForCausalLM
+
+    from reap.prune.plan import Plan
+    from reap.prune.write import prune
+
+    path, original = yarn
+    kept = [0, 2, 5, 6, 8, 11, 13, 15]  # two of each group of four
+    plan = Plan(n_experts=16, top_k=2, layers=[1, 2], counts={1: 8, 2: 8}, keep={1: kept, 2: kept})
+    prune(model=str(path), plan=plan, out=str(tmp_path / "p"))
+    pruned = DeepseekV3ForCausalLM.from_pretrained(tmp_path / "p").eval()
+    ids = torch.tensor([[5, 17, 200, 31, 7, 7, 90, 1, 44, 60, 3, 250]])
+    masked = DeepseekV3ForCausalLM.from_pretrained(path).eval()
+    dropped = [e for e in range(16) if e not in kept]
+    for layer in (1, 2):
+        masked.model.layers[layer].mlp.gate.e_score_correction_bias[dropped] = float("-inf")
+    with torch.no_grad():
+        want, got = masked(ids).logits, pruned(ids).logits
+        full = original(ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert (full - want).abs().max() > 1e-2  # the masking mattered

@@ -238,8 +238,9 @@ def router_tensors(cfg: Config | dict, layer: int) -> dict[str, int]:
 
 def with_experts(config_dict: dict, n_experts: int | dict[int, int]) -> dict:
     """The config with `n_experts` routed experts per MoE layer (top_k capped at it): one count
-    for all layers, a multiple of `n_group` (kept experts regroup in ascending original id) with
-    top_k experts left in the `topk_group` best groups; anything else is a ReapError."""
+    for all layers, a multiple of `n_group` with top_k experts left in the `topk_group` best
+    groups, else a ReapError. Kept experts regroup in ascending original id: routing is exactly
+    the original's with the dropped experts masked only if each group keeps the same number."""
     counts = set(n_experts.values()) if isinstance(n_experts, dict) else {n_experts}
     if len(counts) != 1:  # transformers reads no per-layer counts
         raise ReapError(f"deepseek_v3 needs a uniform expert count, not {sorted(counts)}")
@@ -311,8 +312,7 @@ class Model(LayerModel):
         self, cfg: Config, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
     ):
         self.cfg, self.device, self.dtype = cfg, torch.device(device), dtype
-        self.n_layers = cfg.num_hidden_layers
-        self.mla = B.MLADims.from_config(cfg)
+        self.n_layers, self.mla = cfg.num_hidden_layers, B.MLADims.from_config(cfg)
         self.rope = Rope.create(cfg.qk_rope_head_dim, *rope_settings(cfg))
         self.scale = cfg.softmax_scale
         self.routing = tuple(getattr(cfg, k) for k in _ROUTING)  # grouped_route's settings
