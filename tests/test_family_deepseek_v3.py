@@ -372,6 +372,7 @@ def test_pruned_checkpoint_loads_in_transformers_and_equals_our_engine(yarn, cal
             for a, b in zip(ds.expert_tensor_names(layer, new), ds.expert_tensor_names(layer, e)):
                 assert torch.equal(dst.read(a), src.read(b))
     assert dst.config["n_routed_experts"] == 8 and dst.config["n_group"] == 4
+    assert main(["verify", str(out), "--source", str(path)]) == 0
     assert sorted(dst.tensors) == sorted(s.name for s in ds.layout(dst.config))
     pruned = DeepseekV3ForCausalLM.from_pretrained(out).eval()
     ids = [5, 17, 200, 31, 7, 7, 90, 1, 44, 60]
