@@ -605,8 +605,8 @@ def test_layout_reproduces_published_sizes():
         "quantization_config": {"quant_method": "fp8", "fmt": "e4m3",
                                 "weight_block_size": [128, 128]},
     }  # fmt: skip
-    k2 = {**v3, "model_type": "kimi_k2", "vocab_size": 163840, "num_attention_heads": 64,
-          "n_routed_experts": 384, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1}  # fmt: skip
+    k2 = {**v3, "model_type": "kimi_k2", "vocab_size": 163840, "num_attention_heads": 64}
+    k2.update(n_routed_experts=384, n_group=1, topk_group=1, first_k_dense_replace=1)
     s = SizeModel.from_config(v3)
     assert s.total_params == pytest.approx(671e9, rel=0.005)
     assert s.active_params == pytest.approx(37e9, rel=0.02)

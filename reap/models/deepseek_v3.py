@@ -36,7 +36,6 @@ _EXPERT_RE = re.compile(r"(?:^|\.)model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.")
 _DTYPES = {"bfloat16": "BF16", "float32": "F32", "float16": "F16"}
 _KEEP_F32 = {"gate.weight", "gate.e_score_correction_bias"}  # the router runs in fp32
 GLU = ("gate", "up", "down")  # the SwiGLU projections, as called
-_ROUTING = "num_experts_per_tok n_group topk_group routed_scaling_factor norm_topk_prob".split()  # noqa: SIM905
 
 
 @dataclass
@@ -315,7 +314,8 @@ class Model(LayerModel):
         self.n_layers, self.mla = cfg.num_hidden_layers, B.MLADims.from_config(cfg)
         self.rope = Rope.create(cfg.qk_rope_head_dim, *rope_settings(cfg))
         self.scale = cfg.softmax_scale
-        self.routing = tuple(getattr(cfg, k) for k in _ROUTING)  # grouped_route's settings
+        r = (cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor)
+        self.routing = (*r, cfg.norm_topk_prob)  # grouped_route's settings
 
     def _rotate(self, x: Tensor, start: int) -> Tensor:
         return self.rope.apply(x, start, interleaved=self.cfg.rope_interleave)
