@@ -261,6 +261,9 @@ def test_engine_greedy_tokens_equal_transformers(hf):
     with Engine.open(path, preset="max", context=64, prefill_chunk=4) as eng:
         torch.testing.assert_close(eng.logits([prompt])[0], want_logits[0], rtol=1e-4, atol=1e-4)
         assert eng.generate([prompt], max_tokens=10)[0].ids == want
+        other = [9, 8, 7]  # lockstep with a shorter sequence: positions are per sequence
+        both = eng.generate([prompt, other], max_tokens=10)
+        assert both[0].ids == want and both[1].ids == eng.generate([other], max_tokens=10)[0].ids
 
 
 def _corpus(path: Path) -> str:
