@@ -367,6 +367,8 @@ def test_pruned_checkpoint_loads_in_transformers_and_equals_our_engine(yarn, cal
                  str(plan)]) == 0  # fmt: skip
     assert main(["prune", str(path), "--plan", str(plan), "--out", str(out), "--no-progress"]) == 0
     keep = {int(k): v for k, v in json.loads(plan.read_text())["keep"].items()}
+    for ids in keep.values():  # the plan keeps two of each routing group of four
+        assert [sum(e // 4 == g for e in ids) for g in range(4)] == [2, 2, 2, 2]
     src, dst = Checkpoint.open(path), Checkpoint.open(out)
     for layer, ids in keep.items():  # router rows and correction bias sliced to the kept experts
         for n in ds.router_tensors(ds.Config.from_dict(src.config), layer):
@@ -398,11 +400,13 @@ def test_expert_counts_that_break_the_grouping_are_refused(yarn, tmp_path, capsy
         ds.with_experts({**cfg, "topk_group": 1, "num_experts_per_tok": 4}, 8)
     plan = tmp_path / "plan.json"
     args = ["plan", "--model", str(path), "--criterion", "random", "--keep", "6"]
-    assert main([*args, "--out", str(plan)]) == 0
-    capsys.readouterr()
-    assert main(["prune", str(path), "--plan", str(plan), "--out", str(tmp_path / "o")]) == 2
+    assert main([*args, "--out", str(plan)]) == 2  # refused when planned, not when pruning
     err = capsys.readouterr().err.strip()
-    assert "n_group=4" in err and len(err.splitlines()) == 1
+    assert "in 4 groups" in err and len(err.splitlines()) == 1 and not plan.exists()
+    args[-1] = "8"
+    assert main([*args, "--seed", "5", "--out", str(plan)]) == 0
+    for ids in json.loads(plan.read_text())["keep"].values():
+        assert [sum(e // 4 == g for e in ids) for g in range(4)] == [2, 2, 2, 2]
 
 
 # -- layout and config -------------------------------------------------------------------------

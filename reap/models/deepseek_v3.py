@@ -237,9 +237,7 @@ def router_tensors(cfg: Config | dict, layer: int) -> dict[str, int]:
 
 def with_experts(config_dict: dict, n_experts: int | dict[int, int]) -> dict:
     """The config with `n_experts` routed experts per MoE layer (top_k capped at it): one count
-    for all layers, a multiple of `n_group` with top_k experts left in the `topk_group` best
-    groups, else a ReapError. Kept experts regroup in ascending original id: routing is exactly
-    the original's with the dropped experts masked only if each group keeps the same number."""
+    for all layers, a multiple of `n_group` leaving top_k in the `topk_group` best groups."""
     counts = set(n_experts.values()) if isinstance(n_experts, dict) else {n_experts}
     if len(counts) != 1:  # transformers reads no per-layer counts
         raise ReapError(f"deepseek_v3 needs a uniform expert count, not {sorted(counts)}")
@@ -253,6 +251,11 @@ def with_experts(config_dict: dict, n_experts: int | dict[int, int]) -> dict:
     if int(text.get("topk_group") or 1) * (n // G) < k:
         raise ReapError(f"deepseek_v3: {n} experts leave fewer than top_k={k} in the best groups")
     return out
+
+
+def expert_groups(config_dict: dict) -> int:
+    """Routing groups (`n_group`): a plan keeps as many experts in each (see reap.prune.plan)."""
+    return int(config_dict.get("text_config", config_dict).get("n_group") or 1)
 
 
 def state_bytes(cfg: Config, act_bytes: int) -> tuple[int, int, int, int]:

@@ -219,6 +219,11 @@ def with_experts(config_dict: dict, n_experts: int | dict[int, int]) -> dict:
     return out
 
 
+def expert_groups(config_dict: dict) -> int:
+    """Routing groups (`num_expert_group`): a plan keeps as many experts in each."""
+    return int(config_dict.get("text_config", config_dict).get("num_expert_group") or 1)
+
+
 # -- the model ---------------------------------------------------------------------------------
 def default_experts(get: Weights) -> ExpertSource:
     """An ExpertSource pulling each expert's tensors (short names "w1.weight", ...) by name."""

@@ -141,7 +141,8 @@ def make_plan(
     if scope == "global" and combined is None:
         raise ReapError("--scope global needs scores: give statistics or --criterion random")
     counts = B.layer_counts(scope, size, shape, combined, prot, floor_, keep, ratio, target_size)
-    kept = _select(layers, counts, combined, prot, per_corpus if quota else None, wts)
+    groups = _expert_groups(config, counts, E)
+    kept = _select(layers, counts, combined, prot, per_corpus if quota else None, wts, groups)
     cmap = dict(zip(layers, counts))
     return Plan(
         n_experts=E,
@@ -237,14 +238,44 @@ def _scores(loaded, criterion, latent, weights, shape, seed):
     return per, C.combine(per, wts), wts
 
 
-def _select(layers, counts, combined, prot, quota_scores, wts) -> dict[int, list[int]] | None:
-    """Kept ids per layer: protected, then quotas (if any), then the combined score."""
+def _expert_groups(config: dict | None, counts: list[int], E: int) -> int:
+    """How many routing groups the family splits a layer's experts into (DeepSeek-V3's n_group):
+    grouped top-k routes exactly as before only if every group keeps the same number, so each
+    layer's count must be a multiple of it (ReapError otherwise)."""
+    if config is None:
+        return 1
+    from reap.models import family
+
+    hook = getattr(family(config), "expert_groups", None)
+    G = int(hook(config)) if hook else 1
+    bad = sorted({n for n in counts if n % G})
+    if G > 1 and (E % G or bad):
+        raise ReapError(
+            f"the model routes its {E} experts in {G} groups: keep a multiple of {G} per layer "
+            f"so each group keeps as many (not {bad[0] if bad else E})"
+        )
+    return G
+
+
+def _select(
+    layers, counts, combined, prot, quota_scores, wts, groups: int = 1
+) -> dict[int, list[int]] | None:
+    """Kept ids per layer: protected, then quotas (if any), then the combined score; with
+    `groups` > 1, chosen that way within each group of consecutive ids, count / groups each."""
     if combined is None:
         return None
     kept = {}
     for li, layer in enumerate(layers):
-        q = {c: (wts[c], s[li]) for c, s in quota_scores.items()} if quota_scores else None
-        kept[layer] = C.select_layer(counts[li], combined[li], prot[li], q)
+        E, ids = combined.shape[1], []
+        size = E // groups
+        for g in range(groups):
+            lo, hi = g * size, (g + 1) * size  # group g holds ids lo..hi-1
+            q = None
+            if quota_scores:
+                q = {c: (wts[c], s[li][lo:hi]) for c, s in quota_scores.items()}
+            p = {e - lo for e in prot[li] if lo <= e < hi}
+            ids += [lo + e for e in C.select_layer(counts[li] // groups, combined[li][lo:hi], p, q)]
+        kept[layer] = ids
     return kept
 
 
