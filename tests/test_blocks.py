@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from reap import mxfp4
+from reap.models import attention as A
 from reap.models import blocks as B
 
 
@@ -60,7 +61,7 @@ def test_short_conv_streamed_equals_whole_and_naive():
     torch.testing.assert_close(torch.cat(parts, 1), y)
 
 
-def _mla_weights(d: B.MLADims, D=48, seed=0):
+def _mla_weights(d: A.MLADims, D=48, seed=0):
     g = torch.Generator().manual_seed(seed)
     r = lambda *s: torch.randn(*s, generator=g) / math.sqrt(s[-1])
     return {
@@ -75,7 +76,7 @@ def _mla_weights(d: B.MLADims, D=48, seed=0):
     }
 
 
-def _mla_plain(x, W, d: B.MLADims):
+def _mla_plain(x, W, d: A.MLADims):
     """Plain causal multi-head attention with k/v rows of kv_b_proj expanded head by head."""
     T = x.shape[1]
     q = B.linear(
@@ -98,18 +99,18 @@ def _mla_plain(x, W, d: B.MLADims):
 
 
 def test_mla_latent_cache_matches_plain_attention():
-    d = B.MLADims(heads=3, nope=8, rope=4, v=8, kv_lora=16, q_lora=24, output_gate=True)
+    d = A.MLADims(heads=3, nope=8, rope=4, v=8, kv_lora=16, q_lora=24, output_gate=True)
     W = _mla_weights(d)
     x = torch.randn(1, 9, 48, generator=torch.Generator().manual_seed(2))
     ref = _mla_plain(x, W, d)
-    torch.testing.assert_close(B.mla_attention(x, W.__getitem__, d), ref, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(A.mla_attention(x, W.__getitem__, d), ref, atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(
-        B.mla_attention(x, W.__getitem__, d, absorbed=True), ref, atol=1e-5, rtol=1e-4
+        A.mla_attention(x, W.__getitem__, d, absorbed=True), ref, atol=1e-5, rtol=1e-4
     )
-    cache = B.MLACache()
-    parts = [B.mla_attention(x[:, :5], W.__getitem__, d, cache)]  # prefill, then decode 1 by 1
+    cache = A.MLACache()
+    parts = [A.mla_attention(x[:, :5], W.__getitem__, d, cache)]  # prefill, then decode 1 by 1
     for t in range(5, 9):
-        parts.append(B.mla_attention(x[:, t : t + 1], W.__getitem__, d, cache))
+        parts.append(A.mla_attention(x[:, t : t + 1], W.__getitem__, d, cache))
     assert cache.length == 9 and cache.kv_latent.shape == (1, 9, 16)
     torch.testing.assert_close(torch.cat(parts, 1), ref, atol=1e-5, rtol=1e-4)
 

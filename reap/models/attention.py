@@ -1,7 +1,8 @@
-"""Softmax attention with rotary positions, shared by the RoPE families (Qwen3-MoE, Mixtral,
-OLMoE, GPT-OSS, DeepSeek-V3's rope part): RoPE (default, linear, YaRN, Llama-3 scaling) and
-grouped-query attention over a growing KV cache, with optional sliding window and per-head sink
-logits. Families do their own projections and norms and call these on per-head tensors.
+"""Softmax attention variants shared by the families: RoPE (default, linear, YaRN, Llama-3
+scaling), grouped-query attention over a growing KV cache with optional sliding window and
+per-head sink logits (Qwen3-MoE, Mixtral, OLMoE, GPT-OSS), and multi-head latent attention (MLA)
+with a compressed latent KV cache, NoPE (Kimi K3, Kimi Linear) or with RoPE (DeepSeek-V3).
+For GQA, families do their own projections and norms and call these on per-head tensors.
 
     theta, scaling = rope_settings(config_dict)
     rope = Rope.create(head_dim, theta, scaling)
@@ -9,17 +10,19 @@ logits. Families do their own projections and norms and call these on per-head t
     o = gqa_attention(q, k, v, cache, scale=head_dim**-0.5)      # [B, T, H, Dv]
 
 Dimension letters: B batch, T new tokens, S all tokens (cache + new), H query heads, Hkv key/value
-heads (H a multiple of Hkv), Dk query/key width, Dv value width, d rotated width.
+heads (H a multiple of Hkv), Dk query/key width, Dv value width, d rotated width, R latent KV width.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from reap.errors import ReapError
+from reap.models.blocks import WeightFn, linear, rms_norm
 
 Tensor = torch.Tensor
 
@@ -164,3 +167,105 @@ def gqa_attention(
     pg = p.to(v.dtype).reshape(Bn, k.shape[1], group * T, S)
     o = (pg @ v).reshape(Bn, H, T, -1)  # [B, H, T, Dv]
     return o.transpose(1, 2)
+
+
+# -- MLA ---------------------------------------------------------------------------------------
+@dataclass
+class MLACache:
+    """Compressed KV cache of one MLA layer: normalized latent [B, S, R] and k_pe [B, S, rope]."""
+
+    kv_latent: Tensor | None = None
+    k_pe: Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        return 0 if self.kv_latent is None else self.kv_latent.shape[1]
+
+
+@dataclass
+class MLADims:
+    """MLA widths: heads, per-head nope/rope query-key widths, value width, latent ranks."""
+
+    heads: int
+    nope: int
+    rope: int
+    v: int
+    kv_lora: int
+    q_lora: int | None
+    output_gate: bool
+
+    @classmethod
+    def from_config(cls, c) -> MLADims:
+        """From a DeepSeek-style config object (num_attention_heads, qk_nope_head_dim, ...;
+        no `mla_use_output_gate` field: no output gate)."""
+        return cls(
+            c.num_attention_heads,
+            c.qk_nope_head_dim,
+            c.qk_rope_head_dim,
+            c.v_head_dim,
+            c.kv_lora_rank,
+            c.q_lora_rank,
+            getattr(c, "mla_use_output_gate", False),
+        )
+
+
+def mla_attention(
+    x: Tensor,
+    w: WeightFn,
+    d: MLADims,
+    cache: MLACache | None = None,
+    absorbed: bool | None = None,
+    rope: Callable[[Tensor, int], Tensor] | None = None,
+    scale: float | None = None,
+) -> Tensor:
+    """Multi-head latent attention (gated NoPE for K3, RoPE for DeepSeek-V3): x [B, T, D] ->
+    [B, T, D], causal over the cache plus the new tokens. `absorbed` (default: when T == 1) folds
+    kv_b into the query and output so attention runs in the R-wide latent space; otherwise
+    keys/values are expanded per head. `rope(x [B, T, H, rope], start)` rotates q_pe and the
+    shared k_pe at positions start.. (start = tokens already cached; k_pe is cached rotated);
+    `scale` overrides the softmax scale 1/sqrt(nope + rope) (YaRN's mscale)."""
+    Bn, T, _ = x.shape
+    H = d.heads
+    if d.q_lora:
+        q = linear(
+            rms_norm(linear(x, w("q_a_proj.weight")), w("q_a_layernorm.weight"), 1e-6),
+            w("q_b_proj.weight"),
+        )
+    else:
+        q = linear(x, w("q_proj.weight"))
+    q = q.reshape(Bn, T, H, d.nope + d.rope)  # [B, T, H, nope+rope]
+    q_nope, q_pe = q.split([d.nope, d.rope], dim=-1)
+    c, k_pe = linear(x, w("kv_a_proj_with_mqa.weight")).split([d.kv_lora, d.rope], dim=-1)
+    c = rms_norm(c, w("kv_a_layernorm.weight"), 1e-6)  # [B, T, R]
+    if rope is not None:
+        start = cache.length if cache is not None else 0
+        q_pe = rope(q_pe, start)
+        k_pe = rope(k_pe[:, :, None], start)[:, :, 0]  # [B, T, rope] one head shared by all
+    if cache is not None:
+        if cache.kv_latent is not None:
+            c, k_pe = torch.cat([cache.kv_latent, c], 1), torch.cat([cache.k_pe, k_pe], 1)
+        cache.kv_latent, cache.k_pe = c, k_pe
+    kv_b = w("kv_b_proj.weight").reshape(H, d.nope + d.v, d.kv_lora)  # [H, nope+v, R]
+    wk, wv = kv_b[:, : d.nope], kv_b[:, d.nope :]  # [H, nope, R], [H, v, R]
+    scale = (d.nope + d.rope) ** -0.5 if scale is None else scale
+    scores = torch.einsum("bthr,bsr->bhts", q_pe, k_pe)  # [B, H, T, S]
+    if absorbed if absorbed is not None else T == 1:
+        q_lat = torch.einsum("bthn,hnr->bthr", q_nope, wk)
+        p = _causal_softmax((scores + torch.einsum("bthr,bsr->bhts", q_lat, c)) * scale)
+        o = torch.einsum("bhtr,hvr->bthv", p @ c[:, None], wv)  # [B, T, H, v]
+    else:
+        k = torch.einsum("bsr,hnr->bhsn", c, wk)  # [B, H, S, nope]
+        vv = torch.einsum("bsr,hvr->bhsv", c, wv)  # [B, H, S, v]
+        p = _causal_softmax((scores + q_nope.transpose(1, 2) @ k.transpose(-1, -2)) * scale)
+        o = (p @ vv).transpose(1, 2)  # [B, T, H, v]
+    o = o.reshape(Bn, T, H * d.v)
+    if d.output_gate:
+        o = o * torch.sigmoid(linear(x, w("g_proj.weight")))
+    return linear(o, w("o_proj.weight"))
+
+
+def _causal_softmax(scores: Tensor) -> Tensor:
+    """Softmax over keys [..., T, S] where query t (the last T of S positions) sees keys <= it."""
+    T, S = scores.shape[-2:]
+    visible = torch.ones(T, S, dtype=torch.bool, device=scores.device).tril(S - T)
+    return torch.softmax(scores.float().masked_fill(~visible, float("-inf")), -1).to(scores.dtype)

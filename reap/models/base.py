@@ -48,6 +48,12 @@ ExpertSource = Callable[[int, int], Mapping[str, torch.Tensor]]
 Weights = Callable[[str], torch.Tensor]
 
 
+def dtype_code(torch_dtype: str | None) -> str:
+    """The safetensors dtype code of a config's `torch_dtype` / `dtype` (default BF16)."""
+    codes = {"bfloat16": "BF16", "float32": "F32", "float16": "F16"}
+    return codes.get(torch_dtype or "bfloat16", "BF16")
+
+
 @dataclass
 class State:
     """The residual stream between layers, everything a later layer needs (spillable with `to`).

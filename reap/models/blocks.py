@@ -1,7 +1,8 @@
-"""Shared torch blocks for the model families: norms, the SiTU GLU, Kimi Delta Attention (KDA,
-gated delta rule: a per-step recurrence and a chunked WY form), gated NoPE MLA with a latent KV
-cache, the sigmoid and softmax routers with expert-major dispatch (`routed_experts`, reported
-through `report_moe`), and the AttnRes residual mix.
+"""Shared torch blocks for the model families: norms, the SiTU and SiLU GLUs, Kimi Delta
+Attention (KDA, gated delta rule: a per-step recurrence and a chunked WY form), the routers
+(sigmoid with selection bias, DeepSeek's grouped top-k, softmax top-k), expert-major dispatch
+(`routed_experts`, reported through `report_moe`) and the AttnRes residual mix. Softmax attention
+(GQA, MLA) lives in `reap.models.attention`.
 
 Functions take tensors, not modules: families pull weights by name and pass them in. Dimension
 letters: B batch, T new tokens, S all tokens (cache + new), N = B*T, H heads, Dk key/query head
@@ -198,108 +199,6 @@ def kda_attention(
     return linear(o.reshape(Bn, T, P).to(x.dtype), w("o_proj.weight"))
 
 
-# -- MLA ---------------------------------------------------------------------------------------
-@dataclass
-class MLACache:
-    """Compressed KV cache of one MLA layer: normalized latent [B, S, R] and k_pe [B, S, rope]."""
-
-    kv_latent: Tensor | None = None
-    k_pe: Tensor | None = None
-
-    @property
-    def length(self) -> int:
-        return 0 if self.kv_latent is None else self.kv_latent.shape[1]
-
-
-@dataclass
-class MLADims:
-    """MLA widths: heads, per-head nope/rope query-key widths, value width, latent ranks."""
-
-    heads: int
-    nope: int
-    rope: int
-    v: int
-    kv_lora: int
-    q_lora: int | None
-    output_gate: bool
-
-    @classmethod
-    def from_config(cls, c) -> MLADims:
-        """From a DeepSeek-style config object (num_attention_heads, qk_nope_head_dim, ...;
-        no `mla_use_output_gate` field: no output gate)."""
-        return cls(
-            c.num_attention_heads,
-            c.qk_nope_head_dim,
-            c.qk_rope_head_dim,
-            c.v_head_dim,
-            c.kv_lora_rank,
-            c.q_lora_rank,
-            getattr(c, "mla_use_output_gate", False),
-        )
-
-
-def mla_attention(
-    x: Tensor,
-    w: WeightFn,
-    d: MLADims,
-    cache: MLACache | None = None,
-    absorbed: bool | None = None,
-    rope: Callable[[Tensor, int], Tensor] | None = None,
-    scale: float | None = None,
-) -> Tensor:
-    """Multi-head latent attention (gated NoPE for K3, RoPE for DeepSeek-V3): x [B, T, D] ->
-    [B, T, D], causal over the cache plus the new tokens. `absorbed` (default: when T == 1) folds
-    kv_b into the query and output so attention runs in the R-wide latent space; otherwise
-    keys/values are expanded per head. `rope(x [B, T, H, rope], start)` rotates q_pe and the
-    shared k_pe at positions start.. (start = tokens already cached; k_pe is cached rotated);
-    `scale` overrides the softmax scale 1/sqrt(nope + rope) (YaRN's mscale)."""
-    Bn, T, _ = x.shape
-    H = d.heads
-    if d.q_lora:
-        q = linear(
-            rms_norm(linear(x, w("q_a_proj.weight")), w("q_a_layernorm.weight"), 1e-6),
-            w("q_b_proj.weight"),
-        )
-    else:
-        q = linear(x, w("q_proj.weight"))
-    q = q.reshape(Bn, T, H, d.nope + d.rope)  # [B, T, H, nope+rope]
-    q_nope, q_pe = q.split([d.nope, d.rope], dim=-1)
-    c, k_pe = linear(x, w("kv_a_proj_with_mqa.weight")).split([d.kv_lora, d.rope], dim=-1)
-    c = rms_norm(c, w("kv_a_layernorm.weight"), 1e-6)  # [B, T, R]
-    if rope is not None:
-        start = cache.length if cache is not None else 0
-        q_pe = rope(q_pe, start)
-        k_pe = rope(k_pe[:, :, None], start)[:, :, 0]  # [B, T, rope] one head shared by all
-    if cache is not None:
-        if cache.kv_latent is not None:
-            c, k_pe = torch.cat([cache.kv_latent, c], 1), torch.cat([cache.k_pe, k_pe], 1)
-        cache.kv_latent, cache.k_pe = c, k_pe
-    kv_b = w("kv_b_proj.weight").reshape(H, d.nope + d.v, d.kv_lora)  # [H, nope+v, R]
-    wk, wv = kv_b[:, : d.nope], kv_b[:, d.nope :]  # [H, nope, R], [H, v, R]
-    scale = (d.nope + d.rope) ** -0.5 if scale is None else scale
-    scores = torch.einsum("bthr,bsr->bhts", q_pe, k_pe)  # [B, H, T, S]
-    if absorbed if absorbed is not None else T == 1:
-        q_lat = torch.einsum("bthn,hnr->bthr", q_nope, wk)
-        p = _causal_softmax((scores + torch.einsum("bthr,bsr->bhts", q_lat, c)) * scale)
-        o = torch.einsum("bhtr,hvr->bthv", p @ c[:, None], wv)  # [B, T, H, v]
-    else:
-        k = torch.einsum("bsr,hnr->bhsn", c, wk)  # [B, H, S, nope]
-        vv = torch.einsum("bsr,hvr->bhsv", c, wv)  # [B, H, S, v]
-        p = _causal_softmax((scores + q_nope.transpose(1, 2) @ k.transpose(-1, -2)) * scale)
-        o = (p @ vv).transpose(1, 2)  # [B, T, H, v]
-    o = o.reshape(Bn, T, H * d.v)
-    if d.output_gate:
-        o = o * torch.sigmoid(linear(x, w("g_proj.weight")))
-    return linear(o, w("o_proj.weight"))
-
-
-def _causal_softmax(scores: Tensor) -> Tensor:
-    """Softmax over keys [..., T, S] where query t (the last T of S positions) sees keys <= it."""
-    T, S = scores.shape[-2:]
-    visible = torch.ones(T, S, dtype=torch.bool, device=scores.device).tril(S - T)
-    return torch.softmax(scores.float().masked_fill(~visible, float("-inf")), -1).to(scores.dtype)
-
-
 # -- router and expert-major MoE ---------------------------------------------------------------
 def route(
     logits: Tensor, bias: Tensor | None, top_k: int, scaling: float, renormalize: bool = True
@@ -323,6 +222,31 @@ def softmax_topk(logits: Tensor, top_k: int, renormalize: bool) -> tuple[Tensor,
     if renormalize:
         weights = weights / weights.sum(-1, keepdim=True)
     return ids, weights, probs
+
+
+# -- routing -----------------------------------------------------------------------------------
+def grouped_route(
+    logits: Tensor, bias: Tensor, top_k: int, n_group: int, topk_group: int, scaling: float,
+    renormalize: bool,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """DeepSeek-V3 routing: logits [N, E] -> (ids [N, K] int64, weights [N, K] fp32, probs [N, E]
+    fp32 sigmoid scores). Selection uses probs + bias, only among the `topk_group` groups with the
+    largest sum of their two best biased scores; weights are the unbiased scores of the chosen,
+    renormalized (when asked, whatever top_k), times `scaling`."""
+    probs = torch.sigmoid(logits.float())
+    sel = probs + bias.float()
+    N, E = sel.shape
+    if n_group > 1 and topk_group < n_group:
+        grouped = sel.reshape(N, n_group, E // n_group)  # [N, G, E/G]
+        score = grouped.topk(min(2, E // n_group), dim=-1).values.sum(-1)  # [N, G]
+        keep = torch.zeros_like(score, dtype=torch.bool)
+        keep.scatter_(1, score.topk(topk_group, dim=-1).indices, True)
+        sel = sel.masked_fill(~keep.repeat_interleave(E // n_group, dim=1), float("-inf"))
+    ids = sel.topk(top_k, dim=-1).indices  # [N, K]
+    weights = probs.gather(-1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return ids, weights * scaling, probs
 
 
 def expert_glu(

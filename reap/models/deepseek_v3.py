@@ -22,9 +22,17 @@ import torch
 from reap import fp8
 from reap.checkpoint import TensorSpec
 from reap.errors import ReapError
+from reap.models import attention as A
 from reap.models import blocks as B
-from reap.models.attention import Rope, rope_settings
-from reap.models.base import ExpertSource, LayerModel, Observer, State, Weights, expert_short_names
+from reap.models.base import (
+    ExpertSource,
+    LayerModel,
+    Observer,
+    State,
+    Weights,
+    dtype_code,
+    expert_short_names,
+)
 
 Tensor = torch.Tensor
 
@@ -33,7 +41,6 @@ EXPERT_TENSORS = ("down_proj.weight", "gate_proj.weight", "up_proj.weight")
 FP8_EXPERT_TENSORS = tuple(n + s for n in EXPERT_TENSORS for s in ("", "_scale_inv"))
 _FP8_RE = re.compile(r"^model\.layers\.\d+\..*_proj(_with_mqa)?\.weight$")  # quantized weights
 _EXPERT_RE = re.compile(r"(?:^|\.)model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.")
-_DTYPES = {"bfloat16": "BF16", "float32": "F32", "float16": "F16"}
 _KEEP_F32 = {"gate.weight", "gate.e_score_correction_bias"}  # the router runs in fp32
 GLU = ("gate", "up", "down")  # the SwiGLU projections, as called
 
@@ -131,7 +138,7 @@ class Config:
     def softmax_scale(self) -> float:
         """1/sqrt(qk head width), times mscale(factor, mscale_all_dim)^2 under YaRN."""
         scale = (self.qk_nope_head_dim + self.qk_rope_head_dim) ** -0.5
-        _, s = rope_settings(self)  # `rope_parameters`, or `rope_theta` + `rope_scaling`
+        _, s = A.rope_settings(self)  # `rope_parameters`, or `rope_theta` + `rope_scaling`
         m_all = (s or {}).get("mscale_all_dim")
         if m_all and float(s["factor"]) > 1:
             scale *= (0.1 * m_all * math.log(float(s["factor"])) + 1.0) ** 2
@@ -142,7 +149,7 @@ class Config:
 def layout(config_dict: dict) -> list[TensorSpec]:
     """Every tensor of a transformers-format checkpoint (names without a prefix), in order."""
     cfg = Config.from_dict(config_dict)
-    fdt = _DTYPES.get(cfg.torch_dtype, "BF16")
+    fdt = dtype_code(cfg.torch_dtype)
     D, V = cfg.hidden_size, cfg.vocab_size
     specs = [TensorSpec("model.embed_tokens.weight", fdt, (V, D), "embed_head")]
     for i in range(cfg.num_hidden_layers):
@@ -269,31 +276,6 @@ def state_bytes(cfg: Config, act_bytes: int) -> tuple[int, int, int, int]:
     return per_pos, 0, act, 4 * 3 * H
 
 
-# -- routing -----------------------------------------------------------------------------------
-def grouped_route(
-    logits: Tensor, bias: Tensor, top_k: int, n_group: int, topk_group: int, scaling: float,
-    renormalize: bool,
-) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-    """DeepSeek-V3 routing: logits [N, E] -> (ids [N, K] int64, weights [N, K] fp32, probs [N, E]
-    fp32 sigmoid scores). Selection uses probs + bias, only among the `topk_group` groups with the
-    largest sum of their two best biased scores; weights are the unbiased scores of the chosen,
-    renormalized (when asked, whatever top_k), times `scaling`."""
-    probs = torch.sigmoid(logits.float())
-    sel = probs + bias.float()
-    N, E = sel.shape
-    if n_group > 1 and topk_group < n_group:
-        grouped = sel.reshape(N, n_group, E // n_group)  # [N, G, E/G]
-        score = grouped.topk(min(2, E // n_group), dim=-1).values.sum(-1)  # [N, G]
-        keep = torch.zeros_like(score, dtype=torch.bool)
-        keep.scatter_(1, score.topk(topk_group, dim=-1).indices, True)
-        sel = sel.masked_fill(~keep.repeat_interleave(E // n_group, dim=1), float("-inf"))
-    ids = sel.topk(top_k, dim=-1).indices  # [N, K]
-    weights = probs.gather(-1, ids)
-    if renormalize:
-        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-    return ids, weights * scaling, probs
-
-
 # -- the model ---------------------------------------------------------------------------------
 def default_experts(get: Weights, short: tuple[str, ...] = EXPERT_TENSORS) -> ExpertSource:
     """An ExpertSource pulling each expert's tensors (`short` names) through the weight getter."""
@@ -314,11 +296,11 @@ class Model(LayerModel):
         self, cfg: Config, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
     ):
         self.cfg, self.device, self.dtype = cfg, torch.device(device), dtype
-        self.n_layers, self.mla = cfg.num_hidden_layers, B.MLADims.from_config(cfg)
-        self.rope = Rope.create(cfg.qk_rope_head_dim, *rope_settings(cfg))
+        self.n_layers, self.mla = cfg.num_hidden_layers, A.MLADims.from_config(cfg)
+        self.rope = A.Rope.create(cfg.qk_rope_head_dim, *A.rope_settings(cfg))
         self.scale = cfg.softmax_scale
         r = (cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor)
-        self.routing = (*r, cfg.norm_topk_prob)  # grouped_route's settings
+        self.routing = (*r, cfg.norm_topk_prob)  # B.grouped_route's settings
 
     def _rotate(self, x: Tensor, start: int) -> Tensor:
         return self.rope.apply(x, start, interleaved=self.cfg.rope_interleave)
@@ -332,9 +314,9 @@ class Model(LayerModel):
 
         return w
 
-    def new_caches(self) -> list[B.MLACache]:
+    def new_caches(self) -> list[A.MLACache]:
         """Empty per-layer latent KV caches."""
-        return [B.MLACache() for _ in range(self.n_layers)]
+        return [A.MLACache() for _ in range(self.n_layers)]
 
     def embed(self, get: Weights, ids: Tensor) -> State:
         """ids [B, T] int -> State with hidden [B, T, D]."""
@@ -346,7 +328,7 @@ class Model(LayerModel):
         w, eps = self._w(get, f"model.layers.{i}."), self.cfg.rms_norm_eps
         x = B.rms_norm(state.hidden, w("input_layernorm.weight"), eps)
         sub = self._w(get, f"model.layers.{i}.self_attn.")
-        a = B.mla_attention(x, sub, self.mla, cache, rope=self._rotate, scale=self.scale)
+        a = A.mla_attention(x, sub, self.mla, cache, rope=self._rotate, scale=self.scale)
         h = state.hidden + a
         return State(h), B.rms_norm(h, w("post_attention_layernorm.weight"), eps)
 
@@ -371,7 +353,7 @@ class Model(LayerModel):
         """Route, run the chosen experts expert-major, add the shared experts: [N, D] -> [N, D].
         Experts work in the model space, so an expert's model_norm is its output's norm."""
         bias = w("gate.e_score_correction_bias")
-        ids, weights, probs = grouped_route(
+        ids, weights, probs = B.grouped_route(
             B.linear(x.float(), w("gate.weight")), bias, *self.routing
         )
         wants = observer is not None and observer.wants_norms

@@ -35,7 +35,7 @@ from reap.checkpoint import TensorSpec, view_name
 from reap.errors import ReapError
 from reap.models import blocks as B
 from reap.models.attention import KVCache, Rope, gqa_attention, rope_settings
-from reap.models.base import ExpertSource, LayerModel, Observer, State, Weights
+from reap.models.base import ExpertSource, LayerModel, Observer, State, Weights, dtype_code
 
 DENSE_TENSORS = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
 MXFP4_TENSORS = (
@@ -47,7 +47,6 @@ MXFP4_TENSORS = (
     "down_proj_bias",
 )
 _EXPERT_RE = re.compile(r"(?:^|\.)model\.layers\.(\d+)\.mlp\.experts\.\w+\[(\d+)\]$")
-_DTYPES = {"bfloat16": "BF16", "float32": "F32", "float16": "F16"}
 
 
 @dataclass
@@ -113,7 +112,7 @@ class Config:
 
     @property
     def file_dtype(self) -> str:
-        return _DTYPES.get(self.torch_dtype or "bfloat16", "BF16")
+        return dtype_code(self.torch_dtype)
 
 
 # -- layout ------------------------------------------------------------------------------------

@@ -16,14 +16,14 @@ import torch
 
 from reap.checkpoint import TensorSpec
 from reap.errors import ReapError
+from reap.models import attention as A
 from reap.models import blocks as B
-from reap.models.base import ExpertSource, LayerModel, Observer, State, Weights
+from reap.models.base import ExpertSource, LayerModel, Observer, State, Weights, dtype_code
 from reap.models.vision import standin_specs
 
 # the six tensors of a routed expert, file order: w1 gate, w2 down, w3 up; E2M1 pairs, E8M0 scales
 EXPERT_TENSORS = tuple(f"w{i}.weight_{k}" for i in (1, 2, 3) for k in ("packed", "scale"))
 _EXPERT_RE = re.compile(r"(?:^|\.)model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.")
-_DTYPES = {"bfloat16": "BF16", "float32": "F32", "float16": "F16"}
 _KEEP_F32 = {"A_log", "dt_bias", "gate.e_score_correction_bias"}  # used in fp32 whatever dtype
 
 
@@ -125,7 +125,7 @@ def layout(config_dict: dict) -> list[TensorSpec]:
 
     A `vision_config` in the config adds the vision tower's size stand-in (`reap.models.vision`)."""
     cfg = Config.from_dict(config_dict)
-    fdt = _DTYPES.get(cfg.torch_dtype, "BF16")
+    fdt = dtype_code(cfg.torch_dtype)
     D, V = cfg.hidden_size, cfg.vocab_size
     specs = [TensorSpec("model.embed_tokens.weight", fdt, (V, D), "embed_head")]
     for i in range(cfg.num_hidden_layers):
@@ -316,7 +316,7 @@ class Model(LayerModel):
     ):
         self.cfg, self.device, self.dtype = cfg, torch.device(device), dtype
         self.n_layers = cfg.num_hidden_layers
-        self.mla = B.MLADims.from_config(cfg)
+        self.mla = A.MLADims.from_config(cfg)
         self.act = (cfg.activation_situ_beta or 1.0, cfg.activation_situ_linear_beta)
         self.moe = B.MoEDims(
             cfg.num_experts_per_token,
@@ -337,9 +337,9 @@ class Model(LayerModel):
 
         return w
 
-    def new_caches(self) -> list[B.KDACache | B.MLACache]:
+    def new_caches(self) -> list[B.KDACache | A.MLACache]:
         """Empty per-layer decode caches (KDA conv/recurrent state or MLA latent KV)."""
-        return [B.KDACache() if self.cfg.is_kda(i) else B.MLACache() for i in range(self.n_layers)]
+        return [B.KDACache() if self.cfg.is_kda(i) else A.MLACache() for i in range(self.n_layers)]
 
     def embed(self, get: Weights, ids: torch.Tensor) -> State:
         """ids [B, T] int -> State with hidden [B, T, D]."""
@@ -362,7 +362,7 @@ class Model(LayerModel):
             bound = cfg.linear_attn_config.get("gate_lower_bound")
             a = B.kda_attention(x, sub, cfg.kda_heads, cfg.kda_head_dim, bound, eps, cache)
         else:
-            a = B.mla_attention(x, sub, self.mla, cache)
+            a = A.mla_attention(x, sub, self.mla, cache)
         partial = a if partial is None else partial + a
         h = self._mix(w, "mlp_res", blocks, partial) if res else partial
         return State(partial, blocks), B.rms_norm(h, w("post_attention_layernorm.weight"), eps)

@@ -8,7 +8,7 @@ Where it differs from K3 (references: transformers 5 `KimiLinearForCausalLM`, ml
 `block_sparse_moe.experts.e.w{1,2,3}.weight` working in the model width (no LatentMoE, no MXFP4);
 the KDA output gate is low-rank (g_a_proj, g_b_proj), its decay unbounded and A_log stored
 [1, 1, H, 1]; the residual stream is plain pre-norm (no AttnRes); the router (fp32 logits) may
-group experts as DeepSeek-V3's does, whose `grouped_route` it uses.
+group experts as DeepSeek-V3's does (the shared `blocks.grouped_route`).
 
 Configs come as released (`linear_attn_config`, `first_k_dense_replace`) or as transformers 5
 writes them (`layer_types`, `mlp_layer_types`, `dtype`); `_normalize` maps both onto `Config`.
@@ -22,10 +22,10 @@ import torch
 
 from reap.checkpoint import TensorSpec
 from reap.errors import ReapError
+from reap.models import attention as A
 from reap.models import blocks as B
 from reap.models import kimi_k3 as K3
-from reap.models.base import ExpertSource, Observer, State, Weights
-from reap.models.deepseek_v3 import grouped_route  # transformers' Kimi Linear router is DeepSeek's
+from reap.models.base import ExpertSource, Observer, State, Weights, dtype_code
 
 # shared with K3: same names, same meaning
 expert_key = K3.expert_key
@@ -131,7 +131,7 @@ def layout(config_dict: dict) -> list[TensorSpec]:
 
 
 def _dtype(cfg: Config) -> str:
-    return K3._DTYPES.get(cfg.torch_dtype, "BF16")
+    return dtype_code(cfg.torch_dtype)
 
 
 def _layer_specs(cfg: Config, i: int, fdt: str) -> list[TensorSpec]:
@@ -255,7 +255,7 @@ def sparse_moe(
     bias = w("gate.e_score_correction_bias")
     groups = (cfg.num_expert_group, cfg.topk_group)
     k, scale = cfg.num_experts_per_token, cfg.routed_scaling_factor
-    ids, weights, probs = grouped_route(logits, bias, k, *groups, scale, cfg.moe_renormalize)
+    ids, weights, probs = B.grouped_route(logits, bias, k, *groups, scale, cfg.moe_renormalize)
     wants = observer is not None and observer.wants_norms
     y, stats = B.routed_experts(
         x, ids, weights, layer, experts, _expert, (lambda o: o) if wants else None
@@ -292,7 +292,7 @@ class Model(K3.Model):
             H, Dk = cfg.kda_heads, cfg.kda_head_dim
             a = B.kda_attention(x, sub, H, Dk, None, eps, cache, low_rank_gate=True)
         else:
-            a = B.mla_attention(x, sub, self.mla, cache)
+            a = A.mla_attention(x, sub, self.mla, cache)
         h = state.hidden + a
         return State(h), B.rms_norm(h, w("post_attention_layernorm.weight"), eps)
 

@@ -26,9 +26,7 @@ from reap.checkpoint import TensorSpec
 from reap.errors import ReapError
 from reap.models import blocks as B
 from reap.models.attention import KVCache, Rope, gqa_attention, rope_settings
-from reap.models.base import ExpertSource, LayerModel, Observer, State, Weights
-
-_DTYPES = {"bfloat16": "BF16", "float32": "F32", "float16": "F16"}
+from reap.models.base import ExpertSource, LayerModel, Observer, State, Weights, dtype_code
 
 
 @dataclass(frozen=True)
@@ -157,7 +155,7 @@ class Config:
 def layout_of(cfg: Config) -> list[TensorSpec]:
     """Every tensor of the Hugging Face layout of `cfg` (logical order: embedding, layers,
     final norm, head)."""
-    dt = _DTYPES.get(cfg.torch_dtype, "BF16")
+    dt = dtype_code(cfg.torch_dtype)
     D, V = cfg.hidden_size, cfg.vocab_size
     specs = [TensorSpec("model.embed_tokens.weight", dt, (V, D), "embed_head")]
     for i in range(cfg.num_hidden_layers):
@@ -209,7 +207,7 @@ def _attn_specs(cfg: Config, t) -> list[TensorSpec]:
 
 def expert_specs(cfg: Config, layer: int, expert: int, dt: str | None = None) -> list[TensorSpec]:
     """The three matrices of one routed expert, file order."""
-    dt = dt or _DTYPES.get(cfg.torch_dtype, "BF16")
+    dt = dt or dtype_code(cfg.torch_dtype)
     D, F, n = cfg.hidden_size, cfg.expert_width, cfg.names
     shapes = {n.gate: (F, D), n.up: (F, D), n.down: (D, F)}
     names = n.expert_names(layer, expert)
