@@ -31,8 +31,10 @@ results do not depend on caching or memory budgets.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Protocol
 
 import torch
@@ -46,6 +48,23 @@ ExpertSource = Callable[[int, int], Mapping[str, torch.Tensor]]
 
 # name (without prefix) -> tensor; raises reap.errors.CheckpointError for unknown names.
 Weights = Callable[[str], torch.Tensor]
+
+
+_VARIANTS: dict[tuple[str, str], ModuleType] = {}
+
+
+def storage_variant(module: str, name: str, **functions: Callable) -> ModuleType:
+    """Family module `module` (its __name__) as seen for one storage of its experts (e.g. "fp8",
+    "mxfp4"): a cached copy with `functions` (e.g. expert_tensor_names) replaced. For families
+    whose tensor names depend on how a checkpoint stores its experts; `family()` returns it."""
+    key = (module, name)
+    if key not in _VARIANTS:
+        source = sys.modules[module]
+        twin = ModuleType(f"{module}.{name}", source.__doc__)
+        twin.__dict__.update({k: v for k, v in vars(source).items() if not k.startswith("__")})
+        twin.__dict__.update(functions)
+        _VARIANTS[key] = twin
+    return _VARIANTS[key]
 
 
 def dtype_code(torch_dtype: str | None) -> str:

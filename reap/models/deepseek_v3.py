@@ -32,6 +32,7 @@ from reap.models.base import (
     Weights,
     dtype_code,
     expert_short_names,
+    storage_variant,
 )
 
 Tensor = torch.Tensor
@@ -221,15 +222,12 @@ def expert_tensor_names(layer: int, expert: int) -> list[str]:
 
 
 def variant(config_dict: dict) -> types.ModuleType:
-    """This module, or for an FP8 checkpoint a twin whose `expert_tensor_names` also name the
+    """This module, or for an FP8 checkpoint its variant whose `expert_tensor_names` also name the
     scales (`reap.models.family` calls this, so every stage reads an expert's six tensors)."""
     if not Config.from_dict(config_dict).fp8_block:
         return sys.modules[__name__]
-    twin = types.ModuleType(__name__ + ".fp8", __doc__)
-    twin.__dict__.update({k: v for k, v in globals().items() if not k.startswith("__")})
-    twin.expert_tensor_names = lambda layer, expert: _names(FP8_EXPERT_TENSORS, layer, expert)
-    twin.variant = lambda config_dict: twin
-    return twin
+    names = lambda layer, expert: _names(FP8_EXPERT_TENSORS, layer, expert)
+    return storage_variant(__name__, "fp8", expert_tensor_names=names)
 
 
 def _names(short: tuple[str, ...], layer: int, expert: int) -> list[str]:

@@ -21,7 +21,6 @@ D hidden, V vocab, H heads, Hkv kv heads, Dh head width, E n_experts, K top_k, F
 from __future__ import annotations
 
 import copy
-import functools
 import re
 import sys
 import types
@@ -35,7 +34,15 @@ from reap.checkpoint import TensorSpec, view_name
 from reap.errors import ReapError
 from reap.models import blocks as B
 from reap.models.attention import KVCache, Rope, gqa_attention, rope_settings
-from reap.models.base import ExpertSource, LayerModel, Observer, State, Weights, dtype_code
+from reap.models.base import (
+    ExpertSource,
+    LayerModel,
+    Observer,
+    State,
+    Weights,
+    dtype_code,
+    storage_variant,
+)
 
 DENSE_TENSORS = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
 MXFP4_TENSORS = (
@@ -221,17 +228,12 @@ def with_experts(config_dict: dict, n_experts: int | dict[int, int]) -> dict:
 
 
 def variant(config_dict: dict) -> types.ModuleType:
-    """This module, or for an MXFP4 checkpoint its twin whose `expert_tensor_names` names the
+    """This module, or for an MXFP4 checkpoint its variant whose `expert_tensor_names` names the
     blocks and scales (`reap.models.family` calls this, so stages get the right names)."""
-    return _mxfp4_twin() if Config.from_dict(config_dict).mxfp4 else sys.modules[__name__]
-
-
-@functools.cache
-def _mxfp4_twin() -> types.ModuleType:
-    twin = types.ModuleType(__name__ + ".mxfp4", __doc__)
-    twin.__dict__.update({k: v for k, v in globals().items() if not k.startswith("__")})
-    twin.expert_tensor_names = lambda layer, expert: _expert_names(MXFP4_TENSORS, layer, expert)
-    return twin
+    if not Config.from_dict(config_dict).mxfp4:
+        return sys.modules[__name__]
+    names = lambda layer, expert: _expert_names(MXFP4_TENSORS, layer, expert)
+    return storage_variant(__name__, "mxfp4", expert_tensor_names=names)
 
 
 def state_bytes(cfg: Config, act_bytes: int) -> tuple[int, int, int, int]:
