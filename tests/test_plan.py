@@ -331,3 +331,17 @@ def test_plan_finds_the_calibrated_checkpoint(tmp_path):
     s.meta["model"] = "another"
     save(s, tmp_path, "zh")
     assert main(["plan", str(stats), "--target-size", "1MB", "--out", str(out)]) == 2
+
+
+def test_counts_a_family_cannot_write_are_refused_when_planning():
+    """A Qwen3-MoE config.json holds one expert count: a global plan whose per-layer counts
+    differ is refused by `reap plan` (as `reap prune` would), a uniform one is not."""
+    from transformers import Qwen3MoeConfig
+
+    cfg = Qwen3MoeConfig(vocab_size=64, hidden_size=32, num_hidden_layers=4, num_attention_heads=2,
+                         num_key_value_heads=1, head_dim=16, moe_intermediate_size=16,
+                         num_experts=64, num_experts_per_tok=2).to_dict()  # fmt: skip
+    kept = make_plan(config=cfg, criterion="random", keep=16, seed=0).keep
+    assert sorted(kept) == [0, 1, 2, 3] and all(len(ids) == 16 for ids in kept.values())
+    with pytest.raises(ReapError, match="one expert count|uniform|differ"):
+        make_plan(config=cfg, criterion="random", scope="global", ratio=0.5, seed=0)

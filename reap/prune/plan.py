@@ -25,6 +25,7 @@ import torch
 
 from reap.errors import ReapError
 from reap.fileio import write_atomic
+from reap.models import family
 from reap.provenance import code_version as _code_version
 from reap.prune import budget as B
 from reap.prune import criteria as C
@@ -142,6 +143,8 @@ def make_plan(
         raise ReapError("--scope global needs scores: give statistics or --criterion random")
     counts = B.layer_counts(scope, size, shape, combined, prot, floor_, keep, ratio, target_size)
     groups = _expert_groups(config, counts, E)
+    if config is not None:  # refuse now what prune would refuse (e.g. one count per config)
+        family(config).with_experts(config, dict(zip(layers, counts)))
     kept = _select(layers, counts, combined, prot, per_corpus if quota else None, wts, groups)
     cmap = dict(zip(layers, counts))
     return Plan(
@@ -244,8 +247,6 @@ def _expert_groups(config: dict | None, counts: list[int], E: int) -> int:
     layer's count must be a multiple of it (ReapError otherwise)."""
     if config is None:
         return 1
-    from reap.models import family
-
     hook = getattr(family(config), "expert_groups", None)
     G = int(hook(config)) if hook else 1
     bad = sorted({n for n in counts if n % G})
