@@ -640,8 +640,9 @@ def report_md(r: dict) -> str:
         "",
         (
             "Plan from the size model at each budget (context 4096); I/O at the bandwidths "
-            "above; compute = FLOPs / matmul throughput + one expert decode per routed expert "
-            "used (1472 per token); predicted = max(I/O, compute) with the ring overlapping "
+            "above; compute = non-expert FLOPs / matmul throughput + the fused time of one "
+            "expert above per routed expert used (1472 per token); predicted = max(I/O, compute) "
+            "with the ring overlapping "
             "them, serial = their sum. The last columns put the I/O floor at the peer's disk "
             "(5.4 GB/s trunk, 3.2 GB/s experts) beside its published time on 124 cores."
         ),
@@ -683,7 +684,9 @@ def _reading(r: dict) -> list[str]:
             f"floor (target <= 1.25x: {met}). In bf16 each routed expert runs as three fused "
             "MXFP4 matmuls (no decoded copy; `reap.engine.kernels.mxfp4_linear`), and the reads "
             "of a layer's missed experts start in background threads as soon as its routing is "
-            "known, so they overlap the experts' own compute but not the trunk's."
+            "known, so they overlap the experts' own compute but not the trunk's (the routing "
+            "of a layer is known only after its attention). What is left is mostly the trunk's "
+            "own matmuls at the measured bf16 rate (see the breakdown below)."
         )
     return out
 
