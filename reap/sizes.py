@@ -15,7 +15,7 @@ import os
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from reap.checkpoint import TensorSpec, split_view
+from reap.checkpoint import TEXT_PREFIX, TensorSpec, split_view
 from reap.errors import ReapError
 
 # Bytes of one safetensors header entry besides its key, dtype, shape and offset digits:
@@ -49,7 +49,7 @@ class SizeModel:
     input_embedding_params: int = 0
 
     @classmethod
-    def from_config(cls, config: dict) -> "SizeModel":
+    def from_config(cls, config: dict) -> SizeModel:
         """Size model of a config.json dict (any family with a `layout`)."""
         from reap.models import family
 
@@ -57,7 +57,7 @@ class SizeModel:
         return cls.from_layout(fam.layout(config), fam, config)
 
     @classmethod
-    def from_layout(cls, specs: list[TensorSpec], fam, config: dict) -> "SizeModel":
+    def from_layout(cls, specs: list[TensorSpec], fam, config: dict) -> SizeModel:
         cfg = fam.Config.from_dict(config)
         moe_layers = sorted({s.layer for s in specs if s.component == "routed_experts"})
         router = {}
@@ -69,20 +69,26 @@ class SizeModel:
         n_exp = 0
         shard = min(sum(s.nbytes for s in specs), _SHARD_BYTES)
         digits = len(str(shard // 2))  # typical offset within a shard
+        prefix = TEXT_PREFIX if "text_config" in config else ""  # as synth and the releases
         for s in specs:
             census[s.component]["params"] += _params(s)
             census[s.component]["bytes"] += s.nbytes
             if s.expert is not None:
                 n_exp = max(n_exp, s.expert + 1)
                 if s.expert == 0:
-                    h = _header_bytes(s, digits)
+                    h = _header_bytes(s, digits, prefix)
                     if split_view(s.name)[1] is not None:  # a fused tensor: one header entry
                         fixed["h"], h = fixed["h"] + h, 0
-                    for k, v in (("b", s.nbytes), ("ob", s.nbytes), ("p", _params(s)),
-                                 ("op", _params(s)), ("h", h)):
+                    for k, v in (
+                        ("b", s.nbytes),
+                        ("ob", s.nbytes),
+                        ("p", _params(s)),
+                        ("op", _params(s)),
+                        ("h", h),
+                    ):
                         unit[k][s.layer] += v
                 continue
-            fixed["h"] += _header_bytes(s, digits)
+            fixed["h"] += _header_bytes(s, digits, prefix)
             if s.name in router:
                 rows = s.shape[router[s.name]]
                 unit["b"][s.layer] += s.nbytes // rows
@@ -95,8 +101,22 @@ class SizeModel:
         d = {k: dict(v) for k, v in unit.items()}
         embed = sum(s.numel for s in specs if s.name.endswith("embed_tokens.weight"))
         stored = len({split_view(s.name)[0] for s in specs})  # a fused tensor's views: one tensor
-        return cls(n_exp, top_k, moe_layers, fixed["b"], fixed["p"], d["b"], d["p"], d["ob"],
-                   d["op"], fixed["h"], d["h"], dict(census), stored, embed)
+        return cls(
+            n_exp,
+            top_k,
+            moe_layers,
+            fixed["b"],
+            fixed["p"],
+            d["b"],
+            d["p"],
+            d["ob"],
+            d["op"],
+            fixed["h"],
+            d["h"],
+            dict(census),
+            stored,
+            embed,
+        )
 
     @property
     def total_params(self) -> int:
@@ -118,8 +138,9 @@ class SizeModel:
         """Checkpoint bytes (tensor data + safetensors headers) with `keep` experts per layer."""
         keep = self._keep(keep)
         data = self.fixed_bytes + sum(self.expert_bytes[la] * k for la, k in keep.items())
-        head = self.header_bytes_fixed + sum(self.header_bytes_expert[la] * k
-                                             for la, k in keep.items())
+        head = self.header_bytes_fixed + sum(
+            self.header_bytes_expert[la] * k for la, k in keep.items()
+        )
         return data + head
 
     def predict_params(self, keep: dict[int, int] | int | None = None) -> int:
@@ -158,7 +179,7 @@ def _params(s: TensorSpec) -> int:
     return s.numel
 
 
-def _header_bytes(s: TensorSpec, offset_digits: int, prefix: str = "language_model.") -> int:
+def _header_bytes(s: TensorSpec, offset_digits: int, prefix: str) -> int:
     """Estimated bytes of a tensor's entry in a safetensors header (exact but for offsets)."""
     key = len(s.name) + (0 if s.component == "vision" else len(prefix))
     shape = sum(len(str(d)) for d in s.shape) + max(len(s.shape) - 1, 0)
@@ -167,8 +188,17 @@ def _header_bytes(s: TensorSpec, offset_digits: int, prefix: str = "language_mod
 
 def parse_size(text: str) -> int:
     """'350GB' -> 350e9 bytes; accepts B, KB, MB, GB, TB (powers of 1000) and KiB..TiB."""
-    units = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+    units = {
+        "B": 1,
+        "KB": 10**3,
+        "MB": 10**6,
+        "GB": 10**9,
+        "TB": 10**12,
+        "KIB": 2**10,
+        "MIB": 2**20,
+        "GIB": 2**30,
+        "TIB": 2**40,
+    }
     t = text.strip().upper().replace(" ", "")
     for u in sorted(units, key=len, reverse=True):
         if t.endswith(u):
@@ -237,10 +267,14 @@ def info(model: str, layers: int | None = None) -> dict:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", metavar="MODEL_OR_CONFIG",
-                   help="checkpoint directory/file, or a built-in config: k3-tiny, k3-small, k3-full")
-    p.add_argument("--layers", type=int, default=None,
-                   help="built-in configs only: keep the first N layers")
+    p.add_argument(
+        "model",
+        metavar="MODEL_OR_CONFIG",
+        help="checkpoint directory/file, or a built-in config: k3-tiny, k3-small, k3-full",
+    )
+    p.add_argument(
+        "--layers", type=int, default=None, help="built-in configs only: keep the first N layers"
+    )
     p.add_argument("--json", action="store_true", help="print the census as JSON")
 
 
@@ -250,17 +284,25 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(out, indent=1))
         return 0
     total = out["total_params"]
-    print(f"{out['model']}: {fmt_params(total)} parameters, {fmt_bytes(out['checkpoint_bytes'])}"
-          f" checkpoint, {out['tensors']:,} tensors")
+    print(
+        f"{out['model']}: {fmt_params(total)} parameters, {fmt_bytes(out['checkpoint_bytes'])}"
+        f" checkpoint, {out['tensors']:,} tensors"
+    )
     print(f"{'component':<16}{'params':>14}{'share':>8}{'bytes':>14}")
     for name, c in out["components"].items():
-        print(f"{name:<16}{fmt_params(c['params']):>14}{c['params'] / total:>8.1%}"
-              f"{fmt_bytes(c['bytes']):>14}")
-    print(f"active per token: {fmt_params(out['active_params'])} "
-          f"({out['active_params'] / total:.1%}); routed experts: {out['n_experts']} per layer, "
-          f"top-{out['top_k']}, {out['moe_layers']} MoE layers")
-    print(f"per routed expert: {out['params_per_routed_expert']:,} params, "
-          f"{out['bytes_per_routed_expert']:,} bytes")
+        print(
+            f"{name:<16}{fmt_params(c['params']):>14}{c['params'] / total:>8.1%}"
+            f"{fmt_bytes(c['bytes']):>14}"
+        )
+    print(
+        f"active per token: {fmt_params(out['active_params'])} "
+        f"({out['active_params'] / total:.1%}); routed experts: {out['n_experts']} per layer, "
+        f"top-{out['top_k']}, {out['moe_layers']} MoE layers"
+    )
+    print(
+        f"per routed expert: {out['params_per_routed_expert']:,} params, "
+        f"{out['bytes_per_routed_expert']:,} bytes"
+    )
     if "bytes_on_disk" in out:
         print(f"on disk: {fmt_bytes(out['bytes_on_disk'])} in {out['tensors_on_disk']:,} tensors")
     return 0

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from reap import mxfp4
-from reap.checkpoint import CheckpointWriter, TensorSpec
+from reap.checkpoint import TEXT_PREFIX, CheckpointWriter, TensorSpec
 from reap.errors import ReapError
 from reap.models import BUILTIN, builtin_config, family
 from reap.tokenizer import byte_tokenizer_files
@@ -72,9 +72,8 @@ def synth(
     text.update(torch_dtype=dtype, **({"dtype": dtype} if "dtype" in text else {}))
     fam = family(cfgd)
     specs = fam.layout(cfgd)
-    writer = CheckpointWriter(
-        out, specs, max_shard_bytes, prefix="language_model.", overwrite=overwrite
-    )
+    prefix = TEXT_PREFIX if "text_config" in cfgd else ""  # multimodal releases prefix text
+    writer = CheckpointWriter(out, specs, max_shard_bytes, prefix=prefix, overwrite=overwrite)
     from tqdm import tqdm
 
     bar = tqdm(
