@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from reap import mxfp4
-from reap.models.base import ExpertSource, MoERecord, Observer
+from reap.models.base import ExpertSource, LayerModel, MoERecord, Observer, State, Weights
 
 Tensor = torch.Tensor
 WeightFn = Callable[[str], Tensor]  # short name -> tensor in the compute dtype/device
@@ -436,3 +436,29 @@ def attn_res_mix(
     for i, b in enumerate(blocks):
         out = out + p[i, ..., None] * b.float()
     return out.to(partial.dtype)
+
+
+# -- Llama-style model ends --------------------------------------------------------------------
+class PreNormModel(LayerModel):
+    """A LayerModel with the Llama-style ends: embedding `model.embed_tokens.weight`, final RMSNorm
+    `model.norm.weight`, head `lm_head.weight` (or the tied table). Needs `self.cfg` with
+    `rms_norm_eps` and `tie_word_embeddings`, `self.device`, `self.dtype`; `_w` casts every
+    weight to the compute dtype (override it to keep some in fp32 or to dequantize)."""
+
+    def _w(self, get: Weights, prefix: str) -> WeightFn:
+        def w(name: str) -> Tensor:
+            return get(prefix + name).to(self.device, self.dtype)
+
+        return w
+
+    def embed(self, get: Weights, ids: Tensor) -> State:
+        """ids [B, T] int -> State with hidden [B, T, D] (only the used rows are cast)."""
+        table = get("model.embed_tokens.weight")
+        return State(table[ids.to(table.device)].to(self.device, self.dtype))
+
+    def head(self, get: Weights, state: State) -> Tensor:
+        """Final norm and output head: -> logits [B, T, V]."""
+        w = self._w(get, "")
+        h = rms_norm(state.hidden, w("model.norm.weight"), self.cfg.rms_norm_eps)
+        tied = self.cfg.tie_word_embeddings
+        return linear(h, w("model.embed_tokens.weight" if tied else "lm_head.weight"))

@@ -26,7 +26,6 @@ from reap.models import attention as A
 from reap.models import blocks as B
 from reap.models.base import (
     ExpertSource,
-    LayerModel,
     Observer,
     State,
     Weights,
@@ -285,7 +284,7 @@ def default_experts(get: Weights, short: tuple[str, ...] = EXPERT_TENSORS) -> Ex
     return source
 
 
-class Model(LayerModel):
+class Model(B.PreNormModel):
     """DeepSeek-V3 / Kimi K2 text model; holds no weights (see `reap.models.base`).
 
     Compute runs in `dtype` on `device`; norms, the router and the softmax are fp32."""
@@ -315,11 +314,6 @@ class Model(LayerModel):
     def new_caches(self) -> list[A.MLACache]:
         """Empty per-layer latent KV caches."""
         return [A.MLACache() for _ in range(self.n_layers)]
-
-    def embed(self, get: Weights, ids: Tensor) -> State:
-        """ids [B, T] int -> State with hidden [B, T, D]."""
-        table = self._w(get, "model.")("embed_tokens.weight")
-        return State(table[ids.to(self.device)].to(self.dtype))
 
     def attn_block(self, i: int, get: Weights, state: State, cache=None) -> tuple[State, Tensor]:
         """Pre-norm MLA of layer i plus the residual; returns (state, MLP input [B, T, D])."""
@@ -374,10 +368,3 @@ class Model(LayerModel):
             return w.to(x.device, x.dtype)
 
         return B.silu_glu(x, *map(weight, GLU))
-
-    def head(self, get: Weights, state: State) -> Tensor:
-        """Final norm and output head: -> logits [B, T, V]."""
-        cfg, w = self.cfg, self._w(get, "model.")
-        h = B.rms_norm(state.hidden, w("norm.weight"), cfg.rms_norm_eps)
-        name = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
-        return B.linear(h, self._w(get, "")(name))

@@ -36,7 +36,6 @@ from reap.models import blocks as B
 from reap.models.attention import KVCache, Rope, gqa_attention, rope_settings
 from reap.models.base import (
     ExpertSource,
-    LayerModel,
     Observer,
     State,
     Weights,
@@ -295,7 +294,7 @@ def router(logits: torch.Tensor, top_k: int):
 
 
 # -- the model ---------------------------------------------------------------------------------
-class Model(LayerModel):
+class Model(B.PreNormModel):
     """GPT-OSS decoder; holds no weights (see `reap.models.base` for the driving protocol).
     Compute runs in `dtype` on `device`; norms, router softmax and attention softmax in fp32."""
 
@@ -308,20 +307,9 @@ class Model(LayerModel):
         short = MXFP4_TENSORS if cfg.mxfp4 else DENSE_TENSORS
         self._names = lambda layer, expert: _expert_names(short, layer, expert)
 
-    def _w(self, get: Weights, prefix: str):
-        def w(name: str) -> torch.Tensor:
-            return get(prefix + name).to(self.device, self.dtype)
-
-        return w
-
     def new_caches(self) -> list[KVCache]:
         """Empty per-layer KV caches."""
         return [KVCache() for _ in range(self.n_layers)]
-
-    def embed(self, get: Weights, ids: torch.Tensor) -> State:
-        """ids [B, T] int -> State with hidden [B, T, D]."""
-        table = get("model.embed_tokens.weight")
-        return State(table[ids.to(table.device)].to(self.device, self.dtype))
 
     def attn_block(self, i: int, get: Weights, state: State, cache=None):
         """Attention of layer i; returns (state, MLP input [B, T, D])."""
@@ -366,9 +354,3 @@ class Model(LayerModel):
         )
         B.report_moe(observer, i, ids, weights, probs, stats)
         return y.to(x.dtype).reshape(x.shape)
-
-    def head(self, get: Weights, state: State) -> torch.Tensor:
-        """Final norm and output head: -> logits [B, T, V]."""
-        h = B.rms_norm(state.hidden, self._w(get, "model.")("norm.weight"), self.cfg.rms_norm_eps)
-        name = "model.embed_tokens.weight" if self.cfg.tie_word_embeddings else "lm_head.weight"
-        return B.linear(h, self._w(get, "")(name))

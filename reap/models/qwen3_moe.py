@@ -26,7 +26,7 @@ from reap.checkpoint import TensorSpec
 from reap.errors import ReapError
 from reap.models import blocks as B
 from reap.models.attention import KVCache, Rope, gqa_attention, rope_settings
-from reap.models.base import ExpertSource, LayerModel, Observer, State, Weights, dtype_code
+from reap.models.base import ExpertSource, Observer, State, Weights, dtype_code
 
 
 @dataclass(frozen=True)
@@ -292,7 +292,7 @@ def default_experts(get: Weights, names: Naming = NAMES) -> ExpertSource:
     return source
 
 
-class Model(LayerModel):
+class Model(B.PreNormModel):
     """Pre-norm decoder with GQA RoPE attention and softmax-routed SwiGLU experts; holds no
     weights (see `reap.models.base`). Compute runs in `dtype` on `device`; router probabilities,
     norms and attention softmax in fp32."""
@@ -304,20 +304,9 @@ class Model(LayerModel):
         self.n_layers = cfg.num_hidden_layers
         self.rope = Rope.create(cfg.dh, cfg.rope_theta, cfg.rope_scaling)
 
-    def _w(self, get: Weights, prefix: str) -> B.WeightFn:
-        def w(name: str) -> torch.Tensor:
-            return get(prefix + name).to(self.device, self.dtype)
-
-        return w
-
     def new_caches(self) -> list[KVCache]:
         """Empty per-layer KV caches."""
         return [KVCache() for _ in range(self.n_layers)]
-
-    def embed(self, get: Weights, ids: torch.Tensor) -> State:
-        """ids [B, T] int -> State with hidden [B, T, D]."""
-        table = get("model.embed_tokens.weight")
-        return State(table[ids.to(table.device)].to(self.device, self.dtype))
 
     def attn_block(
         self, i: int, get: Weights, state: State, cache: KVCache | None = None
@@ -381,10 +370,3 @@ class Model(LayerModel):
         """One routed expert on its tokens: x [M, D] -> [M, D]."""
         n = self.cfg.names
         return B.silu_glu(x, *(t[s].to(x.device, x.dtype) for s in (n.gate, n.up, n.down)))
-
-    def head(self, get: Weights, state: State) -> torch.Tensor:
-        """Final norm and output head: -> logits [B, T, V]."""
-        cfg, w = self.cfg, self._w(get, "")
-        h = B.rms_norm(state.hidden, w("model.norm.weight"), cfg.rms_norm_eps)
-        name = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
-        return B.linear(h, w(name))
