@@ -70,8 +70,8 @@ class TensorSpec:
     """One tensor of a checkpoint layout: name (without any `language_model.` prefix),
     safetensors dtype code, shape, and where it belongs (for size census and pruning).
 
-    component: routed_experts | shared_experts | latent_proj | router | kda | mla |
-    dense_mlp | embed_head | attn_res | norms | vision | other.
+    component: routed_experts | shared_experts | latent_proj | router | kda | mla | attention
+    (softmax GQA) | dense_mlp | embed_head | attn_res | norms | vision | other.
     layer: decoder layer index or None; expert: routed expert id or None.
     """
 

@@ -145,12 +145,12 @@ def _layer_specs(cfg: Config, i: int, fdt: str) -> list[TensorSpec]:
 
     out = [t("input_layernorm.weight", (D,), "norms")]
     for n, rows in (("q", H * Dh), ("k", Hkv * Dh), ("v", Hkv * Dh)):
-        out += [t(f"self_attn.{n}_proj.weight", (rows, D), "attn")]
-        out += [t(f"self_attn.{n}_proj.bias", (rows,), "attn")]
+        out += [t(f"self_attn.{n}_proj.weight", (rows, D), "attention")]
+        out += [t(f"self_attn.{n}_proj.bias", (rows,), "attention")]
     out += [
-        t("self_attn.o_proj.weight", (D, H * Dh), "attn"),
-        t("self_attn.o_proj.bias", (D,), "attn"),
-        t("self_attn.sinks", (H,), "attn"),
+        t("self_attn.o_proj.weight", (D, H * Dh), "attention"),
+        t("self_attn.o_proj.bias", (D,), "attention"),
+        t("self_attn.sinks", (H,), "attention"),
         t("post_attention_layernorm.weight", (D,), "norms"),
         t("mlp.router.weight", (E, D), "router"),
         t("mlp.router.bias", (E,), "router"),
