@@ -337,13 +337,14 @@ def run_study(s: Settings, work: Path, out_dir: Path, report: Path | None) -> di
     from reap.checkpoint import Checkpoint
     from reap.defaults import default_model
     from reap.provenance import code_version
+    from reap.sizes import SizeModel
 
     _check_work(work, s)
     model = default_model()
     with Checkpoint.open(model) as ck:
         config, fingerprint = ck.config, ck.fingerprint()
-    top_k = config["text_config"]["num_experts_per_token"]
-    n_experts = config["text_config"]["num_experts"]
+    size = SizeModel.from_config(config)  # the family's own reading of the config
+    n_experts, top_k = size.n_experts, size.top_k
     keeps = {b: keep_count(b, n_experts, top_k) for b in {*s.budgets, *s.criteria_budgets}}
     stats = {seed: calibrate_seed(work, s, seed) for seed in s.seeds}
     equiv = (
@@ -378,6 +379,7 @@ def run_study(s: Settings, work: Path, out_dir: Path, report: Path | None) -> di
             r["cal_set"]: r["examples"] for r in recs if "examples" in r and r["seed"] == s.seeds[0]
         },
         "build_seconds": float(sum(r["seconds"] for r in recs)),
+        "protected_experts": int(sum(r["protected"] for r in recs)),
     }
     _write(out_dir / "results.json", results)
     _write(out_dir / "builds.json", recs)

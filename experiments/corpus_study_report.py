@@ -4,7 +4,8 @@
     python experiments/corpus_study_report.py --results R.json --report R.md
 
 Every number in the report is read from the results file (written by
-`experiments/corpus_study.py`); the only hand-written text is the framing and the limits.
+`experiments/corpus_study.py`); the only hand-written text, the framing and the limits, is in
+`experiments/corpus_study_prose.py`.
 """
 
 from __future__ import annotations
@@ -12,13 +13,25 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+from corpus_study_prose import (
+    ANSWERS_INTRO,
+    CRIT_INTRO,
+    GEN_INTRO,
+    INTRO,
+    LIMITS,
+    METHOD,
+    OVERLAP_INTRO,
+    QUALITY_INTRO,
+    SUMMARY_INTRO,
+    TITLE,
+)
 
 BUDGET_NAMES = {"k3": "K3 350 GB share"}
 
@@ -51,45 +64,25 @@ def _answer_rows(block: dict, exp: bool) -> list[list[str]]:
     return rows
 
 
+# fmt: off
 CLAIMS = [  # (claim of the K3 study, where its effect is, key, shown as a ratio)
-    (
-        "en+code build loses Chinese (zh ppl vs the full-mix build)",
-        "budgets",
-        "en+code loses zh (vs full)",
-        True,
-    ),
-    (
-        "... and starts repeating (zh looping rate vs the full-mix build)",
-        "generations",
-        "en+code vs full: zh looping",
-        False,
-    ),
-    (
-        "zh build loses code (code ppl vs the full-mix build)",
-        "budgets",
-        "zh loses code (vs full)",
-        True,
-    ),
-    (
-        "zh+code keeps Chinese (zh ppl vs the en+code build)",
-        "budgets",
-        "zh+code beats en+code on zh",
-        True,
-    ),
+    ("en+code build loses Chinese (zh ppl vs the full-mix build)", "budgets",
+     "en+code loses zh (vs full)", True),
+    ("... and starts repeating (zh looping rate vs the full-mix build)", "generations",
+     "en+code vs full: zh looping", False),
+    ("zh build loses code (code ppl vs the full-mix build)", "budgets",
+     "zh loses code (vs full)", True),
+    ("zh+code keeps Chinese (zh ppl vs the en+code build)", "budgets",
+     "zh+code beats en+code on zh", True),
     ("zh+code keeps code (code ppl vs the zh build)", "budgets", "zh+code beats zh on code", True),
-    (
-        "European languages share experts (excess Jaccard of de/fr/es/it pairs)",
-        "overlap",
-        "european pairs: excess jaccard",
-        False,
-    ),
-    (
-        "Chinese overlaps code less than chance (excess Jaccard zh-code)",
-        "overlap",
-        "zh-code: excess jaccard",
-        False,
-    ),
+    ("European languages share experts (excess Jaccard of de/fr/es/it pairs)", "overlap",
+     "european pairs: excess jaccard", False),
+    ("Chinese overlaps code less than chance (excess Jaccard zh-code)", "overlap",
+     "zh-code: excess jaccard", False),
+    ("... and less than code overlaps the other corpora (zh-code minus code's other pairs)",
+     "overlap", "zh-code minus code's other pairs", False),
 ]
+# fmt: on
 
 
 def _claim_cells(r: dict, where: str, key: str, exp: bool) -> list[str]:
@@ -126,6 +119,47 @@ def summary_section(r: dict) -> list[str]:
                     [f"REAP beats {name.split()[-1]} (mean ppl ratio over domains)"] + cells
                 )
     return ["## Summary", "", SUMMARY_INTRO, ""] + _table(["claim"] + budgets, rows) + [""]
+
+
+def reading_section(r: dict) -> list[str]:
+    """What the tables say, in sentences generated from the results."""
+    out = ["## Reading", ""]
+    for b in r["settings"]["budgets"]:
+        rows = [x for x in r["builds"] if x["criterion"] == "reap" and x["budget"] == b]
+        ratio = {
+            (x["set"], d): math.exp(x["quality"][d]["log_ratio"]["mean"])
+            for x in rows
+            for d in r["domains"]
+        }
+        spread = {
+            d: max(v for (s, e), v in ratio.items() if e == d)
+            / min(v for (s, e), v in ratio.items() if e == d)
+            for d in r["domains"]
+        }
+        d = max(spread, key=spread.get)
+        out.append(
+            f"- {_budget(r, b)}: every REAP build's perplexity is "
+            f"{min(ratio.values()):.2f}-{max(ratio.values()):.2f} x the full model's on "
+            f"every domain; the calibration set moves a domain's ratio by a factor of at "
+            f"most {spread[d]:.2f} (on {d})."
+        )
+    verdicts = {}
+    for claim, where, key, _ in CLAIMS:
+        blocks = (
+            [r["answers"][b] for b in r["settings"]["budgets"]]
+            if where == "budgets"
+            else [r["answers"][where]]
+        )
+        verdicts[claim] = [blk[key]["verdict"] for blk in blocks if key in blk]
+    held = [c for c, v in verdicts.items() if "holds" in v]
+    rest = [c for c, v in verdicts.items() if "holds" not in v]
+    out += [
+        "- Holds at some budget (95 % interval over seeds on the predicted side of zero): "
+        + ("; ".join(held) or "none")
+        + ".",
+        "- Not shown at any budget: " + ("; ".join(rest) or "none") + ".",
+    ]
+    return out + [""]
 
 
 def answers_section(r: dict) -> list[str]:
@@ -315,7 +349,7 @@ def criteria_section(r: dict, plot: str | None) -> list[str]:
     out = [
         "## REAP against other criteria",
         "",
-        CRIT_INTRO.format(s=r["settings"]["criteria_set"]),
+        CRIT_INTRO.format(s=r["settings"]["criteria_set"], p=r.get("protected_experts", "?")),
         "",
     ]
     for b, blk in a.items():
@@ -396,92 +430,17 @@ def method_section(r: dict) -> list[str]:
     return out
 
 
-def write_plots(r: dict, out_dir: Path, report_dir: Path) -> dict[str, str]:
-    """overlap.png, quality.png, criteria.png under out_dir; returns name -> path relative to
-    the report's directory."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    rel = Path(os.path.relpath(out_dir.resolve(), report_dir.resolve())).as_posix()
-    m = str(r["overlap_m"][0])
-    ratio = np.array(r["overlap_matrix"]["count"][m]["ratio"])
-    np.fill_diagonal(ratio, np.nan)
-    fig, ax = plt.subplots(figsize=(5.5, 4.5))
-    im = ax.imshow(np.log2(ratio), cmap="RdBu_r", vmin=-2, vmax=2)
-    ax.set_xticks(range(len(r["corpora"])), r["corpora"])
-    ax.set_yticks(range(len(r["corpora"])), r["corpora"])
-    ax.set_title(f"top-{m} expert sets: log2(observed / chance Jaccard)")
-    fig.colorbar(im, ax=ax)
-    fig.tight_layout()
-    fig.savefig(out_dir / "overlap.png", dpi=110)
-    plt.close(fig)
-    _quality_plot(r, out_dir, plt, np)
-    _criteria_plot(r, out_dir, plt, np)
-    return {k: f"{rel}/{k}.png" for k in ("overlap", "quality", "criteria")}
-
-
-_ENDS = ("mean", "lo", "hi")
-
-
-def _end(ci: dict, key: str) -> float:
-    """An interval end, or the mean where there is no interval (one seed)."""
-    return ci[key] if ci[key] is not None else ci["mean"]
-
-
-def _quality_plot(r, out_dir, plt, np) -> None:
-    budgets, sets, doms = r["settings"]["budgets"], r["settings"]["sets"], r["domains"]
-    fig, axes = plt.subplots(1, len(budgets), figsize=(4.2 * len(budgets), 3.6), squeeze=False)
-    for ax, b in zip(axes[0], budgets):
-        rows = {x["set"]: x for x in r["builds"] if x["criterion"] == "reap" and x["budget"] == b}
-        w = 0.8 / len(sets)
-        for i, s in enumerate(sets):
-            q = rows[s]["quality"]
-            mean, lo, hi = (np.exp([_end(q[d]["log_ratio"], k) for d in doms]) for k in _ENDS)
-            x = np.arange(len(doms)) + (i - len(sets) / 2 + 0.5) * w
-            ax.bar(x, mean, w, label=s, yerr=[mean - lo, hi - mean], capsize=2)
-        ax.set_xticks(range(len(doms)), doms)
-        ax.set_yscale("log")
-        ax.axhline(1.0, color="k", lw=0.6)
-        ax.set_title(f"{r['keeps'][b]}/{r['n_experts']} experts kept")
-        ax.set_ylabel("perplexity / full model")
-    axes[0][0].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out_dir / "quality.png", dpi=110)
-    plt.close(fig)
-
-
-def _criteria_plot(r, out_dir, plt, np) -> None:
-    a = r["answers"]["criteria"]
-    fig, ax = plt.subplots(figsize=(5, 3.6))
-    budgets = list(a)
-    crits = list(next(iter(a.values()))["mean_log_ratio"])
-    w = 0.8 / len(crits)
-    for i, c in enumerate(crits):
-        cis = [a[b]["mean_log_ratio"][c] for b in budgets]
-        mean, lo, hi = (np.exp([_end(ci, k) for ci in cis]) for k in _ENDS)
-        x = np.arange(len(budgets)) + (i - len(crits) / 2 + 0.5) * w
-        ax.bar(x, mean, w, label=c, yerr=[mean - lo, hi - mean], capsize=3)
-    ax.set_xticks(range(len(budgets)), [f"{r['keeps'][b]}/{r['n_experts']} kept" for b in budgets])
-    ax.set_ylabel("geometric-mean ppl ratio (5 domains)")
-    ax.set_title(f"criteria on `{r['settings']['criteria_set']}` statistics")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out_dir / "criteria.png", dpi=110)
-    plt.close(fig)
-
-
 def write_report(results: dict, out_dir: Path, report: Path) -> str:
     """Plots under out_dir and the markdown at `report`; returns the report path."""
+    from corpus_study_plots import write_plots
+
     from reap.fileio import write_atomic
 
     plots = write_plots(results, Path(out_dir), Path(report).parent)
     lines = [f"# {TITLE}", "", INTRO, ""]
     lines += (
         summary_section(results)
+        + reading_section(results)
         + answers_section(results)
         + overlap_section(results, plots["overlap"])
     )
@@ -489,64 +448,6 @@ def write_report(results: dict, out_dir: Path, report: Path) -> str:
     lines += criteria_section(results, plots["criteria"]) + kept_section(results)
     lines += method_section(results) + ["## Limits", "", LIMITS, ""]
     return write_atomic(report, "\n".join(lines))
-
-
-TITLE = "Corpus study on k3-mini: what a calibration set keeps and loses"
-INTRO = """Reproduce: `python experiments/corpus_study.py` (one command, fixed seeds, resumable; work
-files in `/tmp/corpus-study`), which writes `reports/corpus-study/results.json` (summaries),
-`builds.json` (every build's record) and this report with its plots. Every number below is read
-from those files by `experiments/corpus_study_report.py`."""
-SUMMARY_INTRO = """The findings reported by the pruning study behind the K3 350 GB build, tested on
-k3-mini. Perplexity effects are shown as ratios of perplexities between the two builds (1.00 =
-no difference), overlap and generation effects as differences; mean [95 % interval over
-calibration seeds]. Generation and overlap effects are measured once (first budget's generations;
-top-m sets of the calibration statistics), so they fill the first column only."""
-ANSWERS_INTRO = """Each effect is computed per calibration seed and summarized as mean [95 % Student-t
-interval over the seeds]. Perplexity effects are differences of log(perplexity / full model)
-between two builds at the same budget on the same eval documents; the "as a ppl ratio" column is
-its exponential (e.g. 1.30 = 30 % higher perplexity than the other build). A verdict **holds** when
-the interval excludes zero in the predicted direction, **reversed** when it excludes zero in the
-other, **inconclusive** otherwise; rows marked n/a are reported without a prediction."""
-OVERLAP_INTRO = """Each corpus's important experts in a layer are its top-{m} by routed token count
-(the size of the K3-share build); the Jaccard index of two corpora's sets, averaged over the MoE
-layers and the seeds, is divided by the exact expectation for random sets of the same sizes
-(hypergeometric null, `reap.analyze.chance`). Above 1: more shared experts than chance."""
-QUALITY_INTRO = """Perplexity of each build divided by the full model's on held-out eval documents of
-each domain: geometric mean over seeds [95 % t-interval over seeds of the log ratio,
-exponentiated]. `eu` is de+fr+es+it."""
-GEN_INTRO = """Greedy continuations of the shipped prompts ({n} tokens) by the full model and by the
-REAP builds at the first budget, measured by `reap.eval.metrics` in text units (a CJK character,
-a word or a run of one punctuation mark): `looping` = share of outputs that end in repeated
-copies of one block (greedy degeneration), `longest_repeat` = longest n-gram of units occurring
-twice, `distinct_2` = share of distinct unit bigrams, `script` = share of letters in the
-domain's script, `python_valid` = prompt + continuation parses with `ast` (also without the last,
-possibly cut, line). Mean over seeds [t-interval]."""
-CRIT_INTRO = """Builds from the same `{s}` statistics at the same budget, chosen by REAP (mean gate
-weight x expert output norm), frequency (share of routed tokens), EAN (mean output norm) or at
-random (a different random draw per seed); super experts are protected in all of them. Quality is
-the mean over the five domains of log(perplexity / full model)."""
-METHOD = """- Model: `{model}` (fingerprint {fp}), code {code}.
-- Calibration: {seeds} seeds; per seed one run over zh, en, de, fr, es, it, ja and code with
-  {seqs} sequences x {seq_len} tokens = {tok} tokens per corpus (calibration split). Per-corpus
-  statistics are assembled into the calibration sets: {sets}; `eu` is the exact merge of the four
-  languages' statistics (so it pools four times the tokens of a single corpus).
-- Budgets: {budgets}; uniform over the MoE layers; REAP criterion unless stated.
-- Evaluation (`reap.eval.evaluate`, float32, CPU): the first {docs} eval documents per domain in the
-  fixed document order, {dtok} tokens each; {boot} bootstrap replicates over documents; greedy
-  generations of {gen} tokens on the {gd} prompt sets (16 prompts each).
-- Compute: {minutes:.1f} minutes of build time (pruning + evaluation) in the run that wrote the
-  results (cached builds count the time of their first run)."""
-LIMITS = """- k3-mini has 6 M parameters and was trained on 5 M tokens: its perplexities are high, and its
-  greedy generations repeat themselves even unpruned, so repetition effects are small changes on a
-  high baseline. Expert specialization in a model this small need not match Kimi K3's.
-- 64 experts per layer and 5 MoE layers: a top-m set holds 10-32 experts, so overlap estimates
-  are coarse; the chance level is exact, but layers are treated as independent.
-- Three calibration seeds give wide Student-t intervals (t = 4.30 for 2 degrees of freedom): an
-  "inconclusive" verdict can hide a real but small effect. Document-level intervals are per seed.
-- Calibration sets are assembled from per-corpus statistics of one mixed run per seed (checked
-  equal to a separate run for `en+code`); each set's corpora get equal weight in the plan.
-- The eval documents (a few thousand tokens per domain) are held out from training and
-  calibration, but come from the same sources as the training data."""
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -191,6 +191,10 @@ def answers(recs: list[dict], s: Settings, overlaps: dict[int, list[dict]], m: i
                 _paired(g["zh+code"], g["en+code"], lambda r: _lr(r, "code")),
                 0,
             )
+        for c, d in (("zh", "zh"), ("eu", "eu"), ("ja", "ja"), ("en+code", "code")):
+            if {c, "full"} <= g.keys():  # does a set's own domain gain from calibrating on it?
+                ci = _paired(g[c], g["full"], lambda r, d=d: _lr(r, d))
+                q[f"{c} build on {d} (vs full)"] = (ci, -1)
         out[b] = {
             k: {"ci": ci, "direction": d, "verdict": verdict(ci, d) if d else "n/a"}
             for k, (ci, d) in q.items()
@@ -238,6 +242,7 @@ def _overlap_answers(overlaps: dict[int, list[dict]], m: int) -> dict:
     eu = [set(p) for p in itertools.combinations(EUROPEAN, 2)]
     eu_other = [{a, b} for a in EUROPEAN for b in ("zh", "ja", "code")]
     zc = [{"zh", "code"}]
+    code_other = [{"code", c} for c in CORPORA if c not in ("code", "zh")]
     seeds = sorted(overlaps)
     q = {
         "european pairs: excess jaccard": (seed_ci([excess(overlaps[s], eu) for s in seeds]), 1),
@@ -246,6 +251,10 @@ def _overlap_answers(overlaps: dict[int, list[dict]], m: int) -> dict:
             1,
         ),
         "zh-code: excess jaccard": (seed_ci([excess(overlaps[s], zc) for s in seeds]), -1),
+        "zh-code minus code's other pairs": (
+            seed_ci([excess(overlaps[s], zc) - excess(overlaps[s], code_other) for s in seeds]),
+            -1,
+        ),
     }
     out = {k: {"ci": ci, "direction": d, "verdict": verdict(ci, d)} for k, (ci, d) in q.items()}
     out["zh-code: exact p_less per seed"] = [
