@@ -37,7 +37,7 @@ def _x(m: int, cols: int, seed: int) -> torch.Tensor:
 
 @needs_c
 @pytest.mark.parametrize(
-    ("rows", "cols", "m"), [(64, 96, 1), (67, 128, 3), (9, 32, 9), (40, 64, 6)]
+    ("rows", "cols", "m"), [(64, 96, 1), (67, 128, 3), (9, 32, 9), (40, 64, 6), (1030, 64, 2)]
 )
 def test_fused_linear_is_its_reference_bit_for_bit(rows, cols, m):
     packed, scales = _matrix(rows, cols, rows)
@@ -47,6 +47,12 @@ def test_fused_linear_is_its_reference_bit_for_bit(rows, cols, m):
     # a token's result does not depend on the other tokens of the call
     alone = torch.cat([mxfp4_linear(x[i : i + 1].float(), packed, scales) for i in range(m)])
     assert torch.equal(got, alone)
+    threads = torch.get_num_threads()
+    try:  # rows split over threads: the same numbers
+        torch.set_num_threads(2)
+        assert torch.equal(got, mxfp4_linear(x.float(), packed, scales))
+    finally:
+        torch.set_num_threads(threads)
     exact = x.double() @ mxfp4.dequantize(packed, scales).double().T  # [M, O]
     torch.testing.assert_close(got.double(), exact, rtol=1e-6, atol=1e-5 * exact.abs().max())
 
