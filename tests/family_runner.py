@@ -29,7 +29,9 @@ ATOL = 1e-4  # float32 logits of magnitude ~1-5: measured differences are ~1e-6
 # -- building tiny models ----------------------------------------------------------------------
 def randomize(model: torch.nn.Module, seed: int) -> None:
     """Re-draw every parameter so logits and routing have clear margins: matrices (and stacked
-    3D expert tensors) ~ N(0, 1/fan_in), norm weights 1 + N(0, 0.1), other vectors N(0, 0.1)."""
+    3D expert tensors) ~ N(0, 1/fan_in), norm weights 1 + N(0, 0.1), other vectors N(0, 0.1);
+    also the routers' selection bias (the `e_score_correction_bias` buffer of sigmoid routers,
+    which transformers leaves at zero) ~ N(0, 0.1), so that selection and weights differ."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in sorted(model.named_parameters()):
@@ -40,6 +42,9 @@ def randomize(model: torch.nn.Module, seed: int) -> None:
                 p.copy_(1 + 0.1 * r)
             else:
                 p.copy_(0.1 * r)
+        for name, b in sorted(model.named_buffers()):
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.1 * torch.randn(b.shape, generator=gen, dtype=torch.float32))
 
 
 def save_hf_tiny(
@@ -96,9 +101,30 @@ def load_hf(path: str | os.PathLike):
     return transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
 
 
+def read_layout(ck, fam) -> dict[str, torch.Tensor]:
+    """Every tensor of the family's layout read from open checkpoint `ck`, after checking that
+    the layout covers the stored tensors exactly: each stored name once, or a fused tensor
+    X [E, ...] through its views X[0] .. X[E-1] (one per expert), with the layout's shapes."""
+    from reap.checkpoint.spec import split_view
+
+    layout = {s.name: s for s in fam.layout(ck.config)}
+    views: dict[str, list] = {}  # stored name -> the slice ids the layout names (None: whole)
+    for name in layout:
+        base, index = split_view(name)
+        views.setdefault(base, []).append(index)
+    assert set(views) == set(ck.tensors), sorted(set(views) ^ set(ck.tensors))[:5]
+    for base, ids in views.items():
+        whole = ids == [None]
+        assert whole or sorted(ids) == list(range(ck.tensors[base].shape[0])), (base, ids)
+    weights = {n: ck.read(n) for n in layout}
+    for n, t in weights.items():
+        assert tuple(t.shape) == layout[n].shape, (n, t.shape, layout[n].shape)
+    return weights
+
+
 def load_ours(path: str | os.PathLike):
     """(family module, Config, Model, weight getter) over every tensor of `path`, read through
-    `Checkpoint.open` (the layout must name each stored tensor exactly once)."""
+    `Checkpoint.open` (the layout must cover each stored tensor exactly, see `read_layout`)."""
     from reap.checkpoint import Checkpoint
     from reap.models import family
     from reap.models.base import dict_weights
@@ -106,11 +132,7 @@ def load_ours(path: str | os.PathLike):
     with Checkpoint.open(path) as ck:
         fam = family(ck.config)
         cfg = fam.Config.from_dict(ck.config)
-        weights = {n: ck.read(n) for n in ck.tensors}
-        layout = {s.name: s for s in fam.layout(ck.config)}
-    assert set(layout) == set(weights), sorted(set(layout) ^ set(weights))[:5]
-    for n, t in weights.items():
-        assert tuple(t.shape) == layout[n].shape, (n, t.shape, layout[n].shape)
+        weights = read_layout(ck, fam)
     return fam, cfg, fam.Model(cfg), dict_weights(weights)
 
 
@@ -151,6 +173,7 @@ def check_logits(path, hf, ids: list[int], steps: int = 8, atol: float = ATOL) -
     """Our prefill + `steps` incremental decode steps == transformers' (each side feeding its own
     greedy tokens, which must agree). Returns the worst absolute logit difference."""
     ref, ref_tokens = hf_greedy(hf, ids, steps)
+    assert np.abs(ref[0]).max() > 1  # the oracle's logits are not all near zero
     got, tokens = ours_greedy(path, ids, steps)
     worst = _worst(got, ref)
     assert worst < atol, worst
@@ -158,15 +181,48 @@ def check_logits(path, hf, ids: list[int], steps: int = 8, atol: float = ATOL) -
     return worst
 
 
-def check_mlx(path, ids: list[int], steps: int = 8, atol: float = ATOL) -> float:
-    """Our prefill + decode == mlx-lm's implementation loading the same files."""
+def prefill_change(path, other, ids: list[int]) -> np.ndarray:
+    """Per position, the largest change [T] of our prefill logits between checkpoints `path`
+    and `other` (the same weights with a config feature switched): proves a feature matters."""
+    a, b = ours_greedy(path, ids, 0)[0][0], ours_greedy(other, ids, 0)[0][0]  # [T, V] each
+    return np.abs(a - b).max(-1)
+
+
+def legacy_rope(config: dict) -> dict:
+    """The older rope keys (`rope_theta`, `rope_scaling`; None for plain RoPE) that released
+    configs carry and mlx-lm reads, from transformers 5's `rope_parameters`."""
+    rope = dict(config["rope_parameters"])
+    theta = rope.pop("rope_theta")
+    return {"rope_theta": theta, "rope_scaling": None if rope["rope_type"] == "default" else rope}
+
+
+def for_mlx(path, out, untie: bool = False, **changes) -> str:
+    """A copy of checkpoint `path` at `out` as mlx-lm reads it: config.json with `changes` and
+    the legacy rope keys; with `untie`, the tied head stored as `lm_head.weight` (a copy of the
+    embedding) in an extra shard, for mlx-lm models that always have their own head."""
+    from safetensors.torch import save_file
+
+    from reap.checkpoint import Checkpoint
+
+    cfg = {**json.loads((Path(path) / "config.json").read_text()), **changes}
+    out = with_config(path, out, **{**legacy_rope(cfg), **changes})
+    if untie:
+        with Checkpoint.open(path) as ck:
+            head = ck.read("model.embed_tokens.weight").clone()
+        save_file({"lm_head.weight": head}, str(Path(out) / "model-head.safetensors"))
+    return str(out)
+
+
+def check_mlx(path, ids: list[int], steps: int = 8, atol: float = ATOL, mlx_path=None) -> float:
+    """Our prefill + decode on `path` == mlx-lm's implementation loading the same files, or
+    `mlx_path` (a copy as mlx-lm reads it, see `for_mlx`) where they must differ."""
     import pytest
 
     mx = pytest.importorskip("mlx.core")
     from mlx_lm.models.cache import make_prompt_cache
     from mlx_lm.utils import load_model
 
-    ref_model, _ = load_model(Path(path))
+    ref_model, _ = load_model(Path(mlx_path or path))
     cache = make_prompt_cache(ref_model)
     out = np.array(ref_model(mx.array([ids]), cache=cache))[0]
     ref, ref_tokens = [out], [int(out[-1].argmax())]
@@ -204,13 +260,10 @@ def check_engine(path, hf, ids: list[int], steps: int = 8, atol: float = ATOL) -
 
 
 # -- pruning -----------------------------------------------------------------------------------
-def check_prune(path, out, keep: int, seed: int = 0, atol: float = ATOL) -> str:
-    """A random plan keeping `keep` experts per layer -> `reap.prune` -> the pruned checkpoint
-    has the source's layout (the same tensor names with expert ids below `keep`, sliced router
-    rows, kept experts byte-identical) and `from_pretrained` on it gives the logits of our engine
-    on it. Returns the pruned path."""
+def prune_random(path, out, keep: int, seed: int = 0):
+    """A random plan keeping `keep` experts per layer -> `reap.prune` to `out`, whose file bytes
+    must be within 0.5% of the plan's size prediction. Returns the plan."""
     from reap.checkpoint import Checkpoint
-    from reap.engine import Engine
     from reap.prune.plan import make_plan
     from reap.prune.write import prune
 
@@ -218,8 +271,23 @@ def check_prune(path, out, keep: int, seed: int = 0, atol: float = ATOL) -> str:
         plan = make_plan(
             config=ck.config, model=ck.fingerprint(), criterion="random", keep=keep, seed=seed
         )
-    prune(model=str(path), plan=plan, out=str(out))
-    _check_pruned_layout(path, out, plan)
+    r = prune(model=str(path), plan=plan, out=str(out))
+    assert abs(r.file_bytes / plan.predicted_bytes - 1) < 5e-3, (r.file_bytes, plan.predicted_bytes)
+    return plan
+
+
+def check_prune(path, out, keep: int, seed: int = 0, atol: float = ATOL) -> str:
+    """`prune_random` then `check_pruned`. Returns the pruned path."""
+    check_pruned(path, out, prune_random(path, out, keep, seed), seed, atol)
+    return str(out)
+
+
+def check_pruned(src, out, plan, seed: int = 0, atol: float = ATOL) -> None:
+    """Pruned checkpoint `out` of `src` under `plan`: `check_pruned_layout`, and
+    `from_pretrained` on it gives the logits of our engine on it (12 random tokens)."""
+    from reap.engine import Engine
+
+    check_pruned_layout(src, out, plan)
     ids = [random.Random(seed).randrange(1, 200) for _ in range(12)]
     with torch.no_grad():
         ref = load_hf(out)(input_ids=torch.tensor([ids])).logits[0].numpy()
@@ -227,37 +295,39 @@ def check_prune(path, out, keep: int, seed: int = 0, atol: float = ATOL) -> str:
         got = eng.logits([ids])[0].numpy()
     worst = float(np.abs(got - ref).max())
     assert worst < atol, worst
-    return str(out)
 
 
-def _check_pruned_layout(src, out, plan) -> None:
+def check_pruned_layout(src, out, plan) -> None:
+    """`out` has the source's layout for the kept counts (the layout names of `src` with expert
+    ids below the layer's count, covering the stored tensors exactly: per-expert tensors or
+    fused X [n_kept, ...]); router rows are the source's kept rows; kept expert j of a layer is
+    byte for byte (same dtype) the source's expert keep[j]; everything else is unchanged."""
     from reap.checkpoint import Checkpoint
     from reap.models import family
 
     with Checkpoint.open(src) as a, Checkpoint.open(out) as b:
         fam = family(a.config)
         cfg = fam.Config.from_dict(a.config)
-        routers = {
-            n: ax for layer in plan.layers for n, ax in fam.router_tensors(cfg, layer).items()
-        }
-        want = set()
-        for name in a.tensors:
-            key = fam.expert_key(name)
-            if key is None or key[1] < plan.counts[key[0]]:
-                want.add(name)
-        assert set(b.tensors) == want, sorted(set(b.tensors) ^ want)[:5]
+        old, new = read_layout(a, fam), read_layout(b, family(b.config))
+        want = {n for n in old if (k := fam.expert_key(n)) is None or k[1] < plan.counts[k[0]]}
+        assert set(new) == want, sorted(set(new) ^ want)[:5]
+        expect = {}  # name -> the source tensor it must equal, where not the same name
+        for layer in plan.layers:
+            rows = torch.tensor(plan.keep[layer])
+            for name, axis in fam.router_tensors(cfg, layer).items():
+                expect[name] = old[name].index_select(axis, rows)
+            for j, e in enumerate(plan.keep[layer]):
+                kept = fam.expert_tensor_names(layer, j), fam.expert_tensor_names(layer, e)
+                expect.update({n: old[o] for n, o in zip(*kept)})
         for name in want:
-            key = fam.expert_key(name)
-            got = b.read(name)
-            if name in routers:
-                rows = torch.tensor(plan.keep[int(re.search(r"layers\.(\d+)\.", name)[1])])
-                assert torch.equal(got, a.read(name).index_select(routers[name], rows))
-            elif key is not None:
-                orig = plan.keep[key[0]][key[1]]
-                src_name = name.replace(f"experts.{key[1]}.", f"experts.{orig}.", 1)
-                assert torch.equal(got, a.read(src_name)), name
-            else:
-                assert torch.equal(got, a.read(name)), name
+            assert _same_bytes(new[name], expect.get(name, old[name])), name
+
+
+def _same_bytes(x: torch.Tensor, y: torch.Tensor) -> bool:
+    """Same dtype, shape and bytes (FP8 and MXFP4 codes have no float equality)."""
+    if x.dtype != y.dtype or x.shape != y.shape:
+        return False
+    return torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8))
 
 
 # -- calibration -------------------------------------------------------------------------------
@@ -286,6 +356,13 @@ def softmax_probs(router_out) -> torch.Tensor:
     """Router probabilities [N, E] from a transformers router's output (logits first)."""
     logits = router_out[0] if isinstance(router_out, tuple) else router_out
     return torch.softmax(logits.float().reshape(-1, logits.shape[-1]), -1)
+
+
+def sigmoid_probs(router_out) -> torch.Tensor:
+    """Router probabilities [N, E] of a sigmoid router (DeepSeek-V3, Kimi Linear): its output
+    is (logits, top-k weights, top-k ids)."""
+    logits = router_out[0]
+    return torch.sigmoid(logits.float().reshape(-1, logits.shape[-1]))
 
 
 def moe_modules(hf) -> list[tuple[int, torch.nn.Module, torch.nn.Module]]:
@@ -354,10 +431,13 @@ def _layer_stats(rec: dict, expert_fn) -> dict:
 
 
 def check_calibration(
-    path, hf, out, tokens: int = 256, seq_len: int = 32, probs_fn=softmax_probs, expert_fn=None
-) -> dict:
-    """`reap.calibrate` on `path` (two local corpora) == `hooked_stats` on the transformers model
-    over the same sequences, for every MoE layer. Returns the brute-force statistics."""
+    path, hf, out, tokens: int = 256, seq_len: int = 32, probs_fn=softmax_probs, expert_fn=None,
+    rtol: float = 2e-4, **calibrate_args,
+) -> dict:  # fmt: skip
+    """`reap.calibrate` on `path` (two local corpora; `calibrate_args` such as max_pass_seqs go
+    to it) == `hooked_stats` on the transformers model over the same sequences, for every MoE
+    layer: counts exactly, the sums within `rtol` (atol 1e-4). Returns the brute-force
+    statistics; the statistics file is `out`/stats/all.safetensors."""
     from reap.calibrate.pipeline import calibrate
     from reap.corpora import calibration_sequences
     from reap.stats import ExpertStats
@@ -366,8 +446,9 @@ def check_calibration(
     spec = write_corpora(Path(out) / "corpora")
     res = calibrate(
         model=str(path), corpus=spec, tokens=tokens, seq_len=seq_len, out=str(Path(out) / "stats"),
-        batch=4, progress=False,
+        **{"batch": 4, "progress": False, **calibrate_args},
     )  # fmt: skip
+    assert Path(res.files["all"]) == Path(out) / "stats" / "all.safetensors"
     seqs = calibration_sequences(spec, load_tokenizer(path), tokens, seq_len, 0)
     ids = torch.tensor([s.ids for s in seqs])  # [S, T]
     want = hooked_stats(hf, ids, probs_fn, expert_fn or expert_output)
@@ -378,7 +459,7 @@ def check_calibration(
             got = getattr(st, name)[li].double()
             exact = name == "count"
             torch.testing.assert_close(
-                got, ref, rtol=0 if exact else 2e-4, atol=0 if exact else 1e-4,
+                got, ref, rtol=0 if exact else rtol, atol=0 if exact else 1e-4,
                 msg=f"layer {layer} {name}",
             )  # fmt: skip
     return want

@@ -81,68 +81,21 @@ def _write_mxfp4(src, out) -> str:
         tensors[name + "_scales"] = scales
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     cfg = json.loads((out / "config.json").read_text())
-    rope = cfg["rope_parameters"]
     cfg.update(
         quantization_config={"quant_method": "mxfp4", "modules_to_not_convert": ["router"]},
-        rope_theta=rope["rope_theta"],
-        rope_scaling={k: v for k, v in rope.items() if k != "rope_theta"},
+        **R.legacy_rope(cfg),
     )
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     return str(out)
 
 
-def _ours(path, ids, steps):
-    """Our prefill + greedy decode, weights pulled through Checkpoint.open (fused views too)."""
-    from reap.models import family
-
-    with Checkpoint.open(path) as ck:
-        fam = family(ck.config)
-        model = fam.Model(fam.Config.from_dict(ck.config))
-        caches = model.new_caches()
-        out = model.forward(ck.read, torch.tensor([ids]), caches)[0]
-        logits, tokens = [out.numpy()], [int(out[-1].argmax())]
-        for _ in range(steps):
-            out = model.forward(ck.read, torch.tensor([[tokens[-1]]]), caches)[0]
-            logits.append(out.numpy())
-            tokens.append(int(out[-1].argmax()))
-    return logits, tokens
-
-
-def _agree(path, hf, steps=8):
-    ref, ref_tokens = R.hf_greedy(hf, PROMPT, steps)
-    got, tokens = _ours(path, PROMPT, steps)
-    worst = max(float(np.abs(a - b).max()) for a, b in zip(got, ref))
-    assert worst < R.ATOL and tokens == ref_tokens, (worst, tokens, ref_tokens)
-    return worst
-
-
-def _agree_mlx(path, steps=8):
-    """Our prefill + decode == mlx-lm's gpt_oss loading the same (MXFP4) files."""
-    mx = pytest.importorskip("mlx.core")
-    from mlx_lm.models.cache import make_prompt_cache
-    from mlx_lm.utils import load_model
-
-    model, _ = load_model(Path(path))
-    cache = make_prompt_cache(model)
-    out = np.array(model(mx.array([PROMPT]), cache=cache))[0]
-    ref, ref_tokens = [out], [int(out[-1].argmax())]
-    for _ in range(steps):
-        out = np.array(model(mx.array([[ref_tokens[-1]]]), cache=cache))[0]
-        ref.append(out)
-        ref_tokens.append(int(out[-1].argmax()))
-    got, tokens = _ours(path, PROMPT, steps)
-    worst = max(float(np.abs(a - b).max()) for a, b in zip(got, ref))
-    assert worst < R.ATOL and tokens == ref_tokens, (worst, tokens, ref_tokens)
-    return worst
-
-
 def test_logits_equal_transformers_past_the_sliding_window(tiny):
     root, path, hf = tiny
-    print("transformers", _agree(path, hf))
-    # the window and the sinks change the logits: the comparison above exercises both
+    print("transformers", R.check_logits(path, hf, PROMPT))
+    # the window changes the logits past it: the comparison above exercises it
     wide = R.with_config(path, root / "wide", sliding_window=4096)
-    base = _ours(path, PROMPT, 0)[0][0]
-    assert np.abs(_ours(wide, PROMPT, 0)[0][0] - base).max() > 1e-2
+    change = R.prefill_change(path, wide, PROMPT)
+    assert change[4:].max() > 1e-2 and change[:4].max() < 1e-5
 
 
 def test_mxfp4_layout_decodes_like_transformers_and_matches_mlx(mxfp4):
@@ -164,15 +117,13 @@ def test_mxfp4_layout_decodes_like_transformers_and_matches_mlx(mxfp4):
             assert torch.equal(
                 w[n], convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)[5]
             )
-    print("transformers (dequantized)", _agree(path, ref))
+    print("transformers (dequantized)", R.check_logits(path, ref, PROMPT))
     # mlx-lm always truncates YaRN's correction range (transformers honours `truncate`, which
     # the release sets false): compare with mlx-lm on a copy whose config asks for truncation
     cfg = json.loads((Path(path) / "config.json").read_text())
     rope = {**cfg["rope_parameters"], "truncate": True}
-    scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
-    truncated = R.with_config(path, Path(path).parent / "mxfp4_truncated", rope_parameters=rope,
-                              rope_scaling=scaling)  # fmt: skip
-    print("mlx-lm", _agree_mlx(truncated))
+    truncated = R.for_mlx(path, Path(path).parent / "mxfp4_truncated", rope_parameters=rope)
+    print("mlx-lm", R.check_mlx(truncated, PROMPT))
 
 
 def test_engine_matches_transformers_and_runs_mxfp4(tiny, mxfp4):
@@ -181,49 +132,16 @@ def test_engine_matches_transformers_and_runs_mxfp4(tiny, mxfp4):
     _, path, hf = tiny
     print("greedy", R.check_engine(path, hf, PROMPT))
     q_path, _ = mxfp4
-    want = _ours(q_path, PROMPT, 0)[0][0]
+    want = R.ours_greedy(q_path, PROMPT, 0)[0][0]
     with Engine.open(q_path, preset="ultra", context=64, dtype="float32") as eng:
         assert np.abs(eng.logits([PROMPT])[0].numpy() - want).max() < 1e-5
 
 
-def _prune(src, out, keep=5):
-    from reap.prune.plan import make_plan
-    from reap.prune.write import prune
-
-    with Checkpoint.open(src) as ck:
-        plan = make_plan(config=ck.config, model=ck.fingerprint(), criterion="random", keep=keep)
-    r = prune(model=str(src), plan=plan, out=str(out))
-    assert abs(r.file_bytes / plan.predicted_bytes - 1) < 5e-3  # the size model knows fused layouts
-    return plan
-
-
-def _check_same_layout(src, out, plan):
-    """Same stored names; fused tensors [n_kept, ...] whose slice j is source slice keep[j];
-    routers sliced; everything else unchanged."""
-    with Checkpoint.open(src) as a, Checkpoint.open(out) as b:
-        assert sorted(a.tensors) == sorted(b.tensors)
-        for name in a.tensors:
-            old, new = a.read(name), b.read(name)
-            layer = int(name.split(".")[2]) if ".mlp." in name else None
-            if layer is None:
-                assert torch.equal(old, new), name
-                continue
-            assert new.shape == (5, *old.shape[1:]), name
-            assert torch.equal(new, old[plan.keep[layer]]), name
-
-
 def test_prune_keeps_the_fused_layout_loads_in_transformers_and_verifies(tiny, mxfp4):
-    from reap.engine import Engine
     from reap.prune.verify import VerifyError, verify
 
     root, path, _ = tiny
-    plan = _prune(path, root / "pruned")
-    _check_same_layout(path, root / "pruned", plan)
-    ids = PROMPT[:10]
-    with torch.no_grad():
-        ref = R.load_hf(root / "pruned")(input_ids=torch.tensor([ids])).logits[0].numpy()
-    with Engine.open(root / "pruned", preset="ultra", context=64, dtype="float32") as eng:
-        assert np.abs(eng.logits([ids])[0].numpy() - ref).max() < R.ATOL
+    R.check_prune(path, root / "pruned", keep=5)  # fused X [5, ...] holding X[keep]
     r = verify(pruned=str(root / "pruned"), source=path)
     assert r.experts == 20 and r.tensors == len(Checkpoint.open(path).tensors)
     # one flipped byte inside a kept slice of a fused tensor is caught and named
@@ -240,25 +158,18 @@ def test_prune_keeps_the_fused_layout_loads_in_transformers_and_verifies(tiny, m
         verify(pruned=str(bad), source=path)
     # the MXFP4 layout prunes and verifies the same way
     q_path, _ = mxfp4
-    q_plan = _prune(q_path, root / "q_pruned")
-    _check_same_layout(q_path, root / "q_pruned", q_plan)
+    q_plan = R.prune_random(q_path, root / "q_pruned", keep=5)
+    R.check_pruned_layout(q_path, root / "q_pruned", q_plan)
     assert verify(pruned=str(root / "q_pruned"), source=q_path).experts == 20
 
 
 def test_pruned_mxfp4_checkpoint_loads_in_transformers(tiny, mxfp4):
     """transformers dequantizes MXFP4 experts on a CPU (its quantizer needs `accelerate`)."""
     pytest.importorskip("accelerate")
-    from reap.engine import Engine
-
     root, _, _ = tiny
     q_path, _ = mxfp4
-    _prune(q_path, root / "q_pruned_hf", keep=3)
-    hf = R.load_hf(root / "q_pruned_hf")
-    assert hf.model.layers[0].mlp.experts.gate_up_proj.shape[0] == 3
-    with torch.no_grad():
-        ref = hf(input_ids=torch.tensor([PROMPT])).logits[0].numpy()
-    with Engine.open(root / "q_pruned_hf", preset="ultra", context=64, dtype="float32") as eng:
-        assert np.abs(eng.logits([PROMPT])[0].numpy() - ref).max() < R.ATOL
+    plan = R.prune_random(q_path, root / "q_pruned_hf", keep=3)
+    R.check_pruned(q_path, root / "q_pruned_hf", plan)
 
 
 def test_calibration_equals_forward_hooks_and_feeds_a_plan(tiny):
