@@ -31,7 +31,7 @@ def randomize(model: torch.nn.Module, seed: int) -> None:
     """Re-draw every parameter so logits and routing have clear margins: matrices (and stacked
     3D expert tensors) ~ N(0, 1/fan_in), norm weights 1 + N(0, 0.1), other vectors N(0, 0.1);
     also the routers' selection bias (the `e_score_correction_bias` buffer of sigmoid routers,
-    which transformers leaves at zero) ~ N(0, 0.1), so that selection and weights differ."""
+    which transformers leaves at zero) ~ U(0, 0.1), so that selection and weights differ."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in sorted(model.named_parameters()):
@@ -44,7 +44,7 @@ def randomize(model: torch.nn.Module, seed: int) -> None:
                 p.copy_(0.1 * r)
         for name, b in sorted(model.named_buffers()):
             if name.endswith("e_score_correction_bias"):
-                b.copy_(0.1 * torch.randn(b.shape, generator=gen, dtype=torch.float32))
+                b.copy_(0.1 * torch.rand(b.shape, generator=gen, dtype=torch.float32))
 
 
 def save_hf_tiny(
@@ -87,8 +87,11 @@ def with_config(path, out, **changes) -> str:
 
     shutil.copytree(path, out)
     cfg = json.loads((Path(out) / "config.json").read_text())
-    cfg.update(changes)
-    cfg = {k: v for k, v in cfg.items() if v is not None}
+    for key, value in changes.items():  # keys the source sets to null stay
+        if value is None:
+            cfg.pop(key, None)
+        else:
+            cfg[key] = value
     (Path(out) / "config.json").write_text(json.dumps(cfg, indent=2))
     return str(out)
 
@@ -432,10 +435,10 @@ def _layer_stats(rec: dict, expert_fn) -> dict:
 
 def check_calibration(
     path, hf, out, tokens: int = 256, seq_len: int = 32, probs_fn=softmax_probs, expert_fn=None,
-    rtol: float = 2e-4, **calibrate_args,
+    rtol: float = 2e-4, corpus: str | None = None, **calibrate_args,
 ) -> dict:  # fmt: skip
-    """`reap.calibrate` on `path` (two local corpora; `calibrate_args` such as max_pass_seqs go
-    to it) == `hooked_stats` on the transformers model over the same sequences, for every MoE
+    """`reap.calibrate` on `path` (`corpus`, by default two local corpora; `calibrate_args` such
+    as max_pass_seqs go to it) == `hooked_stats` on the transformers model over the same sequences, for every MoE
     layer: counts exactly, the sums within `rtol` (atol 1e-4). Returns the brute-force
     statistics; the statistics file is `out`/stats/all.safetensors."""
     from reap.calibrate.pipeline import calibrate
@@ -443,7 +446,7 @@ def check_calibration(
     from reap.stats import ExpertStats
     from reap.tokenizer import load_tokenizer
 
-    spec = write_corpora(Path(out) / "corpora")
+    spec = corpus or write_corpora(Path(out) / "corpora")
     res = calibrate(
         model=str(path), corpus=spec, tokens=tokens, seq_len=seq_len, out=str(Path(out) / "stats"),
         **{"batch": 4, "progress": False, **calibrate_args},

@@ -11,6 +11,7 @@ import json
 import os
 from pathlib import Path
 
+import family_runner as R
 import numpy as np
 import pytest
 import torch
@@ -76,39 +77,14 @@ VARIANTS = {
 }
 
 
-def _randomize(model, seed: int) -> None:
-    """Weights of a trained-looking scale (transformers' init gives near-zero logits): matrices
-    ~ 1/sqrt(fan_in), norms ~ 1, a small non-negative selection bias."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=gen)
-            if "norm" in name:
-                p.copy_(1 + 0.1 * noise)
-            elif "embed_tokens" in name:
-                p.copy_(noise)
-            else:
-                p.copy_(noise / p.shape[-1] ** 0.5)
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(0.1 * torch.rand(b.shape, generator=gen))
-
-
-def _make(root: Path, name: str, seed: int = 0):
-    import transformers
+def _make(root: Path, name: str, seed: int = 0) -> tuple[Path, torch.nn.Module]:
+    """(path, transformers model) of variant `name` saved under `root` (random weights and
+    correction bias, see `family_runner.randomize`)."""
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
-    from reap.tokenizer import byte_tokenizer_files
-
-    transformers.logging.set_verbosity_error()
-    torch.manual_seed(seed)
-    model = DeepseekV3ForCausalLM(DeepseekV3Config(**BASE, **VARIANTS[name])).eval()
-    _randomize(model, seed)
-    path = root / name
-    model.save_pretrained(path)
-    for fname, text in byte_tokenizer_files().items():
-        (path / fname).write_text(text)
-    return path, model
+    kwargs = {**BASE, **VARIANTS[name]}
+    path, model = R.save_hf_tiny(DeepseekV3ForCausalLM, DeepseekV3Config, kwargs, root / name, seed)
+    return Path(path), model
 
 
 @pytest.fixture(scope="module", params=sorted(VARIANTS))
@@ -121,101 +97,27 @@ def yarn(tmp_path_factory):
     return _make(tmp_path_factory.mktemp("ds"), "yarn", seed=1)
 
 
-def ours(path):
-    ck = Checkpoint.open(path)
-    fam = family(ck.config)
-    weights = {n: ck.read(n) for n in ck.tensors}
-    return fam.Model(fam.Config.from_dict(ck.config)), dict_weights(weights)
-
-
-def hf_greedy(model, prompt: list[int], steps: int) -> tuple[list[torch.Tensor], list[int]]:
-    """Per step the last-position logits [V] (the prefill's [T, V] first) and the greedy tokens."""
-    from transformers import DynamicCache
-
-    cache, logits, tokens = DynamicCache(config=model.config), [], []
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        for _ in range(steps + 1):
-            out = model(ids, cache=cache, use_cache=True).logits[0]
-            logits.append(out if not logits else out[-1])
-            tokens.append(int(out[-1].argmax()))
-            ids = torch.tensor([[tokens[-1]]])
-    return logits, tokens
-
-
-def our_greedy(path, prompt: list[int], steps: int) -> tuple[list[torch.Tensor], list[int]]:
-    model, get = ours(path)
-    caches, logits, tokens = model.new_caches(), [], []
-    ids = torch.tensor([prompt])
-    for _ in range(steps + 1):
-        out = model.forward(get, ids, caches)[0]
-        logits.append(out if not logits else out[-1])
-        tokens.append(int(out[-1].argmax()))
-        ids = torch.tensor([[tokens[-1]]])
-    return logits, tokens
-
-
 # -- the forward against the oracles ------------------------------------------------------------
 def test_logits_equal_transformers_prefill_and_decode(hf):
     path, model = hf
-    want, want_tok = hf_greedy(model, PROMPT[0], 8)
-    got, tok = our_greedy(path, PROMPT[0], 8)
-    assert want[0].abs().max() > 1  # the oracle's logits are not all near zero
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
-    assert tok == want_tok
+    print("transformers", R.check_logits(path, model, PROMPT[0]))
 
 
 def test_rotate_half_rope_equals_transformers(hf, tmp_path):
     """rope_interleave false (rotate-half pairing) on the same weights."""
-    from transformers import DeepseekV3ForCausalLM
-
     path, _ = hf
-    for f in path.iterdir():
-        (tmp_path / f.name).symlink_to(f)
-    cfg = json.loads((path / "config.json").read_text())
-    (tmp_path / "config.json").unlink()
-    (tmp_path / "config.json").write_text(json.dumps({**cfg, "rope_interleave": False}))
-    model = DeepseekV3ForCausalLM.from_pretrained(tmp_path).eval()
-    want, want_tok = hf_greedy(model, PROMPT[0], 3)
-    got, tok = our_greedy(tmp_path, PROMPT[0], 3)
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
-    assert tok == want_tok
+    half = R.with_config(path, tmp_path / "m", rope_interleave=False)
+    R.check_logits(half, R.load_hf(half), PROMPT[0], steps=3)
+    assert R.prefill_change(path, half, PROMPT[0]).max() > 1e-2  # the pairing matters
 
 
 def test_logits_equal_mlx_lm_prefill_and_decode(hf, tmp_path):
-    mx = pytest.importorskip("mlx.core")
-    from mlx_lm.models.cache import make_prompt_cache
-    from mlx_lm.utils import load_model
-    from safetensors.torch import load_file, save_file
-
+    """mlx-lm reads the older rope keys, and its deepseek_v3 always has its own head: it loads a
+    copy with both, ours the checkpoint as transformers wrote it (tied head or not)."""
     path, _ = hf
-    # mlx-lm reads rope_theta / rope_scaling (not transformers 5's rope_parameters)
-    cfg = json.loads((path / "config.json").read_text())
-    rope = dict(cfg["rope_parameters"])
-    cfg["rope_theta"] = rope.pop("rope_theta")
-    cfg["rope_scaling"] = rope if rope["rope_type"] != "default" else None
-    (tmp_path / "config.json").write_text(json.dumps(cfg))
-    weights = load_file(path / "model.safetensors")
-    if cfg.get("tie_word_embeddings"):  # mlx-lm's deepseek_v3 always has its own head
-        weights["lm_head.weight"] = weights["model.embed_tokens.weight"].clone()
-    save_file({k: v.contiguous() for k, v in weights.items()}, tmp_path / "model.safetensors")
-    ref_model, _ = load_model(tmp_path)
-    model, get = ours(path)
-    ref_cache, caches = make_prompt_cache(ref_model), model.new_caches()
-    ref = np.array(ref_model(mx.array(PROMPT), cache=ref_cache))
-    got = model.forward(get, torch.tensor(PROMPT), caches).numpy()
-    worst = np.abs(got - ref).max()
-    tokens = [int(got[0, -1].argmax())]
-    assert tokens[0] == int(ref[0, -1].argmax())
-    for _ in range(8):
-        ref = np.array(ref_model(mx.array([[tokens[-1]]]), cache=ref_cache))
-        got = model.forward(get, torch.tensor([[tokens[-1]]]), caches).numpy()
-        worst = max(worst, np.abs(got - ref).max())
-        assert int(got[0, -1].argmax()) == int(ref[0, -1].argmax())
-        tokens.append(int(got[0, -1].argmax()))
-    assert worst < 1e-4, worst
+    tied = json.loads((path / "config.json").read_text()).get("tie_word_embeddings", False)
+    ref = R.for_mlx(path, tmp_path / "mlx", untie=tied)
+    print("mlx-lm", R.check_mlx(path, PROMPT[0], mlx_path=ref))
 
 
 def naive_route(logits, bias, top_k, n_group, topk_group, scaling):
@@ -250,18 +152,14 @@ def test_grouped_route_equals_a_per_token_loop():
 # -- engine, calibration, prune ----------------------------------------------------------------
 def test_engine_greedy_tokens_equal_transformers(hf):
     """Streamed under the smallest budget, and prefilled in chunks of 4 (RoPE positions and the
-    latent cache carried across multi-token steps)."""
+    latent cache carried across multi-token steps); a lockstep batch equals single runs."""
     from reap.engine import Engine
 
     path, model = hf
     prompt = [72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108]
-    want_logits, want = hf_greedy(model, prompt, 9)
-    with Engine.open(path, preset="ultra", context=64) as eng:
-        assert not eng.plan.pinned  # every layer streamed through the ring
-        assert eng.generate([prompt], max_tokens=10)[0].ids == want
-    with Engine.open(path, preset="max", context=64, prefill_chunk=4) as eng:
-        torch.testing.assert_close(eng.logits([prompt])[0], want_logits[0], rtol=1e-4, atol=1e-4)
-        assert eng.generate([prompt], max_tokens=10)[0].ids == want
+    want = R.check_engine(path, model, prompt, steps=9)
+    assert len(want) == 10
+    with Engine.open(path, preset="max", context=64, dtype="float32") as eng:
         other = [9, 8, 7]  # lockstep with a shorter sequence: positions are per sequence
         both = eng.generate([prompt, other], max_tokens=10)
         assert both[0].ids == want and both[1].ids == eng.generate([other], max_tokens=10)[0].ids
@@ -285,107 +183,50 @@ T_LEN, N_TOK = 32, 256
 
 @pytest.fixture(scope="module")
 def calibrated(yarn, tmp_path_factory):
-    from reap.calibrate.pipeline import calibrate
-
+    """Calibration of the yarn model in two MLP passes of at most 5 sequences, checked against
+    forward hooks on transformers (see `family_runner.check_calibration`): (brute-force
+    statistics, the statistics file)."""
     root = tmp_path_factory.mktemp("cal")
-    path, _ = yarn
-    spec = _corpus(root / "text.jsonl")
-    res = calibrate(model=str(path), corpus=spec, tokens=N_TOK, seq_len=T_LEN, out=str(root / "s"),
-                    batch=3, max_pass_seqs=5, progress=False)  # fmt: skip
-    return res, spec
+    path, model = yarn
+    want = R.check_calibration(
+        path, model, root, N_TOK, T_LEN, probs_fn=R.sigmoid_probs, rtol=1e-4,
+        corpus=_corpus(root / "text.jsonl"), batch=3, max_pass_seqs=5,
+    )  # fmt: skip
+    return want, str(root / "stats" / "all.safetensors")
 
 
 def hook_statistics(model, ids: torch.Tensor) -> dict[int, dict[str, torch.Tensor]]:
-    """Per MoE layer, from forward hooks on the transformers model (float64): count, gate mass,
-    REAP saliency (sum of weight * ||expert output||), EAN (sum of ||output||), max |output| and
-    router probability mass, each expert output recomputed per (token, slot) from its weights."""
-    out, moe = {}, {}
-
-    def hook(layer):
-        def fn(module, args, _):
-            x = args[0].reshape(-1, args[0].shape[-1]).double()  # [N, D]
-            logits, w, idx = module.gate(args[0])  # [N, E], [N, K], [N, K]
-            ex, F = module.experts, module.experts.intermediate_dim
-            h = torch.einsum("nkfd,nd->nkf", ex.gate_up_proj.double()[idx], x)  # [N, K, 2F]
-            a = torch.nn.functional.silu(h[..., :F]) * h[..., F:]  # [N, K, F]
-            o = torch.einsum("nkdf,nkf->nkd", ex.down_proj.double()[idx], a)  # [N, K, D]
-            E, flat, wd = ex.num_experts, idx.reshape(-1), w.double().reshape(-1)
-            norm = o.norm(dim=-1).reshape(-1)  # [N*K]
-
-            def total(v):
-                return torch.zeros(E, dtype=torch.float64).index_add_(0, flat, v)
-
-            peak = torch.zeros(E, dtype=torch.float64)
-            peak.scatter_reduce_(0, flat, o.abs().amax(-1).reshape(-1), "amax")
-            out[layer] = {
-                "count": torch.bincount(flat, minlength=E).double(),
-                "gate_sum": total(wd),
-                "reap_sum": total(wd * norm),
-                "ean_sum": total(norm),
-                "max_act": peak,
-                "prob_mass": torch.sigmoid(logits.double()).sum(0),
-            }
-
-        return fn
-
-    for i, layer in enumerate(model.model.layers):
-        if hasattr(layer.mlp, "gate"):
-            moe[i] = layer.mlp.register_forward_hook(hook(i))
-    with torch.no_grad():
-        model(ids)
-    for h in moe.values():
-        h.remove()
-    return out
+    """Per MoE layer {field: [E] float64} from forward hooks on the transformers model over ids
+    [S, T], with DeepSeek's sigmoid router probabilities (see `family_runner.hooked_stats`)."""
+    return R.hooked_stats(model, ids, R.sigmoid_probs)
 
 
-def test_calibration_statistics_equal_transformers_hooks(yarn, calibrated):
-    from reap.corpora import calibration_sequences
+def test_calibration_statistics_equal_transformers_hooks(calibrated):
     from reap.stats import ExpertStats
-    from reap.tokenizer import load_tokenizer
 
-    (path, model), (res, spec) = yarn, calibrated
-    assert res.passes == 2  # two MLP passes of at most 5 sequences
-    seqs = calibration_sequences(spec, load_tokenizer(str(path)), N_TOK, T_LEN, 0)
-    want = hook_statistics(model, torch.tensor([s.ids for s in seqs]))
-    st = ExpertStats.load(res.files["all"])
+    want, stats = calibrated
+    st = ExpertStats.load(stats)
+    assert st.meta["passes"] == 2  # two MLP passes of at most 5 sequences
     assert st.layers == sorted(want) == [1, 2] and st.tokens == N_TOK
-    for li, layer in enumerate(st.layers):
-        for field, ref in want[layer].items():
-            got = getattr(st, field)[li].double()
-            tol = 0 if field == "count" else 1e-4
-            torch.testing.assert_close(got, ref, rtol=tol, atol=tol, msg=f"{layer} {field}")
     assert st.count.sum() == N_TOK * 2 * 2  # every token, top-2, two MoE layers
 
 
 def test_pruned_checkpoint_loads_in_transformers_and_equals_our_engine(yarn, calibrated, tmp_path):
-    from transformers import DeepseekV3ForCausalLM
+    """`reap plan` on the statistics + `reap prune`: the layout, sliced router rows and
+    correction bias, kept experts byte for byte, from_pretrained == our engine; verify passes."""
+    from reap.prune.plan import Plan
 
-    from reap.engine import Engine
-
-    (path, _), (res, _) = yarn, calibrated
+    (path, _), (_, stats) = yarn, calibrated
     plan, out = tmp_path / "plan.json", tmp_path / "pruned"
-    assert main(["plan", res.files["all"], "--model", str(path), "--keep", "8", "--out",
+    assert main(["plan", stats, "--model", str(path), "--keep", "8", "--out",
                  str(plan)]) == 0  # fmt: skip
     assert main(["prune", str(path), "--plan", str(plan), "--out", str(out), "--no-progress"]) == 0
-    keep = {int(k): v for k, v in json.loads(plan.read_text())["keep"].items()}
-    for ids in keep.values():  # the plan keeps two of each routing group of four
+    for ids in Plan.load(plan).keep.values():  # two of each routing group of four
         assert [sum(e // 4 == g for e in ids) for g in range(4)] == [2, 2, 2, 2]
-    src, dst = Checkpoint.open(path), Checkpoint.open(out)
-    for layer, ids in keep.items():  # router rows and correction bias sliced to the kept experts
-        for n in ds.router_tensors(ds.Config.from_dict(src.config), layer):
-            assert torch.equal(dst.read(n), src.read(n)[ids])
-        for new, e in enumerate(ids):
-            for a, b in zip(ds.expert_tensor_names(layer, new), ds.expert_tensor_names(layer, e)):
-                assert torch.equal(dst.read(a), src.read(b))
+    R.check_pruned(path, out, Plan.load(plan))
+    dst = Checkpoint.open(out)
     assert dst.config["n_routed_experts"] == 8 and dst.config["n_group"] == 4
     assert main(["verify", str(out), "--source", str(path)]) == 0
-    assert sorted(dst.tensors) == sorted(s.name for s in ds.layout(dst.config))
-    pruned = DeepseekV3ForCausalLM.from_pretrained(out).eval()
-    ids = [5, 17, 200, 31, 7, 7, 90, 1, 44, 60]
-    with torch.no_grad():
-        want = pruned(torch.tensor([ids])).logits[0]
-    with Engine.open(out, preset="ultra", context=64) as eng:
-        torch.testing.assert_close(eng.logits([ids])[0], want, rtol=1e-4, atol=1e-4)
 
 
 def test_expert_counts_that_break_the_grouping_are_refused(yarn, tmp_path, capsys):
@@ -532,6 +373,7 @@ def test_fp8_checkpoint_equals_its_naive_dequantization(yarn, fp8_model):
 
 def test_fp8_prune_keeps_fp8_bytes_and_scales(fp8_model, tmp_path):
     from reap.engine import Engine
+    from reap.prune.plan import Plan
     from reap.prune.verify import verify
 
     fp8_dir, plain = fp8_model
@@ -541,15 +383,8 @@ def test_fp8_prune_keeps_fp8_bytes_and_scales(fp8_model, tmp_path):
     assert (
         main(["prune", str(fp8_dir), "--plan", str(plan), "--out", str(out), "--no-progress"]) == 0
     )
-    keep = {int(k): v for k, v in json.loads(plan.read_text())["keep"].items()}
-    src, dst = Checkpoint.open(fp8_dir), Checkpoint.open(out)
-    fam = family(dst.config)
-    assert sorted(dst.tensors) == sorted(s.name for s in fam.layout(dst.config))
-    for layer, kept in keep.items():
-        for new, e in enumerate(kept):
-            for a, b in zip(fam.expert_tensor_names(layer, new), fam.expert_tensor_names(layer, e)):
-                assert dst.tensors[a].dtype == src.tensors[b].dtype
-                assert torch.equal(dst.read(a).view(torch.uint8), src.read(b).view(torch.uint8))
+    keep = Plan.load(plan).keep
+    R.check_pruned_layout(fp8_dir, out, Plan.load(plan))  # FP8 bytes and scales kept as stored
     verify(pruned=str(out), source=str(fp8_dir))
     # the pruned model is the dequantized model with the dropped experts' weights removed
     pruned_plain = {}
@@ -581,20 +416,11 @@ def test_fp8_reading_equals_mlx_lm_dequantization(yarn, tmp_path, monkeypatch):
 
     out = tmp_path / "fp8"
     make_fp8(yarn[0], out, (128, 128))
-    ck = Checkpoint.open(out)
-    fam = family(ck.config)
-    model, get = (
-        fam.Model(fam.Config.from_dict(ck.config)),
-        dict_weights({n: ck.read(n) for n in ck.tensors}),
-    )
+    _, _, model, get = R.load_ours(out)
     exact = fp8.dequantize
     monkeypatch.setattr(fp8, "dequantize", lambda *a: exact(*a).bfloat16().float())
     got = model.forward(get, torch.tensor(PROMPT)).numpy()
-    cfg = json.loads((out / "config.json").read_text())
-    rope = dict(cfg["rope_parameters"])
-    cfg.update(rope_theta=rope.pop("rope_theta"), rope_scaling=rope)  # mlx-lm's spelling
-    (out / "config.json").write_text(json.dumps(cfg))
-    ref = np.array(load_model(out)[0](mx.array(PROMPT)))
+    ref = np.array(load_model(Path(R.for_mlx(out, tmp_path / "mlx")))[0](mx.array(PROMPT)))
     assert np.abs(got - ref).max() < 1e-4 < np.abs(got).max()
 
 
@@ -627,7 +453,7 @@ def test_layout_reproduces_published_sizes():
 def test_bfloat16_compute_tracks_float32(yarn):
     """bf16 compute (router, norms and softmax stay fp32) on a bf16 copy transformers writes."""
     path, _ = yarn
-    model, get = ours(path)
+    _, _, model, get = R.load_ours(path)
     want = model.forward(get, torch.tensor(PROMPT))[0]
     bf16 = ds.Model(model.cfg, dtype=torch.bfloat16)
     got = bf16.forward(get, torch.tensor(PROMPT))[0].float()
@@ -639,7 +465,7 @@ def test_bfloat16_compute_tracks_float32(yarn):
 def test_state_bytes_equal_the_decode_caches(hf):
     """The engine's memory plan: KV bytes per position are what the latent caches hold."""
     path, _ = hf
-    model, get = ours(path)
+    _, _, model, get = R.load_ours(path)
     caches = model.new_caches()
     model.forward(get, torch.tensor(PROMPT), caches)
     held = sum(t.nbytes for c in caches for t in (c.kv_latent, c.k_pe))
