@@ -252,6 +252,7 @@ def check_engine(path, hf, ids: list[int], steps: int = 8, atol: float = ATOL) -
         with Engine.open(
             path, preset=preset, context=64, dtype="float32", prefill_chunk=chunk
         ) as eng:
+            assert preset != "ultra" or not eng.plan.pinned  # every layer through the ring
             got = eng.logits([ids])[0].numpy()
             assert float(np.abs(got - ref[0]).max()) < atol
             runs.append(eng.generate([ids], max_tokens=steps + 1)[0].ids)

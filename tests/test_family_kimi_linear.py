@@ -48,18 +48,11 @@ PROMPT = [72, 101, 108, 108, 111, 44, 32, 75, 105, 109, 105, 32, 76, 105, 110, 1
 
 
 def make_tiny(path, **changes):
-    """(path, transformers model): random weights, and a random router correction bias (a buffer
-    transformers leaves at zero) so that selection and weights differ."""
+    """(path, transformers model): random weights and router correction bias (see
+    `family_runner.randomize`), so that selection and weights differ."""
     from transformers import KimiLinearConfig, KimiLinearForCausalLM
 
-    path, hf = R.save_hf_tiny(KimiLinearForCausalLM, KimiLinearConfig, {**KWARGS, **changes}, path)
-    gen = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for name, b in hf.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(0.3 * torch.randn(b.shape, generator=gen))
-    hf.save_pretrained(path)
-    return path, hf
+    return R.save_hf_tiny(KimiLinearForCausalLM, KimiLinearConfig, {**KWARGS, **changes}, path)
 
 
 @pytest.fixture(scope="module")
@@ -169,11 +162,7 @@ def test_grouped_routing_equals_transformers_and_pruning_keeps_whole_groups(tmp_
 
 def test_calibration_statistics_equal_forward_hooks(tiny, tmp_path):
     path, hf = tiny
-
-    def sigmoid_probs(out):  # the router returns (logits, top-k weights, top-k ids)
-        return torch.sigmoid(out[0].float().reshape(-1, out[0].shape[-1]))
-
-    want = R.check_calibration(path, hf, tmp_path / "cal", probs_fn=sigmoid_probs)
+    want = R.check_calibration(path, hf, tmp_path / "cal", probs_fn=R.sigmoid_probs)
     assert sorted(want) == [1, 2, 3]
     assert all(float(s["count"].sum()) == 256 * 2 for s in want.values())
 
