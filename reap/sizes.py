@@ -5,6 +5,8 @@ Everything is computed from the family's `layout(config)` (every tensor's name, 
 component, layer, expert), so a config alone answers the full-scale questions without weights.
 Routed experts are counted per layer; an expert's unit cost includes its rows of the router
 tensors (sliced when pruning), so `predict_bytes` of a plan is what `reap prune` writes.
+Components the text model never reads (`UNUSED_COMPONENTS`, e.g. an MTP layer) count in the
+census and in the source's size, not in active parameters or pruned builds (prune drops them).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from reap.checkpoint import TEXT_PREFIX, TensorSpec, split_view
+from reap.checkpoint.spec import UNUSED_COMPONENTS
 from reap.errors import ReapError
 
 # Bytes of one safetensors header entry besides its key, dtype, shape and offset digits:
@@ -47,6 +50,8 @@ class SizeModel:
     census: dict[str, dict[str, int]] = field(default_factory=dict)  # component -> params/bytes
     n_tensors: int = 0
     input_embedding_params: int = 0
+    unused_bytes: int = 0  # UNUSED_COMPONENTS tensors, header entries included: source only
+    unused_params: int = 0
 
     @classmethod
     def from_config(cls, config: dict) -> SizeModel:
@@ -66,6 +71,7 @@ class SizeModel:
         census: dict[str, dict[str, int]] = defaultdict(lambda: {"params": 0, "bytes": 0})
         unit = {k: defaultdict(int) for k in ("b", "p", "ob", "op", "h")}
         fixed = {"b": 0, "p": 0, "h": 0}
+        unused = {"b": 0, "p": 0}
         n_exp = 0
         shard = min(sum(s.nbytes for s in specs), _SHARD_BYTES)
         digits = len(str(shard // 2))  # typical offset within a shard
@@ -73,6 +79,10 @@ class SizeModel:
         for s in specs:
             census[s.component]["params"] += _params(s)
             census[s.component]["bytes"] += s.nbytes
+            if s.component in UNUSED_COMPONENTS:
+                unused["b"] += s.nbytes + _header_bytes(s, digits, prefix)
+                unused["p"] += _params(s)
+                continue
             if s.expert is not None:
                 n_exp = max(n_exp, s.expert + 1)
                 if s.expert == 0:
@@ -99,7 +109,11 @@ class SizeModel:
             fixed["p"] += _params(s)
         top_k = int(getattr(cfg, "num_experts_per_token", 0) or 0)
         d = {k: dict(v) for k, v in unit.items()}
-        embed = sum(s.numel for s in specs if s.name.endswith("embed_tokens.weight"))
+        embed = sum(
+            s.numel
+            for s in specs
+            if s.name.endswith("embed_tokens.weight") and s.component not in UNUSED_COMPONENTS
+        )
         stored = len({split_view(s.name)[0] for s in specs})  # a fused tensor's views: one tensor
         return cls(
             n_exp,
@@ -116,6 +130,8 @@ class SizeModel:
             dict(census),
             stored,
             embed,
+            unused["b"],
+            unused["p"],
         )
 
     @property
@@ -125,28 +141,35 @@ class SizeModel:
     @property
     def active_params(self) -> int:
         """Parameters that multiply a text token's activations: all but the vision tower, the
-        unchosen experts and the input embedding table (a row lookup, not a matmul)."""
+        unchosen experts, the input embedding table (a row lookup, not a matmul) and unused
+        components."""
         vision = self.census.get("vision", {}).get("params", 0)
         routed = self.census.get("routed_experts", {}).get("params", 0)
         chosen = sum(self.expert_own_params[la] * self.top_k for la in self.moe_layers)
-        return self.total_params - vision - routed + chosen - self.input_embedding_params
+        unused = self.unused_params + self.input_embedding_params
+        return self.total_params - vision - routed + chosen - unused
 
     def keep_all(self) -> dict[int, int]:
         return {layer: self.n_experts for layer in self.moe_layers}
 
     def predict_bytes(self, keep: dict[int, int] | int | None = None) -> int:
-        """Checkpoint bytes (tensor data + safetensors headers) with `keep` experts per layer."""
+        """Checkpoint bytes (tensor data + safetensors headers) with `keep` experts per layer; the
+        source (keep None) also holds the unused components a pruned build leaves out."""
+        data = self.unused_bytes if keep is None else 0
         keep = self._keep(keep)
-        data = self.fixed_bytes + sum(self.expert_bytes[la] * k for la, k in keep.items())
+        data += self.fixed_bytes + sum(self.expert_bytes[la] * k for la, k in keep.items())
         head = self.header_bytes_fixed + sum(
             self.header_bytes_expert[la] * k for la, k in keep.items()
         )
         return data + head
 
     def predict_params(self, keep: dict[int, int] | int | None = None) -> int:
-        """Parameters with `keep` experts per layer."""
+        """Parameters with `keep` experts per layer (the source, keep None: unused ones too)."""
+        unused = self.unused_params if keep is None else 0
         keep = self._keep(keep)
-        return self.fixed_params + sum(self.expert_params[la] * k for la, k in keep.items())
+        return (
+            unused + self.fixed_params + sum(self.expert_params[la] * k for la, k in keep.items())
+        )
 
     def max_uniform_keep(self, target_bytes: int) -> int:
         """Largest per-layer expert count whose checkpoint fits in `target_bytes` (0 if none)."""

@@ -65,13 +65,20 @@ def split_view(name: str) -> tuple[str, int | None]:
     return (m.group(1), int(m.group(2))) if m else (name, None)
 
 
+# Components a layout lists that the text model never reads, e.g. "mtp" (a multi-token-prediction
+# layer, kept for speculative decoding): the engine and calibration skip them, sizes count them
+# in the totals but not in the active parameters, and `reap prune` leaves them out.
+UNUSED_COMPONENTS = frozenset({"mtp"})
+
+
 @dataclass(frozen=True)
 class TensorSpec:
     """One tensor of a checkpoint layout: name (without any `language_model.` prefix),
     safetensors dtype code, shape, and where it belongs (for size census and pruning).
 
     component: routed_experts | shared_experts | latent_proj | router | kda | mla | attention
-    (softmax GQA) | dense_mlp | embed_head | attn_res | norms | vision | other.
+    (softmax GQA) | dense_mlp | embed_head | attn_res | norms | vision | mtp (see
+    UNUSED_COMPONENTS) | other.
     layer: decoder layer index or None; expert: routed expert id or None.
     """
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from reap.checkpoint import DTYPE_CODES, split_view
+from reap.checkpoint.spec import UNUSED_COMPONENTS
 from reap.engine import memory
 from reap.errors import EXIT_FAILURE, ReapError
 
@@ -34,8 +35,10 @@ class Binding:
 
 def bind(tensors: dict, fam, config: dict, path: str) -> Binding:
     """Match the checkpoint's tensors to the family layout, strictly: a missing tensor, a wrong
-    shape or dtype, or a tensor the layout does not use is a binding failure (exit 1)."""
-    specs = [s for s in fam.layout(config) if s.component != "vision"]
+    shape or dtype, or a tensor the layout does not use is a binding failure (exit 1). The vision
+    tower and components the text model never reads (UNUSED_COMPONENTS) are listed, not bound."""
+    skip = {"vision", *UNUSED_COMPONENTS}
+    specs = [s for s in fam.layout(config) if s.component not in skip]
     known = {split_view(s.name)[0] for s in fam.layout(config)}  # fused views: stored name
     for s in specs:
         t = tensors.get(s.name)

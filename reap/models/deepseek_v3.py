@@ -6,7 +6,14 @@ rope part, dense first layers, then MoE: sigmoid router, `e_score_correction_bia
 only, limited to the `topk_group` best of `n_group` groups; SiLU GLU experts stored per expert, and
 shared experts. FP8 releases (F8_E4M3 projections with F32 block scales `weight_scale_inv`) are
 read in place, dequantized as pulled. Shapes: B batch, T tokens, N = B*T, D hidden, V vocab,
-E n_experts, G n_group, K top_k, O/I a weight's output/input width."""
+E n_experts, G n_group, K top_k, O/I a weight's output/input width.
+
+Multi-token-prediction (MTP) layers `model.layers.{L + j}` (L = num_hidden_layers, j <
+num_nextn_predict_layers; DeepSeek-V3/R1 store one) are listed, tagged "mtp", and never read, as in
+transformers and mlx-lm (`reap.checkpoint.spec.UNUSED_COMPONENTS`). Pruning drops them and writes
+`num_nextn_predict_layers: 0`: an MTP layer with uncalibrated, unpruned experts would disagree
+with the pruned model, and speculative decoding is not our use. transformers writes the key
+(default 1) but saves no MTP layer, so a config it wrote (`dtype`, not `torch_dtype`) lists none."""
 
 from __future__ import annotations
 
@@ -81,18 +88,21 @@ class Config:
     attention_bias: bool = False
     tie_word_embeddings: bool = False
     torch_dtype: str = "bfloat16"
+    num_nextn_predict_layers: int = 0
     quantization_config: dict | None = None
     router_f32: bool = False  # router weight stored in fp32 (transformers >= 5 writes it so)
     fp8_block: tuple[int, int] | None = None  # (rows, cols) of an FP8 scale block
+    mtp_layers: int = 0  # MTP layers stored after the decoder layers (see the module docstring)
 
     @classmethod
     def from_dict(cls, d: dict) -> Config:
         """From a config.json dict (or one with a `text_config`); unknown keys ignored."""
         text = d.get("text_config", d)
-        names = {f.name for f in fields(cls)} - {"router_f32", "fp8_block"}
+        names = {f.name for f in fields(cls)} - {"router_f32", "fp8_block", "mtp_layers"}
         cfg = cls(**{k: v for k, v in text.items() if k in names})
-        # transformers >= 5 writes `dtype` (not `torch_dtype`) and keeps the router in fp32
+        # transformers >= 5 writes `dtype` (not `torch_dtype`), the router in fp32, no MTP layer
         cfg.router_f32 = "dtype" in text and "torch_dtype" not in text
+        cfg.mtp_layers = 0 if cfg.router_f32 else int(cfg.num_nextn_predict_layers or 0)
         cfg.torch_dtype = str(text.get("torch_dtype") or text.get("dtype") or cfg.torch_dtype)
         cfg.n_group, cfg.topk_group = cfg.n_group or 1, cfg.topk_group or 1
         q = cfg.quantization_config
@@ -127,6 +137,7 @@ class Config:
     def is_fp8(self, name: str) -> bool:
         """Whether tensor `name` is stored FP8 (with `name + "_scale_inv"` next to it)."""
         skip = (self.quantization_config or {}).get("modules_to_not_convert") or ()
+        skip = (*skip, "eh_proj")  # the MTP projection is BF16 in the FP8 releases
         return bool(self.fp8_block and _FP8_RE.match(name) and not any(m in name for m in skip))
 
     @property
@@ -157,7 +168,20 @@ def layout(config_dict: dict) -> list[TensorSpec]:
     specs.append(TensorSpec("model.norm.weight", fdt, (D,), "norms"))
     if not cfg.tie_word_embeddings:
         specs.append(TensorSpec("lm_head.weight", fdt, (V, D), "embed_head"))
+    for j in range(cfg.mtp_layers):
+        specs += _mtp_specs(cfg, cfg.num_hidden_layers + j, fdt)
     return [q for s in specs for q in _stored(cfg, s)]
+
+
+def _mtp_specs(cfg: Config, n: int, fdt: str) -> list[TensorSpec]:
+    """MTP layer `n`: its embedding, norms, [embedding; hidden] projection and head around a
+    decoder layer, all tagged "mtp" with no layer or expert (nothing counts it as one)."""
+    D, V, p = cfg.hidden_size, cfg.vocab_size, f"model.layers.{n}."
+    own = {"embed_tokens": (V, D), "enorm": (D,), "hnorm": (D,), "eh_proj": (D, 2 * D)}
+    own |= {"shared_head.norm": (D,), "shared_head.head": (V, D)}
+    out = [TensorSpec(f"{p}{k}.weight", fdt, s, "mtp") for k, s in own.items()]
+    block = _layer_specs(cfg, n, fdt)  # a full decoder layer, MoE as every later layer
+    return out + [replace(s, component="mtp", layer=None, expert=None) for s in block]
 
 
 def _stored(cfg: Config, s: TensorSpec) -> list[TensorSpec]:
@@ -251,6 +275,8 @@ def with_experts(config_dict: dict, n_experts: int | dict[int, int]) -> dict:
     if n < 1 or n % G:
         raise ReapError(f"deepseek_v3: keep a multiple of n_group={G} experts, not {n}")
     text["n_routed_experts"] = n
+    if text.get("num_nextn_predict_layers"):  # prune leaves the MTP layers out (module docstring)
+        text["num_nextn_predict_layers"] = 0
     k = text["num_experts_per_tok"] = min(int(text["num_experts_per_tok"]), n)
     if int(text.get("topk_group") or 1) * (n // G) < k:
         raise ReapError(f"deepseek_v3: {n} experts leave fewer than top_k={k} in the best groups")

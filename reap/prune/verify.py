@@ -5,9 +5,10 @@
 Every tensor is read from both checkpoints and compared byte for byte: each kept expert's tensors
 equal the source expert the manifest names (and hash to the manifest's sha256, recomputed from
 both copies; a fused expert tensor is checked slice by slice through its views `X[e]`, after its
-shape [n_kept, ...]), router tensors equal the source's rows of the kept experts, every other tensor is
-unchanged, no tensor is missing or extra, and config.json is the family's `with_experts` of the
-source config. Reading is one tensor (or one expert) at a time, so memory stays small.
+shape [n_kept, ...]), router tensors equal the source's rows of the kept experts, those of
+unused components (UNUSED_COMPONENTS, an MTP layer) are gone, every other tensor is unchanged, no
+tensor is missing or extra, and config.json is the family's `with_experts` of the source config.
+Reading is one tensor (or one expert) at a time, so memory stays small.
 """
 
 from __future__ import annotations
@@ -105,9 +106,10 @@ def _diff_keys(a, b, path=""):
 
 def _expected(old, fam, original: dict) -> dict[str, tuple[str, str, list | None]]:
     """Pruned tensor name -> (kind, source name, kept rows for routers)."""
-    from reap.prune.write import fused_tensors
+    from reap.prune.write import fused_tensors, unused_tensors
 
     cfg = fam.Config.from_dict(old.config)
+    dropped = unused_tensors(fam, old.config)
     routers = {}
     for layer, ids in original.items():
         for name, axis in fam.router_tensors(cfg, layer).items():
@@ -115,6 +117,8 @@ def _expected(old, fam, original: dict) -> dict[str, tuple[str, str, list | None
     fused = fused_tensors(fam, original)
     out: dict[str, tuple[str, str, list | None]] = {}
     for name in old.tensors:
+        if name in dropped:
+            continue
         if name in fused:
             out[name] = ("fused", name, (0, original[fused[name]]))
         elif fam.expert_key(name) is None:

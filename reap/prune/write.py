@@ -5,9 +5,11 @@
 Kept routed experts are copied byte for byte and renumbered densely in ascending original id;
 a fused expert tensor X [E, ...] (the family names its experts by views `X[e]`) keeps its name and
 holds the kept slices in new id order, [n_kept, ...]; the router tensors the family names
-(`router_tensors`) are sliced to the kept rows; every other tensor is copied verbatim; config.json gets the new expert count (`with_experts`). Tensors keep
-the source's file order (an expert's tensors stay together, in the family's name order), shards
-are at most as large as the source's largest unless `--max-shard-size` is given.
+(`router_tensors`) are sliced to the kept rows; tensors of components the text model never reads
+(UNUSED_COMPONENTS, e.g. an MTP layer) are left out; every other tensor is copied verbatim;
+config.json gets the new expert count (`with_experts`, which also says what was left out).
+Tensors keep the source's file order (an expert's tensors stay together, in the family's name
+order), shards are at most as large as the source's largest unless `--max-shard-size` is given.
 
 Memory is bounded by the largest single tensor (one tensor, or one expert, in flight; a fused
 tensor is assembled slice by slice). Output is
@@ -41,6 +43,10 @@ HASH_RULE = (
     "of the family's expert_tensor_names"
 )
 _WEIGHT_FILES = {"config.json", "model.safetensors.index.json", MANIFEST, PLAN_COPY}
+DROPPED_NOTE = (
+    "tensors the family's layout tags as never read by the text model (UNUSED_COMPONENTS, e.g. "
+    "an MTP layer, whose experts were neither calibrated nor pruned) are left out"
+)
 
 
 @dataclass
@@ -92,12 +98,15 @@ def prune(
         fam = family(ck.config)
         config = _pruned_config(fam, ck.config, plan)
         _check_model(ck, plan)
-        items, new_ids = plan_items(ck, fam, plan)
+        dropped = unused_tensors(fam, ck.config)
+        items, new_ids = plan_items(ck, fam, plan, dropped)
         specs = [it.spec for it in items]
         limit = max_shard_bytes or _largest_shard(ck)
         writer = CheckpointWriter(out, specs, limit, prefix=ck.prefix, overwrite=overwrite)
         hashes, resumed = _stream(ck, fam, writer, items, progress, new_ids)
         manifest = _manifest(ck, plan, new_ids, hashes, arguments)
+        if dropped:
+            manifest["dropped"] = {"tensors": len(dropped), "note": DROPPED_NOTE}
         extra = {
             MANIFEST: json.dumps(manifest, indent=1),
             PLAN_COPY: json.dumps(plan.to_json(), indent=1),
@@ -131,20 +140,34 @@ def _check_model(ck, plan: Plan) -> None:
         )
 
 
-def plan_items(ck, fam, plan: Plan) -> tuple[list[Item], dict[int, list[int]]]:
-    """Output tensors in write order and, per MoE layer, the original id of each new id."""
+def unused_tensors(fam, config: dict) -> set[str]:
+    """Names the family's layout tags with a component the text model never reads
+    (UNUSED_COMPONENTS): a pruned checkpoint leaves them out."""
+    from reap.checkpoint.spec import UNUSED_COMPONENTS
+
+    return {s.name for s in fam.layout(config) if s.component in UNUSED_COMPONENTS}
+
+
+def plan_items(
+    ck, fam, plan: Plan, dropped: set[str] | None = None
+) -> tuple[list[Item], dict[int, list[int]]]:
+    """Output tensors in write order and, per MoE layer, the original id of each new id;
+    `dropped` (default: `unused_tensors`) are left out."""
     from reap.checkpoint import TensorSpec
 
     cfg = fam.Config.from_dict(ck.config)
+    dropped = unused_tensors(fam, ck.config) if dropped is None else dropped
     new_ids = {layer: {e: j for j, e in enumerate(ids)} for layer, ids in plan.keep.items()}
     fused = fused_tensors(fam, plan.layers)
-    found = _experts_found(ck, fam, plan, fused)
+    found = _experts_found(ck, fam, plan, fused, dropped)
     routers = {}
     for layer in plan.layers:
         for name, axis in fam.router_tensors(cfg, layer).items():
             routers[name] = (axis, plan.keep[layer])
     items, seen = [], set()
     for info in sorted(ck.tensors.values(), key=lambda t: (t.file, t.start)):
+        if info.name in dropped:
+            continue
         comp = "vision" if ck.prefix and not info.key.startswith(ck.prefix) else "other"
         key = fam.expert_key(info.name)
         if info.name in fused:
@@ -190,14 +213,16 @@ def fused_tensors(fam, layers) -> dict[str, int]:
     return out
 
 
-def _experts_found(ck, fam, plan: Plan, fused: dict[str, int]) -> dict[tuple[int, int], set[str]]:
+def _experts_found(
+    ck, fam, plan: Plan, fused: dict[str, int], dropped: set[str]
+) -> dict[tuple[int, int], set[str]]:
     """(layer, expert) -> its tensor names (views of fused tensors included); checks the
     experts match the plan's model."""
     from reap.checkpoint import view_name
 
     found: dict[tuple[int, int], set[str]] = {}
     for name in ck.tensors:
-        key = fam.expert_key(name)
+        key = None if name in dropped else fam.expert_key(name)
         if key is not None:
             found.setdefault(key, set()).add(name)
         elif name in fused and ck.tensors[name].shape:
