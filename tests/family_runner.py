@@ -9,7 +9,10 @@ offline by `transformers`, then checked against it from every stage.
     check_calibration(path, hf, tmp / "c")  # calibration statistics == forward hooks on hf
 
 Every check returns what it measured (worst differences, tokens) for the caller to report.
-Everything runs in float32 on the CPU in seconds for hidden sizes of 64.
+Everything runs in float32 on the CPU in seconds for hidden sizes of 64. Families that store
+experts fused (X [E, ...] read through views `X[e]`, GPT-OSS) and sigmoid routers with a
+selection bias (DeepSeek-V3, Kimi Linear: `probs_fn=sigmoid_probs`) go through the same checks;
+`for_mlx` makes the copy mlx-lm reads where it differs (older rope keys, an untied head).
 """
 
 from __future__ import annotations
@@ -140,48 +143,55 @@ def load_ours(path: str | os.PathLike):
 
 
 # -- logits ------------------------------------------------------------------------------------
-def hf_greedy(hf, ids: list[int], steps: int) -> tuple[list[np.ndarray], list[int]]:
-    """transformers' prefill logits [T, V] then `steps` greedy decode steps through its KV cache:
-    ([prefill, step 1 [1, V], ...], greedy tokens (steps + 1))."""
-    with torch.no_grad():
-        out = hf(input_ids=torch.tensor([ids]), use_cache=True)
-        cache = out.past_key_values
-        logits, tokens = [out.logits[0].numpy()], [int(out.logits[0, -1].argmax())]
-        for _ in range(steps):
-            out = hf(input_ids=torch.tensor([[tokens[-1]]]), cache=cache, use_cache=True)
-            logits.append(out.logits[0].numpy())
-            tokens.append(int(out.logits[0, -1].argmax()))
+def greedy(step, ids: list[int], steps: int) -> tuple[list[np.ndarray], list[int]]:
+    """Prefill `ids` then `steps` greedy decode steps through `step(ids [1, T]) -> logits [T, V]`
+    (a model call that keeps its own cache): ([prefill [T, V], step 1 [1, V], ...], greedy
+    tokens (steps + 1))."""
+    logits = [step([ids])]
+    tokens = [int(logits[-1][-1].argmax())]
+    for _ in range(steps):
+        logits.append(step([[tokens[-1]]]))
+        tokens.append(int(logits[-1][-1].argmax()))
     return logits, tokens
+
+
+def hf_greedy(hf, ids: list[int], steps: int) -> tuple[list[np.ndarray], list[int]]:
+    """`greedy` through transformers and its KV cache."""
+    cache = {}
+
+    def step(x):
+        with torch.no_grad():
+            out = hf(input_ids=torch.tensor(x), use_cache=True, **cache)
+        cache["cache"] = out.past_key_values
+        return out.logits[0].numpy()
+
+    return greedy(step, ids, steps)
 
 
 def ours_greedy(path, ids: list[int], steps: int) -> tuple[list[np.ndarray], list[int]]:
-    """The same through our Model, its own caches and weights from `Checkpoint.open`."""
+    """`greedy` through our Model, its own caches and weights from `Checkpoint.open`."""
     _, _, model, get = load_ours(path)
     caches = model.new_caches()
-    out = model.forward(get, torch.tensor([ids]), caches)[0]
-    logits, tokens = [out.numpy()], [int(out[-1].argmax())]
-    for _ in range(steps):
-        out = model.forward(get, torch.tensor([[tokens[-1]]]), caches)[0]
-        logits.append(out.numpy())
-        tokens.append(int(out[-1].argmax()))
-    return logits, tokens
+    return greedy(lambda x: model.forward(get, torch.tensor(x), caches)[0].numpy(), ids, steps)
 
 
-def _worst(a: list[np.ndarray], b: list[np.ndarray]) -> float:
-    assert [x.shape for x in a] == [x.shape for x in b]
-    return max(float(np.abs(x - y).max()) for x, y in zip(a, b))
+def _agree(got: tuple, ref: tuple, atol: float) -> float:
+    """Two `greedy` runs: the same tokens and logits within `atol`; returns the worst
+    absolute logit difference."""
+    (logits, tokens), (ref_logits, ref_tokens) = got, ref
+    assert [x.shape for x in logits] == [x.shape for x in ref_logits]
+    worst = max(float(np.abs(x - y).max()) for x, y in zip(logits, ref_logits))
+    assert worst < atol, worst
+    assert tokens == ref_tokens, (tokens, ref_tokens)
+    return worst
 
 
 def check_logits(path, hf, ids: list[int], steps: int = 8, atol: float = ATOL) -> float:
     """Our prefill + `steps` incremental decode steps == transformers' (each side feeding its own
     greedy tokens, which must agree). Returns the worst absolute logit difference."""
-    ref, ref_tokens = hf_greedy(hf, ids, steps)
-    assert np.abs(ref[0]).max() > 1  # the oracle's logits are not all near zero
-    got, tokens = ours_greedy(path, ids, steps)
-    worst = _worst(got, ref)
-    assert worst < atol, worst
-    assert tokens == ref_tokens
-    return worst
+    ref = hf_greedy(hf, ids, steps)
+    assert np.abs(ref[0][0]).max() > 1  # the oracle's logits are not all near zero
+    return _agree(ours_greedy(path, ids, steps), ref, atol)
 
 
 def prefill_change(path, other, ids: list[int]) -> np.ndarray:
@@ -227,17 +237,8 @@ def check_mlx(path, ids: list[int], steps: int = 8, atol: float = ATOL, mlx_path
 
     ref_model, _ = load_model(Path(mlx_path or path))
     cache = make_prompt_cache(ref_model)
-    out = np.array(ref_model(mx.array([ids]), cache=cache))[0]
-    ref, ref_tokens = [out], [int(out[-1].argmax())]
-    for _ in range(steps):
-        out = np.array(ref_model(mx.array([[ref_tokens[-1]]]), cache=cache))[0]
-        ref.append(out)
-        ref_tokens.append(int(out[-1].argmax()))
-    got, tokens = ours_greedy(path, ids, steps)
-    worst = _worst(got, ref)
-    assert worst < atol, worst
-    assert tokens == ref_tokens
-    return worst
+    ref = greedy(lambda x: np.array(ref_model(mx.array(x), cache=cache))[0], ids, steps)
+    return _agree(ours_greedy(path, ids, steps), ref, atol)
 
 
 def check_engine(path, hf, ids: list[int], steps: int = 8, atol: float = ATOL) -> list[int]:
