@@ -3,7 +3,8 @@ offline by transformers (per-expert tensors, read in place): logits equal transf
 mlx-lm's (prefill and incremental decode, fp32), the streaming engine's greedy tokens equal
 transformers' under a small budget, calibration statistics equal brute-force hooks on the
 transformers model, and a `reap plan` + `reap prune` checkpoint loads in transformers with the
-same logits as our engine on it. Grouped routing is also checked against a per-token loop."""
+same logits as our engine on it (the shared checks of tests/family_runner.py). Grouped routing
+is also checked against a per-token loop, FP8 releases against a naive dequantization."""
 
 from __future__ import annotations
 
