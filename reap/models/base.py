@@ -50,6 +50,22 @@ ExpertSource = Callable[[int, int], Mapping[str, torch.Tensor]]
 Weights = Callable[[str], torch.Tensor]
 
 
+def decoder_specs(cfg, dtype: str, layer_specs: Callable[[int], list]) -> list:
+    """The TensorSpecs of a decoder-only layout in order: `model.embed_tokens.weight`, each
+    layer's `layer_specs(i)`, `model.norm.weight`, then `lm_head.weight` unless the config ties
+    it (`cfg`: hidden_size, vocab_size, num_hidden_layers, tie_word_embeddings)."""
+    from reap.checkpoint import TensorSpec
+
+    D, V = cfg.hidden_size, cfg.vocab_size
+    specs = [TensorSpec("model.embed_tokens.weight", dtype, (V, D), "embed_head")]
+    for i in range(cfg.num_hidden_layers):
+        specs += layer_specs(i)
+    specs.append(TensorSpec("model.norm.weight", dtype, (D,), "norms"))
+    if not cfg.tie_word_embeddings:
+        specs.append(TensorSpec("lm_head.weight", dtype, (V, D), "embed_head"))
+    return specs
+
+
 _VARIANTS: dict[tuple[str, str], ModuleType] = {}
 
 

@@ -36,6 +36,7 @@ from reap.models.base import (
     Observer,
     State,
     Weights,
+    decoder_specs,
     dtype_code,
     expert_short_names,
     storage_variant,
@@ -161,13 +162,7 @@ def layout(config_dict: dict) -> list[TensorSpec]:
     """Every tensor of a transformers-format checkpoint (names without a prefix), in order."""
     cfg = Config.from_dict(config_dict)
     fdt = dtype_code(cfg.torch_dtype)
-    D, V = cfg.hidden_size, cfg.vocab_size
-    specs = [TensorSpec("model.embed_tokens.weight", fdt, (V, D), "embed_head")]
-    for i in range(cfg.num_hidden_layers):
-        specs += _layer_specs(cfg, i, fdt)
-    specs.append(TensorSpec("model.norm.weight", fdt, (D,), "norms"))
-    if not cfg.tie_word_embeddings:
-        specs.append(TensorSpec("lm_head.weight", fdt, (V, D), "embed_head"))
+    specs = decoder_specs(cfg, fdt, lambda i: _layer_specs(cfg, i, fdt))
     for j in range(cfg.mtp_layers):
         specs += _mtp_specs(cfg, cfg.num_hidden_layers + j, fdt)
     return [q for s in specs for q in _stored(cfg, s)]

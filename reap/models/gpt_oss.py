@@ -39,6 +39,7 @@ from reap.models.base import (
     Observer,
     State,
     Weights,
+    decoder_specs,
     dtype_code,
     storage_variant,
 )
@@ -126,14 +127,8 @@ def layout(config_dict: dict) -> list[TensorSpec]:
     """Every tensor in layer order; routed experts as per-expert views `X[e]` of the fused
     tensors (component "routed_experts", layer and expert set)."""
     cfg = Config.from_dict(config_dict)
-    fdt, D, V = cfg.file_dtype, cfg.hidden_size, cfg.vocab_size
-    specs = [TensorSpec("model.embed_tokens.weight", fdt, (V, D), "embed_head")]
-    for i in range(cfg.num_hidden_layers):
-        specs += _layer_specs(cfg, i, fdt)
-    specs.append(TensorSpec("model.norm.weight", fdt, (D,), "norms"))
-    if not cfg.tie_word_embeddings:
-        specs.append(TensorSpec("lm_head.weight", fdt, (V, D), "embed_head"))
-    return specs
+    fdt = cfg.file_dtype
+    return decoder_specs(cfg, fdt, lambda i: _layer_specs(cfg, i, fdt))
 
 
 def _layer_specs(cfg: Config, i: int, fdt: str) -> list[TensorSpec]:

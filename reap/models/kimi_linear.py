@@ -25,7 +25,7 @@ from reap.errors import ReapError
 from reap.models import attention as A
 from reap.models import blocks as B
 from reap.models import kimi_k3 as K3
-from reap.models.base import ExpertSource, Observer, State, Weights, dtype_code
+from reap.models.base import ExpertSource, Observer, State, Weights, decoder_specs, dtype_code
 
 # shared with K3: same names, same meaning
 expert_key = K3.expert_key
@@ -120,14 +120,7 @@ def layout(config_dict: dict) -> list[TensorSpec]:
     transformers saves them: the config's dtype, fp32 for dt_bias and the router."""
     cfg = Config.from_dict(config_dict)
     fdt = _dtype(cfg)
-    D, V = cfg.hidden_size, cfg.vocab_size
-    specs = [TensorSpec("model.embed_tokens.weight", fdt, (V, D), "embed_head")]
-    for i in range(cfg.num_hidden_layers):
-        specs += _layer_specs(cfg, i, fdt)
-    specs.append(TensorSpec("model.norm.weight", fdt, (D,), "norms"))
-    if not cfg.tie_word_embeddings:
-        specs.append(TensorSpec("lm_head.weight", fdt, (V, D), "embed_head"))
-    return specs
+    return decoder_specs(cfg, fdt, lambda i: _layer_specs(cfg, i, fdt))
 
 
 def _dtype(cfg: Config) -> str:

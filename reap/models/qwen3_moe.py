@@ -26,7 +26,7 @@ from reap.checkpoint import TensorSpec
 from reap.errors import ReapError
 from reap.models import blocks as B
 from reap.models.attention import KVCache, Rope, gqa_attention, rope_settings
-from reap.models.base import ExpertSource, Observer, State, Weights, dtype_code
+from reap.models.base import ExpertSource, Observer, State, Weights, decoder_specs, dtype_code
 
 
 @dataclass(frozen=True)
@@ -156,14 +156,7 @@ def layout_of(cfg: Config) -> list[TensorSpec]:
     """Every tensor of the Hugging Face layout of `cfg` (logical order: embedding, layers,
     final norm, head)."""
     dt = dtype_code(cfg.torch_dtype)
-    D, V = cfg.hidden_size, cfg.vocab_size
-    specs = [TensorSpec("model.embed_tokens.weight", dt, (V, D), "embed_head")]
-    for i in range(cfg.num_hidden_layers):
-        specs += _layer_specs(cfg, i, dt)
-    specs.append(TensorSpec("model.norm.weight", dt, (D,), "norms"))
-    if not cfg.tie_word_embeddings:
-        specs.append(TensorSpec("lm_head.weight", dt, (V, D), "embed_head"))
-    return specs
+    return decoder_specs(cfg, dt, lambda i: _layer_specs(cfg, i, dt))
 
 
 def _layer_specs(cfg: Config, i: int, dt: str) -> list[TensorSpec]:
