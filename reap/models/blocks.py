@@ -323,6 +323,26 @@ def routed_experts(
     return dispatch(x, ids, weights, lambda e, xs: run(xs, experts(layer, e)), to_model)
 
 
+def model_width_experts(
+    x: Tensor,
+    ids: Tensor,
+    weights: Tensor,
+    probs: Tensor,
+    layer: int,
+    experts: ExpertSource,
+    run: Callable[[Tensor, Mapping[str, Tensor]], Tensor],
+    observer: Observer | None = None,
+) -> Tensor:
+    """`routed_experts` then `report_moe` for experts that work in the model width (no latent
+    projection or norm after them, so an expert's model_norm is its own output's norm):
+    x [N, D] -> y [N, D] fp32, the weighted sum of the routed experts' outputs."""
+    wants = observer is not None and observer.wants_norms
+    to_model = (lambda o: o) if wants else None
+    y, stats = routed_experts(x, ids, weights, layer, experts, run, to_model)
+    report_moe(observer, layer, ids, weights, probs, stats)
+    return y
+
+
 def report_moe(
     observer: Observer | None,
     layer: int,

@@ -369,15 +369,11 @@ class Model(B.PreNormModel):
         ids, weights, probs = B.grouped_route(
             B.linear(x.float(), w("gate.weight")), bias, *self.routing
         )
-        wants = observer is not None and observer.wants_norms
-        y, stats = B.routed_experts(
-            x, ids, weights, i, experts, self._expert, (lambda o: o) if wants else None
-        )
+        y = B.model_width_experts(x, ids, weights, probs, i, experts, self._expert, observer)
         y = y.to(x.dtype)
         if self.cfg.n_shared_experts:
             s = "shared_experts."
             y = y + B.silu_glu(x, *(w(f"{s}{n}_proj.weight") for n in GLU))
-        B.report_moe(observer, i, ids, weights, probs, stats)
         return y
 
     def _expert(self, x: Tensor, t) -> Tensor:

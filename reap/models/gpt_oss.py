@@ -337,15 +337,15 @@ class Model(B.PreNormModel):
         flat = x.reshape(-1, x.shape[-1])  # [N, D]
         logits = B.linear(flat, w("weight")) + w("bias")  # [N, E]
         ids, weights, probs = router(logits, cfg.num_experts_per_tok)
-        wants = observer is not None and observer.wants_norms
-        y, stats = B.routed_experts(
+        source = experts or default_experts(get, self._names)
+        y = B.model_width_experts(
             flat,
             ids,
             weights,
+            probs,
             i,
-            experts or default_experts(get, self._names),
+            source,
             lambda xs, t: expert_mlp(xs, t, cfg.swiglu_alpha, cfg.swiglu_limit),
-            (lambda o: o) if wants else None,
+            observer,
         )
-        B.report_moe(observer, i, ids, weights, probs, stats)
         return y.to(x.dtype).reshape(x.shape)

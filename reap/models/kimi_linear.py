@@ -249,16 +249,12 @@ def sparse_moe(
     groups = (cfg.num_expert_group, cfg.topk_group)
     k, scale = cfg.num_experts_per_token, cfg.routed_scaling_factor
     ids, weights, probs = B.grouped_route(logits, bias, k, *groups, scale, cfg.moe_renormalize)
-    wants = observer is not None and observer.wants_norms
-    y, stats = B.routed_experts(
-        x, ids, weights, layer, experts, _expert, (lambda o: o) if wants else None
-    )
+    y = B.model_width_experts(x, ids, weights, probs, layer, experts, _expert, observer)
     y = y.to(x.dtype)
     if cfg.num_shared_experts:
         y = y + B.silu_glu(
             x, *(w(f"shared_experts.{n}_proj.weight") for n in ("gate", "up", "down"))
         )
-    B.report_moe(observer, layer, ids, weights, probs, stats)
     return y
 
 

@@ -353,10 +353,7 @@ class Model(B.PreNormModel):
             B.linear(flat, w("gate.weight")), cfg.num_experts_per_tok, cfg.norm_topk_prob
         )
         source = experts or default_experts(get, cfg.names)
-        wants = observer is not None and observer.wants_norms
-        to_model = (lambda o: o) if wants else None  # experts work in the model space
-        y, stats = B.routed_experts(flat, ids, weights, i, source, self._expert, to_model)
-        B.report_moe(observer, i, ids, weights, probs, stats)
+        y = B.model_width_experts(flat, ids, weights, probs, i, source, self._expert, observer)
         return y.to(x.dtype).reshape(x.shape)
 
     def _expert(self, x: torch.Tensor, t) -> torch.Tensor:
