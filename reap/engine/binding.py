@@ -37,9 +37,9 @@ def bind(tensors: dict, fam, config: dict, path: str) -> Binding:
     """Match the checkpoint's tensors to the family layout, strictly: a missing tensor, a wrong
     shape or dtype, or a tensor the layout does not use is a binding failure (exit 1). The vision
     tower and components the text model never reads (UNUSED_COMPONENTS) are listed, not bound."""
-    skip = {"vision", *UNUSED_COMPONENTS}
-    specs = [s for s in fam.layout(config) if s.component not in skip]
-    known = {split_view(s.name)[0] for s in fam.layout(config)}  # fused views: stored name
+    skip, layout = {"vision", *UNUSED_COMPONENTS}, fam.layout(config)
+    specs = [s for s in layout if s.component not in skip]
+    known = {split_view(s.name)[0] for s in layout}  # fused views: stored name
     for s in specs:
         t = tensors.get(s.name)
         if t is None:

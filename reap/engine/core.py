@@ -26,11 +26,12 @@ import torch
 
 from reap.engine import memory
 from reap.engine.binding import Binding, bind, model_bytes, state_costs
-from reap.engine.experts import ExpertCache, _short
+from reap.engine.experts import ExpertCache
 from reap.engine.kernels import BufferPool, expert_weights, fused_available
 from reap.engine.metrics import RunMetrics
 from reap.engine.store import Reader, TrunkStore
 from reap.errors import EXIT_FAILURE, ReapError
+from reap.models.base import expert_short_names
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 PREFILL_CHUNKS = (512, 256, 128, 64, 32, 16)
@@ -191,11 +192,12 @@ class Engine:
     def _zero_expert(self, layer: int, expert: int) -> dict[str, torch.Tensor]:
         """All-zero bytes decode to all-zero weights: the expert contributes nothing."""
         names = self.fam.expert_tensor_names(layer, expert)
-        out = {}
-        for n in names:
-            # bind() checked every expert tensor is listed; only its bytes failed to load
-            out[_short(n, names)] = torch.zeros(self.reader.tensors[n].shape, dtype=torch.uint8)
-        return out
+        # bind() checked every expert tensor is listed; only its bytes failed to load
+        shapes = (self.reader.tensors[n].shape for n in names)
+        return {
+            s: torch.zeros(shape, dtype=torch.uint8)
+            for s, shape in zip(expert_short_names(names), shapes)
+        }
 
     # -- accounting ---------------------------------------------------------------------------
     def counters(self) -> dict:

@@ -148,7 +148,8 @@ class ExpertCache:
             self.failed.append((key[0], key[1], str(e)))
             return None
         names = fut.names
-        out = _to({_short(n, names): raw[n] for n in names}, self.device)
+        short = expert_short_names(list(names))
+        out = _to({s: raw[n] for s, n in zip(short, names)}, self.device)
         if fut.slot is not None:
             self.where[key], self.tensors[key] = fut.slot, out
             if count:
@@ -219,9 +220,3 @@ def _check_scales(tensors: dict[str, torch.Tensor]) -> None:
     for name, t in tensors.items():
         if name.endswith("_scale") and t.dtype == torch.uint8 and bool((t == 255).any()):
             raise ReapError(f"{name}: E8M0 scale byte 255 (NaN): corrupt expert bytes")
-
-
-def _short(name: str, names: Sequence[str]) -> str:
-    """The part of a tensor name after the prefix shared by the expert's tensors (a fused
-    view's `[e]` dropped: `reap.models.base.expert_short_names`)."""
-    return expert_short_names(list(names))[list(names).index(name)]
