@@ -346,6 +346,8 @@ def test_two_shards_merged_equal_one_run(env, base):
             have = getattr(got, field)
             if want.dtype == torch.float64:  # sums: float64 rounding of a different order
                 torch.testing.assert_close(have, want, rtol=1e-12, atol=1e-12)
+            elif want.is_floating_point():  # per-token maxima from batches of another shape
+                torch.testing.assert_close(have, want, rtol=1e-5, atol=1e-6)
             else:
                 assert torch.equal(have, want), field
 

@@ -460,12 +460,13 @@ def test_run_subprocess_peak_rss_within_plan_and_exit_5_on_sigint(tiny):
     assert p.returncode == 0, err
     res = json.loads(out)
     assert 0 < res["metrics"]["peak_rss"] <= res["plan"]["total"]
+    # --ignore-eos: a random model may emit EOS at any step, and the run must still be going
+    # when the signal lands, however slow or fast this machine is
     p = _subprocess(
-        tiny, "--prompt-ids", "1,2,3", "--max-tokens", "4000", "--context", "4100", "--threads", "1"
+        tiny, "--prompt-ids", "1,2,3", "--max-tokens", "4000", "--context", "4100", "--threads",
+        "1", "--ignore-eos",
     )
-    deadline = time.time() + 60
-    while time.time() < deadline:  # wait until the plan is printed: the model is running
-        line = p.stderr.readline()
+    for line in p.stderr:  # wait until the plan is printed: the model is running
         if "streamed per token" in line:
             break
     time.sleep(0.5)

@@ -156,11 +156,14 @@ def test_pruned_model_equals_original_with_dropped_experts_masked(src, plan, pru
         full = m0.forward(w0, ids)
         want = m0.forward(masked(w0, p.keep, p.n_experts), ids, observer=r_masked)
         got = m1.forward(w1, ids, observer=r_pruned)
-    assert torch.equal(got, want)
-    assert not torch.allclose(full, want, atol=1e-4)  # the dropped experts did matter
+    # the router matmul has fewer rows in the pruned model: the same arithmetic up to float32
+    # rounding (bit-equal on some CPUs, a few ulps apart on others), never a different choice
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert (full - want).abs().max() > 100 * 1e-4  # the dropped experts did matter
     for a, b in zip(r_masked.records, r_pruned.records):  # same choices, renumbered
         original = torch.tensor(p.keep[b.layer])
-        assert torch.equal(a.ids, original[b.ids]) and torch.equal(a.weights, b.weights)
+        assert torch.equal(a.ids, original[b.ids])
+        torch.testing.assert_close(a.weights, b.weights, rtol=1e-5, atol=1e-6)
 
 
 def test_global_plan_prunes_to_per_layer_counts(src, tmp_path):

@@ -46,6 +46,8 @@ class FakeBackend:
         self.expert_failures: list = []
         self.fail: str | None = None  # "refuse" (engine limits) or "expert" (a load failure)
         self.delay = delay
+        self.gate = threading.Event()  # generation waits on it; set unless a test holds a job
+        self.gate.set()
         self.prompts: list[str] = []
         self.prompt_ids: list[list[int]] = []
         self.inside = 0
@@ -74,6 +76,7 @@ class FakeBackend:
                 raise ReapError("prompt of 9 tokens exceeds the limit of 8 (--max-prompt)")
             if self.fail == "expert":
                 self.expert_failures.append((1, 3, "short read"))
+            assert self.gate.wait(60), "a test held the backend for over 60 s"
             prompt = self.decode(ids)
             self.prompts.append(prompt)
             self.prompt_ids.append(list(ids))
@@ -361,21 +364,31 @@ def test_two_concurrent_clients_queue_on_one_engine(served):
 
 
 def test_queue_full_gives_503(served):
-    be = FakeBackend(delay=0.01)
+    be = FakeBackend()
+    be.gate.clear()  # the first job stays inside the backend until the 503 is seen
     s, _client = served(be, queue_size=1)
     body = {"prompt": "slow", "max_tokens": 40, "temperature": 0}
     threads = [threading.Thread(target=post, args=(s.url + "/completions", body))
                for _ in range(2)]
-    threads[0].start()
-    while be.inside == 0:  # the first job runs; the second fills the queue
+    try:
+        threads[0].start()
+        wait_until(lambda: be.inside == 1)  # the first job runs; the second fills the queue
+        threads[1].start()
+        wait_until(lambda: s.app.worker.jobs.qsize() == 1)
+        status, err = post(s.url + "/completions", body)
+        assert status == 503 and err["error"]["code"] == "queue_full"
+    finally:
+        be.gate.set()
+        for t in threads:
+            t.join(30)
+
+
+def wait_until(cond, timeout: float = 60.0) -> None:
+    """Poll cond() until it holds; fail (never hang) after timeout seconds."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached in time"
         time.sleep(0.005)
-    threads[1].start()
-    while s.app.worker.jobs.qsize() == 0:
-        time.sleep(0.005)
-    status, err = post(s.url + "/completions", body)
-    assert status == 503 and err["error"]["code"] == "queue_full"
-    for t in threads:
-        t.join(30)
 
 
 def test_loopback_only_unless_allowed():

@@ -53,6 +53,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (CPU torch.Generator)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="keep generating past the end-of-text token until --max-tokens (benchmarks, tests)",
+    )
     mem = p.add_mutually_exclusive_group()
     mem.add_argument("--budget", help="RAM budget, e.g. 8GB or 512MiB (the whole process)")
     mem.add_argument("--preset", choices=list(PRESETS), help=PRESET_HELP)
@@ -109,6 +114,7 @@ def _requests(args, engine) -> list:
             float(kw.get("top_p", args.top_p)),
             int(kw.get("seed", args.seed)),
             tuple([stop] if isinstance(stop, str) else stop),
+            args.ignore_eos,
         )
 
     if args.prompt is not None:

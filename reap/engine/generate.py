@@ -12,6 +12,7 @@ tokens on any device and any budget. Greedy takes the lowest id among equal maxi
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -32,6 +33,7 @@ class Request:
     top_p: float = 1.0
     seed: int = 0
     stop: tuple[str, ...] = ()
+    ignore_eos: bool = False  # generate max_tokens even past the end-of-text token
 
 
 @dataclass
@@ -120,7 +122,7 @@ def check_request(engine, r: Request) -> None:
             f"prompt ({len(r.ids)}) + max tokens ({r.max_tokens}) exceed the declared"
             f" context of {engine.context} (--context)"
         )
-    if not 0 < r.top_p <= 1 or r.temperature < 0:
+    if not (0 < r.top_p <= 1 and 0 <= r.temperature < math.inf):
         raise ReapError(
             f"need temperature >= 0 and 0 < top_p <= 1 (got {r.temperature}, {r.top_p})"
         )
@@ -170,7 +172,7 @@ def _events(
                 r, g = requests[k], gens[k]
                 tok = sample(logits[k], r.temperature, r.top_p, rngs[k])
                 g.ids.append(tok)
-                if tok == eos:
+                if tok == eos and not r.ignore_eos:
                     g.finish_reason = "eos"
                 elif stops[k].feed(g.ids):
                     g.finish_reason = "stop"
