@@ -31,7 +31,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "prune": ("reap.prune.write", "write a pruned checkpoint from a plan, kept experts bit-identical"),
     "verify": ("reap.prune.verify", "check a pruned checkpoint against its source"),
     "run": ("reap.engine.cli", "generate text with the streaming engine under a memory budget"),
-    "serve": ("reap.engine.server", "OpenAI-compatible HTTP server on the streaming engine"),
+    "serve": ("reap.serve.cli", "OpenAI-compatible HTTP server on the streaming engine"),
     "eval": ("reap.eval.cli", "compare builds side by side: perplexity, agreement, generations"),
 }
 

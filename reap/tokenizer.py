@@ -1,5 +1,6 @@
-"""Tokenizers shipped with checkpoints: loading any `tokenizer.json`, and the byte-level one that
-`reap synth` writes (token id = UTF-8 byte value, 256 = end of text).
+"""Tokenizers shipped with checkpoints: loading any `tokenizer.json`, the byte-level one that
+`reap synth` writes (token id = UTF-8 byte value, 256 = end of text), and encoding text in which
+special tokens (chat markers) are spelled out.
 
 The byte-level tokenizer is an ordinary Hugging Face `tokenizers` byte-level BPE with no merges,
 so a trained BPE tokenizer saved the same way loads through the same `load_tokenizer`.
@@ -8,6 +9,8 @@ so a trained BPE tokenizer saved the same way loads through the same `load_token
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Callable
 from pathlib import Path
 
 from reap.errors import CheckpointError, ReapError
@@ -65,6 +68,30 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         """Text of `ids` (special tokens dropped; invalid UTF-8 becomes U+FFFD)."""
         return self._tok.decode(list(ids), skip_special_tokens=True)
+
+    def special_tokens(self) -> dict[str, int]:
+        """Special tokens (text -> id): the chat markers and controls `encode` treats as text."""
+        added = self._tok.get_added_tokens_decoder()
+        return {t.content: i for i, t in added.items() if t.special}
+
+
+def encode_prompt(text: str, encode: Callable[[str], list[int]],
+                  specials: dict[str, int]) -> list[int]:
+    """Token ids of a rendered prompt: special tokens spelled in it map to their ids, the text
+    between them goes through `encode` (which treats everything as plain text)."""
+    if not specials:
+        return encode(text)
+    pattern = "|".join(re.escape(s) for s in sorted(specials, key=len, reverse=True))
+    ids: list[int] = []
+    at = 0
+    for m in re.finditer(pattern, text):
+        if m.start() > at:
+            ids += encode(text[at:m.start()])
+        ids.append(specials[m.group()])
+        at = m.end()
+    if at < len(text):
+        ids += encode(text[at:])
+    return ids
 
 
 def load_tokenizer(checkpoint_dir: str | Path) -> Tokenizer:

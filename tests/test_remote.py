@@ -280,7 +280,7 @@ def test_concurrent_reads_are_consistent(remote):
 def test_engine_generates_from_a_url(tmp_path, monkeypatch):
     """`reap serve URL`'s path: the engine on a remote k3-tiny gives the local tokens; a second
     open of the same URL fetches nothing."""
-    from reap.engine.server import open_backend
+    from reap.serve.backend import open_backend
     from reap.synth import synth
 
     src = Path(synth("k3-tiny", tmp_path / "k3-tiny", seed=0, dtype="float32"))

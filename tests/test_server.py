@@ -16,21 +16,23 @@ import urllib.request
 
 import pytest
 
-from reap.engine.chat import (
-    ChatTemplate,
-    ReasoningSplitter,
-    TextStream,
-    encode_prompt,
-    parse_messages,
-    render_k3,
-    split_reasoning,
-)
-from reap.engine.server import Server, check_host
 from reap.errors import ReapError
+from reap.models import FAMILIES, builtin_config, family
+from reap.serve.chat import ChatTemplate, render_markers
+from reap.serve.http import Server, check_host
+from reap.serve.params import parse_messages
+from reap.serve.stream import ReasoningSplitter, TextStream, split_reasoning
+from reap.tokenizer import encode_prompt
 
 openai = pytest.importorskip("openai")
 
 ALPHABET = "ab cdé中🙂\n"
+K3_CONFIG = builtin_config("k3-tiny")
+K3 = family(K3_CONFIG).chat_format(K3_CONFIG)  # the K3 family's built-in chat format
+
+
+def render_k3(messages, thinking: bool = True) -> str:
+    return render_markers(K3, messages, thinking)
 
 
 class FakeBackend:
@@ -41,7 +43,7 @@ class FakeBackend:
     eos_id = 256
 
     def __init__(self, delay: float = 0.0, template: ChatTemplate | None = None):
-        self.template = template or ChatTemplate()
+        self.template = template or ChatTemplate(builtin=K3)
         self.special = {"<|im_end|>": 257}  # a chat marker that is one special token
         self.expert_failures: list = []
         self.fail: str | None = None  # "refuse" (engine limits) or "expert" (a load failure)
@@ -166,7 +168,7 @@ def test_builtin_format_matches_jinja_reference(thinking):
     for conv in CONVERSATIONS:
         msgs = parse_messages(conv)
         assert render_k3(msgs, thinking) == jinja.render(msgs, thinking)
-        assert ChatTemplate().render(msgs, thinking) == render_k3(msgs, thinking)
+        assert ChatTemplate(builtin=K3).render(msgs, thinking) == render_k3(msgs, thinking)
 
 
 def test_checkpoint_template_is_used(tmp_path):
@@ -182,7 +184,19 @@ def test_checkpoint_template_is_used(tmp_path):
     assert tpl.stop == ("<|im_end|>",)
     (tmp_path / "chat_template.jinja").write_text("{{ messages[0].content }}|{{ custom }}")
     assert ChatTemplate.from_dir(tmp_path).render(msgs, extra={"custom": 7}) == "x|7"
-    assert ChatTemplate.from_dir(tmp_path / "missing").source is None  # no files: built-in K3
+    assert ChatTemplate.from_dir(tmp_path / "missing", K3).source is None  # no files: K3
+
+
+def test_chat_format_comes_from_the_family():
+    """Every family declares its built-in chat format (None: its checkpoints bring a template);
+    with neither a template nor a built-in format, chat requests are refused, not guessed."""
+    for model_type in FAMILIES:
+        config = {"model_type": model_type}
+        assert (family(config).chat_format(config) is None) == (model_type != "kimi_k3")
+    msgs = parse_messages([{"role": "user", "content": "x"}])
+    with pytest.raises(ReapError, match="no chat template"):
+        ChatTemplate().render(msgs)
+    assert ChatTemplate().stop == () and ChatTemplate(builtin=K3).stop == (K3.end,)
 
 
 @pytest.mark.parametrize("bad", [[], [{"role": "robot", "content": "x"}],
@@ -412,7 +426,7 @@ def tiny(tmp_path_factory):
 
 def test_real_engine_end_to_end(tiny, served):
     """k3-tiny behind the server: every answer equals the engine's own generate()."""
-    from reap.engine.server import open_backend
+    from reap.serve.backend import open_backend
 
     backend = open_backend(tiny, "k3-tiny", context=96)
     eng = backend.engine

@@ -1,12 +1,13 @@
 """Architecture rules that review would otherwise have to catch: data flows one way
-(corpora -> calibrate -> analyze -> prune -> engine -> eval), the shared layers import no stage,
-and no code outside reap/models names a model family."""
+(corpora -> calibrate -> analyze -> prune -> engine -> eval, with serve on top of engine), the
+shared layers import no stage, and no code outside reap/models names a model family."""
 
 import ast
 import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "reap"
-STAGES = ["corpora", "calibrate", "analyze", "prune", "engine", "eval"]
+# serve (the OpenAI server) sits on the engine beside eval: neither engine nor eval imports it
+STAGES = ["corpora", "calibrate", "analyze", "prune", "engine", "eval", "serve"]
 SHARED = {"checkpoint", "mxfp4", "models", "stats", "sizes", "tokenizer", "synth", "errors",
           "fileio", "provenance", "defaults"}
 
@@ -48,4 +49,23 @@ def test_family_names_stay_in_models():
         for needle in ("kimi_k3", "KimiK3", "block_sparse_moe"):
             if needle in text:
                 bad.append(f"{path.relative_to(ROOT)} mentions {needle}")
+    assert not bad, "\n".join(bad)
+
+
+def test_engine_has_no_serving_code():
+    """Serving lives in reap/serve: the engine neither runs an HTTP server nor formats chats,
+    and chat markers are declared by the families (reap/models), never spelled elsewhere."""
+    bad = []
+    for path in (ROOT / "engine").rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module or ""]
+            bad += [f"{path.relative_to(ROOT)} imports {n}" for n in names
+                    if n.split(".")[0] in {"socketserver", "wsgiref", "jinja2"}
+                    or n == "http.server"]
+    for path in ROOT.rglob("*.py"):
+        if _unit(path) != "models" and "<|im_" in path.read_text():
+            bad.append(f"{path.relative_to(ROOT)} spells a chat marker (<|im_...|>)")
     assert not bad, "\n".join(bad)

@@ -12,8 +12,8 @@ trunk resident, streaming the other layers through a ring buffer and caching rou
 Modules: `memory` (the plan), `binding` (checkpoint -> trunk units, byte census), `store`
 (positioned reads, pinned trunk, streamed-layer ring), `experts` (routed-expert cache),
 `kernels` (MXFP4 decode), `core` (Engine: open and the layer-by-layer step), `generate`
-(sampling, stop strings, lockstep batches), `metrics`, `cli` (`reap run`). `reap serve`
-(server, chat, remote) builds on this API. Importing this package loads nothing heavy.
+(sampling, stop strings, lockstep batches), `metrics`, `remote` (checkpoints over HTTP), `cli`
+(`reap run`). `reap.serve` builds on this API. Importing this package loads nothing heavy.
 """
 
 from __future__ import annotations

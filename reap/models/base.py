@@ -180,3 +180,18 @@ class LayerModel:
             state, x = self.attn_block(i, get, state, None if caches is None else caches[i])
             state = self.finish_layer(i, state, self.mlp_block(i, get, x, experts, observer))
         return self.head(get, state)
+
+
+@dataclass(frozen=True)
+class ChatFormat:
+    """A family's built-in chat format, for checkpoints that ship no chat template: the marker
+    opening each role's turn, the one closing every turn, and the reasoning-block delimiters
+    (rendered by `reap.serve.chat.render_markers`). A family module's `chat_format(config_dict)`
+    returns one, or None when the checkpoint's own tokenizer chat template must be used."""
+
+    system: str
+    user: str
+    assistant: str
+    end: str
+    think_open: str
+    think_close: str

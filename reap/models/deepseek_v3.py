@@ -294,6 +294,10 @@ def state_bytes(cfg: Config, act_bytes: int) -> tuple[int, int, int, int]:
     return per_pos, 0, act, 4 * 3 * H
 
 
+def chat_format(config_dict: dict) -> None:
+    """None (no built-in chat format): DeepSeek-V3/Kimi K2 checkpoints ship their own template."""
+
+
 # -- the model ---------------------------------------------------------------------------------
 def default_experts(get: Weights, short: tuple[str, ...] = EXPERT_TENSORS) -> ExpertSource:
     """An ExpertSource pulling each expert's tensors (`short` names) through the weight getter."""

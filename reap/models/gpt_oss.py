@@ -240,6 +240,10 @@ def state_bytes(cfg: Config, act_bytes: int) -> tuple[int, int, int, int]:
     return per_pos, 0, act, 4 * 3 * H
 
 
+def chat_format(config_dict: dict) -> None:
+    """None (no built-in chat format): GPT-OSS checkpoints ship their own chat template."""
+
+
 # -- experts -----------------------------------------------------------------------------------
 def sanitize(t: Mapping[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """One expert's stored slices (short names) -> {gate_up [D, 2F], gate_up_bias [2F],

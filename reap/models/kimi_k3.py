@@ -19,6 +19,7 @@ from reap.errors import ReapError
 from reap.models import attention as A
 from reap.models import blocks as B
 from reap.models.base import ExpertSource, LayerModel, Observer, State, Weights, dtype_code
+from reap.models.kimi_k3_chat import chat_format  # noqa: F401 - family hook (chat markers)
 from reap.models.vision import standin_specs
 
 # the six tensors of a routed expert, file order: w1 gate, w2 down, w3 up; E2M1 pairs, E8M0 scales

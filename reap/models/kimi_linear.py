@@ -217,6 +217,10 @@ def expert_groups(config_dict: dict) -> int:
     return int(config_dict.get("text_config", config_dict).get("num_expert_group") or 1)
 
 
+def chat_format(config_dict: dict) -> None:
+    """None (no built-in chat format): Kimi Linear checkpoints ship their own chat template."""
+
+
 # -- the model ---------------------------------------------------------------------------------
 def default_experts(get: Weights) -> ExpertSource:
     """An ExpertSource pulling each expert's tensors (short names "w1.weight", ...) by name."""

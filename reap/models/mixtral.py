@@ -87,3 +87,7 @@ def with_experts(config_dict: dict, n_experts: int | dict[int, int]) -> dict:
 def state_bytes(cfg: Config, act_bytes: int) -> tuple[int, int, int, int]:
     """Per-sequence state costs for the engine's memory plan (see `qwen3_moe.kv_state_bytes`)."""
     return Q.kv_state_bytes(cfg, act_bytes)
+
+
+def chat_format(config_dict: dict) -> None:
+    """None (no built-in chat format): Mixtral checkpoints ship their own chat template."""

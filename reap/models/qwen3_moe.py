@@ -275,6 +275,10 @@ def state_bytes(cfg: Config, act_bytes: int) -> tuple[int, int, int, int]:
     return kv_state_bytes(cfg, act_bytes)
 
 
+def chat_format(config_dict: dict) -> None:
+    """None (no built-in chat format): Qwen3-MoE/OLMoE checkpoints ship their own chat template."""
+
+
 # -- the model ---------------------------------------------------------------------------------
 def default_experts(get: Weights, names: Naming = NAMES) -> ExpertSource:
     """An ExpertSource pulling an expert's three matrices through the weight getter."""

@@ -1,0 +1,164 @@
+"""Chat templates: validated messages -> the prompt text a model was trained on.
+
+`ChatTemplate` renders with, in order of preference:
+- the checkpoint's own template (`chat_template.jinja`, or `chat_template` in
+  `tokenizer_config.json`), in a sandboxed Jinja environment with `add_generation_prompt=True`
+  and the thinking switch passed as `thinking` (Kimi's spelling) and `enable_thinking` (Qwen's);
+- else the built-in `ChatFormat` its model family declares (`chat_format` of the family module,
+  see `reap.models.base`), rendered by `render_markers`:
+
+      {system}{text}{end}    {user}{text}{end}
+      {assistant}{think_open}{reasoning}{think_close}{text}{end}
+      generation prompt: {assistant}{think_open}                (thinking on, the default)
+                         {assistant}{think_open}{think_close}   (thinking off)
+
+  No default system message is inserted; assistant turns before the last user turn lose their
+  reasoning (an empty thinking block);
+- with neither, chat requests are refused (plain completions still work).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from reap.models.base import ChatFormat
+from reap.serve.params import Message, RequestError
+from reap.serve.stream import REASONING_MARKERS
+
+
+def render_markers(fmt: ChatFormat, messages: list[Message], thinking: bool = True) -> str:
+    """The prompt for `messages` in the marker format `fmt`, ending with the generation prompt."""
+    last_user = max((i for i, m in enumerate(messages) if m.role == "user"), default=-1)
+    header = {"system": fmt.system, "user": fmt.user}
+    out = []
+    for i, m in enumerate(messages):
+        if m.role != "assistant":
+            out.append(f"{header[m.role]}{m.content}{fmt.end}")
+            continue
+        reasoning = m.reasoning if i > last_user else ""
+        out.append(f"{fmt.assistant}{fmt.think_open}{reasoning}{fmt.think_close}"
+                   f"{m.content}{fmt.end}")
+    out.append(fmt.assistant + fmt.think_open + ("" if thinking else fmt.think_close))
+    return "".join(out)
+
+
+class ChatTemplate:
+    """Renders chat requests for one model: its own Jinja template `source` if it has one, else
+    its family's `builtin` format.
+
+    `stop` holds the strings that end an assistant turn (to pass to the engine as stop strings);
+    `think_open`/`think_close` delimit the reasoning channel of generated text.
+    """
+
+    def __init__(self, source: str | None = None, special: dict[str, str] | None = None,
+                 builtin: ChatFormat | None = None):
+        self.source, self.builtin = source, builtin
+        self.special = dict(special or {})
+        if source is not None:
+            end = self.special.get("eos_token")
+        else:
+            end = builtin.end if builtin else None
+        self.stop: tuple[str, ...] = (end,) if end else ()
+        markers = (builtin.think_open, builtin.think_close) if builtin else REASONING_MARKERS
+        self.think_open, self.think_close = markers
+        self._compiled = None
+
+    @classmethod
+    def from_dir(cls, path: str | os.PathLike, builtin: ChatFormat | None = None) -> ChatTemplate:
+        """The template of a checkpoint directory (`builtin` when it ships none)."""
+        config = _read_json(os.path.join(path, "tokenizer_config.json"))
+        special = {k: _token_text(config.get(k)) for k in ("bos_token", "eos_token")}
+        special = {k: v for k, v in special.items() if v}
+        jinja_path = os.path.join(path, "chat_template.jinja")
+        if os.path.isfile(jinja_path):
+            with open(jinja_path, encoding="utf-8") as f:
+                return cls(f.read(), special, builtin)
+        return cls(_pick_template(config.get("chat_template"), path), special, builtin)
+
+    def render(self, messages: list[Message], thinking: bool = True,
+               extra: dict[str, Any] | None = None) -> str:
+        """Prompt text for `messages` plus the generation prompt; `extra` reaches the template."""
+        if self.source is None:
+            if self.builtin is None:
+                raise RequestError("this checkpoint ships no chat template and its model family "
+                                   "has no built-in chat format: use /v1/completions")
+            return render_markers(self.builtin, messages, thinking)
+        env_kwargs = dict(self.special)
+        env_kwargs.update(extra or {})
+        env_kwargs.update(thinking=thinking, enable_thinking=thinking,
+                          add_generation_prompt=True, messages=[_as_dict(m) for m in messages])
+        try:
+            return self._template().render(**env_kwargs)
+        except RequestError:
+            raise
+        except Exception as e:  # noqa: BLE001 - any Jinja error: the template's or the request's
+            raise RequestError(f"chat template failed: {type(e).__name__}: {e}") from None
+
+    def opens_thinking(self, prompt: str) -> bool:
+        """Whether generation starts inside the reasoning channel (the prompt ends opening it)."""
+        return prompt.rstrip().endswith(self.think_open)
+
+    def _template(self):
+        if self._compiled is None:
+            self._compiled = _compile(self.source)
+        return self._compiled
+
+
+def _compile(source: str):
+    try:
+        from jinja2.exceptions import TemplateError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    except ImportError:
+        raise RequestError("this checkpoint ships a chat template: install jinja2 to use it"
+                           ) from None
+
+    def raise_exception(message: str):
+        raise RequestError(f"chat template refused the request: {message}")
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=["jinja2.ext.loopcontrols"])
+    env.globals["raise_exception"] = raise_exception
+    try:
+        return env.from_string(source)
+    except TemplateError as e:
+        raise RequestError(f"chat template does not compile: {e}") from None
+
+
+def _as_dict(m: Message) -> dict[str, str]:
+    d = {"role": m.role, "content": m.content}
+    if m.reasoning:
+        d["reasoning_content"] = m.reasoning
+    return d
+
+
+def _read_json(path: str) -> dict:
+    if not os.path.isfile(path):
+        return {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError) as e:
+        raise RequestError(f"{path}: unreadable JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise RequestError(f"{path}: expected a JSON object")
+    return data
+
+
+def _token_text(tok: Any) -> str | None:
+    if isinstance(tok, dict):  # {"content": "</s>", ...} in older tokenizer configs
+        tok = tok.get("content")
+    return tok if isinstance(tok, str) else None
+
+
+def _pick_template(value: Any, path: str | os.PathLike) -> str | None:
+    """tokenizer_config's chat_template: a string, or a list of {name, template} (use 'default')."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+        if isinstance(named.get("default"), str):
+            return named["default"]
+    raise RequestError(f"{path}/tokenizer_config.json: chat_template has no usable default "
+                       "template")
