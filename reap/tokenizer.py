@@ -13,7 +13,7 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
-from reap.errors import CheckpointError, ReapError
+from reap.errors import CheckpointError
 
 EOS_TOKEN = "<|endoftext|>"
 
@@ -111,18 +111,12 @@ def load_tokenizer(checkpoint_dir: str | Path) -> Tokenizer:
 
 
 def _eos_id(d: Path, tok) -> int | None:
+    from reap.checkpoint.header import load_json  # the checkpoint layer imports torch
+
     for name in ("tokenizer_config.json", "config.json"):
-        p = d / name
-        if not p.is_file():
-            continue
-        try:
-            cfg = json.loads(p.read_text())
-        except (OSError, ValueError) as e:
-            raise ReapError(f"{p}: unreadable ({e})") from None
-        eos = cfg.get("eos_token")
-        if isinstance(eos, dict):
-            eos = eos.get("content")
-        if isinstance(eos, str) and tok.token_to_id(eos) is not None:
+        cfg = load_json(d / name, name) if (d / name).is_file() else {}
+        eos = token_text(cfg.get("eos_token"))
+        if eos is not None and tok.token_to_id(eos) is not None:
             return tok.token_to_id(eos)
         eid = cfg.get("eos_token_id", cfg.get("text_config", {}).get("eos_token_id"))
         if isinstance(eid, list):
@@ -130,3 +124,10 @@ def _eos_id(d: Path, tok) -> int | None:
         if isinstance(eid, int):
             return eid
     return None
+
+
+def token_text(token) -> str | None:
+    """A special token's text as a tokenizer config spells it: a string or {"content": ...}."""
+    if isinstance(token, dict):
+        token = token.get("content")
+    return token if isinstance(token, str) else None

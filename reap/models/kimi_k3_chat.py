@@ -1,17 +1,10 @@
 """Kimi K3's built-in chat format: the markers `reap.serve` renders chat requests with when a K3
-checkpoint ships no chat template of its own (the family hook `kimi_k3.chat_format`).
+checkpoint ships no chat template (the family hook `kimi_k3.chat_format`).
 
 ASSUMPTION: the K3 release's tokenizer_config is not available offline. These are the markers
-published for Kimi K2.5/K2.6, which K3 is assumed to keep:
-
-    <|im_system|>system<|im_middle|>{text}<|im_end|>
-    <|im_user|>user<|im_middle|>{text}<|im_end|>
-    <|im_assistant|>assistant<|im_middle|><think>{reasoning}</think>{text}<|im_end|>
-    generation prompt: <|im_assistant|>assistant<|im_middle|><think>        (thinking on, default)
-                       <|im_assistant|>assistant<|im_middle|><think></think> (thinking off)
-
-A checkpoint that ships its own template overrides all of this, so a differing K3 release only
-needs its own files.
+published for Kimi K2.5/K2.6 (a turn is `<|im_user|>user<|im_middle|>{text}<|im_end|>`, the
+reply opens with `<think>`), which K3 is assumed to keep. A checkpoint that ships its own
+template overrides them, so a differing K3 release only needs its own files.
 """
 
 from __future__ import annotations

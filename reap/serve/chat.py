@@ -19,13 +19,15 @@
 
 from __future__ import annotations
 
-import json
 import os
+from pathlib import Path
 from typing import Any
 
+from reap.checkpoint.header import load_json
 from reap.models.base import ChatFormat
 from reap.serve.params import Message, RequestError
 from reap.serve.stream import REASONING_MARKERS
+from reap.tokenizer import token_text
 
 
 def render_markers(fmt: ChatFormat, messages: list[Message], thinking: bool = True) -> str:
@@ -68,8 +70,9 @@ class ChatTemplate:
     @classmethod
     def from_dir(cls, path: str | os.PathLike, builtin: ChatFormat | None = None) -> ChatTemplate:
         """The template of a checkpoint directory (`builtin` when it ships none)."""
-        config = _read_json(os.path.join(path, "tokenizer_config.json"))
-        special = {k: _token_text(config.get(k)) for k in ("bos_token", "eos_token")}
+        config_path = Path(path, "tokenizer_config.json")
+        config = load_json(config_path, "tokenizer config") if config_path.is_file() else {}
+        special = {k: token_text(config.get(k)) for k in ("bos_token", "eos_token")}
         special = {k: v for k, v in special.items() if v}
         jinja_path = os.path.join(path, "chat_template.jinja")
         if os.path.isfile(jinja_path):
@@ -131,25 +134,6 @@ def _as_dict(m: Message) -> dict[str, str]:
     if m.reasoning:
         d["reasoning_content"] = m.reasoning
     return d
-
-
-def _read_json(path: str) -> dict:
-    if not os.path.isfile(path):
-        return {}
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except (OSError, ValueError) as e:
-        raise RequestError(f"{path}: unreadable JSON ({e})") from None
-    if not isinstance(data, dict):
-        raise RequestError(f"{path}: expected a JSON object")
-    return data
-
-
-def _token_text(tok: Any) -> str | None:
-    if isinstance(tok, dict):  # {"content": "</s>", ...} in older tokenizer configs
-        tok = tok.get("content")
-    return tok if isinstance(tok, str) else None
 
 
 def _pick_template(value: Any, path: str | os.PathLike) -> str | None:
