@@ -20,7 +20,15 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from reap.errors import EXIT_USAGE, ReapError
-from reap.serve import params
+from reap.serve.params import (
+    Params,
+    RequestError,
+    completion_ids,
+    parse_messages,
+    parse_params,
+    template_kwargs,
+    thinking_option,
+)
 from reap.serve.stream import Reply, TextStream
 from reap.tokenizer import encode_prompt
 
@@ -46,7 +54,7 @@ class Job:
     or ("error", ApiError) to `events`."""
 
     ids: list[int]
-    params: params.Params
+    params: Params
     stop: tuple[str, ...] = ()
     stop_ids: set = field(default_factory=set)  # token ids that end generation (EOS, turn end)
     events: queue.Queue = field(default_factory=queue.Queue)
@@ -155,22 +163,21 @@ class App:
         stop, thinking = (), False
         try:
             if not is_chat:
-                ids = params.completion_ids(body, b.encode, b.special)
+                ids = completion_ids(body, b.encode, b.special)
             else:
-                messages = params.parse_messages(body.get("messages"))
-                prompt = b.template.render(messages, params.thinking_option(body),
-                                           params.template_kwargs(body))
+                messages = parse_messages(body.get("messages"))
+                prompt = b.template.render(messages, thinking_option(body), template_kwargs(body))
                 ids = encode_prompt(prompt, b.encode, b.special)
                 stop, thinking = b.template.stop, b.template.opens_thinking(prompt)
             context = getattr(b, "context", None)
             room = self.limit if context is None else min(self.limit, context - len(ids))
             if room < 1:
                 where = "messages" if is_chat else "prompt"
-                raise params.RequestError(f"the prompt of {len(ids)} tokens leaves no room in "
-                                          f"the {context}-token context", where)
+                raise RequestError(f"the prompt of {len(ids)} tokens leaves no room in the "
+                                   f"{context}-token context", where)
             default = room if is_chat else min(16, room)
-            sampling = params.parse_params(body, default_max=default, limit=room)
-        except params.RequestError as e:
+            sampling = parse_params(body, default_max=default, limit=room)
+        except RequestError as e:
             raise ApiError(400, str(e), param=e.param) from None
         stop_ids = {b.special[s] for s in stop if s in b.special} | {b.eos_id}
         reply = Reply(b.model_id, len(ids), is_chat, thinking, b.template.think_close)
