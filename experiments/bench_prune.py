@@ -34,8 +34,9 @@ def plain_copy(src: str, plan_path: str, out: str) -> int:
     """Copy the bytes a prune writes with bare pread/write; returns the bytes written."""
     from reap.checkpoint import Checkpoint
     from reap.models import family
-    from reap.prune.plan import Plan
-    from reap.prune.write import _largest_shard, plan_items
+    from reap.prune.plan_file import Plan
+    from reap.prune.tensor_map import plan_items
+    from reap.prune.write import _largest_shard
 
     plan = Plan.load(plan_path)
     os.makedirs(out)

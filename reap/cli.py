@@ -1,11 +1,12 @@
 """The `reap` command: one entry point that dispatches to each stage's subcommand.
 
-Each subcommand lives in the module that does the work and exposes two functions:
-`add_arguments(parser)` and `run(args) -> int` (the exit code). Modules are imported only when
-their subcommand runs, so `reap --help` stays fast and a broken optional stage cannot break the
-others. Errors a user can cause are `reap.errors.ReapError`: printed as one line, exit code from
-the error. Exit codes: 0 ok, 1 runtime failure, 2 bad input or arguments, 3 result not written,
-4 a routed expert failed to load, 5 interrupted.
+Each subcommand lives with the stage that does the work and is two functions,
+`add_arguments(parser)` and `run(args) -> int` (the exit code): those of a module, or, written
+`module:NAME`, those of the object NAME in it (a CLI module serving several subcommands).
+Modules are imported only when their subcommand runs, so `reap --help` stays fast and a broken
+optional stage cannot break the others. Errors a user can cause are `reap.errors.ReapError`:
+printed as one line, exit code from the error. Exit codes: 0 ok, 1 runtime failure, 2 bad input
+or arguments, 3 result not written, 4 a routed expert failed to load, 5 interrupted.
 """
 
 from __future__ import annotations
@@ -27,9 +28,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "calibrate": ("reap.calibrate.cli", "stream corpora through a model, record expert statistics"),
     "stats": ("reap.stats", "inspect and merge expert statistics files"),
     "analyze": ("reap.analyze.cli", "expert overlap between corpora against chance, clusters, plots"),
-    "plan": ("reap.prune.plan", "choose the experts to keep (criteria, budgets, target size)"),
-    "prune": ("reap.prune.write", "write a pruned checkpoint from a plan, kept experts bit-identical"),
-    "verify": ("reap.prune.verify", "check a pruned checkpoint against its source"),
+    "plan": ("reap.prune.cli:PLAN", "choose the experts to keep (criteria, budgets, target size)"),
+    "prune": ("reap.prune.cli:PRUNE", "write a pruned checkpoint from a plan, kept experts bit-identical"),
+    "verify": ("reap.prune.cli:VERIFY", "check a pruned checkpoint against its source"),
     "run": ("reap.engine.cli", "generate text with the streaming engine under a memory budget"),
     "serve": ("reap.serve.cli", "OpenAI-compatible HTTP server on the streaming engine"),
     "eval": ("reap.eval.cli", "compare builds side by side: perplexity, agreement, generations"),
@@ -44,9 +45,9 @@ def _available() -> dict[str, tuple[str, str]]:
     return {n: c for n, c in COMMANDS.items() if _exists(c[0])}
 
 
-def _exists(module: str) -> bool:
+def _exists(target: str) -> bool:
     try:
-        return importlib.util.find_spec(module) is not None
+        return importlib.util.find_spec(target.partition(":")[0]) is not None
     except ModuleNotFoundError:  # a parent package is missing
         return False
 
@@ -61,15 +62,17 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"reap {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, (module, help_) in _available().items():
+    for name, (target, help_) in _available().items():
         p = sub.add_parser(
             name, help=help_, description=help_, epilog=EPILOG,
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
         if only == name:
-            mod = importlib.import_module(module)
-            mod.add_arguments(p)
-            p.set_defaults(_run=mod.run)
+            module, _, attr = target.partition(":")
+            command = importlib.import_module(module)
+            command = getattr(command, attr) if attr else command
+            command.add_arguments(p)
+            p.set_defaults(_run=command.run)
     return parser
 
 

@@ -215,7 +215,7 @@ def test_calibration_statistics_equal_transformers_hooks(calibrated):
 def test_pruned_checkpoint_loads_in_transformers_and_equals_our_engine(yarn, calibrated, tmp_path):
     """`reap plan` on the statistics + `reap prune`: the layout, sliced router rows and
     correction bias, kept experts byte for byte, from_pretrained == our engine; verify passes."""
-    from reap.prune.plan import Plan
+    from reap.prune.plan_file import Plan
 
     (path, _), (_, stats) = yarn, calibrated
     plan, out = tmp_path / "plan.json", tmp_path / "pruned"
@@ -374,7 +374,7 @@ def test_fp8_checkpoint_equals_its_naive_dequantization(yarn, fp8_model):
 
 def test_fp8_prune_keeps_fp8_bytes_and_scales(fp8_model, tmp_path):
     from reap.engine import Engine
-    from reap.prune.plan import Plan
+    from reap.prune.plan_file import Plan
     from reap.prune.verify import verify
 
     fp8_dir, plain = fp8_model
@@ -481,7 +481,7 @@ def test_group_balanced_prune_equals_masked_routing_in_transformers(yarn, tmp_pa
     original with the dropped experts masked out of selection (correction bias -inf)."""
     from transformers import DeepseekV3ForCausalLM
 
-    from reap.prune.plan import Plan
+    from reap.prune.plan_file import Plan
     from reap.prune.write import prune
 
     path, original = yarn

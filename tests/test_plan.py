@@ -13,7 +13,8 @@ import torch
 from reap.cli import main
 from reap.errors import ReapError
 from reap.prune import criteria as C
-from reap.prune.plan import Plan, make_plan
+from reap.prune.plan import make_plan
+from reap.prune.plan_file import Plan
 from reap.stats import ExpertStats
 
 

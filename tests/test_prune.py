@@ -16,7 +16,8 @@ from reap.checkpoint import Checkpoint, CheckpointWriter
 from reap.cli import main
 from reap.models import builtin_config, family
 from reap.models.base import dict_weights
-from reap.prune.plan import Plan, make_plan
+from reap.prune.plan import make_plan
+from reap.prune.plan_file import Plan
 from reap.prune.verify import VerifyError, verify
 from reap.prune.write import MANIFEST, prune
 

@@ -11,7 +11,7 @@ least the layer's protected experts).
 from __future__ import annotations
 
 from reap.errors import ReapError
-from reap.prune import criteria as C
+from reap.prune import criteria
 
 
 def min_keep(min_keep: int | None, top_k: int, E: int) -> int:
@@ -70,7 +70,7 @@ def layer_counts(scope, size, shape, combined, prot, floor_, keep, ratio, target
         def admit(counts, li):
             return sum(counts) < total
 
-    counts = C.global_counts(combined, floor, prot, admit)
+    counts = criteria.global_counts(combined, floor, prot, admit)
     if target is not None and size.predict_bytes(dict(zip(layers, counts))) > target:
         raise ReapError("internal: global plan exceeds the target size")  # size model not linear
     return counts

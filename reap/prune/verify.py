@@ -1,6 +1,4 @@
-"""`reap verify`: check a pruned checkpoint against the checkpoint it was pruned from.
-
-    reap verify PRUNED --source MODEL          # exit 0 if OK, 2 with the first problem
+"""`verify`: check a pruned checkpoint against the checkpoint it was pruned from (`reap verify`).
 
 Every tensor is read from both checkpoints and compared byte for byte: each kept expert's tensors
 equal the source expert the manifest names (and hash to the manifest's sha256, recomputed from
@@ -13,11 +11,9 @@ Reading is one tensor (or one expert) at a time, so memory stays small.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
-import sys
 from dataclasses import dataclass
 
 import torch
@@ -106,7 +102,7 @@ def _diff_keys(a, b, path=""):
 
 def _expected(old, fam, original: dict) -> dict[str, tuple[str, str, list | None]]:
     """Pruned tensor name -> (kind, source name, kept rows for routers)."""
-    from reap.prune.write import fused_tensors, unused_tensors
+    from reap.prune.tensor_map import fused_tensors, unused_tensors
 
     cfg = fam.Config.from_dict(old.config)
     dropped = unused_tensors(fam, old.config)
@@ -195,18 +191,3 @@ def _check_expert(new, old, fam, layer: int, j: int, e: int, sha: str) -> int:
 
 def _bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("pruned", help="pruned checkpoint directory (from `reap prune`)")
-    p.add_argument("--source", required=True, help="the checkpoint it was pruned from")
-
-
-def run(args: argparse.Namespace) -> int:
-    r = verify(pruned=args.pruned, source=args.source)
-    print(
-        f"{args.pruned}: OK, {r.tensors} tensors ({r.bytes_compared:,} bytes) match the source;"
-        f" {r.experts} kept experts bit-identical and matching the manifest",
-        file=sys.stderr,
-    )
-    return 0

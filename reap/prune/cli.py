@@ -1,0 +1,237 @@
+"""The `reap plan`, `reap prune` and `reap verify` subcommands: arguments in, one call out.
+
+    reap plan zh.safetensors code.safetensors --model DIR --target-size 350GB --out plan.json
+    reap plan --config k3-full --target-size 350GB --dry-run      # counts only, no statistics
+    reap prune MODEL --plan plan.json --out DIR
+    reap verify PRUNED --source MODEL          # exit 0 if OK, 2 with the first problem
+
+`PLAN`, `PRUNE` and `VERIFY` are what `reap.cli` registers: each a parser filler and a runner
+around `reap.prune.plan.make_plan`, `reap.prune.write.prune` and `reap.prune.verify.verify`
+(their module docstrings say what the options mean). A plan from statistics alone is planned on
+the checkpoint the statistics were calibrated on, when it is still there unchanged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable
+from typing import NamedTuple
+
+from reap.errors import ReapError
+from reap.prune.criteria import CRITERIA
+from reap.prune.plan import make_plan
+from reap.prune.plan_file import Plan
+
+
+class Subcommand(NamedTuple):
+    """A `reap` subcommand: fills its parser, then runs on the parsed arguments (exit code)."""
+
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+def size_table(plan: Plan) -> str:
+    """Human-readable per-layer counts and predicted sizes of a plan."""
+    from reap.sizes import fmt_bytes, fmt_params
+
+    rows, start = [], 0
+    layers = plan.layers
+    for i in range(1, len(layers) + 1):
+        if i == len(layers) or plan.counts[layers[i]] != plan.counts[layers[start]]:
+            n = plan.counts[layers[start]]
+            span = f"{layers[start]}-{layers[i - 1]}" if i - 1 > start else f"{layers[start]}"
+            rows.append(
+                f"  layers {span:<10} keep {n:>5}/{plan.n_experts} ({n / plan.n_experts:6.1%})"
+            )
+            start = i
+    total = sum(plan.counts.values())
+    budget = ", ".join(f"{k} {v}" for k, v in plan.budget.items() if k != "target_bytes")
+    head = (
+        f"plan: {plan.scope} scope, criterion {plan.criterion or '(counts only)'}, budget: {budget}"
+    )
+    kept = (
+        f"  experts kept: {total:,} of {plan.n_experts * len(layers):,} "
+        f"({total / max(plan.n_experts * len(layers), 1):.1%}); "
+        f"protected: {len(plan.protected)}"
+    )
+    out = [head, *rows, kept]
+    if plan.predicted_bytes is not None:
+        out.append(
+            f"  predicted: {fmt_bytes(plan.predicted_bytes)} "
+            f"({fmt_params(plan.predicted_params)} params) from "
+            f"{fmt_bytes(plan.source_bytes)} ({fmt_params(plan.source_params)} params), "
+            f"{plan.predicted_bytes / plan.source_bytes:.1%}"
+        )
+    return "\n".join(out)
+
+
+def add_plan_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "stats",
+        nargs="*",
+        metavar="STATS",
+        help="statistics files from `reap calibrate`, one per corpus",
+    )
+    src = p.add_mutually_exclusive_group()
+    src.add_argument(
+        "--model",
+        help="source checkpoint (config, sizes and fingerprint; default: "
+        "the checkpoint the statistics were calibrated on, if still there)",
+    )
+    src.add_argument("--config", help="built-in config (k3-tiny, k3-small, k3-full) or checkpoint")
+    p.add_argument("--layers", type=int, help="with a built-in --config: its first N layers")
+    p.add_argument("--out", help="plan JSON to write")
+    p.add_argument("--dry-run", action="store_true", help="print the size table, write nothing")
+    p.add_argument("--criterion", default="reap", choices=CRITERIA)
+    p.add_argument(
+        "--latent",
+        action="store_true",
+        help="reap/ean: expert output norms in the latent space, not model space",
+    )
+    p.add_argument("--weights", help="corpus weights, e.g. zh=3,code=1 (default: equal)")
+    p.add_argument(
+        "--quota",
+        action="store_true",
+        help="each corpus keeps its top experts for its weight's share of the budget",
+    )
+    b = p.add_mutually_exclusive_group()
+    b.add_argument("--keep", type=int, help="experts to keep per layer (on average if global)")
+    b.add_argument("--ratio", type=float, help="fraction of experts to keep")
+    b.add_argument("--target-size", help="largest checkpoint that fits, e.g. 350GB, 64GiB")
+    p.add_argument("--scope", default="uniform", choices=("uniform", "global"))
+    p.add_argument("--min-keep", type=int, help="global scope: least experts per layer (>= top_k)")
+    p.add_argument("--no-protect", action="store_true", help="do not protect super experts")
+    p.add_argument("--seed", type=int, default=0, help="seed of --criterion random")
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    config, model = None, None
+    if args.model or args.config:
+        from reap.sizes import resolve_config
+
+        config, path = resolve_config(args.model or args.config, args.layers)
+        model = _fingerprint(path) if path else None
+    elif args.stats:
+        config, model = _calibrated_model(args.stats[0])
+    if not args.dry_run and not args.out:
+        raise ReapError("give --out plan.json (or --dry-run)")
+    arguments = {k: v for k, v in vars(args).items() if not k.startswith("_")}
+    plan = make_plan(
+        stats=args.stats,
+        config=config,
+        model=model,
+        criterion=args.criterion,
+        latent=args.latent,
+        weights=args.weights,
+        quota=args.quota,
+        keep=args.keep,
+        ratio=args.ratio,
+        target_size=args.target_size,
+        scope=args.scope,
+        min_keep=args.min_keep,
+        protect=not args.no_protect,
+        seed=args.seed,
+        arguments=arguments,
+    )
+    print(size_table(plan))
+    if args.dry_run:
+        return 0
+    if plan.keep is None:
+        raise ReapError(
+            "without statistics a plan has counts only: give statistics files, "
+            "--criterion random, or --dry-run"
+        )
+    print(plan.save(args.out), file=sys.stderr)
+    return 0
+
+
+def _calibrated_model(stats_path: str) -> tuple[dict | None, str | None]:
+    """The config of the checkpoint a statistics file was calibrated on, when that checkpoint
+    is still where calibration found it with the same fingerprint; else (None, None)."""
+    from reap.checkpoint import Checkpoint
+    from reap.stats import ExpertStats, expand_paths
+
+    files = expand_paths([stats_path])[0]
+    if not files:
+        raise ReapError(f"{stats_path}: no statistics files")
+    meta = ExpertStats.load(files[0]).meta
+    path = (meta.get("arguments") or {}).get("model")
+    if not path or not os.path.exists(path):
+        return None, None
+    try:
+        with Checkpoint.open(path) as ck:
+            if ck.config and ck.fingerprint() == meta.get("model"):
+                return ck.config, meta["model"]
+    except ReapError:
+        pass
+    return None, None
+
+
+def _fingerprint(path: str) -> str:
+    from reap.checkpoint import Checkpoint
+
+    with Checkpoint.open(path) as ck:
+        return ck.fingerprint()
+
+
+def add_prune_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="source checkpoint directory")
+    p.add_argument("--plan", required=True, help="plan JSON from `reap plan`")
+    p.add_argument("--out", required=True, help="output directory (appears when complete)")
+    p.add_argument("--max-shard-size", help="largest shard, e.g. 5GB (default: the source's)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def run_prune(args: argparse.Namespace) -> int:
+    limit = None
+    if args.max_shard_size:
+        from reap.sizes import parse_size
+
+        limit = parse_size(args.max_shard_size)
+    arguments = {k: v for k, v in vars(args).items() if not k.startswith("_")}
+    from reap.prune.write import prune
+
+    r = prune(
+        model=args.model,
+        plan=args.plan,
+        out=args.out,
+        max_shard_bytes=limit,
+        overwrite=args.overwrite,
+        progress=not args.no_progress,
+        arguments=arguments,
+    )
+    from reap.sizes import fmt_bytes
+
+    pred = f", predicted {fmt_bytes(r.predicted_bytes)}" if r.predicted_bytes else ""
+    print(
+        f"{r.out}: {r.tensors} tensors, {r.kept_experts} experts kept, "
+        f"{fmt_bytes(r.file_bytes)} written{pred}, {r.seconds:.1f} s"
+        + (f" ({r.resumed_tensors} tensors resumed)" if r.resumed_tensors else ""),
+        file=sys.stderr,
+    )
+    return 0
+
+
+def add_verify_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("pruned", help="pruned checkpoint directory (from `reap prune`)")
+    p.add_argument("--source", required=True, help="the checkpoint it was pruned from")
+
+
+def run_verify(args: argparse.Namespace) -> int:
+    from reap.prune.verify import verify
+
+    r = verify(pruned=args.pruned, source=args.source)
+    print(
+        f"{args.pruned}: OK, {r.tensors} tensors ({r.bytes_compared:,} bytes) match the source;"
+        f" {r.experts} kept experts bit-identical and matching the manifest",
+        file=sys.stderr,
+    )
+    return 0
+
+
+PLAN = Subcommand(add_plan_arguments, run_plan)
+PRUNE = Subcommand(add_prune_arguments, run_prune)
+VERIFY = Subcommand(add_verify_arguments, run_verify)

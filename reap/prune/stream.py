@@ -1,0 +1,113 @@
+"""Copy the mapped tensors of a pruned checkpoint into its writer, hashing every kept expert.
+
+`stream_items` reads one tensor (or one expert's adjacent tensors) at a time, so memory is bounded
+by the largest tensor; a fused tensor is assembled slice by slice. Each kept expert's sha256 (over
+its stored bytes in the family's `expert_tensor_names` order) is computed on a worker thread while
+the next is copied. Tensors of shards a previous run completed are skipped by the writer, but
+experts are still read: the manifest needs their hashes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+from reap.prune.tensor_map import Item
+
+
+class _Hasher:
+    """sha256 of each kept expert on a worker thread, overlapping the copy (hashlib releases the
+    GIL); at most one expert waits to be hashed while the next is copied, so memory stays small."""
+
+    def __init__(self):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="reap-sha256")
+        self.pending = None
+        self.hashes: dict[tuple[int, int], str] = {}
+
+    def submit(self, key: tuple[int, int], tensors: list[torch.Tensor]) -> None:
+        self._collect()
+        self.pending = (key, self.pool.submit(_sha256, tensors))
+
+    def _collect(self) -> None:
+        if self.pending is not None:
+            key, fut = self.pending
+            self.hashes[key] = fut.result()
+            self.pending = None
+
+    def close(self) -> dict[tuple[int, int], str]:
+        self._collect()
+        self.pool.shutdown()
+        return self.hashes
+
+
+def _sha256(tensors: list[torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()))
+    return h.hexdigest()
+
+
+def stream_items(ck, fam, writer, items: list[Item], progress: bool, new_ids: dict[int, list[int]]):
+    """Copy every item into the writer; returns ({(layer, new id): sha256}, resumed count)."""
+    from tqdm import tqdm
+
+    hasher = _Hasher()
+    resumed = 0
+    bar = tqdm(
+        total=sum(it.spec.nbytes for it in items),
+        unit="B",
+        unit_scale=True,
+        disable=not progress,
+        desc="prune",
+    )
+    i = 0
+    while i < len(items):
+        it = items[i]
+        group = [it]
+        if it.kind == "expert":
+            while i + len(group) < len(items) and items[i + len(group)].expert == it.expert:
+                group.append(items[i + len(group)])
+        done = [writer.done(g.spec.name) for g in group]
+        resumed += sum(done)
+        if it.kind == "expert":  # read even when written: the manifest needs its hash
+            hasher.submit(it.expert, _copy_expert(ck, writer, group))
+        elif not done[0]:
+            writer.write(it.spec.name, _fused(ck, it) if it.kind == "fused" else _tensor(ck, it))
+        bar.update(sum(g.spec.nbytes for g in group))
+        i += len(group)
+    bar.close()
+    for layer in sorted({it.spec.layer for it in items if it.kind == "fused"}):
+        for j, e in enumerate(new_ids[layer]):  # an expert's slices lie in several tensors
+            hasher.submit(
+                (layer, j), list(ck.read_many(fam.expert_tensor_names(layer, e)).values())
+            )
+    return hasher.close(), resumed
+
+
+def _fused(ck, it: Item) -> torch.Tensor:
+    """The fused tensor [n_kept, ...] of the kept slices in new id order, read one at a time."""
+    from reap.checkpoint import TORCH_DTYPES, view_name
+
+    out = torch.empty(it.spec.shape, dtype=TORCH_DTYPES[it.spec.dtype])
+    for j, e in enumerate(it.rows):
+        out[j] = ck.read(view_name(it.source, e))  # [...] slice e of the source [E, ...]
+    return out
+
+
+def _copy_expert(ck, writer, group: list[Item]) -> list[torch.Tensor]:
+    """One expert's tensors, read together (adjacent: one read) and written verbatim (the writer
+    skips tensors of shards a previous run completed); returns them, in order, for hashing."""
+    tensors = ck.read_many([g.source for g in group])
+    for g in group:
+        writer.write(g.spec.name, tensors[g.source])
+    return [tensors[g.source] for g in group]
+
+
+def _tensor(ck, it: Item) -> torch.Tensor:
+    t = ck.read(it.source)
+    if it.kind == "router":
+        t = t.index_select(it.axis, torch.tensor(it.rows, dtype=torch.long)).contiguous()
+    return t
