@@ -393,7 +393,7 @@ def test_cli_exit_4_when_a_build_expert_fails_and_nothing_is_cached(models, tmp_
 
 
 def test_reference_and_build_share_one_budget(models):
-    from reap.eval.pipeline import Engines, make_builds
+    from reap.eval.builds import Engines, make_builds
 
     tiny, pruned = models
     ref, build = make_builds([tiny, pruned])

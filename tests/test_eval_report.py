@@ -19,7 +19,7 @@ import pytest
 from reap.errors import WriteError
 from reap.eval.generations import Prompt, with_metrics
 from reap.eval.page import COLOURS
-from reap.eval.pipeline import _generation_results
+from reap.eval.results import _generation_results
 from reap.eval.report import fmt_value, write_report
 from reap.eval.summary import reference_quality, summarize_quality
 

@@ -8,8 +8,10 @@ with a reference, and greedy generations with text metrics.
 Modules: `quality` (documents streamed through the reference and a build in lockstep, per-document
 sums), `summary` (bootstrap intervals, per-domain means), `metrics` (repetition, script, Python
 validity), `generations` (prompt sets, batched greedy decoding), `cache` (build identities,
-per-build cached results), `pipeline` (`evaluate`), `report` and `page` (tables, plots, the HTML page),
-`cli` (`reap eval`). Importing this package loads nothing heavy.
+per-build cached results), `builds` (columns and their engines), `workload` (inputs), `tasks`
+(results to compute, run uncached), `results` (results.json), `pipeline` (`evaluate`), `report` and
+`page` (tables, plots, the HTML page), `cli` (`reap eval`). Importing this package loads nothing
+heavy.
 """
 
 from __future__ import annotations

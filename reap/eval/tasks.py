@@ -1,0 +1,122 @@
+"""The results of an evaluation as tasks (`Task`: a kind, a build, a cache key), and running
+the ones not cached: one build engine open at a time next to the reference, every result cached
+as it is computed (unless a routed expert failed to load), one progress bar over all tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from reap.eval.cache import Cache, code_digest, key_of
+from reap.eval.builds import Build, Engines
+from reap.eval.generations import generate_all, prompts_digest
+from reap.eval.quality import score_documents
+from reap.eval.workload import Workload
+
+FORMAT = "reap.eval/1"  # of results.json, and part of every cache key
+
+
+@dataclass
+class Task:
+    """One result to compute or read from the cache."""
+
+    kind: str  # "quality" or "generations"
+    build: Build
+    corpus: str | None  # quality only
+    fields: dict
+    key: str
+    payload: list | None = None
+
+
+def make_tasks(w: Workload, args: dict) -> list[Task]:
+    """Every result of the evaluation with its cache key (reference generations first)."""
+    out = []
+    common = {"format": FORMAT, "dtype": args["dtype"], "device": args["device"].split(":")[0]}
+    qcode, gcode = code_digest("quality"), code_digest("generations")
+    for b in w.others:
+        for c in w.docs:
+            f = {
+                **common,
+                "kind": "quality",
+                "code": qcode,
+                "build": b.identity,
+                "reference": w.ref.identity,
+                "corpus": c,
+                "corpus_sha256": w.corpus_sha[c],
+                "max_docs": args["max_docs"],
+                "max_tokens_per_doc": args["max_tokens_per_doc"],
+            }
+            out.append(Task("quality", b, c, f, key_of(f)))
+    if w.prompts:
+        for b in [w.ref, *w.others]:
+            f = {
+                **common,
+                "kind": "generations",
+                "code": gcode,
+                "build": b.identity,
+                "tokenizer": w.ref.identity.get("tokenizer"),
+                "prompts": prompts_digest(w.prompts),
+                "gen_tokens": args["gen_tokens"],
+            }
+            out.append(Task("generations", b, None, f, key_of(f)))
+    return out
+
+
+def _work(t: Task, docs: dict, prompts) -> int:
+    """Tokens a task reads or generates (for the progress bar)."""
+    if t.kind == "quality":
+        return sum(len(d.ids) - 1 for d in docs[t.corpus])
+    return len(prompts) * t.fields["gen_tokens"]
+
+
+def run_with_progress(
+    todo: list[Task], w: Workload, engines: Engines, opts: dict, cache: Cache, progress: bool
+) -> None:
+    """Run the uncached tasks under one progress bar (tokens read or generated, with ETA)."""
+    from tqdm import tqdm
+
+    total = sum(_work(t, w.docs, w.prompts) for t in todo)
+    with tqdm(
+        total=total, unit="tok", desc="eval", disable=not progress or not todo, dynamic_ncols=True
+    ) as bar:
+        try:
+            _run_tasks(todo, w, engines, opts, cache, bar)
+        finally:
+            engines.close()
+
+
+def _run_tasks(
+    todo: list[Task], w: Workload, engines: Engines, opts: dict, cache: Cache, bar
+) -> None:
+    """Compute the uncached tasks, one build engine open at a time, caching each result."""
+    ref, upd = w.ref, bar.update
+
+    def gens(eng) -> list[dict]:
+        return generate_all(eng, w.tokenizer, w.prompts, opts["gen_tokens"], opts["gen_batch"], upd)
+
+    for t in [t for t in todo if t.build is ref and t.kind == "generations"]:
+        t.payload = gens(engines.reference_engine())
+        engines.check(engines.reference_engine(), ref.label)
+        _store(t, cache, engines, ref.label)
+    for build in dict.fromkeys(t.build for t in todo if t.build is not ref):
+        eng = engines.build_engine(build)
+        try:
+            for t in [t for t in todo if t.build is build]:
+                if t.kind == "quality":
+                    scores = score_documents(
+                        engines.reference_engine(), eng, w.docs[t.corpus], opts["batch"], upd
+                    )
+                    t.payload = [s.as_dict() for s in scores]
+                else:
+                    t.payload = gens(eng)
+                engines.check(eng, build.label)
+                engines.check(engines.reference_engine(), ref.label)
+                _store(t, cache, engines, build.label)
+        finally:
+            eng.close()
+
+
+def _store(t: Task, cache: Cache, engines: Engines, label: str) -> None:
+    """Cache a result unless an expert failed to load while computing it."""
+    if label not in engines.failures and engines.reference.label not in engines.failures:
+        cache.put(t.kind, t.key, t.fields, t.payload)

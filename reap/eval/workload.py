@@ -1,0 +1,69 @@
+"""What an evaluation reads (`Workload`): its columns, the reference tokenizer, the held-out
+documents of each corpus (with the corpus sha256) and the prompts; `prepare_workload` checks the
+inputs and loads them, with one-line errors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from reap.errors import ReapError
+from reap.eval.builds import Build, make_builds
+from reap.eval.generations import load_prompts
+from reap.eval.quality import select_documents
+
+
+@dataclass
+class Workload:
+    """What an evaluation reads: the columns, the reference tokenizer, documents per corpus
+    (with the corpus sha256) and the prompts."""
+
+    ref: Build
+    others: list[Build]
+    tokenizer: object
+    docs: dict[str, list]
+    corpus_sha: dict[str, str]
+    prompts: list
+
+    def context(self, gen_tokens: int) -> int:
+        """The longest sequence an engine must hold: a document, or a prompt + generation."""
+        return max(
+            [len(d.ids) for ds in self.docs.values() for d in ds]
+            + [len(self.tokenizer.encode(p.prompt)) + gen_tokens for p in self.prompts]
+        )
+
+
+def prepare_workload(
+    builds, reference, corpora, max_docs, max_tokens_per_doc, prompts, gen_domains, gen_tokens
+) -> Workload:
+    """Check the inputs and load everything the evaluation reads (one-line errors)."""
+    from reap.corpora import corpus_fingerprint
+
+    if not builds:
+        raise ReapError("give at least one build to compare with the reference")
+    cols = make_builds([reference, *builds])
+    tokenizer = _tokenizer(cols[0].path)
+    for b in cols[1:]:
+        tok = b.identity.get("tokenizer")
+        if tok is not None and tok != cols[0].identity.get("tokenizer"):
+            raise ReapError(
+                f"{b.path}: its tokenizer.json differs from the reference's; builds "
+                f"are compared on the reference's token ids"
+            )
+    docs = {c: select_documents(c, tokenizer, max_docs, max_tokens_per_doc) for c in corpora}
+    corpus_sha = {c: corpus_fingerprint(c, "eval") for c in corpora}
+    plist = load_prompts(prompts, gen_domains) if gen_tokens > 0 else []
+    if not docs and not plist:
+        raise ReapError("nothing to evaluate: give --corpus, or prompts with --gen-tokens > 0")
+    return Workload(cols[0], cols[1:], tokenizer, docs, corpus_sha, plist)
+
+
+def _tokenizer(path: str):
+    from reap.tokenizer import load_tokenizer
+
+    if str(path).lower().startswith(("http://", "https://")):
+        raise ReapError(
+            "the reference must be a local checkpoint directory (its tokenizer "
+            "encodes the documents and prompts)"
+        )
+    return load_tokenizer(path)
