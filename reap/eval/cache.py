@@ -20,13 +20,22 @@ from reap.errors import ReapError
 from reap.fileio import write_atomic
 
 _REAP = Path(__file__).resolve().parents[1]
-# sources whose change changes the numbers of each kind of cached result
+# sources whose change changes the numbers of each kind of cached result (recursive where a
+# package may grow subpackages; quant/ holds the codecs once they leave mxfp4.py)
 _CODE = {
-    "quality": ["engine/*.py", "models/*.py", "checkpoint/*.py", "mxfp4.py", "eval/quality.py"],
+    "quality": [
+        "engine/**/*.py",
+        "models/**/*.py",
+        "checkpoint/**/*.py",
+        "quant/**/*.py",
+        "mxfp4.py",
+        "eval/quality.py",
+    ],
     "generations": [
-        "engine/*.py",
-        "models/*.py",
-        "checkpoint/*.py",
+        "engine/**/*.py",
+        "models/**/*.py",
+        "checkpoint/**/*.py",
+        "quant/**/*.py",
         "mxfp4.py",
         "tokenizer.py",
         "eval/generations.py",
