@@ -1,22 +1,16 @@
-"""The corpus study (experiments/corpus_study.py): its statistics helpers against exact
+"""The corpus study (experiments/corpus_study/): its statistics helpers against exact
 arithmetic and brute force, and a smoke run of the whole study on a tiny setting (resumed)."""
 
 import itertools
 import json
 import math
-import sys
 from fractions import Fraction
-from pathlib import Path
 
 import pytest
 
+from experiments.corpus_study import stats as st
+from experiments.corpus_study import study as cs
 from reap.errors import ReapError
-
-EXP = Path(__file__).resolve().parent.parent / "experiments"
-sys.path.insert(0, str(EXP))
-
-import corpus_study as cs
-import corpus_study_stats as st
 
 # Student t quantile at p with 2 degrees of freedom in closed form: (2p - 1) sqrt(2 / (4p(1 - p)))
 T_975_DF2 = 0.95 * math.sqrt(2 / (4 * 0.975 * 0.025))

@@ -1,5 +1,5 @@
-"""The shipped k3-mini model (reap/models/k3mini, made by experiments/train_k3mini.py and
-experiments/export_k3mini.py): its files are exactly the released K3 layout of its config with
+"""The shipped k3-mini model (reap/models/k3mini, made by tools/train_k3mini.py and
+tools/export_k3mini.py): its files are exactly the released K3 layout of its config with
 MXFP4 experts, its tokenizer round-trips every training domain, a forward from the files
 reproduces the held-out losses its card records and they are far below the uniform loss, the
 router spreads load over the experts and routes domains differently, and mlx-lm's reference

@@ -1,8 +1,8 @@
 """The k3-mini corpus study (issue #7): which experts each language and domain needs, and what a
 build calibrated on some of them loses on the others.
 
-    python experiments/corpus_study.py                     # full study, ~30-45 min on 1 core
-    python experiments/corpus_study.py --preset tiny --work /tmp/cs-tiny --out-dir /tmp/cs-out
+    python -m experiments.corpus_study                     # full study, ~30-45 min on 1 core
+    python -m experiments.corpus_study --preset tiny --work /tmp/cs-tiny --out-dir /tmp/cs-out
 
 Per seed, one calibration run over the corpora zh, en, de, fr, es, it, ja and code (equal
 sequence counts) writes per-corpus statistics; a corpus's statistics depend only on its own
@@ -15,7 +15,7 @@ perplexity ratio, top-1 agreement, KL, with bootstrap CIs over documents; greedy
 for the REAP builds at the first budget). Overlaps of the corpora's top experts are compared
 with the exact hypergeometric chance level. Everything is written under `--work` (resumable:
 finished calibrations, builds and evaluations are skipped) and summarized into
-`reports/corpus-study/results.json`; `experiments/corpus_study_report.py` writes the markdown
+`reports/corpus-study/results.json`; `experiments.corpus_study.report` writes the markdown
 and plots from that file. Effects get a Student-t 95 % interval over the calibration seeds.
 """
 
@@ -31,11 +31,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:  # runnable as a plain script from any directory
-    sys.path.insert(0, str(ROOT))
-
-from corpus_study_stats import (
+from experiments.corpus_study import ROOT
+from experiments.corpus_study.stats import (
     CORPORA,
     DOMAINS,
     EUROPEAN,
@@ -384,7 +381,7 @@ def run_study(s: Settings, work: Path, out_dir: Path, report: Path | None) -> di
     _write(out_dir / "results.json", results)
     _write(out_dir / "builds.json", recs)
     if report is not None:
-        from corpus_study_report import write_report
+        from experiments.corpus_study.report import write_report
 
         write_report(results, out_dir, report)
     return results
@@ -409,7 +406,9 @@ def _run_builds(
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m experiments.corpus_study", description=__doc__.split("\n\n")[0]
+    )
     p.add_argument("--preset", choices=sorted(PRESETS), default="full")
     p.add_argument("--work", default="/tmp/corpus-study", help="work directory (resumable)")
     p.add_argument("--out-dir", default=str(ROOT / "reports" / "corpus-study"))

@@ -1,11 +1,11 @@
 """The markdown report and plots of the corpus study, from its results.json alone.
 
-    python experiments/corpus_study_report.py                # reports/corpus-study/results.json
-    python experiments/corpus_study_report.py --results R.json --report R.md
+    python -m experiments.corpus_study.report                # reports/corpus-study/results.json
+    python -m experiments.corpus_study.report --results R.json --report R.md
 
 Every number in the report is read from the results file (written by
-`experiments/corpus_study.py`); the only hand-written text, the framing and the limits, is in
-`experiments/corpus_study_prose.py`.
+`python -m experiments.corpus_study`); the only hand-written text, the framing and the limits, is
+in `experiments.corpus_study.prose`.
 """
 
 from __future__ import annotations
@@ -16,11 +16,8 @@ import math
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from corpus_study_prose import (
+from experiments.corpus_study import ROOT
+from experiments.corpus_study.prose import (
     ANSWERS_INTRO,
     CRIT_INTRO,
     GEN_INTRO,
@@ -432,7 +429,7 @@ def method_section(r: dict) -> list[str]:
 
 def write_report(results: dict, out_dir: Path, report: Path) -> str:
     """Plots under out_dir and the markdown at `report`; returns the report path."""
-    from corpus_study_plots import write_plots
+    from experiments.corpus_study.plots import write_plots
 
     from reap.fileio import write_atomic
 
@@ -451,7 +448,10 @@ def write_report(results: dict, out_dir: Path, report: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="write the corpus study's report from results.json")
+    p = argparse.ArgumentParser(
+        prog="python -m experiments.corpus_study.report",
+        description="write the corpus study's report from results.json",
+    )
     p.add_argument("--results", default=str(ROOT / "reports" / "corpus-study" / "results.json"))
     p.add_argument("--report", default=str(ROOT / "reports" / "corpus-study.md"))
     a = p.parse_args(argv)

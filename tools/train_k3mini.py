@@ -10,8 +10,8 @@ load balancing is aux-loss-free (the router's `e_score_correction_bias` is nudge
 by +/- gamma toward uniform load). The last `--qat` fraction of steps sees MXFP4 fake-quantized
 experts (straight-through gradient).
 
-    python experiments/train_k3mini.py --run DIR           # starts, or resumes from DIR
-    python experiments/export_k3mini.py --run DIR --out reap/models/k3mini  # the shipped model
+    python -m tools.train_k3mini --run DIR           # starts, or resumes from DIR
+    python -m tools.export_k3mini --run DIR --out reap/models/k3mini  # the shipped model
 
 A run directory holds `tokenizer.json`, tokenized train data (`data/*.npy`), `ckpt/` (params,
 AdamW state as safetensors, step state as JSON; replaced atomically every few minutes) and
@@ -498,7 +498,9 @@ def _summarize(window: list[dict], state: dict, lr: float, qat: bool, args) -> d
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="python -m tools.train_k3mini", description=__doc__.splitlines()[0]
+    )
     p.add_argument("--run", default="/work/k3mini-run", help="run directory")
     p.add_argument("--threads", type=int, default=1, help="torch threads (1 on a busy machine)")
     p.add_argument("--vocab", type=int, default=SHAPE["vocab_size"], help="BPE vocabulary")

@@ -1,5 +1,5 @@
 """The corpus study's design constants, its statistics helpers and the aggregation of the
-per-build records into tables and answers (used by `experiments/corpus_study.py`).
+per-build records into tables and answers (used by `experiments.corpus_study.study`).
 
 Effects are per-seed values (one calibration sample per seed) summarized by a Student-t 95 %
 interval over the seeds (`seed_ci`); an effect "holds" when that interval excludes zero on the
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from corpus_study import Settings
+    from experiments.corpus_study.study import Settings
 
 CORPORA = ["zh", "en", "de", "fr", "es", "it", "ja", "code"]  # calibrated, per-corpus statistics
 EUROPEAN = ["de", "fr", "es", "it"]

@@ -1,11 +1,12 @@
 """The hand-written text of the corpus study's report (framing, definitions, limits); every
-number is filled in from results.json by `experiments/corpus_study_report.py`."""
+number is filled in from results.json by `experiments.corpus_study.report`."""
 
 TITLE = "Corpus study on k3-mini: what a calibration set keeps and loses"
-INTRO = """Reproduce: `python experiments/corpus_study.py` (one command, fixed seeds, resumable; work
-files in `/tmp/corpus-study`), which writes `reports/corpus-study/results.json` (summaries),
-`builds.json` (every build's record) and this report with its plots. Every number below is read
-from those files by `experiments/corpus_study_report.py`."""
+INTRO = """Reproduce: `python -m experiments.corpus_study` from the repository root (one command,
+fixed seeds, resumable; work files in `/tmp/corpus-study`), which writes
+`reports/corpus-study/results.json` (summaries), `builds.json` (every build's record) and this
+report with its plots. Every number below is read from those files by
+`python -m experiments.corpus_study.report`."""
 SUMMARY_INTRO = """The findings reported by the pruning study behind the K3 350 GB build, tested on
 k3-mini. Perplexity effects are shown as ratios of perplexities between the two builds (1.00 =
 no difference), overlap and generation effects as differences; mean [95 % interval over

@@ -1,5 +1,5 @@
 """Plots of the corpus study (overlap heatmap, per-domain ratios, criteria), from its
-results.json; used by `experiments/corpus_study_report.py`."""
+results.json; used by `experiments.corpus_study.report`."""
 
 from __future__ import annotations
 

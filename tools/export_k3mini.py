@@ -1,10 +1,10 @@
-"""Export a k3-mini training run (experiments/train_k3mini.py) as reap's bundled default model:
+"""Export a k3-mini training run (`tools.train_k3mini`) as reap's bundled default model:
 the released K3 layout (`language_model.` prefix, routed experts as MXFP4 `weight_packed` +
 `weight_scale`, everything else bf16 with the release's float32 exceptions), written atomically
 with `reap.checkpoint.CheckpointWriter`, together with the tokenizer, the training log, a loss
 curve PNG and the model card.
 
-    python experiments/export_k3mini.py --run /work/k3mini-run --out reap/models/k3mini
+    python -m tools.export_k3mini --run /work/k3mini-run --out reap/models/k3mini
 
 Held-out loss (eval splits, never trained on) is measured per domain three ways: the float32
 training weights, float32 trunk with MXFP4 experts, and the exported checkpoint as read back
@@ -23,13 +23,11 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-import train_k3mini as T
-
 from reap import mxfp4
 from reap.checkpoint import Checkpoint, CheckpointWriter
 from reap.models import kimi_k3
 from reap.models.base import dict_weights
+from tools import train_k3mini
 
 _TORCH = {"BF16": torch.bfloat16, "F32": torch.float32, "U8": torch.uint8}
 SMOKE = (4, 128)  # sequences x tokens per domain that tests/test_k3mini.py recomputes exactly
@@ -44,7 +42,7 @@ def released_tensors(cfgd: dict, params: dict) -> dict[str, torch.Tensor]:
             out[s.name] = params[s.name].detach().to(_TORCH[s.dtype]).contiguous()
             continue
         w, part = s.name.rsplit(".", 2)[-2:]  # "w1", "weight_packed"
-        stacked = params[T.expert_names(s.layer)[w]]  # [E, out, in]
+        stacked = params[train_k3mini.expert_names(s.layer)[w]]  # [E, out, in]
         packed, scales = mxfp4.quantize(stacked[s.expert].detach())
         out[s.name] = packed if part == "weight_packed" else scales
     return out
@@ -64,9 +62,10 @@ def held_out_loss(cfgd: dict, get, experts, batches: dict) -> dict[str, float]:
 
 def eval_three_ways(cfgd, params, shipped: dict, tok, n_seq: int, seq: int) -> dict:
     """Held-out loss per domain: float experts, MXFP4 experts (float trunk), shipped files."""
-    batches = T.eval_batches(tok, seq, n_seq)
-    fp = held_out_loss(cfgd, dict_weights(params), T.expert_source(params, False), batches)
-    q = held_out_loss(cfgd, dict_weights(params), T.expert_source(params, True), batches)
+    batches = train_k3mini.eval_batches(tok, seq, n_seq)
+    weights = dict_weights(params)
+    fp = held_out_loss(cfgd, weights, train_k3mini.expert_source(params, False), batches)
+    q = held_out_loss(cfgd, weights, train_k3mini.expert_source(params, True), batches)
     ship = held_out_loss(cfgd, dict_weights(shipped), None, batches)
     return {
         "float_experts": fp,
@@ -96,7 +95,7 @@ def loss_plot(log: list[dict], vocab: int, eval_what: str) -> bytes:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
-    for i, d in enumerate(T.DOMAINS):
+    for i, d in enumerate(train_k3mini.DOMAINS):
         c = f"C{i}"
         pts = [(r["tokens"] / 1e6, r["train"][d]) for r in log if d in r.get("train", {})]
         axes[0].plot(*zip(*pts), color=c, lw=1, label=d)
@@ -128,7 +127,7 @@ def export(args: argparse.Namespace) -> str:
 
     torch.set_num_threads(args.threads)
     run, t0 = Path(args.run), time.time()
-    loaded = T.load_ckpt(run)
+    loaded = train_k3mini.load_ckpt(run)
     if loaded is None:
         raise SystemExit(f"{run}: no checkpoint to export")
     params, _, state = loaded
@@ -136,7 +135,7 @@ def export(args: argparse.Namespace) -> str:
     shipped = released_tensors(cfgd, params)
     evals = eval_three_ways(cfgd, params, shipped, tok, args.eval_seqs, args.seq)
     smoke = held_out_loss(
-        cfgd, dict_weights(shipped), None, T.eval_batches(tok, SMOKE[1], SMOKE[0])
+        cfgd, dict_weights(shipped), None, train_k3mini.eval_batches(tok, SMOKE[1], SMOKE[0])
     )
     log = read_log(run)
     summary = run_summary(cfgd, state, params, evals, smoke)
@@ -188,9 +187,9 @@ def run_summary(cfgd: dict, state: dict, params: dict, evals: dict, smoke: dict)
         "tokens": state["tokens"],
         "train_seconds": round(state["seconds"]),
         "args": state.get("args", {}),
-        "domains": T.DOMAINS,
-        "train_corpora": {d: T.leaves(d) for d in T.DOMAINS},
-        "train_fingerprints": {d: corpus_fingerprint(d, "train") for d in T.DOMAINS},
+        "domains": train_k3mini.DOMAINS,
+        "train_corpora": {d: train_k3mini.leaves(d) for d in train_k3mini.DOMAINS},
+        "train_fingerprints": {d: corpus_fingerprint(d, "train") for d in train_k3mini.DOMAINS},
         "eval": evals,
         "uniform_loss": round(math.log(cfg.vocab_size), 4),
         "smoke_eval": {"sequences": SMOKE[0], "tokens": SMOKE[1], "loss": smoke},
@@ -202,7 +201,7 @@ def _loss_table(ev: dict, uniform: float) -> str:
         "| domain | float experts | MXFP4 experts | shipped (bf16 trunk + MXFP4) |",
         "|---|---|---|---|",
     ]
-    for d in T.DOMAINS:
+    for d in train_k3mini.DOMAINS:
         rows.append(
             f"| {d} | {ev['float_experts'][d]:.3f} | {ev['mxfp4_experts'][d]:.3f} | "
             f"{ev['shipped'][d]:.3f} |"
@@ -306,8 +305,8 @@ held-out loss every few hundred steps, gradient norm, worst expert load over mea
 
 ## Retrain
 ```
-python experiments/train_k3mini.py --run /tmp/k3mini-run {run_args}
-python experiments/export_k3mini.py --run /tmp/k3mini-run --out reap/models/k3mini
+python -m tools.train_k3mini --run /tmp/k3mini-run {run_args}
+python -m tools.export_k3mini --run /tmp/k3mini-run --out reap/models/k3mini
 ```
 The run directory keeps the tokenizer, tokenized data, `log.jsonl` and an atomic checkpoint
 (`ckpt/`: safetensors parameters and AdamW moments, JSON step state); rerunning the same
@@ -316,7 +315,9 @@ command resumes. Data order is a pure function of (seed, step).
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="python -m tools.export_k3mini", description=__doc__.splitlines()[0]
+    )
     p.add_argument("--run", default="/work/k3mini-run", help="training run directory")
     p.add_argument("--out", default=str(Path(__file__).parents[1] / "reap/models/k3mini"))
     p.add_argument("--eval-seqs", type=int, default=32, help="held-out sequences per domain")
