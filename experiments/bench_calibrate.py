@@ -24,6 +24,8 @@ import sys
 import time
 from pathlib import Path
 
+from reap.provenance import code_version
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -57,16 +59,17 @@ def naive_moe(fam, model, cfg, get, layer: int, x, acc):
     x [N, D] -> [N, D]."""
     import torch
 
-    from reap.models import blocks as B
+    from reap.models import blocks
     from reap.models.base import MoERecord
     from reap.mxfp4 import dequantize
 
     p = f"model.layers.{layer}.block_sparse_moe."
     w = model._w(get, p)
-    ids, weights, probs = B.route(B.linear(x, w("gate.weight")), w("gate.e_score_correction_bias"),
-                                  cfg.num_experts_per_token, cfg.routed_scaling_factor,
-                                  cfg.moe_renormalize)
-    xl = B.linear(x, w("routed_expert_down_proj.weight"))  # [N, Dl]
+    logits = blocks.linear(x, w("gate.weight"))  # [N, E]
+    ids, weights, probs = blocks.route(logits, w("gate.e_score_correction_bias"),
+                                       cfg.num_experts_per_token, cfg.routed_scaling_factor,
+                                       cfg.moe_renormalize)
+    xl = blocks.linear(x, w("routed_expert_down_proj.weight"))  # [N, Dl]
     g, up = w("routed_expert_norm.weight").float(), w("routed_expert_up_proj.weight")
     N, K = ids.shape
     beta, linear_beta = cfg.activation_situ_beta or 1.0, cfg.activation_situ_linear_beta
@@ -77,18 +80,18 @@ def naive_moe(fam, model, cfg, get, layer: int, x, acc):
                                                       fam.expert_tensor_names(layer, e))}
         q = {n: dequantize(t[f"{n}.weight_packed"], t[f"{n}.weight_scale"]) for n in ("w1", "w2",
                                                                                        "w3")}
-        o = B.glu_mlp(xl, q["w1"], q["w3"], q["w2"], beta, linear_beta).float()  # [N, Dl]
+        o = blocks.glu_mlp(xl, q["w1"], q["w3"], q["w2"], beta, linear_beta).float()  # [N, Dl]
         tok, slot = (ids == e).nonzero(as_tuple=True)  # the routed pairs
         y.index_add_(0, tok, o[tok] * weights[tok, slot, None])
         lat[tok, slot] = o[tok].norm(dim=-1)
         mx[tok, slot] = o[tok].abs().amax(dim=-1)
-        mod[tok, slot] = B.linear(o[tok] * g, up).float().norm(dim=-1)
+        mod[tok, slot] = blocks.linear(o[tok] * g, up).float().norm(dim=-1)
     rms = (y.pow(2).mean(-1) + cfg.rms_norm_eps).sqrt()  # [N]
     acc.on_moe(MoERecord(layer, ids, weights, probs, lat, mod / rms[:, None], mx))
-    out = B.linear(B.rms_norm(y, g, cfg.rms_norm_eps), up)
-    return out + B.glu_mlp(x, w("shared_experts.gate_proj.weight"),
-                           w("shared_experts.up_proj.weight"), w("shared_experts.down_proj.weight"),
-                           beta, linear_beta)
+    out = blocks.linear(blocks.rms_norm(y, g, cfg.rms_norm_eps), up)
+    return out + blocks.glu_mlp(x, w("shared_experts.gate_proj.weight"),
+                                w("shared_experts.up_proj.weight"),
+                                w("shared_experts.down_proj.weight"), beta, linear_beta)
 
 
 def run_naive(model_dir: str, corpus: str, tokens: int, seq_len: int, out: str) -> dict:
@@ -247,6 +250,7 @@ def write_report(args, cfg: dict, model_dir: str, streamed: dict, naive: dict, d
     budget = args.budget
     argv = " ".join(a for a in sys.argv[1:])
     res = {"command": f"python experiments/bench_calibrate.py {argv}".strip(),
+           "code_version": code_version(),
            "model": {"layers": text["num_hidden_layers"], "n_experts": text["num_experts"],
                      "top_k": text["num_experts_per_token"], "hidden": text["hidden_size"],
                      "latent": text["routed_expert_hidden_size"],

@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from reap.fileio import write_atomic
+from reap.provenance import code_version
 
 ROOT = Path(__file__).resolve().parent.parent
 GB = 1e9
@@ -758,6 +759,7 @@ def main(argv: list[str] | None = None) -> int:
     extra = extrapolate(rates, expert_s["fused_s"], rss_bytes()[0], args.threads)
     result = {
         "command": "python experiments/bench_engine.py " + " ".join(argv or sys.argv[1:]),
+        "code_version": code_version(),
         "threads": args.threads,
         "load": [load0, os.getloadavg()[0]],
         "checkpoint": {"layers": args.layers, "bytes": ck_bytes, "path": str(ckpt)},

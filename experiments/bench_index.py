@@ -24,6 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from reap.provenance import code_version
+
 PREFIX = "language_model."
 
 
@@ -214,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         "command": "python experiments/bench_index.py "
         + " ".join(sys.argv[1:] if argv is None else argv),
+        "code_version": code_version(),
     }
     args.out.mkdir(parents=True, exist_ok=True)
     report(result, args.out)

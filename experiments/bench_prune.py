@@ -26,6 +26,8 @@ import sys
 import time
 from pathlib import Path
 
+from reap.provenance import code_version
+
 ROOT = Path(__file__).resolve().parent.parent
 _MERGE_MAX = 1 << 28  # the plain copy reads adjacent tensors together, up to 256 MiB at a time
 
@@ -258,6 +260,7 @@ def main() -> None:
     written = methods["prune"]["bytes"]
     result = {
         "command": "python experiments/bench_prune.py " + " ".join(sys.argv[1:]),
+        "code_version": code_version(),
         "date": time.strftime("%Y-%m-%d"),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores",
         "ram": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
