@@ -32,7 +32,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from reap import mxfp4
 from reap.models import builtin_config, kimi_k3
@@ -274,7 +273,9 @@ def seq_losses(model, params: dict, ids: torch.Tensor, qat: bool, observer=None)
     logits = model.forward(
         dict_weights(params), ids[:, :-1], experts=expert_source(params, qat), observer=observer
     )  # [B, T, V]
-    nll = F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].reshape(-1), reduction="none")
+    nll = torch.nn.functional.cross_entropy(
+        logits.flatten(0, 1), ids[:, 1:].reshape(-1), reduction="none"
+    )
     return nll.view(ids.shape[0], -1).mean(1)
 
 
