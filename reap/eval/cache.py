@@ -1,12 +1,12 @@
 """Build identities and the per-build result cache of `reap eval`.
 
-A cached result is a JSON file `<out>/cache/<kind>-<key>.json`, written atomically (temporary
-name, then rename). Its key is the sha256 of everything that determines its numbers: the build's
-identity (and the reference's, for agreement), the evaluation arguments, the corpus sha256 or the
-prompt set's digest, and a digest of the code that computes them. A build's identity is its
-`Checkpoint.fingerprint()` (tensor names, dtypes, shapes and config) plus the size and mtime of
-each weight file and the sha256 of its tokenizer: the fingerprint alone does not hash tensor bytes,
-so two random builds of one config would otherwise share cached results.
+A cached result is a JSON file `<out>/cache/<kind>-<key>.json`, written atomically (temporary name,
+then rename). Its key is the sha256 of everything that determines its numbers: the build's identity
+(and the reference's, for agreement), the evaluation arguments, the corpus sha256 or the prompt
+set's digest, and the code version of the sources that compute them. A build's identity is its
+`Checkpoint.fingerprint()` (tensor names, dtypes, shapes and config) plus the size and mtime of each
+weight file and the sha256 of its tokenizer: the fingerprint alone does not hash tensor bytes, so
+two random builds of one config would otherwise share cached results.
 """
 
 from __future__ import annotations
@@ -18,38 +18,6 @@ from pathlib import Path
 
 from reap.errors import ReapError
 from reap.fileio import write_atomic
-
-_REAP = Path(__file__).resolve().parents[1]
-# sources whose change changes the numbers of each kind of cached result (recursive where a
-# package may grow subpackages; quant/ holds the codecs once they leave mxfp4.py)
-_CODE = {
-    "quality": [
-        "engine/**/*.py",
-        "models/**/*.py",
-        "checkpoint/**/*.py",
-        "quant/**/*.py",
-        "mxfp4.py",
-        "eval/quality.py",
-    ],
-    "generations": [
-        "engine/**/*.py",
-        "models/**/*.py",
-        "checkpoint/**/*.py",
-        "quant/**/*.py",
-        "mxfp4.py",
-        "tokenizer.py",
-        "eval/generations.py",
-    ],
-}
-
-
-def code_digest(kind: str) -> str:
-    """sha256 over the source files that compute results of `kind` ("quality", "generations")."""
-    h = hashlib.sha256()
-    for pattern in _CODE[kind]:
-        for p in sorted(_REAP.glob(pattern)):
-            h.update(p.relative_to(_REAP).as_posix().encode() + b"\0" + p.read_bytes())
-    return h.hexdigest()
 
 
 def build_identity(path: str) -> dict:
@@ -106,17 +74,7 @@ class Cache:
     def put(self, kind: str, key: str, fields: dict, payload) -> None:
         """Store `payload` (with the fields it was keyed on, for provenance) atomically."""
         data = {"key": key, "fields": fields, "payload": payload}
-        write_text(self.path(kind, key), json.dumps(data, ensure_ascii=False))
-
-
-def write_text(path: str | Path, text: str) -> None:
-    """Write a text file atomically (temporary name in the same directory, then rename)."""
-    write_bytes(path, text.encode("utf-8"))
-
-
-def write_bytes(path: str | Path, data: bytes) -> None:
-    """Write a file atomically; WriteError (exit 3) naming the file on failure."""
-    write_atomic(path, data)
+        write_atomic(self.path(kind, key), json.dumps(data, ensure_ascii=False))
 
 
 def check_out_dir(out: str | Path) -> Path:

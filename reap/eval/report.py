@@ -17,7 +17,7 @@ import json
 import re
 from pathlib import Path
 
-from reap.eval.cache import write_bytes, write_text
+from reap.fileio import write_atomic
 
 # (key, row label, format) of the quality rows; values are Estimates (value, lo, hi)
 QUALITY_ROWS = [
@@ -246,7 +246,7 @@ def write_plots(results: dict, out: Path) -> dict[str, bytes]:
     for name, source, key, title in PLOTS:
         png = plot_metric(results, source, key, title)
         if png is not None:
-            write_bytes(out / "plots" / f"{name}.png", png)
+            write_atomic(out / "plots" / f"{name}.png", png)
             pngs[name] = png
     return pngs
 
@@ -265,5 +265,5 @@ def write_report(results: dict, out: str | Path, plots: bool = True) -> dict[str
         "report.html": html_report(results, pngs),
     }
     for name, text in files.items():
-        write_text(out / name, text)
+        write_atomic(out / name, text)
     return {name: str(out / name) for name in [*files, *(f"plots/{p}.png" for p in pngs)]}

@@ -7,13 +7,27 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from reap.eval.cache import Cache, code_digest, key_of
+from reap.eval.cache import Cache, key_of
 from reap.eval.builds import Build, Engines
 from reap.eval.generations import generate_all, prompts_digest
 from reap.eval.quality import score_documents
 from reap.eval.workload import Workload
+from reap.provenance import code_version
 
 FORMAT = "reap.eval/1"  # of results.json, and part of every cache key
+# the sources whose change changes the numbers of each kind of result (`code_version` parts)
+EVAL_CODE = {
+    "quality": ("engine", "models", "checkpoint", "quant", "mxfp4.py", "eval/quality.py"),
+    "generations": (
+        "engine",
+        "models",
+        "checkpoint",
+        "quant",
+        "mxfp4.py",
+        "tokenizer.py",
+        "eval/generations.py",
+    ),
+}
 
 
 @dataclass
@@ -32,7 +46,7 @@ def make_tasks(w: Workload, args: dict) -> list[Task]:
     """Every result of the evaluation with its cache key (reference generations first)."""
     out = []
     common = {"format": FORMAT, "dtype": args["dtype"], "device": args["device"].split(":")[0]}
-    qcode, gcode = code_digest("quality"), code_digest("generations")
+    qcode, gcode = code_version(EVAL_CODE["quality"]), code_version(EVAL_CODE["generations"])
     for b in w.others:
         for c in w.docs:
             f = {
