@@ -1,11 +1,13 @@
 """The tensors of a pruned checkpoint, in write order, each mapped to its source tensor.
 
-`plan_items` lists the output tensors (`Item`): kept routed experts renumbered densely in
-ascending original id (kind "expert"), fused expert tensors X [E, ...] cut to the kept slices
-(kind "fused", [n_kept, ...]), the router tensors the family names sliced to the kept rows (kind
-"router"), every other tensor verbatim (kind "copy"); tensors of components the text model never
-reads (`unused_tensors`) are left out. `reap.prune.write` streams them, `reap.prune.verify` checks
-a pruned checkpoint against the same mapping.
+`plan_items` lists the output tensors (`Item`) in the source's file order (an expert's tensors
+together, in the family's name order): kept routed experts renumbered densely in ascending
+original id (kind "expert"); a fused expert tensor X [E, ...] (the family names its experts by
+views `X[e]`) keeps its name and holds the kept slices in new id order, [n_kept, ...] (kind
+"fused"); the router tensors the family names (`router_tensors`) sliced to the kept rows (kind
+"router"); every other tensor verbatim (kind "copy"). Tensors of components the text model never
+reads (`unused_tensors`: UNUSED_COMPONENTS, e.g. an MTP layer) are left out. `reap.prune.verify`
+shares `fused_tensors` and `unused_tensors` but maps the tensors again on its own.
 """
 
 from __future__ import annotations

@@ -1,19 +1,15 @@
 """`prune`: write a pruned checkpoint from a plan, streaming tensor by tensor (`reap prune`).
 
-Kept routed experts are copied byte for byte and renumbered densely in ascending original id;
-a fused expert tensor X [E, ...] (the family names its experts by views `X[e]`) keeps its name and
-holds the kept slices in new id order, [n_kept, ...]; the router tensors the family names
-(`router_tensors`) are sliced to the kept rows; tensors of components the text model never reads
-(UNUSED_COMPONENTS, e.g. an MTP layer) are left out; every other tensor is copied verbatim;
-config.json gets the new expert count (`with_experts`, which also says what was left out).
-Tensors keep the source's file order (an expert's tensors stay together, in the family's name
-order), shards are at most as large as the source's largest unless `--max-shard-size` is given.
-
-Which output tensor comes from where: `reap.prune.tensor_map`; the copy and the expert hashes:
-`reap.prune.stream` (memory bounded by the largest single tensor). Output is atomic and resumable through `CheckpointWriter`: a rerun with the same arguments after a crash or
-Ctrl-C skips the completed shards. Next to the weights: `reap_manifest.json` (per layer the
-original id of every new expert id, and sha256 of every kept expert's bytes, provenance),
-`reap_plan.json` (the plan), and every non-weight file of the source (tokenizer, ...).
+Kept routed experts are copied byte for byte and renumbered densely in ascending original id,
+router tensors sliced to the kept rows, unused components (an MTP layer) left out, every other
+tensor copied verbatim (`tensor_map`: which output tensor comes from where; `stream`: the copy and
+the expert hashes, memory bounded by the largest single tensor); config.json gets the new expert
+count (`with_experts`). Shards are at most as large as the source's largest unless
+`max_shard_bytes` is given. Output is atomic and resumable through `CheckpointWriter`: a rerun
+with the same arguments after a crash or Ctrl-C skips the completed shards. Next to the weights:
+`reap_manifest.json` (per layer the original id of every new expert id, the sha256 of every kept
+expert's bytes, provenance), `reap_plan.json` (the plan), and every non-weight file of the source
+(tokenizer, ...).
 """
 
 from __future__ import annotations
