@@ -20,7 +20,7 @@ import sys
 from reap import __version__
 from reap.errors import EXIT_FAILURE, EXIT_INTERRUPTED, ReapError
 
-# name -> (module, one-line help). Order is the order `reap --help` lists them.
+# name -> (module, or module:NAME, and a one-line help). Order is the order `reap --help` lists.
 COMMANDS: dict[str, tuple[str, str]] = {
     "info": ("reap.sizes", "parameter and byte census of a checkpoint or built-in config"),
     "synth": ("reap.synth", "write a random but valid checkpoint of a built-in config"),
