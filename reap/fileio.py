@@ -1,27 +1,43 @@
-"""Atomic file writes shared by every stage: nothing already written is lost.
+"""Atomic file writes shared by every stage: nothing already written is lost. Every rename into
+place in reap is here.
 
 `atomic_path(path)` yields a temporary name beside `path`; when the block ends without error the
 file is renamed into place, otherwise the temporary file is removed. Failures become
-`WriteError` (exit code 3) naming the file.
+`WriteError` (exit code 3) naming the file. `AtomicFile` does the same for a file written in
+pieces over many calls (checkpoint shards); `replace_dir` moves a finished directory into place.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 from collections.abc import Iterator
 
 from reap.errors import WriteError
 
 
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 @contextlib.contextmanager
-def atomic_path(path: str | os.PathLike) -> Iterator[str]:
-    """A temp path to write; renamed to `path` (parents created) when the block succeeds."""
+def atomic_path(
+    path: str | os.PathLike, tmp: str | None = None, fsync: bool = False
+) -> Iterator[str]:
+    """A temp path to write (`tmp`, default `<path>.tmp.<pid>`); renamed to `path` (parents
+    created) when the block succeeds, after its data reached the disk if `fsync`."""
     path = os.fspath(path)
-    tmp = f"{path}.tmp.{os.getpid()}"
+    tmp = tmp or f"{path}.tmp.{os.getpid()}"
     try:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         yield tmp
+        if fsync:
+            _fsync(tmp)
         os.replace(tmp, path)
     except OSError as e:
         raise WriteError(f"cannot write {path}: {e.strerror or e}") from e
@@ -30,8 +46,42 @@ def atomic_path(path: str | os.PathLike) -> Iterator[str]:
             os.remove(tmp)
 
 
-def write_atomic(path: str | os.PathLike, data: bytes | str) -> str:
-    """Write bytes or text to `path` atomically; returns the path."""
-    with atomic_path(path) as tmp, open(tmp, "wb") as f:
+def write_atomic(
+    path: str | os.PathLike, data: bytes | str, tmp: str | None = None, fsync: bool = False
+) -> str:
+    """Write bytes or text to `path` atomically (see `atomic_path`); returns the path."""
+    with atomic_path(path, tmp, fsync) as tmp_path, open(tmp_path, "wb") as f:
         f.write(data.encode() if isinstance(data, str) else data)
     return os.fspath(path)
+
+
+class AtomicFile:
+    """A file written in pieces under `tmp` (default `<path>.tmp.<pid>`), renamed to `path` by
+    `commit()` once its data reached the disk. Raises OSError: callers name the failure."""
+
+    def __init__(self, path: str | os.PathLike, tmp: str | os.PathLike | None = None):
+        self.path = os.fspath(path)
+        self.tmp = os.fspath(tmp) if tmp is not None else f"{self.path}.tmp.{os.getpid()}"
+        self.file = open(self.tmp, "wb")  # noqa: SIM115 - held open until commit()
+
+    def write(self, data) -> None:
+        self.file.write(data)
+
+    def commit(self) -> None:
+        """Flush, fsync, close and rename into place."""
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        self.file.close()
+        os.replace(self.tmp, self.path)
+
+
+def replace_dir(src: str | os.PathLike, dst: str | os.PathLike) -> None:
+    """Rename directory `src` to `dst`; an existing `dst` is moved aside first and removed once
+    `src` is in place. Raises OSError."""
+    old = None
+    if os.path.exists(dst):
+        old = f"{os.fspath(dst)}.old-{os.getpid()}"
+        os.replace(dst, old)
+    os.replace(src, dst)
+    if old is not None:
+        shutil.rmtree(old)

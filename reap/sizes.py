@@ -17,13 +17,10 @@ import os
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from reap.checkpoint import TEXT_PREFIX, TensorSpec, split_view
+from reap.checkpoint import TEXT_PREFIX, TensorSpec, entry_bytes, split_view
 from reap.checkpoint.spec import UNUSED_COMPONENTS
 from reap.errors import ReapError
 
-# Bytes of one safetensors header entry besides its key, dtype, shape and offset digits:
-# "key":{"dtype":"..","shape":[..],"data_offsets":[..,..]}, (quotes, colon, braces, comma).
-_HEADER_FIXED = 45
 _SHARD_BYTES = 5_000_000_000  # the writer's default shard size, for offset digit estimates
 
 
@@ -80,13 +77,13 @@ class SizeModel:
             census[s.component]["params"] += _params(s)
             census[s.component]["bytes"] += s.nbytes
             if s.component in UNUSED_COMPONENTS:
-                unused["b"] += s.nbytes + _header_bytes(s, digits, prefix)
+                unused["b"] += s.nbytes + entry_bytes(s, prefix, digits)
                 unused["p"] += _params(s)
                 continue
             if s.expert is not None:
                 n_exp = max(n_exp, s.expert + 1)
                 if s.expert == 0:
-                    h = _header_bytes(s, digits, prefix)
+                    h = entry_bytes(s, prefix, digits)
                     if split_view(s.name)[1] is not None:  # a fused tensor: one header entry
                         fixed["h"], h = fixed["h"] + h, 0
                     for k, v in (
@@ -98,7 +95,7 @@ class SizeModel:
                     ):
                         unit[k][s.layer] += v
                 continue
-            fixed["h"] += _header_bytes(s, digits, prefix)
+            fixed["h"] += entry_bytes(s, prefix, digits)
             if s.name in router:
                 rows = s.shape[router[s.name]]
                 unit["b"][s.layer] += s.nbytes // rows
@@ -200,13 +197,6 @@ def _params(s: TensorSpec) -> int:
     if name.endswith(("weight_scale", "_scales", "weight_scale_inv")):
         return 0
     return s.numel
-
-
-def _header_bytes(s: TensorSpec, offset_digits: int, prefix: str) -> int:
-    """Estimated bytes of a tensor's entry in a safetensors header (exact but for offsets)."""
-    key = len(s.name) + (0 if s.component == "vision" else len(prefix))
-    shape = sum(len(str(d)) for d in s.shape) + max(len(s.shape) - 1, 0)
-    return key + len(s.dtype) + shape + 2 * offset_digits + 1 + _HEADER_FIXED
 
 
 def parse_size(text: str) -> int:

@@ -16,13 +16,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from reap.checkpoint import Checkpoint
+from reap.checkpoint import BufferReader, Checkpoint
 from reap.cli import main
 from reap.engine import Engine, memory
 from reap.engine.experts import ExpertCache
 from reap.engine.generate import StopMatcher, sample
 from reap.engine.kernels import decode_mxfp4
-from reap.engine.store import Reader, TrunkStore
+from reap.engine.store import TrunkStore
 from reap.errors import ReapError
 from reap.models import family
 from reap.models.base import dict_weights
@@ -156,7 +156,7 @@ def test_reader_coalesces_an_expert_into_one_read_and_matches_checkpoint(tiny):
     fam = family(ck.config)
     names = fam.expert_tensor_names(2, 5)
     for direct in (False, True):
-        r = Reader(ck.tensors, direct=direct)
+        r = BufferReader(ck, direct=direct)
         got = r.read(names, "experts")
         assert r.io.reads == 1 and r.io.bytes["experts"] >= sum(ck.tensors[n].nbytes for n in names)
         for n in names:
@@ -172,7 +172,7 @@ def test_ring_streams_every_unit_with_prefetch_and_pinned_units_stay(tiny):
     from reap.engine.binding import bind
 
     b = bind(ck.tensors, fam, ck.config, tiny)
-    r = Reader(ck.tensors)
+    r = BufferReader(ck)
     trunk = TrunkStore(r, b.units, pinned=[1, 4], slots=2)
     pinned_bytes = r.io.bytes["trunk"]
     streamed = sum(ck.tensors[n].nbytes for i in trunk.streamed for n in b.units[i])
@@ -222,7 +222,7 @@ class NaiveLFU:
 def test_expert_cache_matches_a_brute_force_lfu_with_aging(tiny):
     ck = Checkpoint.open(tiny)
     fam = family(ck.config)
-    r = Reader(ck.tensors)
+    r = BufferReader(ck)
     one = sum(ck.tensors[n].nbytes for n in fam.expert_tensor_names(1, 0))
     cache = ExpertCache(r, 6 * one, fam.expert_tensor_names, half_life=16)
     naive = NaiveLFU(6, 16)
@@ -490,7 +490,7 @@ def test_default_model_is_synthesized_once_without_a_bundled_one(tmp_path, monke
 def test_expert_prefetch_reads_in_background_and_serves_the_same_bytes(tiny):
     ck = Checkpoint.open(tiny)
     fam = family(ck.config)
-    r = Reader(ck.tensors)
+    r = BufferReader(ck)
     one = sum(ck.tensors[n].nbytes for n in fam.expert_tensor_names(1, 0))
     cache = ExpertCache(r, 4 * one, fam.expert_tensor_names)
     ids = [0, 3, 5, 9, 11]  # one more than fits: the fifth is read into a transient buffer

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from reap.checkpoint import Checkpoint, CheckpointWriter, TensorSpec
-from reap.engine.remote import (
+from reap.checkpoint.remote import (
     HttpCache,
     RemoteCheckpoint,
     default_cache_dir,

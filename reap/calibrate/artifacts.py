@@ -1,7 +1,7 @@
 """Files calibration writes: per-layer partial results, the resume record, and the final
 statistics (one `ExpertStats` per corpus plus their merge) and optional per-token expert ids.
 
-Work files live in `OUT/.work/` and are written atomically (temp name, then rename):
+Work files live in `OUT/.work/` and are written atomically (`reap.fileio`):
 - `progress.json`: the run's identity (arguments, model and corpus fingerprints, code version),
   the last completed layer, the hidden-state spill manifest and the I/O counters so far;
 - `rows.<layer>.safetensors`: one MoE layer's statistics for every corpus;
@@ -17,28 +17,20 @@ import functools
 import json
 import os
 import re
-import struct
 from pathlib import Path
 
 import torch
 
 from reap.calibrate.accumulate import LayerRow
-from reap.errors import WriteError
+from reap.checkpoint import encode_header
+from reap.fileio import atomic_path, write_atomic
 from reap.provenance import code_version as _code_version
 from reap.stats import ExpertStats, merge
 
 
 def write_json(path: str, obj: dict) -> str:
     """Write JSON atomically (temp file, then rename); returns the path."""
-    tmp = f"{path}.tmp.{os.getpid()}"
-    try:
-        with open(tmp, "w") as f:
-            json.dump(obj, f, indent=1, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as e:
-        raise WriteError(f"cannot write {path}: {e.strerror or e}") from e
+    write_atomic(path, json.dumps(obj, indent=1, sort_keys=True), fsync=True)
     return path
 
 
@@ -76,12 +68,8 @@ def save_rows(work: str, layer: int, rows: list[LayerRow]) -> str:
     path = os.path.join(work, f"rows.{layer}.safetensors")
     tensors = {f"{c}.{k}": v.contiguous() for c, row in enumerate(rows)
                for k, v in row.tensors().items()}
-    tmp = f"{path}.tmp.{os.getpid()}"
-    try:
+    with atomic_path(path) as tmp:
         save_file(tensors, tmp)
-        os.replace(tmp, path)
-    except OSError as e:
-        raise WriteError(f"cannot write {path}: {e.strerror or e}") from e
     return path
 
 
@@ -149,23 +137,16 @@ class TokenExperts:
         s*T..(s+1)*T-1) as one safetensors file, streaming layer by layer; returns the path."""
         L, N, K = len(layers), self.n_tokens, self.top_k
         sc = torch.tensor(seq_corpus, dtype=torch.int64).numpy().tobytes()
-        n_ids = L * N * K * 2
-        header = {"ids": {"dtype": "I16", "shape": [L, N, K], "data_offsets": [0, n_ids]},
-                  "seq_corpus": {"dtype": "I64", "shape": [len(seq_corpus)],
-                                 "data_offsets": [n_ids, n_ids + len(sc)]},
-                  "__metadata__": {"reap": json.dumps(meta, sort_keys=True)}}
-        head = json.dumps(header, separators=(",", ":")).encode()
-        head += b" " * (-len(head) % 8)
-        tmp = f"{path}.tmp.{os.getpid()}"
-        try:
-            with open(tmp, "wb") as f:
-                f.write(struct.pack("<Q", len(head)) + head)
-                for layer in layers:
-                    with open(self.path(layer), "rb") as src:
-                        while chunk := src.read(1 << 24):
-                            f.write(chunk)
-                f.write(sc)
-            os.replace(tmp, path)
-        except OSError as e:
-            raise WriteError(f"cannot write {path}: {e.strerror or e}") from e
+        header = encode_header(
+            [("ids", "I16", (L, N, K), L * N * K * 2),
+             ("seq_corpus", "I64", (len(seq_corpus),), len(sc))],
+            {"reap": json.dumps(meta, sort_keys=True)},
+        )
+        with atomic_path(path) as tmp, open(tmp, "wb") as f:
+            f.write(header)
+            for layer in layers:
+                with open(self.path(layer), "rb") as src:
+                    while chunk := src.read(1 << 24):
+                        f.write(chunk)
+            f.write(sc)
         return path

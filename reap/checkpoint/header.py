@@ -1,4 +1,8 @@
-"""safetensors headers and HF index files: read, scan fast, parse strictly.
+"""safetensors headers and HF index files: build, read, scan fast, parse strictly.
+
+`encode_header` is the one place a header is built (the checkpoint writer, calibration's token
+expert file) and `entry_bytes` its size estimate (`reap.sizes`); `length_prefix` and
+`described_size` read the framing of a header fetched piecewise (remote checkpoints).
 
 Opening a 497,220-tensor checkpoint must take well under a second, and fully parsing ~76 MB of
 header JSON into Python objects does not (several seconds). So opening is two-tier:
@@ -26,10 +30,11 @@ import itertools
 import json
 import os
 import struct
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from reap.checkpoint.spec import DTYPE_SIZES, TEXT_PREFIX, TensorInfo
+from reap.checkpoint.spec import DTYPE_SIZES, TEXT_PREFIX, TensorInfo, TensorSpec, stored_key
 from reap.errors import CheckpointError
 
 _FIRST_READ = 1 << 16  # header bytes fetched speculatively with the length prefix
@@ -37,6 +42,51 @@ _new_tuple = tuple.__new__
 _TOKENS = 10  # quote-split tokens per canonical tensor entry
 # token offset within an entry -> the literal it must be (offset 0 is the key)
 _FIXED = {1: ":{", 2: "dtype", 8: "data_offsets"}
+
+
+# Bytes of one header entry besides its key, dtype, shape and offset digits:
+# "key":{"dtype":"..","shape":[..],"data_offsets":[..,..]}, (quotes, colon, braces, comma).
+_ENTRY_FIXED = 45
+
+
+def encode_header(tensors: Iterable[tuple[str, str, Sequence[int], int]],
+                  metadata: dict[str, str] | None = None) -> bytes:
+    """The safetensors header of tensors stored back to back in the given order, each
+    (stored key, dtype code, shape, byte length), with `metadata` first under `__metadata__`:
+    little-endian u64 length + compact JSON padded with spaces to a multiple of 8 bytes."""
+    entries: dict = {} if metadata is None else {"__metadata__": metadata}
+    offset = 0
+    for key, dtype, shape, nbytes in tensors:
+        entries[key] = {"dtype": dtype, "shape": list(shape),
+                        "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    text = json.dumps(entries, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text
+
+
+def entry_bytes(spec: TensorSpec, prefix: str, offset_digits: int) -> int:
+    """Bytes of `spec`'s entry in a header from `encode_header` (the writer's `prefix` on text
+    tensors): exact but for its two offsets, each taken as `offset_digits` long."""
+    key = len(stored_key(spec, prefix))
+    shape = sum(len(str(d)) for d in spec.shape) + max(len(spec.shape) - 1, 0)
+    return key + len(spec.dtype) + shape + 2 * offset_digits + 1 + _ENTRY_FIXED
+
+
+def length_prefix(raw: bytes) -> int:
+    """The header length stated by a shard's first 8 bytes."""
+    return struct.unpack("<Q", raw)[0]
+
+
+def described_size(header: bytes) -> int | None:
+    """The file size a header (the JSON after the length prefix) describes: 8 + its length +
+    the largest tensor end offset; None when it is not a valid header."""
+    try:
+        ends = [v["data_offsets"][1] for k, v in json.loads(header).items()
+                if k != "__metadata__"]
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError):
+        return None
+    return 8 + len(header) + max(ends, default=0)
 
 
 @contextlib.contextmanager
@@ -76,7 +126,7 @@ def _read_text(path: str) -> tuple[str, int, int]:
         head = os.pread(fd, _FIRST_READ, 0)
         if len(head) < 8:
             raise CheckpointError(f"{path}: truncated safetensors header ({size} bytes)")
-        (n,) = struct.unpack("<Q", head[:8])
+        n = length_prefix(head[:8])
         if n > size - 8:
             raise CheckpointError(f"{path}: header length {n} beyond file size {size}")
         raw = (

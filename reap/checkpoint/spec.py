@@ -101,6 +101,11 @@ class TensorSpec:
         return self.numel * DTYPE_SIZES[self.dtype]
 
 
+def stored_key(spec: TensorSpec, prefix: str) -> str:
+    """The key a tensor is stored under: text tensors carry the checkpoint's `prefix`."""
+    return spec.name if spec.component == "vision" else prefix + spec.name
+
+
 class TensorInfo(NamedTuple):
     """Where one stored tensor lives: `start`/`end` are absolute byte offsets in `file`."""
 

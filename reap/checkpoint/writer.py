@@ -19,14 +19,22 @@ import hashlib
 import json
 import os
 import shutil
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from reap.checkpoint.spec import DTYPE_CODES, DTYPE_SIZES, INDEX_NAME, SINGLE_NAME, TensorSpec
+from reap.checkpoint.header import encode_header
+from reap.checkpoint.spec import (
+    DTYPE_CODES,
+    DTYPE_SIZES,
+    INDEX_NAME,
+    SINGLE_NAME,
+    TensorSpec,
+    stored_key,
+)
 from reap.errors import EXIT_USAGE, ReapError, WriteError
+from reap.fileio import AtomicFile, replace_dir, write_atomic
 
 _PLAN_FILE = ".reap-plan"  # identity of the shard plan a partial directory belongs to
 
@@ -38,13 +46,6 @@ class _Shard:
     header: bytes  # 8-byte length + padded JSON
     size: int  # total file size in bytes
     done: bool = False
-
-
-def _header_bytes(entries: dict) -> bytes:
-    """safetensors header: little-endian u64 length + JSON padded with spaces to 8 bytes."""
-    text = json.dumps(entries, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
-    return struct.pack("<Q", len(text)) + text
 
 
 def _plan_shards(specs: list[TensorSpec], max_shard_bytes: int, prefix: str) -> list[_Shard]:
@@ -59,19 +60,12 @@ def _plan_shards(specs: list[TensorSpec], max_shard_bytes: int, prefix: str) -> 
         used += s.nbytes
     n, shards = len(groups), []
     for i, group in enumerate(groups):
-        entries: dict = {"__metadata__": {"format": "pt"}}
-        offset = 0
-        for s in group:
-            key = s.name if s.component == "vision" else prefix + s.name
-            entries[key] = {
-                "dtype": s.dtype,
-                "shape": list(s.shape),
-                "data_offsets": [offset, offset + s.nbytes],
-            }
-            offset += s.nbytes
+        header = encode_header(
+            ((stored_key(s, prefix), s.dtype, s.shape, s.nbytes) for s in group), {"format": "pt"}
+        )
         file = SINGLE_NAME if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-        header = _header_bytes(entries)
-        shards.append(_Shard(file, [s.name for s in group], header, len(header) + offset))
+        size = len(header) + sum(s.nbytes for s in group)
+        shards.append(_Shard(file, [s.name for s in group], header, size))
     return shards
 
 
@@ -106,12 +100,7 @@ def _check_specs(specs: list[TensorSpec]) -> None:
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_atomic(path, data, tmp=f"{path}.tmp", fsync=True)  # a resumed job reuses the name
 
 
 class CheckpointWriter:
@@ -199,25 +188,20 @@ class CheckpointWriter:
             raise ReapError(f"write order: expected tensor {spec.name}, got {name}")
         view = _as_bytes(spec, data)
         shard = self.shards[self._shard_of[name]]
-        tmp = self.partial / (shard.file + ".tmp")
+        path = self.partial / shard.file
+        tmp = f"{path}.tmp"
         try:
             if self._file is None:
-                self._file = open(tmp, "wb")  # noqa: SIM115 - held open across write() calls
+                self._file = AtomicFile(path, tmp)  # held open across write() calls
                 self._file.write(shard.header)
             self._file.write(view)
             if name == shard.names[-1]:
-                self._finish(shard, tmp)
+                self._file.commit()
+                self._file = None
+                shard.done = True
         except OSError as e:
             raise WriteError(f"{tmp}: cannot write tensor {name} ({e.strerror})") from None
         self._next += 1
-
-    def _finish(self, shard: _Shard, tmp: Path) -> None:
-        self._file.flush()
-        os.fsync(self._file.fileno())
-        self._file.close()
-        self._file = None
-        os.replace(tmp, self.partial / shard.file)
-        shard.done = True
 
     def close(
         self, config: dict | None = None, extra_files: dict[str, bytes | str] | None = None
@@ -255,16 +239,7 @@ class CheckpointWriter:
                 data = content.encode() if isinstance(content, str) else bytes(content)
                 _write_atomic(self.partial / fname, data)
             (self.partial / _PLAN_FILE).unlink()
-            self._move_into_place()
+            replace_dir(self.partial, self.out_dir)  # an existing one only with overwrite=True
         except OSError as e:
             raise WriteError(f"{self.out_dir}: cannot finish checkpoint ({e.strerror})") from None
         return str(self.out_dir)
-
-    def _move_into_place(self) -> None:
-        old = None
-        if self.out_dir.exists():  # only reachable with overwrite=True
-            old = Path(f"{self.out_dir}.old-{os.getpid()}")
-            os.replace(self.out_dir, old)
-        os.replace(self.partial, self.out_dir)
-        if old is not None:
-            shutil.rmtree(old)

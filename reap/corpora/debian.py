@@ -14,6 +14,7 @@ import tarfile
 from pathlib import Path
 
 from reap.errors import ReapError
+from reap.fileio import replace_dir
 
 
 def _ar_members(deb: Path) -> dict[str, bytes]:
@@ -73,7 +74,7 @@ def extract_deb(deb: Path, dest: Path) -> Path:
         except (tarfile.TarError, OSError) as e:
             raise ReapError(f"{deb}: cannot unpack ({e})", exit_code=1) from None
     (tmp / ".done").write_text(sha256_file(deb))
-    tmp.rename(dest)
+    replace_dir(tmp, dest)
     return dest
 
 

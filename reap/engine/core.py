@@ -24,12 +24,13 @@ from pathlib import Path
 
 import torch
 
+from reap.checkpoint import BufferReader, open_checkpoint
 from reap.engine import memory
 from reap.engine.binding import Binding, bind, model_bytes, state_costs
 from reap.engine.experts import ExpertCache
 from reap.engine.kernels import BufferPool, expert_weights, fused_available
 from reap.engine.metrics import RunMetrics
-from reap.engine.store import Reader, TrunkStore
+from reap.engine.store import IO_KINDS, TrunkStore
 from reap.errors import EXIT_FAILURE, ReapError
 from reap.models.base import expert_short_names
 
@@ -207,7 +208,7 @@ class Engine:
             "bytes": dict(io.bytes),
             "reads": io.reads,
             "io_seconds": io.seconds,
-            "wait_seconds": io.stall + self._sync_io,
+            "wait_seconds": self.trunk.stall + self._sync_io,
             "expert_hits": self.experts.hits,
             "expert_misses": self.experts.misses,
         }
@@ -297,18 +298,11 @@ class _ExpertSource:
 
 def _open_checkpoint(model):
     """(Checkpoint, its path or URL) for MODEL: None = the default model; http(s) = remote."""
-    from reap.checkpoint import Checkpoint
-
     if model is None:
         from reap.defaults import default_model
 
         model = default_model()
-    if str(model).lower().startswith(("http://", "https://")):
-        from reap.engine.remote import open_checkpoint
-
-        ckpt = open_checkpoint(str(model))
-    else:
-        ckpt = Checkpoint.open(model)
+    ckpt = open_checkpoint(model)
     if not ckpt.config:
         raise ReapError(f"{model}: no config.json; the engine needs a model directory")
     return ckpt, model
@@ -316,7 +310,7 @@ def _open_checkpoint(model):
 
 def _stores(ckpt, fam, b: Binding, plan: memory.MemoryPlan, direct: bool, device: str):
     """The reader, the trunk store (pinned units read now) and the expert cache (slab held)."""
-    reader = Reader(ckpt.tensors, direct=direct, ensure=getattr(ckpt, "ensure", None))
+    reader = BufferReader(ckpt, direct=direct, kinds=IO_KINDS)
     try:
         trunk = TrunkStore(
             reader, b.units, plan.pinned, plan.ring_slots, plan.slot_bytes, device=device

@@ -16,7 +16,8 @@ from concurrent.futures import Future
 
 import torch
 
-from reap.engine.store import Reader, _to
+from reap.checkpoint import BufferReader
+from reap.engine.store import _to
 from reap.errors import ReapError
 from reap.models.base import expert_short_names
 
@@ -38,7 +39,7 @@ class ExpertCache:
 
     def __init__(
         self,
-        reader: Reader,
+        reader: BufferReader,
         capacity_bytes: int,
         names_of,
         half_life: int = 4096,

@@ -38,6 +38,8 @@ from pathlib import Path
 import torch
 
 from reap import mxfp4
+from reap.errors import WriteError
+from reap.fileio import atomic_path
 
 _TABLES: dict[torch.dtype, torch.Tensor] = {}
 _CHUNK = 1 << 20  # packed bytes decoded per pass
@@ -183,14 +185,14 @@ def _build(flags: tuple[str, ...] = ()):
     try:
         if not so.is_file():
             so.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=so.parent) as tmp:
-                src, out = Path(tmp) / "k.c", Path(tmp) / "k.so"
+            # atomic: concurrent builds leave one complete file
+            with tempfile.TemporaryDirectory(dir=so.parent) as tmp, atomic_path(so) as out:
+                src = Path(tmp) / "k.c"
                 src.write_text(_C_SOURCE)
-                cmd = [*cc, "-o", str(out), str(src), "-lm"]
+                cmd = [*cc, "-o", out, str(src), "-lm"]
                 subprocess.run(cmd, check=True, capture_output=True, timeout=120)
-                os.replace(out, so)  # atomic: concurrent builds leave one complete file
         lib = ctypes.CDLL(str(so))
-    except (OSError, subprocess.SubprocessError):
+    except (OSError, subprocess.SubprocessError, WriteError):
         return None  # no compiler or no write access: the torch path decodes
     for name in ("reap_decode_u32", "reap_decode_u64"):
         getattr(lib, name).restype = None

@@ -1,204 +1,26 @@
-"""Weight residency for the streaming engine: positioned reads into preallocated buffers, the
-pinned trunk and the streamed-layer ring with a background reader (the routed-expert cache is
-in `reap.engine.experts`).
+"""Trunk residency for the streaming engine: the pinned trunk units and the streamed-layer ring
+with a background reader (the routed-expert cache is in `reap.engine.experts`).
 
-    reader = Reader(checkpoint.tensors, direct=False)  # preadv into caller buffers, I/O counters
+    reader = BufferReader(checkpoint, direct=False, kinds=IO_KINDS)  # reap.checkpoint
     trunk = TrunkStore(reader, units, pinned, slots=2, slot_bytes=...)
     weights = trunk.get(i)                           # unit i's tensors; unit i+1.. read meanwhile
 
-Reads go straight into long-lived buffers (ring slots, expert-cache slabs) so steady-state
-decoding allocates nothing and the resident set stays inside the memory plan. `TensorInfo`
-offsets come from `reap.checkpoint`, the only code that parses the files.
+Reads go straight into long-lived ring slots so steady-state decoding allocates nothing and the
+resident set stays inside the memory plan; how bytes are read is `reap.checkpoint`'s business.
 """
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import torch
 
-from reap.checkpoint import DTYPE_SIZES, TORCH_DTYPES, TensorInfo
+from reap.checkpoint import BufferReader
 from reap.errors import EXIT_FAILURE, ReapError
 
-_ALIGN = 4096  # O_DIRECT alignment of offsets, lengths and buffer addresses
-
-
-@dataclass
-class IOCounters:
-    """Bytes and seconds spent reading, by kind ("trunk", "experts", "embed")."""
-
-    bytes: dict[str, int] = field(default_factory=lambda: {"trunk": 0, "experts": 0, "embed": 0})
-    reads: int = 0
-    seconds: float = 0.0  # time inside read calls (any thread)
-    stall: float = 0.0  # time the compute thread waited for the ring
-
-    def snapshot(self) -> dict:
-        return {
-            "bytes": dict(self.bytes),
-            "reads": self.reads,
-            "seconds": self.seconds,
-            "stall": self.stall,
-        }
-
-
-class Reader:
-    """Positioned reads of checkpoint byte ranges into caller-provided uint8 buffers
-    (`ensure(file, start, end)`, when given, makes the bytes present first: remote checkpoints).
-
-    Ranges adjacent in one file are coalesced into a single read. With `direct=True` files are
-    opened with O_DIRECT (page-cache bypass) where the filesystem allows it; reads then cover
-    4096-aligned supersets of each run."""
-
-    def __init__(self, tensors: dict[str, TensorInfo], direct: bool = False, ensure=None):
-        self.tensors, self.ensure = tensors, ensure
-        self.direct = direct and hasattr(os, "O_DIRECT")
-        self.io = IOCounters()
-        self._fds: dict[str, int] = {}
-        self._lock = threading.Lock()
-
-    def info(self, name: str) -> TensorInfo:
-        try:
-            return self.tensors[name]
-        except KeyError:
-            raise ReapError(f"tensor {name!r} is not in the checkpoint", EXIT_FAILURE) from None
-
-    def _fd(self, path: str) -> int:
-        with self._lock:
-            fd = self._fds.get(path)
-            if fd is None:
-                fd = self._open(path)
-                self._fds[path] = fd
-            return fd
-
-    def _open(self, path: str) -> int:
-        if self.direct:
-            try:
-                return os.open(path, os.O_RDONLY | os.O_DIRECT)
-            except OSError:
-                self.direct = False  # filesystem without O_DIRECT (tmpfs): plain reads
-        return os.open(path, os.O_RDONLY)
-
-    def close(self) -> None:
-        with self._lock:
-            for fd in self._fds.values():
-                os.close(fd)
-            self._fds.clear()
-
-    @staticmethod
-    def runs(infos: Sequence[TensorInfo]) -> list[list[TensorInfo]]:
-        """Group tensors into runs that are contiguous in one file (in the given order)."""
-        out: list[list[TensorInfo]] = []
-        for t in infos:
-            if out and out[-1][-1].file == t.file and out[-1][-1].end == t.start:
-                out[-1].append(t)
-            else:
-                out.append([t])
-        return out
-
-    def span(self, infos: Sequence[TensorInfo]) -> int:
-        """Buffer bytes `read_into` needs for these tensors (alignment slack included)."""
-        if self.direct:
-            return sum(r[-1].end - r[0].start + 2 * _ALIGN for r in self.runs(infos)) + _ALIGN
-        return sum(r[-1].end - r[0].start + 128 for r in self.runs(infos)) + 64
-
-    def read_into(
-        self, infos: Sequence[TensorInfo], buf: torch.Tensor, kind: str
-    ) -> dict[str, torch.Tensor]:
-        """Read tensors into `buf` (uint8 [n] with n >= span(infos)) and return name -> view.
-
-        Each run of contiguous tensors is one positioned read; a view whose address is not a
-        multiple of its element size is copied (safetensors does not align tensors)."""
-        out: dict[str, torch.Tensor] = {}
-        align = _ALIGN if self.direct else 64
-        pos = (-buf.data_ptr()) % align  # aligned start (O_DIRECT needs 4096)
-        for run in self.runs(infos):
-            start, end = run[0].start, run[-1].end
-            lo = start - start % align  # the buffer keeps the file's alignment mod `align`
-            hi = -(-end // _ALIGN) * _ALIGN if self.direct else end
-            if pos + hi - lo > buf.numel():
-                raise ReapError(
-                    f"read buffer too small for {run[0].name} ({hi - lo} bytes)", EXIT_FAILURE
-                )
-            self._pread(run[0].file, buf[pos : pos + hi - lo], lo, end - lo, kind)
-            for t in run:
-                out[t.name] = _view(buf, pos + t.start - lo, t)
-            pos += -(-(hi - lo) // align) * align
-        return out
-
-    def _pread(self, path: str, dst: torch.Tensor, offset: int, need: int, kind: str) -> None:
-        if self.ensure is not None:  # remote checkpoints fetch missing bytes first
-            self.ensure(path, offset, offset + need)
-        fd = self._fd(path)
-        mv = memoryview(dst.numpy()).cast("B")
-        t0 = time.perf_counter()
-        got = 0
-        try:
-            while got < len(mv):
-                n = os.preadv(fd, [mv[got:]], offset + got)
-                if n == 0:
-                    break
-                got += n
-        except OSError as e:
-            raise ReapError(
-                f"{path}: read at {offset} failed ({e.strerror})", EXIT_FAILURE
-            ) from None
-        dt = time.perf_counter() - t0
-        if got < need:
-            raise ReapError(
-                f"{path}: short read at offset {offset} ({got} of {need} bytes; file truncated?)",
-                EXIT_FAILURE,
-            )
-        with self._lock:
-            self.io.bytes[kind] = self.io.bytes.get(kind, 0) + need
-            self.io.reads += 1
-            self.io.seconds += dt
-
-    def read(self, names: Sequence[str], kind: str) -> dict[str, torch.Tensor]:
-        """Read tensors into a fresh buffer (for one-off reads)."""
-        infos = [self.info(n) for n in names]
-        buf = torch.empty(self.span(infos), dtype=torch.uint8)
-        return self.read_into(infos, buf, kind)
-
-    def read_rows(self, name: str, rows: Sequence[int], kind: str = "embed") -> torch.Tensor:
-        """Rows of a 2-D tensor [R, C], one positioned read per row: [len(rows), C]."""
-        t = self.info(name)
-        width = t.shape[1] * DTYPE_SIZES[t.dtype]
-        infos = []
-        for r in rows:
-            if not 0 <= r < t.shape[0]:
-                raise ReapError(f"row {r} outside {name} with {t.shape[0]} rows")
-            infos.append(
-                TensorInfo(
-                    t.name,
-                    t.key,
-                    t.dtype,
-                    (t.shape[1],),
-                    t.file,
-                    t.start + r * width,
-                    t.start + (r + 1) * width,
-                )
-            )
-        span = self.span(infos[:1]) if infos else 0
-        out = torch.empty((len(rows), span), dtype=torch.uint8)
-        views = [self.read_into([info], out[i], kind)[t.name] for i, info in enumerate(infos)]
-        return (
-            torch.stack(views)
-            if views
-            else torch.empty((0, t.shape[1]), dtype=TORCH_DTYPES[t.dtype])
-        )
-
-
-def _view(buf: torch.Tensor, offset: int, t: TensorInfo) -> torch.Tensor:
-    """Tensor `t` viewed inside `buf` at byte `offset` (copied when misaligned)."""
-    raw = buf[offset : offset + t.nbytes]
-    itemsize = DTYPE_SIZES[t.dtype]
-    if (raw.data_ptr() % itemsize) != 0:
-        raw = raw.clone()
-    return raw.view(TORCH_DTYPES[t.dtype]).reshape(t.shape)
+IO_KINDS = ("trunk", "experts", "embed")  # the engine's byte counters, reported even when zero
 
 
 class TrunkStore:
@@ -207,11 +29,12 @@ class TrunkStore:
     by a background thread while the current one computes.
 
     Units are consumed in cyclic order 0, 1, ..., n-1, 0, ...; `get(i)` releases the slot of the
-    previously fetched streamed unit (its tensors must no longer be used)."""
+    previously fetched streamed unit (its tensors must no longer be used). `stall`: seconds the
+    compute thread waited for the ring."""
 
     def __init__(
         self,
-        reader: Reader,
+        reader: BufferReader,
         units: list[list[str]],
         pinned: Sequence[int],
         slots: int = 2,
@@ -219,6 +42,7 @@ class TrunkStore:
         device: str = "cpu",
     ):
         self.reader, self.units, self.device = reader, units, device
+        self.stall = 0.0
         self.pinned: dict[int, dict[str, torch.Tensor]] = {}
         self.streamed = [i for i in range(len(units)) if i not in set(pinned)]
         for i in pinned:
@@ -252,7 +76,7 @@ class TrunkStore:
             self._start(i)
         t0 = time.perf_counter()
         self._ready[i].wait()
-        self.reader.io.stall += time.perf_counter() - t0
+        self.stall += time.perf_counter() - t0
         result = self._result.pop(i)
         if isinstance(result, BaseException):
             self._slot_of.pop(i, None)

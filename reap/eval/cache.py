@@ -22,11 +22,9 @@ from reap.fileio import write_atomic
 
 def build_identity(path: str) -> dict:
     """What identifies a build's weights (see the module docstring), JSON-ready."""
-    from reap.checkpoint import Checkpoint
+    from reap.checkpoint import Checkpoint, is_url, open_checkpoint
 
-    if str(path).lower().startswith(("http://", "https://")):
-        from reap.engine.remote import open_checkpoint
-
+    if is_url(str(path)):
         return {"fingerprint": open_checkpoint(str(path)).fingerprint(), "url": str(path)}
     ck = Checkpoint.open(path)
     try:

@@ -38,8 +38,8 @@ class EngineBackend:
 
 def open_backend(model: str | None, served_name: str | None = None, **engine_options):
     """Open the engine on `model` (path, URL or None for the default) as a server backend."""
+    from reap.checkpoint import default_cache_dir, is_url
     from reap.engine.core import Engine
-    from reap.engine.remote import default_cache_dir, is_url
 
     engine = Engine.open(model, **engine_options)
     where = default_cache_dir(engine.path) if is_url(engine.path) else engine.path

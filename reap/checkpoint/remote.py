@@ -28,9 +28,13 @@ import threading
 import urllib.parse
 from pathlib import Path
 
-from reap.checkpoint import INDEX_NAME, SINGLE_NAME, Checkpoint
+from reap.checkpoint.header import described_size, length_prefix
+from reap.checkpoint.http_range import HttpClient, check_status, content_range
+from reap.checkpoint.reader import Checkpoint
+from reap.checkpoint.spec import INDEX_NAME, SINGLE_NAME
 from reap.defaults import cache_dir
 from reap.errors import CheckpointError
+from reap.fileio import write_atomic
 
 # Small files fetched whole when present; the first two decide the layout.
 SMALL_FILES = ("config.json", INDEX_NAME, "tokenizer.json", "tokenizer_config.json",
@@ -62,12 +66,6 @@ def safe_name(name: str, where: str) -> str:
     return name
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
-
 
 def _merge(ranges: list[list[int]]) -> list[list[int]]:
     out: list[list[int]] = []
@@ -92,58 +90,6 @@ def _missing(have: list[list[int]], start: int, end: int) -> list[tuple[int, int
         out.append((at, end))
     return out
 
-
-class HttpClient:
-    """Minimal keep-alive HTTP(S) GET with Range and redirects; counts requests and bytes."""
-
-    def __init__(self, timeout: float = 60.0):
-        self.timeout = timeout
-        self.requests = 0
-        self.bytes = 0
-        self._conns: dict[tuple[str, str], http.client.HTTPConnection] = {}
-
-    def get(self, url: str, start: int | None = None, end: int | None = None):
-        """Open a GET of `url` (bytes [start, end) when given); returns the response, following
-        up to 5 redirects. Connection failures are CheckpointError."""
-        headers = {"Accept-Encoding": "identity"}
-        if start is not None:
-            headers["Range"] = f"bytes={start}-{end - 1}"
-        for _ in range(6):
-            resp = self._send(url, headers)
-            if resp.status not in (301, 302, 303, 307, 308):
-                return resp
-            resp.read()
-            url = urllib.parse.urljoin(url, resp.getheader("Location", ""))
-        raise CheckpointError(f"{url}: too many redirects")
-
-    def _send(self, url: str, headers: dict):
-        parts = urllib.parse.urlsplit(url)
-        key = (parts.scheme, parts.netloc)
-        path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-        for attempt in range(2):  # a kept-alive connection the server closed: retry once
-            conn = self._conns.get(key) or self._connect(parts)
-            self._conns[key] = conn
-            try:
-                conn.request("GET", path, headers=headers)
-                self.requests += 1
-                return conn.getresponse()
-            except (OSError, http.client.HTTPException) as e:
-                conn.close()
-                self._conns.pop(key, None)
-                if attempt:
-                    raise CheckpointError(f"{url}: request failed ({e})") from None
-        raise AssertionError("unreachable")
-
-    def _connect(self, parts) -> http.client.HTTPConnection:
-        if parts.scheme == "https":
-            return http.client.HTTPSConnection(parts.hostname, parts.port, timeout=self.timeout)
-        return http.client.HTTPConnection(parts.hostname, parts.port, timeout=self.timeout)
-
-    def drop(self) -> None:
-        """Close all connections (after an error mid-body the connection is unusable)."""
-        for c in self._conns.values():
-            c.close()
-        self._conns.clear()
 
 
 class _Transient(CheckpointError):
@@ -187,7 +133,7 @@ class HttpCache:
             manifest = {"url": self.url, "files": present, "shards": shards}
         for name in manifest["shards"]:
             self.ensure_header(name)
-        _write_atomic(manifest_path, json.dumps(manifest, indent=1).encode())
+        write_atomic(manifest_path, json.dumps(manifest, indent=1).encode())
         return manifest["shards"]
 
     def _fetch_small(self, name: str, limit: int = 256 << 20) -> bool:
@@ -209,7 +155,7 @@ class HttpCache:
             self.client.drop()
             raise CheckpointError(f"{url}: download failed ({type(e).__name__})") from None
         self.client.bytes += len(data)
-        _write_atomic(self.dir / name, data)
+        write_atomic(self.dir / name, data)
         return True
 
     def _shard_names(self, has_index: bool) -> list[str]:
@@ -229,22 +175,18 @@ class HttpCache:
         """Make the shard's header present and check the size the server reports against it."""
         st = self._state(name)
         self.ensure(name, 0, min(8, st["size"]))
-        raw = _pread(self.dir / name, 0, 8)
-        n = int.from_bytes(raw, "little") if len(raw) == 8 else -1
+        raw = _read_bytes(self.dir / name, 0, 8)
+        n = length_prefix(raw) if len(raw) == 8 else -1
         if not 0 <= n <= st["size"] - 8:
             raise CheckpointError(f"{self._file_url(name)}: bad safetensors header length "
                                   f"{n} for a file of {st['size']} bytes")
         self.ensure(name, 8, 8 + n)
-        header = _pread(self.dir / name, 8, n)
-        try:
-            ends = [v["data_offsets"][1] for k, v in json.loads(header).items()
-                    if k != "__metadata__"]
-        except (ValueError, KeyError, TypeError, IndexError, AttributeError):
-            raise CheckpointError(f"{self._file_url(name)}: invalid safetensors header") from None
-        if 8 + n + max(ends, default=0) != st["size"]:
-            raise CheckpointError(
-                f"{self._file_url(name)}: server says {st['size']} bytes but the header "
-                f"describes {8 + n + max(ends, default=0)}")
+        size = described_size(_read_bytes(self.dir / name, 8, n))
+        if size is None:
+            raise CheckpointError(f"{self._file_url(name)}: invalid safetensors header")
+        if size != st["size"]:
+            raise CheckpointError(f"{self._file_url(name)}: server says {st['size']} bytes but "
+                                  f"the header describes {size}")
 
     def ensure(self, name: str, start: int, end: int) -> None:
         """Make bytes [start, end) of shard `name` present in the cache file (fetching what is
@@ -282,7 +224,7 @@ class HttpCache:
         """Learn a shard's size from its first block (fetched with it); create the sparse file."""
         url = self._file_url(name)
         resp = self._open_range(url, 0, self.block, None)
-        size = _content_range(resp, url, 0, self.block, None)
+        size = content_range(resp, url, 0, self.block, None)
         with open(self.dir / name, "wb") as f:
             f.truncate(size)  # sparse: only fetched ranges take disk space
         st = {"url": url, "size": size, "ranges": []}
@@ -294,8 +236,8 @@ class HttpCache:
         """A checked 206 response for bytes [a, b) (the connection is dropped on a bad one)."""
         resp = self.client.get(url, a, b)
         try:
-            _check_status(resp, url, a, b)
-            _content_range(resp, url, a, b, size)
+            check_status(resp, url, a, b)
+            content_range(resp, url, a, b, size)
         except CheckpointError:
             self.client.drop()
             raise
@@ -334,52 +276,21 @@ class HttpCache:
         return self.dir / f"{name}.ranges.json"
 
     def _save(self, name: str, st: dict) -> None:
-        _write_atomic(self._sidecar(name), json.dumps(st).encode())
+        write_atomic(self._sidecar(name), json.dumps(st).encode())
 
     def cached_bytes(self) -> int:
         """Bytes of shard data present in the cache (as recorded by the sidecars)."""
         return sum(b - a for st in self._states.values() for a, b in st["ranges"])
 
 
-def _pread(path: Path, offset: int, n: int) -> bytes:
+
+
+def _read_bytes(path: Path, offset: int, n: int) -> bytes:
     fd = os.open(path, os.O_RDONLY)
     try:
         return os.pread(fd, n, offset)
     finally:
         os.close(fd)
-
-
-def _check_status(resp, url: str, a: int, b: int) -> None:
-    if resp.status == 206:
-        return
-    if resp.status == 404:
-        raise CheckpointError(f"{url}: not found (HTTP 404)")
-    if resp.status == 416:
-        raise CheckpointError(f"{url}: bytes {a}-{b - 1} not satisfiable (HTTP 416): the "
-                              "server's file is shorter than expected")
-    if resp.status == 200:
-        raise CheckpointError(f"{url}: the server ignored the Range request (HTTP 200); "
-                              "serving weights over HTTP needs Range support")
-    raise CheckpointError(f"{url}: HTTP {resp.status} {resp.reason}")
-
-
-def _content_range(resp, url: str, a: int, b: int, size: int | None) -> int:
-    """Check a 206 answer's Content-Range (and Content-Length) against the request; returns the
-    file size it states."""
-    value = resp.getheader("Content-Range", "")
-    m = re.fullmatch(r"bytes (\d+)-(\d+)/(\d+)", value.strip())
-    if m is None:
-        raise CheckpointError(f"{url}: missing or malformed Content-Range {value!r}")
-    first, last, total = map(int, m.groups())
-    if size is not None and total != size:
-        raise CheckpointError(f"{url}: server now says {total} bytes, earlier {size} "
-                              "(the file changed; clear the cache)")
-    if first != a or last != min(b, total) - 1:
-        raise CheckpointError(f"{url}: asked bytes {a}-{b - 1}, server sent {first}-{last}")
-    length = resp.getheader("Content-Length")
-    if length is not None and int(length) != last - first + 1:
-        raise CheckpointError(f"{url}: Content-Length {length} does not match {value}")
-    return total
 
 
 def _read_json_file(path: Path) -> dict | None:
@@ -432,9 +343,6 @@ class RemoteCheckpoint(Checkpoint):
         Readers that pread the shard files themselves call this first."""
         self.cache.ensure(os.path.basename(file), start, end)
 
-    def _read_span(self, file: str, start: int, end: int, what: str):
-        self.ensure(file, start, end)
-        return super()._read_span(file, start, end, what)
 
 
 def open_checkpoint(model: str | os.PathLike, cache_dir: str | os.PathLike | None = None,
