@@ -146,3 +146,52 @@ def test_every_benchmark_records_its_code_version():
         text = path.read_text()
         assert "from reap.provenance import code_version" in text, path.name
         assert '"code_version": code_version()' in text, path.name
+
+
+def _code_strings_and_calls(path: pathlib.Path):
+    """(string constants that are not docstrings, (callee dotted name, first string arg)) of a
+    module, for the rules below."""
+    tree = ast.parse(path.read_text())
+    docstrings = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Expr)}
+    strings = [n.value for n in ast.walk(tree) if isinstance(n, ast.Constant)
+               and isinstance(n.value, str) and id(n) not in docstrings]
+    calls = []
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute):
+            owner = n.func.value.id if isinstance(n.func.value, ast.Name) else ""
+            first = n.args[0].value if n.args and isinstance(n.args[0], ast.Constant) else None
+            calls.append((f"{owner}.{n.func.attr}", first))
+    return strings, calls
+
+
+def test_only_checkpoint_knows_the_safetensors_header():
+    """Building or parsing a safetensors header (its u64 length prefix, `__metadata__`,
+    `data_offsets`) happens in reap/checkpoint/ only: everyone else asks it."""
+    bad = []
+    for path in ROOT.rglob("*.py"):
+        if _unit(path) == "checkpoint":
+            continue
+        strings, calls = _code_strings_and_calls(path)
+        for s in strings:
+            if "__metadata__" in s or "data_offsets" in s:
+                bad.append(f"{path.relative_to(ROOT)} names {s!r}")
+        for name, first in calls:
+            if name.startswith("struct.") and isinstance(first, str) and "Q" in first:
+                bad.append(f"{path.relative_to(ROOT)} packs a u64 with {name}({first!r})")
+    assert not bad, "\n".join(bad)
+
+
+def test_files_are_renamed_into_place_only_by_fileio():
+    """Every atomic write goes through reap/fileio.py: no os.replace / os.rename / .rename()
+    elsewhere."""
+    bad = []
+    for path in ROOT.rglob("*.py"):
+        if path == ROOT / "fileio.py":
+            continue
+        _, calls = _code_strings_and_calls(path)
+        for name, _ in calls:
+            if name in ("os.replace", "os.rename", "os.renames", "shutil.move") or (
+                name.endswith(".rename")
+            ):
+                bad.append(f"{path.relative_to(ROOT)} calls {name}")
+    assert not bad, "\n".join(bad)
