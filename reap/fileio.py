@@ -3,8 +3,7 @@ place in reap is here.
 
 `atomic_path(path)` yields a temporary name beside `path`; when the block ends without error the
 file is renamed into place, otherwise the temporary file is removed. Failures become
-`WriteError` (exit code 3) naming the file. `AtomicFile` does the same for a file written in
-pieces over many calls (checkpoint shards); `replace_dir` moves a finished directory into place.
+`WriteError` (exit code 3) naming the file. `replace_dir` moves a finished directory into place.
 """
 
 from __future__ import annotations
@@ -53,26 +52,6 @@ def write_atomic(
     with atomic_path(path, tmp, fsync) as tmp_path, open(tmp_path, "wb") as f:
         f.write(data.encode() if isinstance(data, str) else data)
     return os.fspath(path)
-
-
-class AtomicFile:
-    """A file written in pieces under `tmp` (default `<path>.tmp.<pid>`), renamed to `path` by
-    `commit()` once its data reached the disk. Raises OSError: callers name the failure."""
-
-    def __init__(self, path: str | os.PathLike, tmp: str | os.PathLike | None = None):
-        self.path = os.fspath(path)
-        self.tmp = os.fspath(tmp) if tmp is not None else f"{self.path}.tmp.{os.getpid()}"
-        self.file = open(self.tmp, "wb")  # noqa: SIM115 - held open until commit()
-
-    def write(self, data) -> None:
-        self.file.write(data)
-
-    def commit(self) -> None:
-        """Flush, fsync, close and rename into place."""
-        self.file.flush()
-        os.fsync(self.file.fileno())
-        self.file.close()
-        os.replace(self.tmp, self.path)
 
 
 def replace_dir(src: str | os.PathLike, dst: str | os.PathLike) -> None:

@@ -13,6 +13,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from reap.checkpoint import Checkpoint, CheckpointWriter, TensorSpec
+from reap.checkpoint.files import FileHandles
 from reap.errors import CheckpointError, ReapError, WriteError
 
 P = "language_model."
@@ -224,10 +225,14 @@ def test_direct_falls_back_when_unsupported(tmp_path, monkeypatch):
     specs, data = _layout()
     out = _write(tmp_path / "ck", specs, data)
 
-    def refuse(*a):
-        raise OSError(22, "Invalid argument")
+    opened = FileHandles.get
 
-    monkeypatch.setattr(Checkpoint, "_read_span_direct", refuse)
+    def refuse(self, file, direct=False):  # a file system that refuses O_DIRECT
+        if direct:
+            raise OSError(22, "Invalid argument")
+        return opened(self, file, direct)
+
+    monkeypatch.setattr(FileHandles, "get", refuse)
     with Checkpoint.open(out, direct=True) as ck:
         assert torch.equal(ck.read("model.layers.0.A_log"), data["model.layers.0.A_log"])
         assert ck.direct is False

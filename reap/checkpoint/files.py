@@ -1,23 +1,24 @@
-"""Positioned-read primitives shared by every checkpoint reader: cached file descriptors (with
-the O_DIRECT fallback), the `preadv` loop, grouping of byte-adjacent tensors into runs, and
-viewing a tensor inside a byte buffer.
-
-`Checkpoint` (one fresh buffer per read) and `BufferReader` (reads into long-lived caller
-buffers, for the engine) are both built from these, so a read is done one way everywhere.
+"""Positioned reads of tensor bytes, done one way for every reader: cached file descriptors,
+the `preadv` loop, grouping of byte-adjacent tensors into runs, O_DIRECT with its fallback, and
+viewing a tensor inside a byte buffer. `RunReader` puts them together; `Checkpoint` (a fresh
+buffer per call) and `BufferReader` (long-lived caller buffers, for the engine) are RunReaders.
 """
 
 from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterable
+import time
+from collections.abc import Iterable, Sequence
 
 import torch
 
 from reap.checkpoint.spec import DTYPE_SIZES, TORCH_DTYPES, TensorInfo
+from reap.errors import CheckpointError
 
 ALIGN = 4096  # O_DIRECT alignment of file offsets, lengths and buffer addresses
 HAS_DIRECT = hasattr(os, "O_DIRECT")
+_BUFFERED_ALIGN = 64  # where buffered runs start inside a buffer (cache-line aligned)
 
 
 class FileHandles:
@@ -62,11 +63,6 @@ def pread_full(fd: int, buf: torch.Tensor, offset: int) -> int:
     return done
 
 
-def aligned(start: int, end: int) -> tuple[int, int]:
-    """[start, end) widened to whole ALIGN blocks (what an O_DIRECT read must cover)."""
-    return start // ALIGN * ALIGN, -(-end // ALIGN) * ALIGN
-
-
 def adjacent_runs(infos: Iterable[TensorInfo]) -> list[list[TensorInfo]]:
     """Group tensors, in the given order, into runs of byte-adjacent ranges in one file (each
     run is read with one positioned read)."""
@@ -89,3 +85,98 @@ def tensor_view(buf: torch.Tensor, offset: int, info: TensorInfo) -> torch.Tenso
     if raw.data_ptr() % DTYPE_SIZES[info.dtype]:
         raw = raw.clone()
     return raw.view(dtype).reshape(info.shape)
+
+
+class RunReader:
+    """Reads tensors into a uint8 buffer, one positioned read per run of byte-adjacent ones,
+    through cached descriptors: with `direct`, O_DIRECT reads of 4096-aligned supersets into
+    aligned places where the file system allows it, else (from then on) buffered reads.
+
+    The base of `Checkpoint` and `BufferReader`. Hooks: `ensure(file, start, end)` makes bytes
+    present before they are read (remote backends); `_count` records each read."""
+
+    read_failure_code: int | None = None  # exit code of a failed read (None: CheckpointError's)
+
+    def __init__(self, direct: bool = False, fd_limit: int | None = None):
+        self.direct = direct and HAS_DIRECT
+        self.reads = 0
+        self.bytes_read = 0  # bytes transferred, alignment included
+        self._handles = FileHandles(fd_limit)
+
+    def ensure(self, file: str, start: int, end: int) -> None:
+        """Make bytes [start, end) of `file` present before they are read (a no-op locally)."""
+
+    def _count(self, kind: str, need: int, got: int, seconds: float) -> None:
+        self.reads += 1
+        self.bytes_read += got
+
+    def close(self) -> None:
+        """Close every cached file descriptor (reads reopen them on demand)."""
+        self._handles.close()
+
+    def span(self, infos: Sequence[TensorInfo]) -> int:
+        """Buffer bytes `read_into` needs for these tensors (alignment slack included)."""
+        align = ALIGN if self.direct else _BUFFERED_ALIGN
+        return sum(r[-1].end - r[0].start + 2 * align for r in adjacent_runs(infos)) + align
+
+    def read_into(
+        self, infos: Sequence[TensorInfo], buf: torch.Tensor, kind: str = ""
+    ) -> dict[str, torch.Tensor]:
+        """Read tensors into `buf` (uint8 [n] with n >= span(infos)); name -> view of `buf`.
+        `kind` names the bytes for `_count`."""
+        out: dict[str, torch.Tensor] = {}
+        direct = self.direct
+        align = ALIGN if direct else _BUFFERED_ALIGN
+        pos = -buf.data_ptr() % align  # aligned start (O_DIRECT needs 4096)
+        for run in adjacent_runs(infos):
+            start, end = run[0].start, run[-1].end
+            lo = start - start % align  # the buffer keeps the file's alignment mod `align`
+            hi = -(-end // ALIGN) * ALIGN if direct else end
+            if pos + hi - lo > buf.numel():
+                raise CheckpointError(
+                    f"read buffer too small for {run[0].name} ({hi - lo} bytes)",
+                    self.read_failure_code,
+                )
+            first = lo if direct else start  # O_DIRECT reads whole blocks, buffered the run
+            if end > start:
+                self._read(run, buf[pos + first - lo : pos + hi - lo], first, end - first, kind)
+            for t in run:
+                out[t.name] = tensor_view(buf, pos + t.start - lo, t)
+            pos += -(-(hi - lo) // align) * align
+        return out
+
+    def _read(
+        self, run: list[TensorInfo], dst: torch.Tensor, offset: int, need: int, kind: str
+    ) -> None:
+        file = run[0].file
+        what = f"tensors {run[0].key}..{run[-1].key}" if len(run) > 1 else f"tensor {run[0].key}"
+        self.ensure(file, offset, offset + need)
+        fd, direct = self._fd(file), self.direct
+        t0 = time.perf_counter()
+        try:
+            got = pread_full(fd, dst, offset)
+        except OSError as e:
+            if direct:  # O_DIRECT refused at read time: buffered from now on
+                self.direct = False
+                return self._read(run, dst, offset, need, kind)
+            msg = f"{file}: cannot read {what} ({e.strerror})"
+            raise CheckpointError(msg, self.read_failure_code) from None
+        if got < need:
+            msg = (
+                f"{file}: truncated while reading {what} (short read at offset {offset}: "
+                f"{got} of {need} bytes)"
+            )
+            raise CheckpointError(msg, self.read_failure_code)
+        self._count(kind, need, got, time.perf_counter() - t0)
+
+    def _fd(self, file: str) -> int:
+        if self.direct:
+            try:
+                return self._handles.get(file, direct=True)
+            except OSError:
+                self.direct = False  # file system without O_DIRECT (tmpfs): buffered reads
+        try:
+            return self._handles.get(file)
+        except OSError as e:
+            msg = f"{file}: cannot open shard ({e.strerror})"
+            raise CheckpointError(msg, self.read_failure_code) from None

@@ -6,7 +6,8 @@ name with positioned reads (one `pread` per tensor, or per run of adjacent tenso
         expert = ck.read_many(names_of_one_expert)      # contiguous: one read
         one = ck.read("model.layers.3.mlp.experts.down_proj[5]")  # slice 5 of a fused tensor
 
-Backends (`RemoteCheckpoint`) make bytes present locally in `ensure` before they are read.
+Reads are `RunReader`'s (`files.py`); backends (`RemoteCheckpoint`) make bytes present locally
+in `ensure` before they are read.
 """
 
 from __future__ import annotations
@@ -19,26 +20,18 @@ from pathlib import Path
 
 import torch
 
-from reap.checkpoint.files import (
-    ALIGN,
-    HAS_DIRECT,
-    FileHandles,
-    adjacent_runs,
-    aligned,
-    pread_full,
-    tensor_view,
-)
+from reap.checkpoint.files import RunReader
 from reap.checkpoint.header import Shard, load_index, parse_shard
 from reap.checkpoint.spec import INDEX_NAME, TEXT_PREFIX, TensorInfo, split_view
 from reap.checkpoint.table import TensorTable, index_mismatch, open_table
 from reap.errors import CheckpointError
 
 
-class Checkpoint:
+class Checkpoint(RunReader):
     """A lazily indexed safetensors checkpoint (see the package docstring).
 
     Attributes: path, config (config.json or {}), prefix ("language_model." or ""), files (shard
-    paths), tensors (name -> TensorInfo mapping), bytes_read and reads (I/O counters)."""
+    paths), tensors (name -> TensorInfo mapping), direct, bytes_read and reads (I/O counters)."""
 
     def __init__(
         self,
@@ -48,14 +41,11 @@ class Checkpoint:
         tensors: TensorTable,
         direct: bool = False,
     ):
+        super().__init__(direct, fd_limit=256)  # keep the cache small: the oldest is closed
         self.path, self.config, self.tensors = path, config, tensors
         self.prefix = TEXT_PREFIX if any(sh.n_prefixed for sh in shards) else ""
         self.files = [sh.path for sh in shards]
-        self.direct = direct
-        self.bytes_read = 0
-        self.reads = 0
         self._shards = shards
-        self._handles = FileHandles(limit=256)  # keep the cache small: the oldest is closed
 
     @classmethod
     def open(cls, path: str | os.PathLike, direct: bool = False) -> Checkpoint:
@@ -81,14 +71,6 @@ class Checkpoint:
             if problem:
                 raise CheckpointError(problem)
 
-    def ensure(self, file: str, start: int, end: int) -> None:
-        """Make bytes [start, end) of shard `file` present locally before they are read: a
-        no-op for local files; remote backends fetch what is missing."""
-
-    def close(self) -> None:
-        """Close every cached file descriptor (reads reopen them on demand)."""
-        self._handles.close()
-
     def __enter__(self) -> Checkpoint:  # noqa: PYI034
         return self
 
@@ -111,56 +93,13 @@ class Checkpoint:
             )
         raise CheckpointError(f"{self.path}: no tensor {name}")
 
-    def _pread(self, fd: int, buf: torch.Tensor, offset: int) -> int:
-        done = pread_full(fd, buf, offset)
-        self.reads += 1
-        self.bytes_read += done
-        return done
-
-    def _read_span(self, file: str, start: int, end: int, what: str) -> tuple[torch.Tensor, int]:
-        """Bytes [start, end) of file -> (uint8 buffer, offset of `start` in it)."""
-        if end == start:
-            return torch.empty(0, dtype=torch.uint8), 0
-        self.ensure(file, start, end)
-        if self.direct and HAS_DIRECT:
-            try:
-                return self._read_span_direct(file, start, end)
-            except OSError:
-                self.direct = False  # file system without O_DIRECT: buffered from now on
-        buf = torch.empty(end - start, dtype=torch.uint8)
-        try:
-            fd = self._handles.get(file)
-        except OSError as e:
-            raise CheckpointError(f"{file}: cannot open shard ({e.strerror})") from None
-        try:
-            got = self._pread(fd, buf, start)
-        except OSError as e:
-            raise CheckpointError(f"{file}: cannot read {what} ({e.strerror})") from None
-        if got < end - start:
-            raise CheckpointError(f"{file}: truncated while reading {what}")
-        return buf, 0
-
-    def _read_span_direct(self, file: str, start: int, end: int) -> tuple[torch.Tensor, int]:
-        lo, hi = aligned(start, end)
-        raw = torch.empty(hi - lo + ALIGN, dtype=torch.uint8)
-        skip = -raw.data_ptr() % ALIGN  # O_DIRECT needs an aligned buffer
-        buf = raw[skip : skip + hi - lo]
-        got = self._pread(self._handles.get(file, direct=True), buf, lo)
-        if got < end - lo:
-            raise OSError("short O_DIRECT read")
-        return buf, start - lo
-
     def read(self, name: str, device: str | torch.device = "cpu") -> torch.Tensor:
         """One tensor by name (without prefix), read with a single positioned read."""
-        info = self._info(name)
-        buf, off = self._read_span(info.file, info.start, info.end, f"tensor {info.key}")
-        return tensor_view(buf, off, info).to(device)
+        return self.read_many([name], device)[name]
 
     def read_raw(self, name: str) -> bytes:
         """The stored bytes of one tensor, verbatim."""
-        info = self._info(name)
-        buf, off = self._read_span(info.file, info.start, info.end, f"tensor {info.key}")
-        return buf[off : off + info.nbytes].numpy().tobytes()
+        return self.read(name).reshape(-1).view(torch.uint8).numpy().tobytes()
 
     def read_many(
         self, names: Iterable[str], device: str | torch.device = "cpu"
@@ -168,14 +107,9 @@ class Checkpoint:
         """Several tensors; byte ranges adjacent in one file are fetched with one read.
         Returns name -> tensor in the order asked."""
         infos = [self._info(n) for n in names]
-        out: dict[str, torch.Tensor] = {}
-        for run in adjacent_runs(sorted(set(infos), key=lambda t: (t.file, t.start, t.end))):
-            first, last = run[0], run[-1]
-            what = f"tensors {first.key}..{last.key}" if len(run) > 1 else f"tensor {first.key}"
-            buf, off = self._read_span(first.file, first.start, last.end, what)
-            for t in run:
-                out[t.name] = tensor_view(buf, off + t.start - first.start, t).to(device)
-        return {t.name: out[t.name] for t in infos}
+        ordered = sorted(set(infos), key=lambda t: (t.file, t.start, t.end))
+        views = self.read_into(ordered, torch.empty(self.span(ordered), dtype=torch.uint8))
+        return {t.name: views[t.name].to(device) for t in infos}
 
     # ---- provenance ----------------------------------------------------------------------------
 

@@ -66,7 +66,6 @@ def safe_name(name: str, where: str) -> str:
     return name
 
 
-
 def _merge(ranges: list[list[int]]) -> list[list[int]]:
     out: list[list[int]] = []
     for a, b in sorted(ranges):
@@ -89,7 +88,6 @@ def _missing(have: list[list[int]], start: int, end: int) -> list[tuple[int, int
     if at < end:
         out.append((at, end))
     return out
-
 
 
 class _Transient(CheckpointError):
@@ -283,8 +281,6 @@ class HttpCache:
         return sum(b - a for st in self._states.values() for a, b in st["ranges"])
 
 
-
-
 def _read_bytes(path: Path, offset: int, n: int) -> bytes:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -342,7 +338,6 @@ class RemoteCheckpoint(Checkpoint):
         """Make bytes [start, end) of shard `file` (a `TensorInfo.file` path) present locally.
         Readers that pread the shard files themselves call this first."""
         self.cache.ensure(os.path.basename(file), start, end)
-
 
 
 def open_checkpoint(model: str | os.PathLike, cache_dir: str | os.PathLike | None = None,

@@ -15,6 +15,7 @@ are written under `<out>.partial/` (each shard under a temporary name, renamed w
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -34,7 +35,7 @@ from reap.checkpoint.spec import (
     stored_key,
 )
 from reap.errors import EXIT_USAGE, ReapError, WriteError
-from reap.fileio import AtomicFile, replace_dir, write_atomic
+from reap.fileio import atomic_path, replace_dir, write_atomic
 
 _PLAN_FILE = ".reap-plan"  # identity of the shard plan a partial directory belongs to
 
@@ -99,10 +100,6 @@ def _check_specs(specs: list[TensorSpec]) -> None:
         seen.add(s.name)
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    write_atomic(path, data, tmp=f"{path}.tmp", fsync=True)  # a resumed job reuses the name
-
-
 class CheckpointWriter:
     """Write a checkpoint whose tensors (name, dtype, shape, in write order) are declared up front.
 
@@ -133,6 +130,7 @@ class CheckpointWriter:
         self._shard_of = {n: i for i, sh in enumerate(self.shards) for n in sh.names}
         self._next = 0  # index in specs of the next tensor to write
         self._file = None  # the open temporary file of the shard being written
+        self._shard_stack = contextlib.ExitStack()  # renames it into place when closed
         try:
             self._prepare_partial()
         except OSError as e:
@@ -157,7 +155,7 @@ class CheckpointWriter:
                 shutil.rmtree(self.partial)  # a stale attempt at a different layout
         self.partial.mkdir(parents=True, exist_ok=True)
         if not plan_path.exists():
-            _write_atomic(plan_path, self._plan_id().encode())
+            write_atomic(plan_path, self._plan_id(), tmp=f"{plan_path}.tmp", fsync=True)
         for sh in self.shards:
             sh.done = self._shard_complete(sh)
 
@@ -191,12 +189,13 @@ class CheckpointWriter:
         path = self.partial / shard.file
         tmp = f"{path}.tmp"
         try:
-            if self._file is None:
-                self._file = AtomicFile(path, tmp)  # held open across write() calls
+            if self._file is None:  # held open across write() calls
+                self._shard_stack.enter_context(atomic_path(path, tmp, fsync=True))
+                self._file = self._shard_stack.enter_context(open(tmp, "wb"))  # noqa: SIM115
                 self._file.write(shard.header)
             self._file.write(view)
             if name == shard.names[-1]:
-                self._file.commit()
+                self._shard_stack.close()  # the file is closed, synced and renamed
                 self._file = None
                 shard.done = True
         except OSError as e:
@@ -237,7 +236,8 @@ class CheckpointWriter:
                         exit_code=EXIT_USAGE,
                     )
                 data = content.encode() if isinstance(content, str) else bytes(content)
-                _write_atomic(self.partial / fname, data)
+                path = self.partial / fname  # a resumed job reuses the temporary name
+                write_atomic(path, data, tmp=f"{path}.tmp", fsync=True)
             (self.partial / _PLAN_FILE).unlink()
             replace_dir(self.partial, self.out_dir)  # an existing one only with overwrite=True
         except OSError as e:
