@@ -16,14 +16,6 @@ from collections.abc import Iterator
 from reap.errors import WriteError
 
 
-def _fsync(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 @contextlib.contextmanager
 def atomic_path(
     path: str | os.PathLike, tmp: str | None = None, fsync: bool = False
@@ -35,8 +27,10 @@ def atomic_path(
     try:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         yield tmp
-        if fsync:
-            _fsync(tmp)
+        if fsync:  # the data reaches the disk before the name does
+            fd = os.open(tmp, os.O_RDONLY)
+            os.fsync(fd)
+            os.close(fd)
         os.replace(tmp, path)
     except OSError as e:
         raise WriteError(f"cannot write {path}: {e.strerror or e}") from e

@@ -13,7 +13,6 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from reap.checkpoint import Checkpoint, CheckpointWriter, TensorSpec
-from reap.checkpoint.files import FileHandles
 from reap.errors import CheckpointError, ReapError, WriteError
 
 P = "language_model."
@@ -225,14 +224,14 @@ def test_direct_falls_back_when_unsupported(tmp_path, monkeypatch):
     specs, data = _layout()
     out = _write(tmp_path / "ck", specs, data)
 
-    opened = FileHandles.get
+    opened = os.open
 
-    def refuse(self, file, direct=False):  # a file system that refuses O_DIRECT
-        if direct:
+    def refuse(path, flags, *args):  # a file system that refuses O_DIRECT
+        if flags & getattr(os, "O_DIRECT", 0):
             raise OSError(22, "Invalid argument")
-        return opened(self, file, direct)
+        return opened(path, flags, *args)
 
-    monkeypatch.setattr(FileHandles, "get", refuse)
+    monkeypatch.setattr(os, "open", refuse)
     with Checkpoint.open(out, direct=True) as ck:
         assert torch.equal(ck.read("model.layers.0.A_log"), data["model.layers.0.A_log"])
         assert ck.direct is False

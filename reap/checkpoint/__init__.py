@@ -1,20 +1,19 @@
 """Checkpoint store: the only code that knows safetensors and index file layouts, local or over
 HTTP, and the only code that builds or parses a safetensors header.
 
-Reading (`Checkpoint`, in `reader.py`) pulls tensors by name from a lazily indexed checkpoint
-(`table.py`): a Hugging Face style directory, a directory holding one `model.safetensors`, or a
-single `.safetensors` file. Opening parses only the safetensors headers (`header.py`: 8-byte
-little-endian length + JSON); tensor bytes come from positioned reads (`files.py`: cached
-descriptors, O_DIRECT with fallback, one read per run of adjacent tensors), never by loading or
-mapping whole shards. `BufferReader` (`buffers.py`) is the same reading into long-lived caller
-buffers, for the streaming engine. `RemoteCheckpoint` (`remote.py`, over `http_range.py`) is
-the backend for http(s) URLs: Range requests into a resumable disk cache; `open_checkpoint`
-picks the backend for a path or URL.
+`Checkpoint` (`reader.py`) pulls tensors by name from a lazily indexed checkpoint (`table.py`): a
+Hugging Face style directory, a directory holding one `model.safetensors`, or a single
+`.safetensors` file. Opening parses only the headers (`header.py`: 8-byte little-endian length +
+JSON); tensor bytes come from positioned reads (`files.py`: one read per run of adjacent
+tensors, O_DIRECT with fallback), never by loading or mapping whole shards. `BufferReader`
+(`buffers.py`) reads the same way into long-lived caller buffers, for the streaming engine.
+`RemoteCheckpoint` (`remote.py`, `http_range.py`) is the backend for http(s) URLs: Range
+requests into a resumable disk cache; `open_checkpoint` picks the backend for a path or URL.
 
-Writing (`CheckpointWriter`, in `writer.py`) streams tensors, declared up front as
-`TensorSpec`s, into deterministic shards under `<out>.partial/` and renames the directory into
-place on `close()`; a killed job resumes from the shards it completed. `encode_header` builds
-every header reap writes; `entry_bytes` predicts its size.
+`CheckpointWriter` (`writer.py`) streams tensors, declared up front as `TensorSpec`s, into
+deterministic shards under `<out>.partial/` and renames the directory into place on `close()`;
+a killed job resumes from the shards it completed. `encode_header` builds every header reap
+writes; `entry_bytes` predicts its size.
 
 Fused tensors: `X[e]` names slice e of a stored tensor X along its first axis (a fused expert
 tensor [E, ...] addressed one expert at a time); `Checkpoint.tensors` resolves such views on

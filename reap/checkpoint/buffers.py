@@ -6,8 +6,8 @@ on `Checkpoint` (ring slots, expert-cache slabs), so steady-state decoding alloc
     views = reader.read_into(infos, buf, "experts")  # name -> tensor viewing buf
     reader.io.bytes["experts"], reader.io.reads, reader.io.seconds
 
-Reads are `RunReader`'s, as the checkpoint's own, with descriptors of its own that are never
-closed while reads run in other threads; remote checkpoints fetch missing bytes first.
+Reads are `RunReader`'s, as the checkpoint's own, through descriptors of its own (never closed
+while reads run in other threads); remote checkpoints fetch missing bytes first.
 """
 
 from __future__ import annotations
@@ -26,8 +26,7 @@ from reap.errors import EXIT_FAILURE, ReapError
 
 @dataclass
 class IOCounters:
-    """Bytes asked for by kind (as named by the caller), positioned reads, and seconds inside
-    them (any thread)."""
+    """Bytes asked for by kind (named by the caller), positioned reads, seconds inside them."""
 
     bytes: dict[str, int] = field(default_factory=dict)
     reads: int = 0

@@ -21,36 +21,6 @@ HAS_DIRECT = hasattr(os, "O_DIRECT")
 _BUFFERED_ALIGN = 64  # where buffered runs start inside a buffer (cache-line aligned)
 
 
-class FileHandles:
-    """Read-only descriptors by (file, direct), opened on first use and kept (safe to share
-    between threads). With `limit`, the oldest is closed when a new one would exceed it; leave
-    it None where reads run in several threads (a closed descriptor could still be in use)."""
-
-    def __init__(self, limit: int | None = None):
-        self.limit = limit
-        self._fds: dict[tuple[str, bool], int] = {}
-        self._lock = threading.Lock()
-
-    def get(self, file: str, direct: bool = False) -> int:
-        """The descriptor of `file` (opened with O_DIRECT when `direct`); OSError if it cannot
-        be opened (a file system without O_DIRECT refuses it: callers fall back)."""
-        with self._lock:
-            fd = self._fds.get((file, direct))
-            if fd is None:
-                if self.limit is not None and len(self._fds) >= self.limit:
-                    os.close(self._fds.pop(next(iter(self._fds))))
-                flags = os.O_RDONLY | (os.O_DIRECT if direct and HAS_DIRECT else 0)
-                fd = self._fds[(file, direct)] = os.open(file, flags)
-            return fd
-
-    def close(self) -> None:
-        """Close every descriptor (later reads reopen them)."""
-        with self._lock:
-            for fd in self._fds.values():
-                os.close(fd)
-            self._fds.clear()
-
-
 def pread_full(fd: int, buf: torch.Tensor, offset: int) -> int:
     """Fill uint8 `buf` from file `offset` with positioned reads; short only at end of file.
     Returns the bytes read."""
@@ -101,7 +71,11 @@ class RunReader:
         self.direct = direct and HAS_DIRECT
         self.reads = 0
         self.bytes_read = 0  # bytes transferred, alignment included
-        self._handles = FileHandles(fd_limit)
+        # descriptors by (file, direct); with fd_limit the oldest is closed to make room, so
+        # leave it None where reads run in several threads (one could still be in use)
+        self._fds: dict[tuple[str, bool], int] = {}
+        self._fd_limit = fd_limit
+        self._fd_lock = threading.Lock()
 
     def ensure(self, file: str, start: int, end: int) -> None:
         """Make bytes [start, end) of `file` present before they are read (a no-op locally)."""
@@ -112,7 +86,10 @@ class RunReader:
 
     def close(self) -> None:
         """Close every cached file descriptor (reads reopen them on demand)."""
-        self._handles.close()
+        with self._fd_lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
 
     def span(self, infos: Sequence[TensorInfo]) -> int:
         """Buffer bytes `read_into` needs for these tensors (alignment slack included)."""
@@ -170,13 +147,21 @@ class RunReader:
         self._count(kind, need, got, time.perf_counter() - t0)
 
     def _fd(self, file: str) -> int:
-        if self.direct:
+        direct = self.direct
+        with self._fd_lock:
+            fd = self._fds.get((file, direct))
+            if fd is not None:
+                return fd
+            if self._fd_limit is not None and len(self._fds) >= self._fd_limit:
+                os.close(self._fds.pop(next(iter(self._fds))))
             try:
-                return self._handles.get(file, direct=True)
-            except OSError:
-                self.direct = False  # file system without O_DIRECT (tmpfs): buffered reads
-        try:
-            return self._handles.get(file)
-        except OSError as e:
-            msg = f"{file}: cannot open shard ({e.strerror})"
-            raise CheckpointError(msg, self.read_failure_code) from None
+                fd = os.open(file, os.O_RDONLY | (os.O_DIRECT if direct else 0))
+            except OSError as e:
+                if not direct:
+                    msg = f"{file}: cannot open shard ({e.strerror})"
+                    raise CheckpointError(msg, self.read_failure_code) from None
+            else:
+                self._fds[(file, direct)] = fd
+                return fd
+        self.direct = False  # file system without O_DIRECT (tmpfs): buffered reads
+        return self._fd(file)
