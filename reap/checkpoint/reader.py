@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from reap.checkpoint.files import RunReader
+from reap.checkpoint.files import RunReader, adjacent_runs
 from reap.checkpoint.header import Shard, load_index, parse_shard
 from reap.checkpoint.spec import INDEX_NAME, TEXT_PREFIX, TensorInfo, split_view
 from reap.checkpoint.table import TensorTable, index_mismatch, open_table
@@ -107,8 +107,10 @@ class Checkpoint(RunReader):
         """Several tensors; byte ranges adjacent in one file are fetched with one read.
         Returns name -> tensor in the order asked."""
         infos = [self._info(n) for n in names]
-        ordered = sorted(set(infos), key=lambda t: (t.file, t.start, t.end))
-        views = self.read_into(ordered, torch.empty(self.span(ordered), dtype=torch.uint8))
+        views: dict[str, torch.Tensor] = {}
+        for run in adjacent_runs(sorted(set(infos), key=lambda t: (t.file, t.start, t.end))):
+            buf = torch.empty(self.span(run), dtype=torch.uint8)  # a run's tensors share it
+            views.update(self.read_into(run, buf))
         return {t.name: views[t.name].to(device) for t in infos}
 
     # ---- provenance ----------------------------------------------------------------------------
