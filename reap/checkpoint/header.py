@@ -10,10 +10,9 @@ header JSON into Python objects does not (several seconds). So opening is two-ti
 - `scan_shard` reads a shard's header with one positioned read, checks its framing (length
   prefix, size, JSON object) and extracts only the tensor keys. On the canonical compact form
   that the safetensors library and our writer emit (`"key":{"dtype":..,"shape":..,
-  "data_offsets":..}`), the
-  header split at its quotes has exactly ten tokens per tensor, so keys are one slice and the
-  form is verified with C-level list counts. Anything else (escapes, whitespace, another key
-  order) falls back to `json.loads`.
+  "data_offsets":..}`), the header split at its quotes has exactly ten tokens per tensor, so
+  keys are one slice and the form is verified with C-level list counts. Anything else
+  (escapes, whitespace, another key order) falls back to `json.loads`.
 - `parse_shard` fully parses and validates one shard (dtype, byte length, bounds, overlaps) the
   first time any of its tensors is used, and checks its keys against the scan.
 - `count_index_entries` counts an HF index's entries without building its weight map;
