@@ -61,7 +61,7 @@ def naive_moe(fam, model, cfg, get, layer: int, x, acc):
 
     from reap.models import blocks
     from reap.models.base import MoERecord
-    from reap.mxfp4 import dequantize
+    from reap.quant.mxfp4 import dequantize
 
     p = f"model.layers.{layer}.block_sparse_moe."
     w = model._w(get, p)
@@ -155,7 +155,7 @@ def decode_floor(model_dir: str) -> float:
 
     from reap.checkpoint import Checkpoint
     from reap.models import family
-    from reap.mxfp4 import dequantize
+    from reap.quant.mxfp4 import dequantize
 
     torch.set_num_threads(1)
     t0 = time.perf_counter()

@@ -5,8 +5,8 @@ Every tensor is drawn from its own generator seeded by (seed, name), so the same
 byte-identical files whatever the sharding. Values are scaled so activations stay O(1) through
 the layers: weights ~ N(0, 1/fan_in), norm weights ~ 1, realistic KDA decay parameters, a small
 router bias. Routed experts are MXFP4: small experts are drawn in floats and quantized with
-`reap.mxfp4.quantize`; large ones (k3-full) get random E2M1 codes and scales directly, one expert
-at a time, so memory stays bounded and writing runs at disk speed.
+`reap.quant.mxfp4.quantize`; large ones (k3-full) get random E2M1 codes and scales directly, one
+expert at a time, so memory stays bounded and writing runs at disk speed.
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from pathlib import Path
 
 import torch
 
-from reap import mxfp4
 from reap.checkpoint import TEXT_PREFIX, CheckpointWriter, TensorSpec
 from reap.errors import ReapError
 from reap.models import BUILTIN, builtin_config, family
+from reap.quant import mxfp4
 from reap.tokenizer import byte_tokenizer_files
 
 SIZES = (

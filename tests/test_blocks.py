@@ -7,9 +7,10 @@ import math
 import pytest
 import torch
 
-from reap import mxfp4
 from reap.models import attention as A
 from reap.models import blocks as B
+from reap.models import kimi_k3_blocks
+from reap.quant import mxfp4
 
 
 def _qkv(Bn, T, H, Dk, Dv, seed=0, lower_bound=-5.0):
@@ -118,7 +119,7 @@ def test_mla_latent_cache_matches_plain_attention():
 def test_route_matches_per_token_loop():
     g = torch.Generator().manual_seed(3)
     logits, bias = torch.randn(20, 16, generator=g), 0.3 * torch.randn(16, generator=g)
-    ids, w, probs = B.route(logits, bias, 4, 2.5)
+    ids, w, probs = kimi_k3_blocks.route(logits, bias, 4, 2.5)
     for n in range(20):
         p = [1 / (1 + math.exp(-float(v))) for v in logits[n]]
         chosen = sorted(range(16), key=lambda e: -(p[e] + float(bias[e])))[:4]
@@ -146,9 +147,9 @@ def test_dispatch_matches_token_loop_and_measures_outputs():
     experts = _expert_tensors(E, Dl, F, seed=4)
     g = torch.Generator().manual_seed(5)
     x = torch.randn(N, Dl, generator=g)
-    ids, w, _ = B.route(torch.randn(N, E, generator=g), None, K, 1.0)
+    ids, w, _ = kimi_k3_blocks.route(torch.randn(N, E, generator=g), None, K, 1.0)
     calls = []
-    run = lambda e, xs: (calls.append(e), B.expert_glu(xs, experts[e], 4.0, 25.0))[1]
+    run = lambda e, xs: (calls.append(e), kimi_k3_blocks.expert_glu(xs, experts[e], 4.0, 25.0))[1]
     up = torch.randn(40, Dl, generator=g)
     y, st = B.dispatch(x, ids, w, run, to_model=lambda o: B.linear(o, up))
     assert calls == sorted(set(ids.flatten().tolist()))  # each used expert once, ascending
@@ -182,7 +183,7 @@ def test_attn_res_mix_formula():
         torch.randn(1, 8, generator=g),
         torch.rand(8, generator=g) + 0.5,
     )
-    out = B.attn_res_mix(blocks, partial, proj, norm_w, 1e-5)
+    out = kimi_k3_blocks.attn_res_mix(blocks, partial, proj, norm_w, 1e-5)
     srcs = [*blocks, partial]
     for b in range(2):
         for t in range(3):
@@ -191,7 +192,7 @@ def test_attn_res_mix_formula():
             )
             p = torch.softmax(logits, 0)
             torch.testing.assert_close(out[b, t], sum(p[i] * srcs[i][b, t] for i in range(4)))
-    assert B.attn_res_mix([], partial, proj, norm_w, 1e-5) is partial
+    assert kimi_k3_blocks.attn_res_mix([], partial, proj, norm_w, 1e-5) is partial
 
 
 def test_situ_formula():

@@ -1,6 +1,6 @@
 """Streaming engine: memory plan, reads, ring, expert cache, MXFP4 fast decode, generation and
 `reap run` exit codes, each against an independent reference (the in-memory model forward, a
-brute-force LFU, `reap.mxfp4`'s decoders, a naive sampler), on a k3-tiny from `reap synth`."""
+brute-force LFU, `reap.quant.mxfp4`'s decoders, a naive sampler), on a k3-tiny from `reap synth`."""
 
 from __future__ import annotations
 
@@ -21,11 +21,11 @@ from reap.cli import main
 from reap.engine import Engine, memory
 from reap.engine.experts import ExpertCache
 from reap.engine.generate import StopMatcher, sample
-from reap.engine.kernels import decode_mxfp4
 from reap.engine.store import TrunkStore
 from reap.errors import ReapError
 from reap.models import family
 from reap.models.base import dict_weights
+from reap.quant.mxfp4_decode import decode_mxfp4
 
 
 @pytest.fixture(scope="module")
@@ -128,8 +128,7 @@ def test_refusal_names_the_shortfall_and_parse_bytes():
 # -- kernels, reader, ring, cache ---------------------------------------------------------------
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_fast_mxfp4_decode_is_bit_identical_to_the_codec(dtype):
-    from reap import mxfp4
-    from reap.engine import kernels
+    from reap.quant import mxfp4, mxfp4_decode
 
     g = torch.Generator().manual_seed(1)
     lo, hi = (118, 136) if dtype == torch.float16 else (0, 256)  # fp16 overflows outside
@@ -142,8 +141,8 @@ def test_fast_mxfp4_decode_is_bit_identical_to_the_codec(dtype):
         slow = mxfp4.dequantize(packed, scales, dtype).view(bits)
         fast = decode_mxfp4(packed, scales, dtype)  # C kernel when a compiler is available
         assert fast.dtype == dtype and torch.equal(fast.view(bits), slow)
-        if dtype in kernels._WORD:  # and the pure-torch fallback
-            words = kernels._decode_torch(packed, scales, kernels._table(dtype))
+        if dtype in mxfp4_decode._WORD:  # and the pure-torch fallback
+            words = mxfp4_decode._decode_torch(packed, scales, mxfp4_decode._table(dtype))
             assert torch.equal(words.view(dtype).reshape(slow.shape).view(bits), slow)
     p2, s2 = packed[:2, :64], scales[:2, :4]  # two rows, against the per-element decoder
     exact = mxfp4.dequantize_reference(p2, s2)
@@ -508,7 +507,7 @@ def test_expert_prefetch_reads_in_background_and_serves_the_same_bytes(tiny):
 
 
 def test_decode_buffers_are_reused_only_when_nothing_refers_to_them():
-    from reap.engine.kernels import BufferPool
+    from reap.quant.mxfp4_decode import BufferPool
 
     g = torch.Generator().manual_seed(2)
     packed = torch.randint(0, 256, (64, 32), generator=g, dtype=torch.uint8)

@@ -1,26 +1,28 @@
 """Fused MXFP4 expert matmuls (bf16 engine path): the C kernel against its torch spelling
 (`mxfp4_linear_reference`, bit for bit) and float64 arithmetic, the vector build against the
-portable build, `MXFP4Weight` against its decoded matrix, and the bf16 engine against the
-in-memory bf16 forward (close) and against itself across budgets (identical)."""
+portable build, an `MXFP4Matrix` applied by `blocks.linear` against its decoded matrix, and the
+bf16 engine against the in-memory bf16 forward (close) and against itself across budgets
+(identical)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from reap import mxfp4
 from reap.checkpoint import Checkpoint
-from reap.engine import Engine, kernels
-from reap.engine.kernels import (
+from reap.engine import Engine
+from reap.models import blocks, family
+from reap.models.base import dict_weights
+from reap.quant import ckernel, mxfp4, mxfp4_matmul
+from reap.quant.mxfp4 import MXFP4Matrix
+from reap.quant.mxfp4_matmul import (
     FUSED_MAX_ROWS,
-    MXFP4Weight,
+    MXFP4Kernels,
     mxfp4_linear,
     mxfp4_linear_reference,
 )
-from reap.models import blocks, family
-from reap.models.base import dict_weights
 
-needs_c = pytest.mark.skipif(kernels._library() is None, reason="no C compiler")
+needs_c = pytest.mark.skipif(ckernel.library() is None, reason="no C compiler")
 
 
 def _matrix(rows: int, cols: int, seed: int):
@@ -61,7 +63,7 @@ def test_fused_linear_is_its_reference_bit_for_bit(rows, cols, m):
 def test_portable_build_equals_the_vector_build(tmp_path, monkeypatch):
     """The C source's plain-C branch (compiled without AVX-512) does the same arithmetic."""
     monkeypatch.setenv("REAP_CACHE", str(tmp_path))
-    portable = kernels._build(("-mno-avx512f",))
+    portable = ckernel.build(("-mno-avx512f",))
     if portable is None:
         pytest.skip("compiler refuses -mno-avx512f")
     packed, scales = _matrix(70, 160, 1)
@@ -73,26 +75,24 @@ def test_portable_build_equals_the_vector_build(tmp_path, monkeypatch):
 
 
 @needs_c
-def test_mxfp4_weight_behaves_like_its_decoded_matrix(monkeypatch):
+def test_mxfp4_matrix_multiplies_like_its_decoded_matrix(monkeypatch):
     packed, scales = _matrix(48, 64, 3)
-    w = MXFP4Weight(packed, scales, torch.bfloat16)
+    w = MXFP4Matrix(packed, scales, MXFP4Kernels(torch.bfloat16, fused=True))
     dense = mxfp4.dequantize(packed, scales, torch.bfloat16)  # [O, I]
-    assert w.shape == dense.shape and w.T.shape == dense.T.shape and w.dim() == 2
-    assert w.to(torch.bfloat16) is w and w.to("cpu", torch.bfloat16) is w
-    assert torch.equal(w.float(), dense.float()) and torch.equal(w.to(torch.float32), dense.float())
+    assert w.shape == dense.shape and torch.equal(w.dense(torch.bfloat16), dense)
+    assert not isinstance(w, torch.Tensor)  # a typed record, applied through blocks.linear
     calls = []
-    inner = kernels.mxfp4_linear
-    monkeypatch.setattr(kernels, "mxfp4_linear", lambda *a: calls.append(1) or inner(*a))
+    inner = mxfp4_matmul.mxfp4_linear
+    monkeypatch.setattr(mxfp4_matmul, "mxfp4_linear", lambda *a: calls.append(1) or inner(*a))
     x = _x(FUSED_MAX_ROWS + 1, 64, 4)
     few = x[:FUSED_MAX_ROWS]
     fused = mxfp4_linear_reference(few.float(), packed, scales).bfloat16()
-    assert torch.equal(blocks.linear(few, w), fused) and len(calls) == 1  # x @ w.T
-    assert torch.equal(torch.nn.functional.linear(few, w), fused) and len(calls) == 2
-    # too many rows, or any other use: the decoded matrix, dense arithmetic
-    assert torch.equal(blocks.linear(x, w), x @ dense.T) and len(calls) == 2
-    assert torch.equal(torch.einsum("mi,oi->mo", few, w), torch.einsum("mi,oi->mo", few, dense))
-    assert torch.equal(few.float() @ w.float().T, few.float() @ dense.float().T)
-    assert len(calls) == 2
+    assert torch.equal(blocks.linear(few, w), fused) and len(calls) == 1
+    # too many rows, another dtype, or no kernels (the reference): the decoded matrix, dense
+    assert torch.equal(blocks.linear(x, w), x @ dense.T) and len(calls) == 1
+    assert torch.equal(blocks.linear(few.float(), w), few.float() @ dense.float().T)
+    assert torch.equal(blocks.linear(few, MXFP4Matrix(packed, scales)), few @ dense.T)
+    assert len(calls) == 1
 
 
 @pytest.fixture(scope="module")
@@ -105,8 +105,8 @@ def tiny_bf16(tmp_path_factory) -> str:
 @needs_c
 def test_bf16_engine_runs_experts_fused_and_is_identical_across_budgets(tiny_bf16, monkeypatch):
     calls = []
-    inner = kernels.mxfp4_linear
-    monkeypatch.setattr(kernels, "mxfp4_linear", lambda *a: calls.append(1) or inner(*a))
+    inner = mxfp4_matmul.mxfp4_linear
+    monkeypatch.setattr(mxfp4_matmul, "mxfp4_linear", lambda *a: calls.append(1) or inner(*a))
     ids = [5, 17, 200, 31, 7, 7, 90]
     runs = {}
     for preset in ("ultra", "desktop", "max"):
@@ -133,7 +133,7 @@ def test_bf16_engine_runs_experts_fused_and_is_identical_across_budgets(tiny_bf1
 
 
 def test_without_the_c_kernel_the_engine_decodes(tiny_bf16, monkeypatch):
-    monkeypatch.setattr(kernels, "_LIB", [None])
+    monkeypatch.setattr(ckernel, "_LIB", [None])
     with Engine.open(tiny_bf16, preset="ultra", context=64) as eng:
         assert not eng._fused
         assert len(eng.generate([[1, 2, 3]], max_tokens=3)[0].ids) == 3

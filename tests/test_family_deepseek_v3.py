@@ -320,7 +320,7 @@ def make_fp8(path: Path, out: Path, block: tuple[int, int]) -> dict[str, torch.T
     float32 weights."""
     from safetensors.torch import load_file, save_file
 
-    from reap import fp8
+    from reap.quant import fp8
 
     out.mkdir()
     stored, plain = {}, {}
@@ -413,7 +413,7 @@ def test_fp8_reading_equals_mlx_lm_dequantization(yarn, tmp_path, monkeypatch):
     mx = pytest.importorskip("mlx.core")
     from mlx_lm.utils import load_model
 
-    from reap import fp8
+    from reap.quant import fp8
 
     out = tmp_path / "fp8"
     make_fp8(yarn[0], out, (128, 128))

@@ -14,11 +14,11 @@ import pytest
 import torch
 
 import reap.models
-from reap import mxfp4
 from reap.checkpoint import Checkpoint
 from reap.corpora import sample_sequences
 from reap.models import family, kimi_k3
 from reap.models.base import dict_weights
+from reap.quant import mxfp4
 from reap.tokenizer import load_tokenizer
 
 MODEL = Path(reap.models.__file__).parent / "k3mini"

@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-from reap import mxfp4
 from reap.checkpoint import Checkpoint
 from reap.errors import ReapError
 from reap.models import blocks as B
 from reap.models import builtin_config, family, kimi_k3
 from reap.models.base import dict_weights
+from reap.quant import mxfp4
 from reap.synth import synth
 
 PROMPT = [[3, 100, 7, 200, 55, 9, 1, 250, 17, 42, 11, 300]]

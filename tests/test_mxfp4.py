@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from reap.errors import ReapError
-from reap.mxfp4 import (
+from reap.quant.mxfp4 import (
     FP4_VALUES,
     dequantize,
     dequantize_reference,

@@ -10,11 +10,12 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from reap import mxfp4, synth
+from reap import synth
 from reap.checkpoint import Checkpoint
 from reap.cli import main
 from reap.errors import CheckpointError
 from reap.models import builtin_config, kimi_k3
+from reap.quant import mxfp4
 from reap.tokenizer import load_tokenizer
 
 

@@ -23,10 +23,10 @@ from pathlib import Path
 
 import torch
 
-from reap import mxfp4
 from reap.checkpoint import Checkpoint, CheckpointWriter
 from reap.models import kimi_k3
 from reap.models.base import dict_weights
+from reap.quant import mxfp4
 from tools import train_k3mini
 
 _TORCH = {"BF16": torch.bfloat16, "F32": torch.float32, "U8": torch.uint8}
@@ -293,7 +293,7 @@ It is a test instrument, not a useful language model.
   moves by +/-{gamma} toward uniform expert load.
 - Quantization-aware finish: the last {qat:.0%} of steps ran the routed experts through MXFP4
   fake quantization (straight-through gradient); the export quantizes them with
-  `reap.mxfp4.quantize`.
+  `reap.quant.mxfp4.quantize`.
 {note}
 ## Held-out loss (nats/token, eval splits, {n_eval} sequences x {t_eval} tokens per domain)
 {table}

@@ -33,9 +33,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from reap import mxfp4
 from reap.models import builtin_config, kimi_k3
 from reap.models.base import dict_weights
+from reap.quant import mxfp4
 from reap.tokenizer import EOS_TOKEN as EOS
 from reap.tokenizer import byte_tokenizer_files
 

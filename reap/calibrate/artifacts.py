@@ -44,7 +44,7 @@ def read_json(path: str) -> dict | None:
 
 
 # the code that determines calibration results: its source digest is the code version
-_RESULT_CODE = ("calibrate", "models", "checkpoint", "corpora", "mxfp4.py", "stats.py",
+_RESULT_CODE = ("calibrate", "models", "checkpoint", "corpora", "quant/mxfp4.py", "stats.py",
                 "tokenizer.py")
 
 

@@ -10,8 +10,8 @@ trunk resident, streaming the other layers through a ring buffer and caching rou
         logits = engine.logits([[1, 2, 3]])        # [[3, V]] next-token logits per position
 
 Modules: `memory` (the plan), `binding` (checkpoint -> trunk units, byte census), `store`
-(positioned reads, pinned trunk, streamed-layer ring), `experts` (routed-expert cache),
-`kernels` (MXFP4 decode), `core` (Engine: open and the layer-by-layer step), `generate`
+(positioned reads, pinned trunk, streamed-layer ring), `experts` (routed-expert cache), `core`
+(Engine: open and the layer-by-layer step; expert matmuls by `reap.quant`), `generate`
 (sampling, stop strings, lockstep batches), `metrics`, `remote` (checkpoints over HTTP), `cli`
 (`reap run`). `reap.serve` builds on this API. Importing this package loads nothing heavy.
 """

@@ -28,11 +28,13 @@ from reap.checkpoint import BufferReader, open_checkpoint
 from reap.engine import memory
 from reap.engine.binding import Binding, bind, model_bytes, state_costs
 from reap.engine.experts import ExpertCache
-from reap.engine.kernels import BufferPool, expert_weights, fused_available
 from reap.engine.metrics import RunMetrics
 from reap.engine.store import IO_KINDS, TrunkStore
 from reap.errors import EXIT_FAILURE, ReapError
 from reap.models.base import expert_short_names
+from reap.quant.matrix import check_matrices
+from reap.quant.mxfp4_decode import BufferPool
+from reap.quant.mxfp4_matmul import MXFP4Kernels, fused_available
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 PREFILL_CHUNKS = (512, 256, 128, 64, 32, 16)
@@ -61,6 +63,7 @@ class Engine:
         # decoded expert weights: reused buffers, as much as the plan's scratch allows
         self._decoded = BufferPool(2 * self.plan_bytes.decoded_expert_bytes)
         self._fused = fused_available(self.dtype, self.device)  # bf16 on CPU: fused expert matmuls
+        self._kernels = MXFP4Kernels(self.dtype, self._decoded, self._fused)
 
     @classmethod
     def open(
@@ -177,10 +180,10 @@ class Engine:
         return [self.model.embed(get, torch.tensor([[where[t] for t in c]])) for c in chunks]
 
     def _expert(self, layer: int, expert: int) -> dict[str, torch.Tensor]:
-        """ExpertSource: cached or freshly read tensors, MXFP4 pairs as weights the model uses
-        like decoded ones (in bf16, `x @ w.T` on few rows runs fused without decoding; see
-        `reap.engine.kernels.MXFP4Weight`); an expert that failed to load is served as zeros
-        (recorded; exit code 4)."""
+        """ExpertSource: cached or freshly read tensors as the family's typed weights, MXFP4
+        matrices multiplied by the engine's kernels (in bf16, few rows run fused without
+        decoding; see `reap.quant.mxfp4_matmul.MXFP4Kernels`); an expert that failed to load is
+        served as zeros (recorded; exit code 4)."""
         t0 = time.perf_counter()
         misses = self.experts.misses
         t = self.experts.get(layer, expert)
@@ -188,7 +191,7 @@ class Engine:
             self._sync_io += time.perf_counter() - t0
         if t is None:
             t = self._zero_expert(layer, expert)
-        return expert_weights(t, self.dtype, self._decoded, self._fused)
+        return self._kernels.attach(self.fam.expert_matrices(t))
 
     def _zero_expert(self, layer: int, expert: int) -> dict[str, torch.Tensor]:
         """All-zero bytes decode to all-zero weights: the expert contributes nothing."""
@@ -318,7 +321,8 @@ def _stores(ckpt, fam, b: Binding, plan: memory.MemoryPlan, direct: bool, device
     except ReapError:
         reader.close()
         raise
-    experts = ExpertCache(reader, plan.expert_cache, fam.expert_tensor_names, device=device)
+    check = lambda tensors: check_matrices(fam.expert_matrices(tensors))  # noqa: E731
+    experts = ExpertCache(reader, plan.expert_cache, fam.expert_tensor_names, check, device=device)
     if b.expert_layers:
         experts.reserve(fam.expert_tensor_names(b.expert_layers[0], 0))
     return reader, trunk, experts

@@ -2,7 +2,7 @@
 tensors are contiguous) into a slab of fixed-size slots, evicted by LFU with aging; reads of a
 layer's experts can start in background threads as soon as its routing is known.
 
-    cache = ExpertCache(reader, capacity_bytes, fam.expert_tensor_names)
+    cache = ExpertCache(reader, capacity_bytes, fam.expert_tensor_names, check)
     cache.prefetch(layer, ids)         # optional: start all reads now
     tensors = cache.get(layer, expert)  # short name -> tensor, or None if it failed to load
     cache.release()                     # the layer is done: its experts may be evicted
@@ -11,7 +11,7 @@ layer's experts can start in background threads as soon as its routing is known.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 
 import torch
@@ -35,17 +35,20 @@ class ExpertCache:
     of a layer's routed experts in background threads as soon as the routing is known.
 
     A failed read raises nothing: it is recorded in `failed` and the expert is served as None
-    so the engine can finish and report exit code 4."""
+    so the engine can finish and report exit code 4. `check(tensors)` (short names), when
+    given, runs on each read in its thread and raises ReapError for bytes that cannot be right
+    (the engine asks the codecs, e.g. no E8M0 scale byte 255)."""
 
     def __init__(
         self,
         reader: BufferReader,
         capacity_bytes: int,
         names_of,
+        check: Callable[[dict[str, torch.Tensor]], None] | None = None,
         half_life: int = 4096,
         device: str = "cpu",
     ):
-        self.reader, self.names_of, self.device = reader, names_of, device
+        self.reader, self.names_of, self.check, self.device = reader, names_of, check, device
         self.half_life = half_life
         self.slot_bytes = 0
         self.capacity_bytes = capacity_bytes
@@ -89,7 +92,7 @@ class ExpertCache:
                 self._pending[key] = self._start(key, background=True)
 
     def get(self, layer: int, expert: int) -> dict[str, torch.Tensor] | None:
-        """The expert's tensors by short name (e.g. "w1.weight_packed"), or None if unreadable."""
+        """The expert's tensors by short name, or None if unreadable."""
         key = (layer, expert)
         self.clock += 1
         self._in_use.add(key)
@@ -118,9 +121,12 @@ class ExpertCache:
         else:
             buf = self.slab[fut.slot * self.slot_bytes : (fut.slot + 1) * self.slot_bytes]
 
+        names = fut.names
+
         def work():
             raw = self.reader.read_into(infos, buf, "experts")
-            _check_scales(raw)
+            if self.check is not None:
+                self.check(dict(zip(expert_short_names(list(names)), (raw[n] for n in names))))
             return raw
 
         if background:
@@ -128,7 +134,7 @@ class ExpertCache:
                 from concurrent.futures import ThreadPoolExecutor
 
                 self._pool = ThreadPoolExecutor(4, thread_name_prefix="reap-experts")
-            slot, names = fut.slot, fut.names
+            slot = fut.slot
             fut = self._pool.submit(work)
             fut.slot, fut.names = slot, names
             return fut
@@ -214,10 +220,3 @@ class ExpertCache:
         self.tensors.clear()
         self.where.clear()
         self.slab = None
-
-
-def _check_scales(tensors: dict[str, torch.Tensor]) -> None:
-    """E8M0 scale byte 255 encodes NaN: no trained expert has one, so it means corrupt bytes."""
-    for name, t in tensors.items():
-        if name.endswith("_scale") and t.dtype == torch.uint8 and bool((t == 255).any()):
-            raise ReapError(f"{name}: E8M0 scale byte 255 (NaN): corrupt expert bytes")

@@ -1,8 +1,9 @@
-"""Shared torch blocks for the model families: norms, the SiTU and SiLU GLUs, Kimi Delta
-Attention (KDA, gated delta rule: a per-step recurrence and a chunked WY form), the routers
-(sigmoid with selection bias, DeepSeek's grouped top-k, softmax top-k), expert-major dispatch
-(`routed_experts`, reported through `report_moe`) and the AttnRes residual mix. Softmax attention
-(GQA, MLA) lives in `reap.models.attention`.
+"""Shared torch blocks for the model families: norms, `linear` (the expert-matmul hook: a
+dense tensor or a quantized matrix record, see `reap.quant.matrix`), the SiTU and SiLU GLUs, Kimi
+Delta Attention (KDA, gated delta rule: a per-step recurrence and a chunked WY form), the routers
+(DeepSeek's grouped top-k, softmax top-k), expert-major dispatch (`routed_experts`, reported
+through `report_moe`) and the Llama-style model ends. Softmax attention (GQA, MLA) lives in
+`reap.models.attention`; Kimi K3's LatentMoE and AttnRes in `reap.models.kimi_k3_blocks`.
 
 Functions take tensors, not modules: families pull weights by name and pass them in. Dimension
 letters: B batch, T new tokens, S all tokens (cache + new), N = B*T, H heads, Dk key/query head
@@ -15,10 +16,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
+from torch.nn.functional import conv1d, pad, silu, softplus
 
-from reap import mxfp4
 from reap.models.base import ExpertSource, LayerModel, MoERecord, Observer, State, Weights
+from reap.quant.matrix import Matrix
 
 Tensor = torch.Tensor
 WeightFn = Callable[[str], Tensor]  # short name -> tensor in the compute dtype/device
@@ -32,9 +33,12 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return (y * weight.float()).to(x.dtype)
 
 
-def linear(x: Tensor, w: Tensor) -> Tensor:
-    """x [..., in] @ w[out, in].T -> [..., out]."""
-    return x @ w.to(x.dtype).T
+def linear(x: Tensor, w: Matrix) -> Tensor:
+    """x [..., in] @ w[out, in].T -> [..., out] in x's dtype: a dense tensor cast to x's dtype,
+    a quantized matrix (`reap.quant.matrix.QuantizedMatrix`) through its own `linear`."""
+    if isinstance(w, Tensor):
+        return x @ w.to(x.dtype).T
+    return w.linear(x)
 
 
 def situ(x: Tensor, gate: Tensor, beta: float, linear_beta: float | None) -> Tensor:
@@ -47,16 +51,16 @@ def situ(x: Tensor, gate: Tensor, beta: float, linear_beta: float | None) -> Ten
 
 
 def glu_mlp(
-    x: Tensor, gate_w: Tensor, up_w: Tensor, down_w: Tensor, beta: float, linear_beta: float | None
+    x: Tensor, gate_w: Matrix, up_w: Matrix, down_w: Matrix, beta: float, linear_beta: float | None
 ) -> Tensor:
     """down(situ(up(x), gate(x))): [..., D] -> [..., D] (weights [F, D], [F, D], [D, F])."""
     return linear(situ(linear(x, up_w), linear(x, gate_w), beta, linear_beta), down_w)
 
 
-def silu_glu(x: Tensor, gate_w: Tensor, up_w: Tensor, down_w: Tensor) -> Tensor:
+def silu_glu(x: Tensor, gate_w: Matrix, up_w: Matrix, down_w: Matrix) -> Tensor:
     """down(silu(gate(x)) * up(x)): the SwiGLU MLP of Llama-style families, [..., D] -> [..., D]
     (weights [F, D], [F, D], [D, F])."""
-    return linear(F.silu(linear(x, gate_w)) * linear(x, up_w), down_w)
+    return linear(silu(linear(x, gate_w)) * linear(x, up_w), down_w)
 
 
 # -- KDA ---------------------------------------------------------------------------------------
@@ -76,8 +80,8 @@ def short_conv(x: Tensor, w: Tensor, tail: Tensor | None) -> tuple[Tensor, Tenso
     if tail is None:
         tail = x.new_zeros(x.shape[0], k - 1, x.shape[2])
     xp = torch.cat([tail.to(x.dtype), x], dim=1)  # [B, k-1+T, C]
-    y = F.conv1d(xp.transpose(1, 2), w.to(x.dtype), groups=x.shape[2])  # [B, C, T]
-    return F.silu(y.transpose(1, 2)), xp[:, xp.shape[1] - (k - 1) :]
+    y = conv1d(xp.transpose(1, 2), w.to(x.dtype), groups=x.shape[2])  # [B, C, T]
+    return silu(y.transpose(1, 2)), xp[:, xp.shape[1] - (k - 1) :]
 
 
 def kda_log_decay(a: Tensor, A_log: Tensor, dt_bias: Tensor, lower_bound: float | None) -> Tensor:
@@ -86,7 +90,7 @@ def kda_log_decay(a: Tensor, A_log: Tensor, dt_bias: Tensor, lower_bound: float 
     A = A_log.float().exp()[:, None]  # [H, 1]
     z = a.float() + dt_bias.float()
     if lower_bound is None:
-        return -A * F.softplus(z)
+        return -A * softplus(z)
     return lower_bound * torch.sigmoid(A * z)
 
 
@@ -124,11 +128,11 @@ def kda_chunked(
     taken against the chunk midpoint so nothing overflows for |log g| * C / 2 < 80. Only a loop
     over chunks remains (the state passes between them). Shapes/dtypes as `kda_recurrent`."""
     Bn, T, H, _ = q.shape
-    pad = (-T) % chunk
-    if pad:  # zero k, v, beta and log g leave the state untouched
-        q, k, v, log_g = (F.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v, log_g))
-        beta = F.pad(beta, (0, 0, 0, pad))
-    n, C = (T + pad) // chunk, chunk
+    n_pad = (-T) % chunk
+    if n_pad:  # zero k, v, beta and log g leave the state untouched
+        q, k, v, log_g = (pad(x, (0, 0, 0, 0, 0, n_pad)) for x in (q, k, v, log_g))
+        beta = pad(beta, (0, 0, 0, n_pad))
+    n, C = (T + n_pad) // chunk, chunk
 
     def split(x):  # [B, T, H, X] -> [B, H, n, C, X]
         return x.reshape(Bn, n, C, H, -1).permute(0, 3, 1, 2, 4)
@@ -199,21 +203,7 @@ def kda_attention(
     return linear(o.reshape(Bn, T, P).to(x.dtype), w("o_proj.weight"))
 
 
-# -- router and expert-major MoE ---------------------------------------------------------------
-def route(
-    logits: Tensor, bias: Tensor | None, top_k: int, scaling: float, renormalize: bool = True
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Sigmoid router with selection bias. logits [N, E] -> (ids [N, K] int64, weights [N, K]
-    fp32: raw sigmoid scores of the chosen, renormalized, times `scaling`, probs [N, E] fp32)."""
-    probs = torch.sigmoid(logits.float())
-    sel = probs + bias.float() if bias is not None else probs
-    ids = sel.topk(top_k, dim=-1).indices  # [N, K]
-    weights = probs.gather(-1, ids)
-    if renormalize and top_k > 1:
-        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-    return ids, weights * scaling, probs
-
-
+# -- routers ---------------------------------------------------------------------------------
 def softmax_topk(logits: Tensor, top_k: int, renormalize: bool) -> tuple[Tensor, Tensor, Tensor]:
     """Softmax router (Mixtral, Qwen3-MoE, OLMoE). logits [N, E] -> (ids [N, K] int64, weights
     [N, K] fp32: softmax probabilities of the chosen, renormalized if asked, probs [N, E] fp32)."""
@@ -224,7 +214,6 @@ def softmax_topk(logits: Tensor, top_k: int, renormalize: bool) -> tuple[Tensor,
     return ids, weights, probs
 
 
-# -- routing -----------------------------------------------------------------------------------
 def grouped_route(
     logits: Tensor, bias: Tensor, top_k: int, n_group: int, topk_group: int, scaling: float,
     renormalize: bool,
@@ -249,24 +238,7 @@ def grouped_route(
     return ids, weights * scaling, probs
 
 
-def expert_glu(
-    x: Tensor, t: Mapping[str, Tensor], beta: float, linear_beta: float | None
-) -> Tensor:
-    """One routed expert on its tokens: x [M, Dl] -> [M, Dl]. `t` holds w{1,2,3}.weight_packed and
-    .weight_scale (MXFP4, dequantized here, nothing cached) or plain w{1,2,3}.weight."""
-
-    def weight(n):
-        if f"{n}.weight_packed" in t:
-            return mxfp4.dequantize(
-                t[f"{n}.weight_packed"].to(x.device),
-                t[f"{n}.weight_scale"].to(x.device),
-                dtype=x.dtype,
-            )
-        return t[f"{n}.weight"].to(x.device, x.dtype)
-
-    return glu_mlp(x, weight("w1"), weight("w3"), weight("w2"), beta, linear_beta)
-
-
+# -- expert-major MoE --------------------------------------------------------------------------
 @dataclass
 class ExpertOutputs:
     """Per (token, slot) facts gathered during dispatch (only when norms are wanted)."""
@@ -361,101 +333,6 @@ def report_moe(
         rec.latent_norm, rec.max_act = stats.latent_norm, stats.max_act
         rec.model_norm = stats.model_norm if rms is None else stats.model_norm / rms[:, None]
     observer.on_moe(rec)
-
-
-@dataclass
-class MoEDims:
-    """Sigmoid-routed MoE settings (LatentMoE when `latent`)."""
-
-    top_k: int
-    scaling: float  # routed_scaling_factor
-    renormalize: bool
-    latent: bool  # routed experts run in a down-projected space
-    latent_norm: bool  # RMSNorm on the weighted sum of routed outputs
-    shared: bool  # shared experts (one fused GLU) added for every token
-    eps: float
-    beta: float  # SiTU
-    linear_beta: float | None
-
-
-def latent_moe(
-    x: Tensor,
-    w: WeightFn,
-    d: MoEDims,
-    layer: int,
-    experts: ExpertSource,
-    observer: Observer | None = None,
-) -> Tensor:
-    """LatentMoE on x [N, D] -> [N, D]: route on x, down-project, routed experts expert-major,
-    RMSNorm of their weighted sum, up-project, add the shared experts. Weights (short names):
-    gate.weight, gate.e_score_correction_bias, routed_expert_{down,up}_proj.weight,
-    routed_expert_norm.weight, shared_experts.{gate,up,down}_proj.weight. Reports a MoERecord;
-    its model_norm is ||up(g * o_e)|| / rms(y): the RMSNorm of y = sum_e w_e o_e is y * g / rms(y),
-    so expert e adds exactly w_e * up(g * o_e) / rms(y) to the output."""
-    ids, weights, probs = route(
-        linear(x, w("gate.weight")),
-        w("gate.e_score_correction_bias"),
-        d.top_k,
-        d.scaling,
-        d.renormalize,
-    )
-    up = w("routed_expert_up_proj.weight") if d.latent else None
-    g = w("routed_expert_norm.weight").float() if d.latent_norm else None
-
-    def to_model(o):
-        o = o * g if g is not None else o
-        return linear(o, up) if up is not None else o
-
-    xl = linear(x, w("routed_expert_down_proj.weight")) if d.latent else x  # [N, Dl]
-    wants = observer is not None and observer.wants_norms
-    y, stats = routed_experts(
-        xl,
-        ids,
-        weights,
-        layer,
-        experts,
-        lambda xs, t: expert_glu(xs, t, d.beta, d.linear_beta),
-        to_model if wants else None,
-    )
-    y = y.to(x.dtype)
-    rms = torch.ones(y.shape[0], device=y.device)
-    if g is not None:
-        rms = (y.float().pow(2).mean(-1) + d.eps).sqrt()  # [N]
-        y = rms_norm(y, g, d.eps)
-    y = linear(y, up) if up is not None else y
-    if d.shared:
-        s = "shared_experts."
-        y = y + glu_mlp(
-            x,
-            w(s + "gate_proj.weight"),
-            w(s + "up_proj.weight"),
-            w(s + "down_proj.weight"),
-            d.beta,
-            d.linear_beta,
-        )
-    report_moe(observer, layer, ids, weights, probs, stats, rms)
-    return y
-
-
-# -- AttnRes -----------------------------------------------------------------------------------
-def attn_res_mix(
-    blocks: list[Tensor], partial: Tensor, proj: Tensor, norm_w: Tensor, eps: float
-) -> Tensor:
-    """Softmax mix of the block snapshots and the running partial sum ([B, T, D] each), with
-    logits <RMSNorm(x), proj> per token (norm weight folded into proj), fp32, fixed order."""
-    if not blocks:
-        return partial
-    w_eff = norm_w.float() * proj.float().reshape(-1)  # [D]
-
-    def logit(x):
-        xf = x.float()
-        return (xf @ w_eff) * torch.rsqrt(xf.pow(2).mean(-1) + eps)  # [B, T]
-
-    p = torch.softmax(torch.stack([logit(x) for x in [*blocks, partial]]), dim=0)  # [n+1, B, T]
-    out = p[-1, ..., None] * partial.float()
-    for i, b in enumerate(blocks):
-        out = out + p[i, ..., None] * b.float()
-    return out.to(partial.dtype)
 
 
 # -- Llama-style model ends --------------------------------------------------------------------

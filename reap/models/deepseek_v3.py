@@ -26,7 +26,6 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-from reap import fp8
 from reap.checkpoint import TensorSpec
 from reap.errors import ReapError
 from reap.models import attention as A
@@ -41,6 +40,8 @@ from reap.models.base import (
     expert_short_names,
     storage_variant,
 )
+from reap.quant import fp8
+from reap.quant.matrix import stored_matrices as expert_matrices  # noqa: F401 - family hook
 
 Tensor = torch.Tensor
 

@@ -29,7 +29,6 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
-from reap import mxfp4
 from reap.checkpoint import TensorSpec, view_name
 from reap.errors import ReapError
 from reap.models import blocks as B
@@ -43,6 +42,8 @@ from reap.models.base import (
     dtype_code,
     storage_variant,
 )
+from reap.quant import mxfp4
+from reap.quant.matrix import stored_matrices as expert_matrices  # noqa: F401 - family hook
 
 DENSE_TENSORS = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
 MXFP4_TENSORS = (

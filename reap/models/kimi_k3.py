@@ -19,6 +19,12 @@ from reap.errors import ReapError
 from reap.models import attention as A
 from reap.models import blocks as B
 from reap.models.base import ExpertSource, LayerModel, Observer, State, Weights, dtype_code
+from reap.models.kimi_k3_blocks import (
+    MoEDims,
+    attn_res_mix,
+    expert_matrices,  # noqa: F401 - family hook
+    latent_moe,
+)
 from reap.models.kimi_k3_chat import chat_format  # noqa: F401 - family hook (chat markers)
 from reap.models.vision import standin_specs
 
@@ -319,16 +325,7 @@ class Model(LayerModel):
         self.n_layers = cfg.num_hidden_layers
         self.mla = A.MLADims.from_config(cfg)
         self.act = (cfg.activation_situ_beta or 1.0, cfg.activation_situ_linear_beta)
-        self.moe = B.MoEDims(
-            cfg.num_experts_per_token,
-            cfg.routed_scaling_factor,
-            cfg.moe_renormalize,
-            cfg.routed_expert_hidden_size is not None,
-            cfg.latent_moe_use_norm,
-            cfg.num_shared_experts > 0,
-            cfg.rms_norm_eps,
-            *self.act,
-        )
+        self.moe = MoEDims.from_config(cfg)
 
     def _w(self, get: Weights, prefix: str) -> B.WeightFn:
         def w(name: str) -> torch.Tensor:
@@ -370,7 +367,7 @@ class Model(LayerModel):
 
     def _mix(self, w: B.WeightFn, name: str, blocks: list, partial: torch.Tensor) -> torch.Tensor:
         proj, norm = w(f"{name}_proj.weight"), w(f"{name}_norm.weight")
-        return B.attn_res_mix(blocks, partial, proj, norm, self.cfg.rms_norm_eps)
+        return attn_res_mix(blocks, partial, proj, norm, self.cfg.rms_norm_eps)
 
     def mlp_block(
         self,
@@ -387,7 +384,7 @@ class Model(LayerModel):
             return B.glu_mlp(x, *mats, *self.act)
         w = self._w(get, f"model.layers.{i}.block_sparse_moe.")
         flat = x.reshape(-1, x.shape[-1])  # [N, D]
-        y = B.latent_moe(flat, w, self.moe, i, experts or default_experts(get), observer)
+        y = latent_moe(flat, w, self.moe, i, experts or default_experts(get), observer)
         return y.reshape(x.shape)
 
     def head(self, get: Weights, state: State) -> torch.Tensor:

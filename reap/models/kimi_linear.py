@@ -26,6 +26,7 @@ from reap.models import attention as A
 from reap.models import blocks as B
 from reap.models import kimi_k3 as K3
 from reap.models.base import ExpertSource, Observer, State, Weights, decoder_specs, dtype_code
+from reap.quant.matrix import stored_matrices as expert_matrices  # noqa: F401 - family hook
 
 # shared with K3: same names, same meaning
 expert_key = K3.expert_key

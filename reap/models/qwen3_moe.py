@@ -27,6 +27,7 @@ from reap.errors import ReapError
 from reap.models import blocks as B
 from reap.models.attention import KVCache, Rope, gqa_attention, rope_settings
 from reap.models.base import ExpertSource, Observer, State, Weights, decoder_specs, dtype_code
+from reap.quant.matrix import stored_matrices as expert_matrices  # noqa: F401 - family hook
 
 
 @dataclass(frozen=True)

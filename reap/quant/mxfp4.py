@@ -9,8 +9,12 @@ scale = 2 ** (byte - 127), byte 255 = NaN.
     w_hat = dequantize(packed, scales)    # [..., N] float32 (or dtype=)
     y = fake_quant(w)                     # quantize-dequantize with a straight-through gradient
 
-`dequantize` is the fast vectorized path (works on any torch device); `dequantize_reference` is
-a slow per-element decoder written from the bit-level definition, kept for tests.
+`dequantize` is the vectorized path (works on any torch device); `dequantize_reference` is a
+slow per-element decoder written from the bit-level definition, kept for tests. The engine's
+faster decoder and fused matmul are `reap.quant.mxfp4_decode` and `reap.quant.mxfp4_matmul`.
+A stored matrix handed to model code is an `MXFP4Matrix` (see `reap.quant.matrix`):
+
+    y = MXFP4Matrix(packed, scales).linear(x)   # x [..., N] @ W.T, W decoded in x's dtype
 
 Quantization follows the OCP spec: shared exponent floor(log2(amax)) - 2 (clamped to the E8M0
 range [-127, 127]), elements rounded to nearest with ties to even onto the E2M1 grid, saturating
@@ -25,6 +29,8 @@ dequantizing identical bytes agrees exactly (see tests/test_mxfp4.py).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -189,3 +195,37 @@ def fake_quant(w: torch.Tensor) -> torch.Tensor:
     """MXFP4 fake quantization with a straight-through estimator: the forward value is qdq(w),
     the gradient with respect to w is the identity. Same shape and dtype as w."""
     return w + (qdq(w) - w).detach()
+
+
+@dataclass(frozen=True)
+class MXFP4Matrix:
+    """A weight matrix W [O, I] stored in MXFP4: packed uint8 [O, I/2], E8M0 scales uint8
+    [O, I/32]. A typed record, not a tensor: `reap.models.blocks.linear` applies it through
+    `linear(x)`, which uses `kernels` when set (the engine's `reap.quant.mxfp4_matmul.MXFP4Kernels`:
+    fused kernel or fast decode) and else the reference, `dequantize` in x's dtype."""
+
+    packed: torch.Tensor
+    scales: torch.Tensor
+    kernels: object | None = None
+
+    @property
+    def shape(self) -> torch.Size:
+        """[O, I], the decoded shape."""
+        return torch.Size((self.packed.shape[0], 2 * self.packed.shape[1]))
+
+    def dense(self, dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
+        """The decoded matrix [O, I] in `dtype` (on `device`, default where the bytes are)."""
+        device = device or self.packed.device
+        return dequantize(self.packed.to(device), self.scales.to(device), dtype)
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., I] @ W.T -> [..., O] in x's dtype."""
+        if self.kernels is not None:
+            return self.kernels.linear(x, self.packed, self.scales)
+        return x @ self.dense(x.dtype, x.device).T
+
+    def check(self, what: str) -> None:
+        """Raise ReapError if a scale byte is 255 (NaN): no trained matrix has one, so the bytes
+        are corrupt (`what` names the matrix)."""
+        if bool((self.scales == E8M0_NAN).any()):
+            raise ReapError(f"{what}: E8M0 scale byte 255 (NaN): corrupt expert bytes")

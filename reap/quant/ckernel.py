@@ -1,0 +1,82 @@
+"""The compiled C kernels of `reap.quant` (source: `mxfp4_kernels.c` beside this file): built on
+first use with the system C compiler (`cc -O3 -march=native`, cached under the reap cache
+directory), loaded through ctypes (calls release the GIL), and `parallel` to split a call's
+rows over torch's intra-op thread count.
+
+    lib = library()               # the loaded kernels, or None (no compiler, REAP_NO_CKERNEL=1)
+    parallel(run, rows, 256)      # run(a, b) on row ranges, one thread each
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import subprocess
+import threading
+from pathlib import Path
+
+import torch
+
+from reap.errors import WriteError
+from reap.fileio import atomic_path
+
+_SOURCE = Path(__file__).with_name("mxfp4_kernels.c")
+# no fp contraction: the kernels' roundings are the ones written (fmaf where fused)
+_CC = ["cc", "-O3", "-march=native", "-ffp-contract=off", "-shared", "-fPIC"]
+_LIB: list = []  # [ctypes.CDLL or None] once tried
+_LIB_LOCK = threading.Lock()
+
+
+def library():
+    """The compiled kernels, built once per source and machine; None if unavailable."""
+    with _LIB_LOCK:
+        if not _LIB:
+            _LIB.append(None if os.environ.get("REAP_NO_CKERNEL") else build())
+        return _LIB[0]
+
+
+def build(flags: tuple[str, ...] = ()):
+    """Compile the C source (with extra compiler `flags`) into the cache; the loaded library,
+    or None without a compiler or write access (the torch paths then do the work)."""
+    from reap.defaults import cache_dir
+
+    source = _SOURCE.read_text()
+    cc = [*_CC, *flags]
+    tag = hashlib.sha256((source + " ".join(cc) + os.uname().machine).encode()).hexdigest()[:16]
+    so = cache_dir() / "kernels" / f"mxfp4-{tag}.so"
+    try:
+        if not so.is_file():
+            with atomic_path(so) as tmp:  # concurrent builds leave one complete file
+                cmd = [*cc, "-o", tmp, str(_SOURCE), "-lm"]
+                subprocess.run(cmd, check=True, capture_output=True, timeout=120)
+        lib = ctypes.CDLL(str(so))
+    except (OSError, subprocess.SubprocessError, WriteError):
+        return None
+    for name in ("reap_decode_u32", "reap_decode_u64"):
+        getattr(lib, name).restype = None
+        getattr(lib, name).argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64]
+    lib.reap_mxfp4_linear.restype = None
+    lib.reap_mxfp4_linear.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 5
+    lib.reap_mxfp4_split_x.restype = ctypes.c_int
+    return lib
+
+
+def decode_threads(n: int | None = None) -> int:
+    """Threads the C kernels split rows over (default: torch's intra-op thread count)."""
+    return max(1, n if n is not None else torch.get_num_threads())
+
+
+def parallel(run, total: int, grain: int, align: int = 1) -> None:
+    """run(a, b) over [0, total) split into decode_threads() ranges of at least `grain` items
+    (cuts at multiples of `align`), each in its own thread (the C calls release the GIL)."""
+    n = min(decode_threads(), max(1, total // grain))
+    cuts = [min(total, total * i // n // align * align) for i in range(n)] + [total]
+    if n == 1:
+        run(0, total)
+        return
+    threads = [threading.Thread(target=run, args=(cuts[i], cuts[i + 1])) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
