@@ -375,8 +375,9 @@ def test_bad_input_is_one_line_exit_2(env, capsys, args, message):
 
 
 def test_default_model_is_synthesized_on_first_use(env, tmp_path, monkeypatch, capsys):
-    import reap.defaults
     from reap.cli import main
+
+    import reap.defaults
 
     monkeypatch.setenv("REAP_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(reap.defaults, "BUNDLED", tmp_path / "no-bundled-model")

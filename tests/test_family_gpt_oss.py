@@ -63,7 +63,7 @@ def mxfp4(tiny):
 
 
 def _write_mxfp4(src, out) -> str:
-    """Quantize the fused expert matrices with reap.quant.mxfp4 into the release's names and shapes:
+    """Quantize the fused expert matrices (reap.quant.mxfp4) into the release's names and shapes:
     X [E, R, C] (transformers' [in, out] order transposed to [out, in]) -> X_blocks
     [E, R, C/32, 16], X_scales [E, R, C/32]; config.json gets the mxfp4 quantization_config and
     the older rope keys mlx-lm reads."""
