@@ -153,7 +153,8 @@ def expert_seconds(threads: int, seconds: float = 2.0) -> dict:
     """Seconds for one K3 routed expert on one token (x [1, 3584], bf16): the three MXFP4
     matrices decoded to bf16 alone, decoded then multiplied (x @ W.T), and fused (the engine's
     bf16 path: `mxfp4_linear`, nothing decoded); 8 distinct experts cycled (from DRAM)."""
-    from reap.engine.kernels import BufferPool, decode_mxfp4, mxfp4_linear
+    from reap.quant.mxfp4_decode import BufferPool, decode_mxfp4
+    from reap.quant.mxfp4_matmul import mxfp4_linear
 
     torch.set_num_threads(threads)
     g = torch.Generator().manual_seed(0)
@@ -205,8 +206,8 @@ def step_breakdown(ckpt: Path, budget: str, threads: int, steps: int = 3) -> dic
     routing, AttnRes, sampling). Timing hooks on `reap.models.blocks.linear` and the engine's
     expert source; they add a little overhead of their own."""
     from reap.engine import Engine
-    from reap.engine.kernels import MXFP4Weight
     from reap.models import blocks
+    from reap.quant.mxfp4 import MXFP4Matrix
 
     torch.set_num_threads(threads)
     acc = {"trunk_matmul_s": 0.0, "expert_matmul_s": 0.0, "expert_wait_s": 0.0}
@@ -215,7 +216,7 @@ def step_breakdown(ckpt: Path, budget: str, threads: int, steps: int = 3) -> dic
     def linear(x, w):
         t0 = time.perf_counter()
         y = inner_linear(x, w)
-        kind = "expert_matmul_s" if isinstance(w, MXFP4Weight) else "trunk_matmul_s"
+        kind = "expert_matmul_s" if isinstance(w, MXFP4Matrix) else "trunk_matmul_s"
         acc[kind] += time.perf_counter() - t0
         return y
 
@@ -683,7 +684,7 @@ def _reading(r: dict) -> list[str]:
         out.append(
             f"- With the whole trunk pinned the engine runs at {lo:.2f}-{hi:.2f}x the serial "
             f"floor (target <= 1.25x: {met}). In bf16 each routed expert runs as three fused "
-            "MXFP4 matmuls (no decoded copy; `reap.engine.kernels.mxfp4_linear`), and the reads "
+            "MXFP4 matmuls (no decoded copy; `reap.quant.mxfp4_matmul.mxfp4_linear`), and the reads "
             "of a layer's missed experts start in background threads as soon as its routing is "
             "known, so they overlap the experts' own compute but not the trunk's (the routing "
             "of a layer is known only after its attention). What is left is mostly the trunk's "

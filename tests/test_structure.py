@@ -8,7 +8,7 @@ import pathlib
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "reap"
 # serve (the OpenAI server) sits on the engine beside eval: neither engine nor eval imports it
 STAGES = ["corpora", "calibrate", "analyze", "prune", "engine", "eval", "serve"]
-SHARED = {"checkpoint", "mxfp4", "models", "stats", "sizes", "tokenizer", "synth", "errors",
+SHARED = {"checkpoint", "quant", "models", "stats", "sizes", "tokenizer", "synth", "errors",
           "fileio", "provenance", "defaults"}
 
 
@@ -194,4 +194,28 @@ def test_files_are_renamed_into_place_only_by_fileio():
                 name.endswith(".rename")
             ):
                 bad.append(f"{path.relative_to(ROOT)} calls {name}")
+    assert not bad, "\n".join(bad)
+
+
+# ---- issue 13, quant: one quantization package, no tensor impostor
+
+
+def test_no_object_imitates_a_tensor():
+    """Quantized weights are typed records (`reap.quant.matrix`) that `blocks.linear` applies,
+    never stand-ins that intercept torch calls."""
+    bad = [str(p.relative_to(ROOT)) for p in ROOT.rglob("*.py")
+           if "__torch_function__" in p.read_text()]
+    assert not bad, "\n".join(bad)
+
+
+def test_quant_stands_alone_and_the_expert_path_names_no_quantized_tensor():
+    """`reap.quant` imports no stage and no model family; the engine's expert path asks the
+    family (`expert_matrices`) which tensors form a quantized matrix instead of matching names."""
+    bad = []
+    for path in (ROOT / "quant").rglob("*.py"):
+        bad += [f"{path.relative_to(ROOT)} imports reap.{d}" for d in _imports(path)
+                if d in STAGES or d == "models"]
+    for name in ("engine/experts.py", "engine/core.py"):
+        text = (ROOT / name).read_text()
+        bad += [f"{name} names {s}" for s in ("_packed", "_scale", "_blocks") if s in text]
     assert not bad, "\n".join(bad)

@@ -321,7 +321,10 @@ def _stores(ckpt, fam, b: Binding, plan: memory.MemoryPlan, direct: bool, device
     except ReapError:
         reader.close()
         raise
-    check = lambda tensors: check_matrices(fam.expert_matrices(tensors))  # noqa: E731
+
+    def check(tensors: dict) -> None:  # the family types an expert's tensors, codecs check them
+        check_matrices(fam.expert_matrices(tensors))
+
     experts = ExpertCache(reader, plan.expert_cache, fam.expert_tensor_names, check, device=device)
     if b.expert_layers:
         experts.reserve(fam.expert_tensor_names(b.expert_layers[0], 0))

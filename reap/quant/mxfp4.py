@@ -31,11 +31,15 @@ dequantizing identical bytes agrees exactly (see tests/test_mxfp4.py).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
+from torch.nn.functional import embedding
 
 from reap.errors import ReapError
+
+if TYPE_CHECKING:
+    from reap.quant.mxfp4_matmul import MXFP4Kernels
 
 BLOCK = 32
 E8M0_BIAS = 127
@@ -105,9 +109,9 @@ def dequantize(
     scale_lut = _SCALE_LUT.to(device=packed.device, dtype=work)
     n_blocks = scales.shape[-1]
     # embedding() is torch's fastest row gather on CPU (1.5x plain indexing here)
-    values = F.embedding(packed.long(), pair_lut)  # [..., N//2, 2]
+    values = embedding(packed.long(), pair_lut)  # [..., N//2, 2]
     values = values.reshape(*packed.shape[:-1], n_blocks, BLOCK)  # [..., B, 32]
-    values = values * F.embedding(scales.long(), scale_lut.unsqueeze(1))  # [..., B, 32]
+    values = values * embedding(scales.long(), scale_lut.unsqueeze(1))  # [..., B, 32]
     return values.reshape(*packed.shape[:-1], n_blocks * BLOCK).to(dtype)
 
 
@@ -206,7 +210,7 @@ class MXFP4Matrix:
 
     packed: torch.Tensor
     scales: torch.Tensor
-    kernels: object | None = None
+    kernels: MXFP4Kernels | None = None
 
     @property
     def shape(self) -> torch.Size:
