@@ -32,7 +32,6 @@ from reap.engine.metrics import RunMetrics
 from reap.engine.store import IO_KINDS, TrunkStore
 from reap.errors import EXIT_FAILURE, ReapError
 from reap.models.base import expert_short_names
-from reap.quant.matrix import check_matrices
 from reap.quant.mxfp4_decode import BufferPool
 from reap.quant.mxfp4_matmul import MXFP4Kernels, fused_available
 
@@ -321,11 +320,8 @@ def _stores(ckpt, fam, b: Binding, plan: memory.MemoryPlan, direct: bool, device
     except ReapError:
         reader.close()
         raise
-
-    def check(tensors: dict) -> None:  # the family types an expert's tensors, codecs check them
-        check_matrices(fam.expert_matrices(tensors))
-
-    experts = ExpertCache(reader, plan.expert_cache, fam.expert_tensor_names, check, device=device)
+    names, matrices = fam.expert_tensor_names, fam.expert_matrices
+    experts = ExpertCache(reader, plan.expert_cache, names, matrices, device=device)
     if b.expert_layers:
         experts.reserve(fam.expert_tensor_names(b.expert_layers[0], 0))
     return reader, trunk, experts

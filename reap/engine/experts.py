@@ -2,7 +2,7 @@
 tensors are contiguous) into a slab of fixed-size slots, evicted by LFU with aging; reads of a
 layer's experts can start in background threads as soon as its routing is known.
 
-    cache = ExpertCache(reader, capacity_bytes, fam.expert_tensor_names, check)
+    cache = ExpertCache(reader, capacity_bytes, fam.expert_tensor_names, fam.expert_matrices)
     cache.prefetch(layer, ids)         # optional: start all reads now
     tensors = cache.get(layer, expert)  # short name -> tensor, or None if it failed to load
     cache.release()                     # the layer is done: its experts may be evicted
@@ -20,6 +20,7 @@ from reap.checkpoint import BufferReader
 from reap.engine.store import _to
 from reap.errors import ReapError
 from reap.models.base import expert_short_names
+from reap.quant.matrix import check_matrices
 
 
 class ExpertCache:
@@ -35,20 +36,21 @@ class ExpertCache:
     of a layer's routed experts in background threads as soon as the routing is known.
 
     A failed read raises nothing: it is recorded in `failed` and the expert is served as None
-    so the engine can finish and report exit code 4. `check(tensors)` (short names), when
-    given, runs on each read in its thread and raises ReapError for bytes that cannot be right
-    (the engine asks the codecs, e.g. no E8M0 scale byte 255)."""
+    so the engine can finish and report exit code 4. Corrupt bytes count as a failed read: with
+    `matrices_of` (the family's `expert_matrices`), each read's quantized matrices are checked
+    by their codecs in the reading thread (e.g. no E8M0 scale byte 255)."""
 
     def __init__(
         self,
         reader: BufferReader,
         capacity_bytes: int,
         names_of,
-        check: Callable[[dict[str, torch.Tensor]], None] | None = None,
+        matrices_of: Callable[[dict[str, torch.Tensor]], dict] | None = None,
         half_life: int = 4096,
         device: str = "cpu",
     ):
-        self.reader, self.names_of, self.check, self.device = reader, names_of, check, device
+        self.reader, self.names_of, self.matrices_of = reader, names_of, matrices_of
+        self.device = device
         self.half_life = half_life
         self.slot_bytes = 0
         self.capacity_bytes = capacity_bytes
@@ -125,8 +127,9 @@ class ExpertCache:
 
         def work():
             raw = self.reader.read_into(infos, buf, "experts")
-            if self.check is not None:
-                self.check(dict(zip(expert_short_names(list(names)), (raw[n] for n in names))))
+            if self.matrices_of is not None:
+                short = dict(zip(expert_short_names(list(names)), (raw[n] for n in names)))
+                check_matrices(self.matrices_of(short))
             return raw
 
         if background:

@@ -34,11 +34,9 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 
 def linear(x: Tensor, w: Matrix) -> Tensor:
-    """x [..., in] @ w[out, in].T -> [..., out] in x's dtype: a dense tensor cast to x's dtype,
-    a quantized matrix (`reap.quant.matrix.QuantizedMatrix`) through its own `linear`."""
-    if isinstance(w, Tensor):
-        return x @ w.to(x.dtype).T
-    return w.linear(x)
+    """x [..., in] @ w[out, in].T -> [..., out] in x's dtype and device: a dense tensor is cast,
+    a quantized matrix (`reap.quant.matrix.QuantizedMatrix`) applies itself."""
+    return x @ w.to(x.device, x.dtype).T if isinstance(w, Tensor) else w.linear(x)
 
 
 def situ(x: Tensor, gate: Tensor, beta: float, linear_beta: float | None) -> Tensor:

@@ -11,15 +11,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import partial
 
 import torch
+from torch import Tensor
 
 from reap.models.base import ExpertSource, Observer
 from reap.models.blocks import WeightFn, glu_mlp, linear, report_moe, rms_norm, routed_experts
 from reap.quant.matrix import Matrix
 from reap.quant.mxfp4 import MXFP4Matrix
-
-Tensor = torch.Tensor
 
 
 # -- LatentMoE ---------------------------------------------------------------------------------
@@ -57,12 +57,7 @@ def expert_glu(
     weights (see `expert_matrices`); an MXFP4 matrix is applied by `linear` (the reference
     decodes it here, nothing cached; the engine's kernels may never decode it)."""
     w = expert_matrices(t)
-
-    def weight(n: str) -> Matrix:
-        m = w[f"{n}.weight"]
-        return m.to(x.device, x.dtype) if isinstance(m, Tensor) else m
-
-    return glu_mlp(x, weight("w1"), weight("w3"), weight("w2"), beta, linear_beta)
+    return glu_mlp(x, w["w1.weight"], w["w3.weight"], w["w2.weight"], beta, linear_beta)
 
 
 @dataclass
@@ -109,13 +104,8 @@ def latent_moe(
     routed_expert_norm.weight, shared_experts.{gate,up,down}_proj.weight. Reports a MoERecord;
     its model_norm is ||up(g * o_e)|| / rms(y): the RMSNorm of y = sum_e w_e o_e is y * g / rms(y),
     so expert e adds exactly w_e * up(g * o_e) / rms(y) to the output."""
-    ids, weights, probs = route(
-        linear(x, w("gate.weight")),
-        w("gate.e_score_correction_bias"),
-        d.top_k,
-        d.scaling,
-        d.renormalize,
-    )
+    logits, bias = linear(x, w("gate.weight")), w("gate.e_score_correction_bias")  # [N, E], [E]
+    ids, weights, probs = route(logits, bias, d.top_k, d.scaling, d.renormalize)
     up = w("routed_expert_up_proj.weight") if d.latent else None
     g = w("routed_expert_norm.weight").float() if d.latent_norm else None
 
@@ -125,15 +115,8 @@ def latent_moe(
 
     xl = linear(x, w("routed_expert_down_proj.weight")) if d.latent else x  # [N, Dl]
     wants = observer is not None and observer.wants_norms
-    y, stats = routed_experts(
-        xl,
-        ids,
-        weights,
-        layer,
-        experts,
-        lambda xs, t: expert_glu(xs, t, d.beta, d.linear_beta),
-        to_model if wants else None,
-    )
+    run = partial(expert_glu, beta=d.beta, linear_beta=d.linear_beta)  # (x_e, tensors) -> y_e
+    y, stats = routed_experts(xl, ids, weights, layer, experts, run, to_model if wants else None)
     y = y.to(x.dtype)
     rms = torch.ones(y.shape[0], device=y.device)
     if g is not None:
@@ -141,15 +124,8 @@ def latent_moe(
         y = rms_norm(y, g, d.eps)
     y = linear(y, up) if up is not None else y
     if d.shared:
-        s = "shared_experts."
-        y = y + glu_mlp(
-            x,
-            w(s + "gate_proj.weight"),
-            w(s + "up_proj.weight"),
-            w(s + "down_proj.weight"),
-            d.beta,
-            d.linear_beta,
-        )
+        mats = (w(f"shared_experts.{n}_proj.weight") for n in ("gate", "up", "down"))
+        y = y + glu_mlp(x, *mats, d.beta, d.linear_beta)
     report_moe(observer, layer, ids, weights, probs, stats, rms)
     return y
 

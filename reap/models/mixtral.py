@@ -17,13 +17,9 @@ from typing import ClassVar
 
 from reap.checkpoint import TensorSpec
 from reap.models import qwen3_moe as Q
-from reap.models.qwen3_moe import (  # noqa: F401 - family API
-    Model,
-    Naming,
-    default_experts,
-    expert_matrices,
-)
+from reap.models.qwen3_moe import Model, Naming, default_experts  # noqa: F401 - family API
 
+expert_matrices = Q.expert_matrices  # the family hook: experts used as stored
 NAMES = Naming("block_sparse_moe.", "w1.weight", "w3.weight", "w2.weight", "num_local_experts")
 
 

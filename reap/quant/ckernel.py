@@ -62,15 +62,11 @@ def build(flags: tuple[str, ...] = ()):
     return lib
 
 
-def decode_threads(n: int | None = None) -> int:
-    """Threads the C kernels split rows over (default: torch's intra-op thread count)."""
-    return max(1, n if n is not None else torch.get_num_threads())
-
-
 def parallel(run, total: int, grain: int, align: int = 1) -> None:
-    """run(a, b) over [0, total) split into decode_threads() ranges of at least `grain` items
-    (cuts at multiples of `align`), each in its own thread (the C calls release the GIL)."""
-    n = min(decode_threads(), max(1, total // grain))
+    """run(a, b) over [0, total) split into ranges of at least `grain` items, one per torch
+    intra-op thread at most (cuts at multiples of `align`), each in its own thread (the C calls
+    release the GIL)."""
+    n = min(max(1, torch.get_num_threads()), max(1, total // grain))
     cuts = [min(total, total * i // n // align * align) for i in range(n)] + [total]
     if n == 1:
         run(0, total)

@@ -6,7 +6,8 @@ Nothing imitates a tensor: code that needs the values asks for `dense(dtype)`.
 A family's `expert_matrices(tensors)` turns one routed expert's stored tensors (short names) into
 its weights, pairing each quantized matrix's tensors into its record; the engine attaches its
 kernels to those records (`reap.quant.mxfp4_matmul.MXFP4Kernels.attach`) and checks their bytes
-(`check_matrices`). A new codec (INT4 next) adds one record class with the members below.
+(`check_matrices`). A new codec (INT4 next) adds one record class with these two methods (and
+`dense`, `shape`).
 """
 
 from __future__ import annotations
@@ -20,12 +21,7 @@ import torch
 class QuantizedMatrix(Protocol):
     """A weight matrix W [O, I] stored by a codec (e.g. `reap.quant.mxfp4.MXFP4Matrix`)."""
 
-    @property
-    def shape(self) -> torch.Size: ...  # [O, I], decoded
-
     def linear(self, x: torch.Tensor) -> torch.Tensor: ...  # x [..., I] @ W.T, x's dtype
-
-    def dense(self, dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor: ...
 
     def check(self, what: str) -> None: ...  # ReapError if its stored bytes cannot be right
 

@@ -10,11 +10,8 @@ scale = 2 ** (byte - 127), byte 255 = NaN.
     y = fake_quant(w)                     # quantize-dequantize with a straight-through gradient
 
 `dequantize` is the vectorized path (works on any torch device); `dequantize_reference` is a
-slow per-element decoder written from the bit-level definition, kept for tests. The engine's
-faster decoder and fused matmul are `reap.quant.mxfp4_decode` and `reap.quant.mxfp4_matmul`.
-A stored matrix handed to model code is an `MXFP4Matrix` (see `reap.quant.matrix`):
-
-    y = MXFP4Matrix(packed, scales).linear(x)   # x [..., N] @ W.T, W decoded in x's dtype
+slow per-element decoder written from the bit-level definition, kept for tests. A stored matrix
+handed to model code is an `MXFP4Matrix`; faster paths: `mxfp4_decode`, `mxfp4_matmul`.
 
 Quantization follows the OCP spec: shared exponent floor(log2(amax)) - 2 (clamped to the E8M0
 range [-127, 127]), elements rounded to nearest with ties to even onto the E2M1 grid, saturating

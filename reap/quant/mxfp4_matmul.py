@@ -102,9 +102,8 @@ class MXFP4Kernels:
 
     def attach(self, weights: Mapping[str, object]) -> dict[str, object]:
         """`weights` with every MXFP4Matrix multiplied by these kernels instead of the reference."""
-        return {
-            name: mxfp4.MXFP4Matrix(w.packed, w.scales, self)
-            if isinstance(w, mxfp4.MXFP4Matrix)
-            else w
-            for name, w in weights.items()
-        }
+        out = dict(weights)
+        for name, w in weights.items():
+            if isinstance(w, mxfp4.MXFP4Matrix):
+                out[name] = mxfp4.MXFP4Matrix(w.packed, w.scales, self)
+        return out
