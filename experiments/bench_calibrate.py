@@ -59,16 +59,16 @@ def naive_moe(fam, model, cfg, get, layer: int, x, acc):
     x [N, D] -> [N, D]."""
     import torch
 
-    from reap.models import blocks
+    from reap.models import blocks, kimi_k3_blocks
     from reap.models.base import MoERecord
     from reap.quant.mxfp4 import dequantize
 
     p = f"model.layers.{layer}.block_sparse_moe."
     w = model._w(get, p)
     logits = blocks.linear(x, w("gate.weight"))  # [N, E]
-    ids, weights, probs = blocks.route(logits, w("gate.e_score_correction_bias"),
-                                       cfg.num_experts_per_token, cfg.routed_scaling_factor,
-                                       cfg.moe_renormalize)
+    ids, weights, probs = kimi_k3_blocks.route(logits, w("gate.e_score_correction_bias"),
+                                               cfg.num_experts_per_token, cfg.routed_scaling_factor,
+                                               cfg.moe_renormalize)
     xl = blocks.linear(x, w("routed_expert_down_proj.weight"))  # [N, Dl]
     g, up = w("routed_expert_norm.weight").float(), w("routed_expert_up_proj.weight")
     N, K = ids.shape

@@ -149,7 +149,8 @@ def test_dispatch_matches_token_loop_and_measures_outputs():
     x = torch.randn(N, Dl, generator=g)
     ids, w, _ = kimi_k3_blocks.route(torch.randn(N, E, generator=g), None, K, 1.0)
     calls = []
-    run = lambda e, xs: (calls.append(e), kimi_k3_blocks.expert_glu(xs, experts[e], 4.0, 25.0))[1]
+    glu = kimi_k3_blocks.expert_glu
+    run = lambda e, xs: (calls.append(e), glu(xs, experts[e], 4.0, 25.0))[1]
     up = torch.randn(40, Dl, generator=g)
     y, st = B.dispatch(x, ids, w, run, to_model=lambda o: B.linear(o, up))
     assert calls == sorted(set(ids.flatten().tolist()))  # each used expert once, ascending

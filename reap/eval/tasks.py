@@ -16,7 +16,7 @@ from reap.provenance import code_version
 
 FORMAT = "reap.eval/1"  # of results.json, and part of every cache key
 # the sources whose change changes the numbers of each kind of result (`code_version` parts)
-_FORWARD_CODE = ("engine", "models", "checkpoint", "quant", "mxfp4.py")
+_FORWARD_CODE = ("engine", "models", "checkpoint", "quant", "quant/mxfp4_kernels.c")
 EVAL_CODE = {
     "quality": (*_FORWARD_CODE, "eval/quality.py"),
     "generations": (*_FORWARD_CODE, "tokenizer.py", "eval/generations.py"),
