@@ -198,7 +198,7 @@ def fake_quant(w: torch.Tensor) -> torch.Tensor:
     return w + (qdq(w) - w).detach()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class MXFP4Matrix:
     """A weight matrix W [O, I] stored in MXFP4: packed uint8 [O, I/2], E8M0 scales uint8
     [O, I/32]. A typed record, not a tensor: `reap.models.blocks.linear` applies it through
@@ -229,4 +229,4 @@ class MXFP4Matrix:
         """Raise ReapError if a scale byte is 255 (NaN): no trained matrix has one, so the bytes
         are corrupt (`what` names the matrix)."""
         if bool((self.scales == E8M0_NAN).any()):
-            raise ReapError(f"{what}: E8M0 scale byte 255 (NaN): corrupt expert bytes")
+            raise ReapError(f"{what}: E8M0 scale byte 255 (NaN): corrupt bytes")
