@@ -3,7 +3,8 @@ place in reap is here.
 
 `atomic_path(path)` yields a temporary name beside `path`; when the block ends without error the
 file is renamed into place, otherwise the temporary file is removed. Failures become
-`WriteError` (exit code 3) naming the file. `replace_dir` moves a finished directory into place.
+`WriteError` (exit code 3) naming the file. `replace_dir` moves a finished directory into place;
+`overlap` tells whether an output path is, holds or lies inside an input (never to be replaced).
 """
 
 from __future__ import annotations
@@ -58,3 +59,20 @@ def replace_dir(src: str | os.PathLike, dst: str | os.PathLike) -> None:
     os.replace(src, dst)
     if old is not None:
         shutil.rmtree(old)
+
+
+def overlap(path: str | os.PathLike, sources) -> tuple[str, str] | None:
+    """How `path` meets the first of `sources` it is, contains or lies inside, compared as real
+    paths (symlinks resolved, also for a path that does not exist yet): (relation, source) with
+    relation "is", "contains" or "is inside"; None when it meets none. An output that meets a
+    source must never be written, replaced or removed."""
+    out = os.path.realpath(path)
+    for src in sources:
+        real = os.path.realpath(src)
+        if out == real:
+            return "is", os.fspath(src)
+        if real.startswith(out.rstrip(os.sep) + os.sep):
+            return "contains", os.fspath(src)
+        if out.startswith(real.rstrip(os.sep) + os.sep):
+            return "is inside", os.fspath(src)
+    return None

@@ -77,11 +77,27 @@ def layer_counts(scope, size, shape, combined, prot, floor_, keep, ratio, target
 
 
 def _target_bytes(text: str, size) -> int:
-    from reap.sizes import parse_size
-
     if size is None:
         raise ReapError("--target-size needs the model: give --model DIR or --config NAME")
-    return parse_size(text)
+    return positive_size(text, "--target-size")
+
+
+def positive_size(text: str, flag: str) -> int:
+    """A size argument ('5GB', '8GiB') in bytes; ReapError naming `flag` unless it is a finite
+    whole number of bytes above zero (not -1GB, 0, nan or inf)."""
+    from reap.sizes import parse_size
+
+    try:
+        n = parse_size(text)
+    except ReapError:
+        raise ReapError(
+            f"{flag}: cannot read size {text!r} (use e.g. 350GB, 8GiB, 1.5TB)"
+        ) from None
+    except OverflowError:  # int(inf) inside parse_size
+        n = 0
+    if n <= 0:
+        raise ReapError(f"{flag}: {text!r} is not a positive, finite size")
+    return n
 
 
 def _unit_bytes(size) -> list[int]:

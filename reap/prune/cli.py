@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from reap.errors import ReapError
+from reap.prune.budget import positive_size
 from reap.prune.criteria import CRITERIA
 from reap.prune.plan import make_plan
 from reap.prune.plan_file import Plan
@@ -187,22 +188,26 @@ def add_prune_arguments(p: argparse.ArgumentParser) -> None:
 
 def run_prune(args: argparse.Namespace) -> int:
     limit = None
-    if args.max_shard_size:
-        from reap.sizes import parse_size
-
-        limit = parse_size(args.max_shard_size)
+    if args.max_shard_size is not None:
+        limit = positive_size(args.max_shard_size, "--max-shard-size")
     arguments = {k: v for k, v in vars(args).items() if not k.startswith("_")}
+    from reap.prune.resume import OutputExists
     from reap.prune.write import prune
 
-    r = prune(
-        model=args.model,
-        plan=args.plan,
-        out=args.out,
-        max_shard_bytes=limit,
-        overwrite=args.overwrite,
-        progress=not args.no_progress,
-        arguments=arguments,
-    )
+    try:
+        r = prune(
+            model=args.model,
+            plan=args.plan,
+            out=args.out,
+            max_shard_bytes=limit,
+            overwrite=args.overwrite,
+            progress=not args.no_progress,
+            arguments=arguments,
+        )
+    except OutputExists as e:  # the library's message names its keyword argument
+        raise ReapError(
+            f"{e.path}: {e.reason} (give --overwrite to replace it, or another --out)"
+        ) from None
     from reap.sizes import fmt_bytes
 
     pred = f", predicted {fmt_bytes(r.predicted_bytes)}" if r.predicted_bytes else ""

@@ -1,7 +1,8 @@
 """The `Plan` record (which routed experts each MoE layer keeps) and its JSON file.
 
 `reap.prune.plan.make_plan` builds one, `reap plan` saves it (`Plan.save`, atomic), `reap prune`
-loads it (`Plan.load`, which checks it). The file is the record's fields as JSON, tagged with
+loads it (`Plan.load`). `check` is the one validation of a plan: `Plan.load` runs it on the file,
+`prune` again against the model it prunes. The file is the record's fields as JSON, tagged with
 `format` (FORMAT); layer keys are strings in the file and ints in the record.
 """
 
@@ -58,32 +59,91 @@ class Plan:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Plan:
-        """Read and check a plan file; a one-line ReapError if it is not a valid plan."""
+        """Read a plan file and `check` it; a one-line ReapError if it is not a valid plan."""
         path = os.fspath(path)
         try:
             with open(path) as f:
                 d = json.load(f)
             if d.get("format") != FORMAT:
-                raise ReapError(f"{path}: not a reap plan (format {d.get('format')!r})")
+                raise ReapError(f"{path}: format: not a reap plan ({d.get('format')!r})")
             for k in ("counts", "keep", "scores"):
                 if d.get(k) is not None:
                     d[k] = {int(layer): v for layer, v in d[k].items()}
             plan = cls(**d)
-        except (OSError, ValueError, TypeError, AttributeError) as e:
+        except (OSError, ValueError, TypeError, AttributeError, RecursionError) as e:
             raise ReapError(f"{path}: cannot read plan ({e})") from e
-        plan.check(path)
+        check(plan, path)
         return plan
 
-    def check(self, where: str = "plan") -> None:
-        """Kept ids sorted, unique, in range, at least top_k per layer, matching counts."""
-        if self.keep is None:
-            return
-        if sorted(self.keep) != sorted(self.layers):
+
+def check(plan: Plan, where: str = "plan", shape: tuple[list[int], int, int] | None = None) -> None:
+    """Refuse (ReapError naming `where`, the field and the layer) a plan prune must not write:
+    counts and top_k positive ints, every layer keeping between top_k and n_experts experts,
+    kept ids ints (not bools or floats), unique, ascending and in range, one list per layer of
+    its count. With the model's `shape` (MoE layers, n_experts, top_k; a top_k of 0 is
+    unknown), the plan must be of that model: the same layers, expert count and top_k (a plan
+    never changes how many experts a token is routed to)."""
+    E, top_k = plan.n_experts, plan.top_k
+    if not _is_int(E) or E < 1:
+        raise ReapError(f"{where}: n_experts: {E!r} is not a positive integer")
+    if not _is_int(top_k) or not 1 <= top_k <= E:
+        raise ReapError(f"{where}: top_k: {top_k!r} is not an integer in [1, n_experts {E}]")
+    layers = plan.layers
+    if not isinstance(layers, list) or not all(_is_int(la) and la >= 0 for la in layers):
+        raise ReapError(f"{where}: layers: {layers!r} is not a list of layer numbers")
+    if len(set(layers)) != len(layers) or not layers:
+        raise ReapError(f"{where}: layers: {layers} is empty or names a layer twice")
+    if shape is not None:
+        _check_model(plan, where, shape)
+    counts = plan.counts
+    if not isinstance(counts, dict) or sorted(counts) != sorted(layers):
+        raise ReapError(f"{where}: counts: not one count for each of the layers {layers}")
+    for layer in layers:
+        n = counts[layer]
+        if not _is_int(n) or not top_k <= n <= E:
             raise ReapError(
-                f"{where}: kept experts given for layers {sorted(self.keep)}, "
-                f"plan layers are {self.layers}"
+                f"{where}: counts: layer {layer} keeps {n!r} experts, not an integer in "
+                f"[top_k {top_k}, n_experts {E}]"
             )
-        for layer, ids in self.keep.items():
-            ok = ids == sorted(set(ids)) and all(0 <= e < self.n_experts for e in ids)
-            if not ok or len(ids) != self.counts.get(layer) or len(ids) < self.top_k:
-                raise ReapError(f"{where}: layer {layer}: invalid kept expert list")
+    if plan.keep is not None:
+        _check_keep(plan, where)
+
+
+def _check_model(plan: Plan, where: str, shape: tuple[list[int], int, int]) -> None:
+    layers, E, top_k = shape
+    extra = sorted(set(plan.layers) - set(layers))
+    missing = sorted(set(layers) - set(plan.layers))
+    if extra:
+        raise ReapError(f"{where}: layers: layer {extra[0]} is not a MoE layer of the model")
+    if missing:
+        raise ReapError(f"{where}: layers: the model's MoE layer {missing[0]} is missing")
+    if plan.n_experts != E:
+        raise ReapError(f"{where}: n_experts: {plan.n_experts}, the model has {E} per layer")
+    if top_k and plan.top_k != top_k:
+        raise ReapError(
+            f"{where}: top_k: {plan.top_k}, the model routes each token to {top_k} experts "
+            "(a plan may not change num_experts_per_token)"
+        )
+
+
+def _check_keep(plan: Plan, where: str) -> None:
+    keep = plan.keep
+    if not isinstance(keep, dict) or sorted(keep) != sorted(plan.layers):
+        raise ReapError(f"{where}: keep: not one kept expert list for each of the layers")
+    for layer in plan.layers:
+        ids = keep[layer]
+        problem = None
+        if not isinstance(ids, list) or not all(_is_int(e) for e in ids):
+            problem = "ids must be integers"
+        elif ids != sorted(set(ids)):
+            problem = "ids must be unique and ascending"
+        elif not all(0 <= e < plan.n_experts for e in ids):
+            problem = f"ids must lie in [0, {plan.n_experts})"
+        elif len(ids) != plan.counts[layer]:
+            problem = f"{len(ids)} ids, the count is {plan.counts[layer]}"
+        if problem:
+            raise ReapError(f"{where}: keep: layer {layer}: invalid kept expert list ({problem})")
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)

@@ -5,7 +5,9 @@ equal the source expert the manifest names (and hash to the manifest's sha256, r
 both copies; a fused expert tensor is checked slice by slice through its views `X[e]`, after its
 shape [n_kept, ...]), router tensors equal the source's rows of the kept experts, those of
 unused components (UNUSED_COMPONENTS, an MTP layer) are gone, every other tensor is unchanged, no
-tensor is missing or extra, and config.json is the family's `with_experts` of the source config.
+tensor is missing or extra, config.json is the family's `with_experts` of the source config, and
+the index maps every tensor to the shard that holds it (no missing, renamed, swapped or outside
+shard).
 Reading is one tensor (or one expert) at a time, so memory stays small.
 """
 
@@ -42,6 +44,7 @@ def verify(*, pruned: str, source: str) -> VerifyResult:
     from reap.models import family
 
     with Checkpoint.open(pruned) as new, Checkpoint.open(source) as old:
+        _check_index(new, pruned)
         man = _manifest(pruned)
         if man["source"]["fingerprint"] != old.fingerprint():
             raise VerifyError(
@@ -66,6 +69,21 @@ def verify(*, pruned: str, source: str) -> VerifyResult:
                 )
     n_stored = sum(1 for n in expected if split_view(n)[1] is None)  # views are not tensors
     return VerifyResult(n_stored, nbytes, sum(len(v) for v in original.values()))
+
+
+def _check_index(new, pruned: str) -> None:
+    """The index prune wrote is there and agrees with the shards: each entry names a shard file
+    of the directory (a plain name, no path) whose header holds that tensor, and every stored
+    tensor has its entry (`Checkpoint.validate`); every shard header is parsed and checked."""
+    from reap.checkpoint import INDEX_NAME
+    from reap.errors import CheckpointError
+
+    if not os.path.isfile(os.path.join(pruned, INDEX_NAME)):
+        raise VerifyError(f"{pruned}: {INDEX_NAME} is missing (prune always writes one)")
+    try:
+        new.validate()
+    except CheckpointError as e:
+        raise VerifyError(str(e)) from None
 
 
 def _manifest(pruned: str) -> dict:

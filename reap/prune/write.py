@@ -6,7 +6,10 @@ tensor copied verbatim (`tensor_map`: which output tensor comes from where; `str
 the expert hashes, memory bounded by the largest single tensor); config.json gets the new expert
 count (`with_experts`). Shards are at most as large as the source's largest unless
 `max_shard_bytes` is given. Output is atomic and resumable through `CheckpointWriter`: a rerun
-with the same arguments after a crash or Ctrl-C skips the completed shards. Next to the weights:
+with the same inputs after a crash or Ctrl-C skips the completed shards; one with other inputs
+(plan, source, shard size) is refused (`resume`). The plan is checked against the source
+(`plan_file.check`), and the output may never be, hold or lie inside the source or the plan
+file (it could be replaced). Next to the weights:
 `reap_manifest.json` (per layer the original id of every new expert id, the sha256 of every kept
 expert's bytes, provenance), `reap_plan.json` (the plan), and every non-weight file of the source
 (tokenizer, ...).
@@ -22,8 +25,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from reap.errors import ReapError
+from reap.fileio import overlap
 from reap.provenance import code_version
-from reap.prune.plan_file import PRUNE_CODE, Plan
+from reap.prune import resume
+from reap.prune.plan_file import PRUNE_CODE, Plan, check
 from reap.prune.stream import stream_items
 from reap.prune.tensor_map import plan_items, unused_tensors
 
@@ -34,7 +39,7 @@ HASH_RULE = (
     "sha256 over the stored bytes of the expert's tensors, concatenated in the order "
     "of the family's expert_tensor_names"
 )
-_WEIGHT_FILES = {"config.json", "model.safetensors.index.json", MANIFEST, PLAN_COPY}
+_WEIGHT_FILES = {"config.json", "model.safetensors.index.json", MANIFEST, PLAN_COPY, resume.INPUTS}
 DROPPED_NOTE = (
     "tensors the family's layout tags as never read by the text model (UNUSED_COMPONENTS, e.g. "
     "an MTP layer, whose experts were neither calibrated nor pruned) are left out"
@@ -66,33 +71,35 @@ def prune(
 ) -> PruneResult:
     """Write the pruned checkpoint of `model` under `plan` to `out` (see the module docstring)."""
     from reap.checkpoint import Checkpoint, CheckpointWriter
-    from reap.models import family
 
     t0 = time.perf_counter()
-    plan = Plan.load(plan) if isinstance(plan, (str, os.PathLike)) else plan
-    if plan.keep is None:
-        raise ReapError("the plan holds counts only (no kept experts): make it from statistics")
+    plan_path = os.fspath(plan) if isinstance(plan, (str, os.PathLike)) else None
+    plan = Plan.load(plan_path) if plan_path else plan
+    if max_shard_bytes is not None and not (_is_int(max_shard_bytes) and max_shard_bytes > 0):
+        raise ReapError(f"max_shard_bytes {max_shard_bytes!r} is not a positive byte count")
     with Checkpoint.open(model) as ck:
-        if not ck.config:
-            raise ReapError(f"{model}: no config.json next to the weights")
-        fam = family(ck.config)
+        fam = _check_inputs(ck, plan, plan_path or "plan")
+        _check_out(out, [model, *ck.files, *([plan_path] if plan_path else [])], overwrite)
         config = _pruned_config(fam, ck.config, plan)
-        _check_model(ck, plan)
         dropped = unused_tensors(fam, ck.config)
         items, new_ids = plan_items(ck, fam, plan, dropped)
         specs = [it.spec for it in items]
         limit = max_shard_bytes or _largest_shard(ck)
+        inputs = resume.identity(ck, _plan_bytes(plan), limit, code_version(PRUNE_CODE))
+        resume.claim(out, inputs, overwrite)
         writer = CheckpointWriter(out, specs, limit, prefix=ck.prefix, overwrite=overwrite)
+        resume.record(out, inputs)
         hashes, resumed = stream_items(ck, fam, writer, items, progress, new_ids)
         manifest = _manifest(ck, plan, new_ids, hashes, arguments)
         if dropped:
             manifest["dropped"] = {"tensors": len(dropped), "note": DROPPED_NOTE}
         extra = {
             MANIFEST: json.dumps(manifest, indent=1),
-            PLAN_COPY: json.dumps(plan.to_json(), indent=1),
+            PLAN_COPY: _plan_bytes(plan).decode(),
             **_other_files(ck),
         }
         path = writer.close(config, extra)
+        resume.release(path)
     files = [p for p in Path(path).iterdir() if p.suffix == ".safetensors"]
     return PruneResult(
         path,
@@ -103,6 +110,49 @@ def prune(
         resumed,
         time.perf_counter() - t0,
     )
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _check_inputs(ck, plan: Plan, where: str):
+    """The source's family, once the plan is checked (`plan_file.check`) against the source."""
+    from reap.models import family
+
+    if not ck.config:
+        raise ReapError(f"{ck.path}: no config.json next to the weights")
+    fam = family(ck.config)
+    _check_model(ck, plan)
+    check(plan, where, _model_shape(ck.config))
+    if plan.keep is None:
+        raise ReapError(
+            f"{where}: keep: the plan holds counts only (no kept experts): make it from statistics"
+        )
+    return fam
+
+
+def _model_shape(config: dict) -> tuple[list[int], int, int]:
+    """(MoE layers, n_experts, top_k) of the source model, as the size model reads them."""
+    from reap.sizes import SizeModel
+
+    size = SizeModel.from_config(config)
+    return list(size.moe_layers), size.n_experts, size.top_k
+
+
+def _check_out(out: str, sources: list[str], overwrite: bool) -> None:
+    """Refuse an output that is, holds or lies inside an input (or whose half-written
+    `<out>.partial` does): replacing it would destroy the input. Then refuse an existing
+    output unless `overwrite`."""
+    for path in (out, resume.work_dir(out)):
+        hit = overlap(path, sources)
+        if hit:
+            raise ReapError(
+                f"{path}: the output {hit[0]} the input {hit[1]}; choose an output directory "
+                "outside the source model and the plan"
+            )
+    if os.path.lexists(out) and not overwrite:
+        raise resume.OutputExists(out, "already exists")
 
 
 def _pruned_config(fam, config: dict, plan: Plan) -> dict:
@@ -134,12 +184,11 @@ def _manifest(ck, plan: Plan, new_ids, hashes, arguments) -> dict:
             "original": ids,
             "sha256": [hashes[(layer, j)] for j in range(len(ids))],
         }
-    plan_bytes = json.dumps(plan.to_json(), indent=1).encode()
     return {
         "format": MANIFEST_FORMAT,
         "hash_rule": HASH_RULE,
         "source": {"path": os.path.abspath(ck.path), "fingerprint": ck.fingerprint()},
-        "plan_sha256": hashlib.sha256(plan_bytes).hexdigest(),
+        "plan_sha256": hashlib.sha256(_plan_bytes(plan)).hexdigest(),
         "n_experts": {"source": plan.n_experts, "kept": sorted(set(plan.counts.values()))},
         "experts": experts,
         "provenance": {
@@ -150,6 +199,11 @@ def _manifest(ck, plan: Plan, new_ids, hashes, arguments) -> dict:
             "plan_provenance": plan.provenance,
         },
     }
+
+
+def _plan_bytes(plan: Plan) -> bytes:
+    """The plan as `reap_plan.json` holds it (and as the manifest's plan_sha256 hashes it)."""
+    return json.dumps(plan.to_json(), indent=1).encode()
 
 
 def _other_files(ck) -> dict[str, bytes]:
