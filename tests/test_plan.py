@@ -346,3 +346,41 @@ def test_counts_a_family_cannot_write_are_refused_when_planning():
     assert sorted(kept) == [0, 1, 2, 3] and all(len(ids) == 16 for ids in kept.values())
     with pytest.raises(ReapError, match="one expert count|uniform|differ"):
         make_plan(config=cfg, criterion="random", scope="global", ratio=0.5, seed=0)
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("keep", {"1": [0.0, 1.0, 2.0, 3.0], "2": [0, 1, 2, 3]}, "keep: layer 1"),  # floats
+        ("keep", {"1": [False, 1, 2, 3], "2": [0, 1, 2, 3]}, "keep: layer 1"),  # bools
+        ("counts", {"1": 0, "2": 4}, "counts: layer 1 keeps 0"),
+        ("top_k", 0, "top_k: 0"),
+        ("top_k", True, "top_k: True"),
+        ("n_experts", 8.0, "n_experts: 8.0"),
+        ("layers", [1, 1], "layers: [1, 1]"),
+    ],
+)
+def test_plan_load_refuses_ill_typed_fields(field, value, message, tmp_path):
+    """Before: float or bool expert ids and zero counts loaded (prune then wrote them)."""
+    path = save(make_stats([1, 2], 8, 2), tmp_path, "zh")
+    out = tmp_path / "plan.json"
+    assert main(["plan", str(path), "--keep", "4", "--out", str(out), "--no-protect"]) == 0
+    d = json.loads(out.read_text())
+    d[field] = value
+    if field == "counts":
+        d["keep"]["1"] = []
+    out.write_text(json.dumps(d))
+    with pytest.raises(ReapError, match=f"^{out}: {message}".replace("[", r"\[")):
+        Plan.load(out)
+
+
+def test_plan_never_replaces_an_input_or_reads_an_infinite_size(tmp_path, capsys):
+    path = save(make_stats([1, 2], 8, 2), tmp_path, "zh")
+    before = Path(path).read_bytes()
+    assert main(["plan", path, "--keep", "4", "--out", path]) == 2
+    assert "would replace the input" in capsys.readouterr().err
+    assert Path(path).read_bytes() == before
+    for size in ("infGB", "-1GB"):
+        assert main(["plan", "--config", "k3-tiny", f"--target-size={size}", "--dry-run"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert "--target-size" in err and len(err.splitlines()) == 1, err

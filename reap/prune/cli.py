@@ -108,7 +108,7 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    config, model = None, None
+    config, model, path = None, None, None
     if args.model or args.config:
         from reap.sizes import resolve_config
 
@@ -144,8 +144,19 @@ def run_plan(args: argparse.Namespace) -> int:
             "without statistics a plan has counts only: give statistics files, "
             "--criterion random, or --dry-run"
         )
+    _check_plan_out(args.out, [s["path"] for s in plan.provenance["stats"]], path)
     print(plan.save(args.out), file=sys.stderr)
     return 0
+
+
+def _check_plan_out(out: str, stats: list[str], model: str | None) -> None:
+    """Refuse a plan file that would replace an input: a statistics file, the model file, or a
+    file already in the model directory."""
+    from reap.fileio import overlap
+
+    hit = overlap(out, [*stats, *([model] if model else [])])
+    if hit and (hit[0] == "is" or (hit[0] == "is inside" and os.path.lexists(out))):
+        raise ReapError(f"{out}: --out would replace the input {hit[1]}; choose another file")
 
 
 def _calibrated_model(stats_path: str) -> tuple[dict | None, str | None]:

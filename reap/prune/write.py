@@ -143,7 +143,7 @@ def _model_shape(config: dict) -> tuple[list[int], int, int]:
 def _check_out(out: str, sources: list[str], overwrite: bool) -> None:
     """Refuse an output that is, holds or lies inside an input (or whose half-written
     `<out>.partial` does): replacing it would destroy the input. Then refuse an existing
-    output unless `overwrite`."""
+    output that is not a directory, or any unless `overwrite`."""
     for path in (out, resume.work_dir(out)):
         hit = overlap(path, sources)
         if hit:
@@ -151,6 +151,8 @@ def _check_out(out: str, sources: list[str], overwrite: bool) -> None:
                 f"{path}: the output {hit[0]} the input {hit[1]}; choose an output directory "
                 "outside the source model and the plan"
             )
+    if os.path.lexists(out) and (os.path.islink(out) or not os.path.isdir(out)):
+        raise ReapError(f"{out}: the output exists and is not a directory; choose another")
     if os.path.lexists(out) and not overwrite:
         raise resume.OutputExists(out, "already exists")
 
