@@ -90,6 +90,21 @@ def test_out_may_not_be_hold_or_lie_inside_the_source(src, plans, tmp_path, caps
     assert not list(tmp_path.rglob("*.partial"))
 
 
+def test_out_may_not_hold_the_files_a_source_links_to(src, plans, tmp_path, capsys):
+    """A hub-cache layout: the model directory holds symlinks into a blob directory; an output
+    that holds the blobs would delete the weights behind the links."""
+    blobs, snapshot = tmp_path / "repo" / "blobs", tmp_path / "repo" / "snapshot"
+    blobs.mkdir(parents=True)
+    snapshot.mkdir()
+    for f in src.iterdir():
+        shutil.copy(f, blobs / hashlib.sha256(f.name.encode()).hexdigest())
+        (snapshot / f.name).symlink_to(blobs / hashlib.sha256(f.name.encode()).hexdigest())
+    before = digest(tmp_path)
+    argv = ["prune", str(snapshot), "--plan", str(plans[0]), "--out", str(blobs), "--overwrite"]
+    err = one_line_error(capsys, [*argv, "--no-progress"])
+    assert "the output contains the input" in err and digest(tmp_path) == before, err
+
+
 def test_work_dir_of_the_source_is_never_removed(src, plans, tmp_path, capsys):
     """`<out>.partial` is the writer's work directory: a source there is never resumed into or
     removed, even with --overwrite."""

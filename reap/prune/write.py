@@ -79,7 +79,7 @@ def prune(
         raise ReapError(f"max_shard_bytes {max_shard_bytes!r} is not a positive byte count")
     with Checkpoint.open(model) as ck:
         fam = _check_inputs(ck, plan, plan_path or "plan")
-        _check_out(out, [model, *ck.files, *([plan_path] if plan_path else [])], overwrite)
+        _check_out(out, _inputs(model, ck, plan_path), overwrite)
         config = _pruned_config(fam, ck.config, plan)
         dropped = unused_tensors(fam, ck.config)
         items, new_ids = plan_items(ck, fam, plan, dropped)
@@ -138,6 +138,13 @@ def _model_shape(config: dict) -> tuple[list[int], int, int]:
 
     size = SizeModel.from_config(config)
     return list(size.moe_layers), size.n_experts, size.top_k
+
+
+def _inputs(model: str, ck, plan_path: str | None) -> list[str]:
+    """Every path a prune reads: the model, each file in its directory and each shard (a link
+    counts where it points, e.g. into a hub cache's blobs), and the plan file."""
+    listed = [str(p) for p in Path(model).iterdir()] if Path(model).is_dir() else []
+    return [model, *listed, *ck.files, *([plan_path] if plan_path else [])]
 
 
 def _check_out(out: str, sources: list[str], overwrite: bool) -> None:
