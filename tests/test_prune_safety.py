@@ -177,6 +177,18 @@ def test_resume_refuses_a_work_dir_without_a_record(src, plans, tmp_path, monkey
     assert "not recorded" in err and "--overwrite" in err, err
 
 
+def test_a_foreign_work_dir_is_never_removed(src, plans, tmp_path, capsys):
+    """`<out>.partial` that no prune made (no record, no writer marker) stays, even with
+    --overwrite."""
+    out = tmp_path / "out"
+    work = tmp_path / "out.partial"
+    work.mkdir()
+    (work / "mine.txt").write_text("keep me")
+    argv = ["prune", str(src), "--plan", str(plans[0]), "--out", str(out), "--overwrite"]
+    err = one_line_error(capsys, [*argv, "--no-progress"])
+    assert "not made by reap prune" in err and (work / "mine.txt").read_text() == "keep me"
+
+
 def test_existing_output_message_names_the_flag(src, plans, pruned, capsys):
     argv = ["prune", str(src), "--plan", str(plans[0]), "--out", str(pruned), "--no-progress"]
     err = one_line_error(capsys, argv)

@@ -17,6 +17,7 @@ import os
 import shutil
 from pathlib import Path
 
+from reap.checkpoint.writer import _PLAN_FILE as WORK_MARK  # the writer's own record
 from reap.errors import ReapError, WriteError
 from reap.fileio import write_atomic
 
@@ -64,10 +65,12 @@ def claim(out: str | os.PathLike, inputs: dict, overwrite: bool) -> None:
     if not os.path.lexists(work):
         return
     if work.is_symlink() or not work.is_dir():
-        raise ReapError(f"{work}: in the way of the output and not a directory prune made")
+        raise ReapError(f"{work}: in the way of the output and not a directory reap prune made")
     have = _read(work / INPUTS)
     if have == inputs:
         return
+    if have is None and not (work / WORK_MARK).exists():
+        raise ReapError(f"{work}: in the way of the output and not made by reap prune; remove it")
     if overwrite:
         try:
             shutil.rmtree(work)
