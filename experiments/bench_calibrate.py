@@ -77,7 +77,7 @@ def naive_moe(fam, model, cfg, get, layer: int, x, acc):
     lat, mx, mod = (torch.zeros(N, K) for _ in range(3))
     for e in range(cfg.num_experts):
         t = {short: get(name) for short, name in zip(fam.EXPERT_TENSORS,
-                                                      fam.expert_tensor_names(layer, e))}
+                                                      fam.expert_tensor_names(cfg, layer, e))}
         q = {n: dequantize(t[f"{n}.weight_packed"], t[f"{n}.weight_scale"]) for n in ("w1", "w2",
                                                                                        "w3")}
         o = blocks.glu_mlp(xl, q["w1"], q["w3"], q["w2"], beta, linear_beta).float()  # [N, Dl]
@@ -161,9 +161,11 @@ def decode_floor(model_dir: str) -> float:
     t0 = time.perf_counter()
     with Checkpoint.open(model_dir) as ck:
         fam = family(ck.config)
+        cfg = fam.Config.from_dict(ck.config)
         experts = sorted({(s.layer, s.expert) for s in fam.layout(ck.config) if s.expert is not None})
         for layer, e in experts:
-            t = dict(zip(fam.EXPERT_TENSORS, ck.read_many(fam.expert_tensor_names(layer, e)).values()))
+            names = fam.expert_tensor_names(cfg, layer, e)
+            t = dict(zip(fam.EXPERT_TENSORS, ck.read_many(names).values()))
             for w in ("w1", "w2", "w3"):
                 dequantize(t[f"{w}.weight_packed"], t[f"{w}.weight_scale"])
     return time.perf_counter() - t0

@@ -118,7 +118,7 @@ def disk_bandwidth(ckpt: Path, seconds: float = 6.0) -> dict:
     random.Random(0).shuffle(experts)
     fds, done, t0 = {}, 0, time.perf_counter()
     for e in experts:
-        infos = [ck.tensors[n] for n in fam.expert_tensor_names(layer, e)]
+        infos = [ck.tensors[n] for n in fam.expert_tensor_names(None, layer, e)]  # K3: any config
         f = infos[0].file
         fds.setdefault(f, os.open(f, os.O_RDONLY | os.O_DIRECT))
         done += _direct_read(fds[f], buf, infos[0].start, infos[-1].end - infos[0].start)
@@ -490,7 +490,7 @@ def extrapolate(rates: dict, expert_s: float, baseline: int, threads: int) -> li
     tensors = {s.name: _Spec(s) for s in fam.layout(cfgd) if s.component != "vision"}
     b = binding.bind(tensors, fam, cfgd, "k3-full")
     costs = binding.state_costs(fam, cfg, 2)
-    mb = binding.model_bytes(tensors, fam, b, costs, cfg.num_experts_per_token, torch.bfloat16)
+    mb = binding.model_bytes(tensors, b, costs, cfg.num_experts_per_token, torch.bfloat16)
     used = len(b.expert_layers) * cfg.num_experts_per_token
     expert_params = 3 * cfg.latent * cfg.moe_intermediate_size
     trunk_flops = decode_flops(cfgd) - 2.0 * used * expert_params

@@ -22,7 +22,7 @@ from reap.errors import EXIT_FAILURE, EXIT_INTERRUPTED, ReapError
 
 # name -> (module, or module:NAME, and a one-line help). Order is the order `reap --help` lists.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "info": ("reap.sizes", "parameter and byte census of a checkpoint or built-in config"),
+    "info": ("reap.info_cli", "parameter and byte census of a checkpoint or built-in config"),
     "synth": ("reap.synth", "write a random but valid checkpoint of a built-in config"),
     "corpora": ("reap.corpora.cli", "list, build and inspect calibration/evaluation corpora"),
     "calibrate": ("reap.calibrate.cli", "stream corpora through a model, record expert statistics"),

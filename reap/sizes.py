@@ -1,5 +1,5 @@
 """Size model: parameter and byte census of a checkpoint layout, and byte predictions for
-pruned builds (`reap info`, and `reap plan --target-size`).
+pruned builds (`reap info` in `reap.info_cli`, and `reap plan --target-size`).
 
 Everything is computed from the family's `layout(config)` (every tensor's name, dtype, shape,
 component, layer, expert), so a config alone answers the full-scale questions without weights.
@@ -11,8 +11,6 @@ census and in the source's size, not in active parameters or pruned builds (prun
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -29,8 +27,8 @@ class SizeModel:
     """Bytes and parameters of a layout as a function of experts kept per MoE layer.
 
     An expert's unit cost (`expert_bytes`, `expert_params`) includes its rows of the router
-    tensors; `expert_own_*` are its own tensors alone. MXFP4 tensors count the weights they
-    hold (two per packed byte, none per scale byte) as parameters.
+    tensors; `expert_own_*` are its own tensors alone. Parameters are the weights tensors hold by
+    their layout role (`TensorSpec.weights`: two per MXFP4 block byte, none in a scale).
     """
 
     n_experts: int
@@ -74,11 +72,11 @@ class SizeModel:
         digits = len(str(shard // 2))  # typical offset within a shard
         prefix = TEXT_PREFIX if "text_config" in config else ""  # as synth and the releases
         for s in specs:
-            census[s.component]["params"] += _params(s)
+            census[s.component]["params"] += s.weights
             census[s.component]["bytes"] += s.nbytes
             if s.component in UNUSED_COMPONENTS:
                 unused["b"] += s.nbytes + entry_bytes(s, prefix, digits)
-                unused["p"] += _params(s)
+                unused["p"] += s.weights
                 continue
             if s.expert is not None:
                 n_exp = max(n_exp, s.expert + 1)
@@ -89,8 +87,8 @@ class SizeModel:
                     for k, v in (
                         ("b", s.nbytes),
                         ("ob", s.nbytes),
-                        ("p", _params(s)),
-                        ("op", _params(s)),
+                        ("p", s.weights),
+                        ("op", s.weights),
                         ("h", h),
                     ):
                         unit[k][s.layer] += v
@@ -103,13 +101,11 @@ class SizeModel:
                 fixed["b"] += s.nbytes - s.nbytes // rows * rows
                 continue
             fixed["b"] += s.nbytes
-            fixed["p"] += _params(s)
-        top_k = int(getattr(cfg, "num_experts_per_token", 0) or 0)
+            fixed["p"] += s.weights
+        top_k = fam.top_k(cfg)
         d = {k: dict(v) for k, v in unit.items()}
         embed = sum(
-            s.numel
-            for s in specs
-            if s.name.endswith("embed_tokens.weight") and s.component not in UNUSED_COMPONENTS
+            s.numel for s in specs if s.role == "embedding" and s.component not in UNUSED_COMPONENTS
         )
         stored = len({split_view(s.name)[0] for s in specs})  # a fused tensor's views: one tensor
         return cls(
@@ -187,18 +183,6 @@ class SizeModel:
         return keep
 
 
-def _params(s: TensorSpec) -> int:
-    """Weights a tensor stores: an MXFP4 packed (or GPT-OSS block) byte holds two, a scale byte
-    (or an FP8 block scale, `weight_scale_inv`) none (a fused view `X[e]` is named by its stored
-    tensor X)."""
-    name = split_view(s.name)[0]
-    if name.endswith(("weight_packed", "_blocks")):
-        return s.numel * 2
-    if name.endswith(("weight_scale", "_scales", "weight_scale_inv")):
-        return 0
-    return s.numel
-
-
 def parse_size(text: str) -> int:
     """'350GB' -> 350e9 bytes; accepts B, KB, MB, GB, TB (powers of 1000) and KiB..TiB."""
     units = {
@@ -248,74 +232,3 @@ def resolve_config(model: str, layers: int | None = None) -> tuple[dict, str | N
                 raise ReapError(f"{model}: no config.json")
             return ck.config, model
     return builtin_config(model, layers=layers), None
-
-
-def info(model: str, layers: int | None = None) -> dict:
-    """Census of a checkpoint or built-in config as a JSON-able dict."""
-    config, path = resolve_config(model, layers)
-    m = SizeModel.from_config(config)
-    first = m.moe_layers[0] if m.moe_layers else None
-    out = {
-        "model": model,
-        "components": {k: dict(v) for k, v in sorted(m.census.items())},
-        "total_params": m.total_params,
-        "active_params": m.active_params,
-        "routed_params": m.census.get("routed_experts", {}).get("params", 0),
-        "routed_bytes": m.census.get("routed_experts", {}).get("bytes", 0),
-        "n_experts": m.n_experts,
-        "top_k": m.top_k,
-        "moe_layers": len(m.moe_layers),
-        "params_per_routed_expert": m.expert_own_params.get(first, 0),
-        "bytes_per_routed_expert": m.expert_own_bytes.get(first, 0),
-        "checkpoint_bytes": m.predict_bytes(),
-        "tensors": m.n_tensors,
-    }
-    if path is not None:
-        from reap.checkpoint import Checkpoint
-
-        with Checkpoint.open(path) as ck:
-            out["bytes_on_disk"] = sum(os.path.getsize(f) for f in ck.files)
-            out["tensors_on_disk"] = len(ck.tensors)
-    return out
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "model",
-        metavar="MODEL_OR_CONFIG",
-        help="checkpoint directory/file, or a built-in config: k3-tiny, k3-small, k3-full",
-    )
-    p.add_argument(
-        "--layers", type=int, default=None, help="built-in configs only: keep the first N layers"
-    )
-    p.add_argument("--json", action="store_true", help="print the census as JSON")
-
-
-def run(args: argparse.Namespace) -> int:
-    out = info(args.model, args.layers)
-    if args.json:
-        print(json.dumps(out, indent=1))
-        return 0
-    total = out["total_params"]
-    print(
-        f"{out['model']}: {fmt_params(total)} parameters, {fmt_bytes(out['checkpoint_bytes'])}"
-        f" checkpoint, {out['tensors']:,} tensors"
-    )
-    print(f"{'component':<16}{'params':>14}{'share':>8}{'bytes':>14}")
-    for name, c in out["components"].items():
-        print(
-            f"{name:<16}{fmt_params(c['params']):>14}{c['params'] / total:>8.1%}"
-            f"{fmt_bytes(c['bytes']):>14}"
-        )
-    print(
-        f"active per token: {fmt_params(out['active_params'])} "
-        f"({out['active_params'] / total:.1%}); routed experts: {out['n_experts']} per layer, "
-        f"top-{out['top_k']}, {out['moe_layers']} MoE layers"
-    )
-    print(
-        f"per routed expert: {out['params_per_routed_expert']:,} params, "
-        f"{out['bytes_per_routed_expert']:,} bytes"
-    )
-    if "bytes_on_disk" in out:
-        print(f"on disk: {fmt_bytes(out['bytes_on_disk'])} in {out['tensors_on_disk']:,} tensors")
-    return 0

@@ -110,10 +110,10 @@ def _gen(seed: int, name: str) -> torch.Generator:
 
 
 def _draw(group: list[TensorSpec], seed: int) -> list[torch.Tensor]:
-    if group[0].expert is None or group[0].dtype != "U8":  # a tensor, or an expert in floats
+    if group[0].role != "mxfp4.blocks":  # a tensor, or an expert in floats
         return [_float_tensor(s, _gen(seed, s.name)) for s in group]
     out = []
-    for packed, scale in zip(group[0::2], group[1::2]):  # (weight_packed, weight_scale) pairs
+    for packed, scale in zip(group[0::2], group[1::2]):  # (MXFP4 blocks, their scales) pairs
         g = _gen(seed, packed.name)
         rows, cols = packed.shape[0], packed.shape[1] * 2
         if rows * cols > _DIRECT_CODES_ABOVE:
@@ -140,21 +140,22 @@ def _direct_codes(
 
 
 def _float_tensor(s: TensorSpec, g: torch.Generator) -> torch.Tensor:
-    """A plausible random value for a non-expert tensor, chosen by its role in the name."""
-    leaf = s.name.rsplit(".", 2)
-    last = leaf[-2] if leaf[-1] == "weight" else leaf[-1]
-    if last == "A_log":  # decay rates exp(A) in [1, 16] for the real heads, zero padding after
-        return torch.log(1 + 15 * torch.rand(s.shape, generator=g)).to(_TORCH[s.dtype])
-    if last == "dt_bias":  # with A in [1, 16]: per-step decays from ~0.01 to ~0.999
-        return (-0.5 + 0.3 * torch.randn(s.shape, generator=g)).to(_TORCH[s.dtype])
-    if last.endswith("correction_bias"):
-        return (0.01 * torch.randn(s.shape, generator=g)).to(_TORCH[s.dtype])
-    if last.endswith("norm") or "norm" in last.split("_"):
-        return (1 + 0.1 * torch.randn(s.shape, generator=g)).to(_TORCH[s.dtype])
-    if last.endswith("conv1d"):  # [C, 1, k]
-        return (torch.randn(s.shape, generator=g) / math.sqrt(s.shape[-1])).to(_TORCH[s.dtype])
-    std = 1.0 if last == "embed_tokens" else 1 / math.sqrt(s.shape[-1])
-    if last == "f_b_proj":  # keep the decay input small so dt_bias sets the decay range
+    """A plausible random value for a non-expert tensor, chosen by its declared role."""
+    dtype = _TORCH[s.dtype]
+    if (
+        s.role == "decay_log"
+    ):  # decay rates exp(A) in [1, 16] for the real heads, zero padding after
+        return torch.log(1 + 15 * torch.rand(s.shape, generator=g)).to(dtype)
+    if s.role == "decay_bias":  # with A in [1, 16]: per-step decays from ~0.01 to ~0.999
+        return (-0.5 + 0.3 * torch.randn(s.shape, generator=g)).to(dtype)
+    if s.role == "router_bias":
+        return (0.01 * torch.randn(s.shape, generator=g)).to(dtype)
+    if s.role == "norm":
+        return (1 + 0.1 * torch.randn(s.shape, generator=g)).to(dtype)
+    if s.role == "conv":  # [C, 1, k]
+        return (torch.randn(s.shape, generator=g) / math.sqrt(s.shape[-1])).to(dtype)
+    std = 1.0 if s.role == "embedding" else 1 / math.sqrt(s.shape[-1])
+    if s.role == "decay_proj":  # keep the decay input small so dt_bias sets the decay range
         std *= 0.3
     return _randn_rows(s, std, g)
 

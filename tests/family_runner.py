@@ -322,7 +322,7 @@ def check_pruned_layout(src, out, plan) -> None:
             for name, axis in fam.router_tensors(cfg, layer).items():
                 expect[name] = old[name].index_select(axis, rows)
             for j, e in enumerate(plan.keep[layer]):
-                kept = fam.expert_tensor_names(layer, j), fam.expert_tensor_names(layer, e)
+                kept = fam.expert_tensor_names(cfg, layer, j), fam.expert_tensor_names(cfg, layer, e)
                 expect.update({n: old[o] for n, o in zip(*kept)})
         for name in want:
             assert _same_bytes(new[name], expect.get(name, old[name])), name

@@ -4,6 +4,7 @@ brute-force LFU, `reap.quant.mxfp4`'s decoders, a naive sampler), on a k3-tiny f
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -153,7 +154,8 @@ def test_fast_mxfp4_decode_is_bit_identical_to_the_codec(dtype):
 def test_reader_coalesces_an_expert_into_one_read_and_matches_checkpoint(tiny):
     ck = Checkpoint.open(tiny)
     fam = family(ck.config)
-    names = fam.expert_tensor_names(2, 5)
+    expert_names = functools.partial(fam.expert_tensor_names, fam.Config.from_dict(ck.config))
+    names = expert_names(2, 5)
     for direct in (False, True):
         r = BufferReader(ck, direct=direct)
         got = r.read(names, "experts")
@@ -221,9 +223,10 @@ class NaiveLFU:
 def test_expert_cache_matches_a_brute_force_lfu_with_aging(tiny):
     ck = Checkpoint.open(tiny)
     fam = family(ck.config)
+    expert_names = functools.partial(fam.expert_tensor_names, fam.Config.from_dict(ck.config))
     r = BufferReader(ck)
-    one = sum(ck.tensors[n].nbytes for n in fam.expert_tensor_names(1, 0))
-    cache = ExpertCache(r, 6 * one, fam.expert_tensor_names, half_life=16)
+    one = sum(ck.tensors[n].nbytes for n in expert_names(1, 0))
+    cache = ExpertCache(r, 6 * one, expert_names, half_life=16)
     naive = NaiveLFU(6, 16)
     g = torch.Generator().manual_seed(0)
     popular = torch.tensor([0, 1, 2, 3] * 3 + list(range(16)))
@@ -233,7 +236,7 @@ def test_expert_cache_matches_a_brute_force_lfu_with_aging(tiny):
             hits = cache.hits
             t = cache.get(layer, e)
             assert (cache.hits > hits) == naive.access((layer, e))
-            assert torch.equal(t["w2.weight_packed"], ck.read(fam.expert_tensor_names(layer, e)[2]))
+            assert torch.equal(t["w2.weight_packed"], ck.read(expert_names(layer, e)[2]))
         cache.release()
         naive.in_use.clear()
         assert set(cache.tensors) == naive.resident
@@ -332,9 +335,10 @@ def test_failed_expert_reads_are_recorded_and_generation_finishes(tiny, tmp_path
     shutil.copytree(tiny, d)
     ck = Checkpoint.open(d)
     fam = family(ck.config)
-    first = min(ck.tensors[n].start for n in fam.expert_tensor_names(5, 0))
+    expert_names = functools.partial(fam.expert_tensor_names, fam.Config.from_dict(ck.config))
+    first = min(ck.tensors[n].start for n in expert_names(5, 0))
     with Engine.open(d, preset="max", context=64) as eng:  # trunk pinned, experts lazy
-        shard = ck.tensors[fam.expert_tensor_names(5, 0)[0]].file
+        shard = ck.tensors[expert_names(5, 0)[0]].file
         os.truncate(shard, first + 10)  # every expert stored after it becomes unreadable
         gen = eng.generate([[1, 2, 3]], max_tokens=3)[0]
         assert len(gen.ids) == 3 and eng.expert_failures
@@ -422,9 +426,10 @@ def test_run_exit_4_when_an_expert_is_corrupt(tiny, tmp_path, capsys):
     shutil.copytree(tiny, d)
     ck = Checkpoint.open(d)
     fam = family(ck.config)
-    with open(ck.tensors[fam.expert_tensor_names(1, 0)[0]].file, "r+b") as f:
+    expert_names = functools.partial(fam.expert_tensor_names, fam.Config.from_dict(ck.config))
+    with open(ck.tensors[expert_names(1, 0)[0]].file, "r+b") as f:
         for e in range(fam.Config.from_dict(ck.config).num_experts):  # every expert of layer 1
-            t = ck.tensors[fam.expert_tensor_names(1, e)[1]]  # w1.weight_scale
+            t = ck.tensors[expert_names(1, e)[1]]  # w1.weight_scale
             f.seek(t.start)
             f.write(b"\xff" * t.nbytes)
     code, out, err = _run(str(d), "--prompt-ids", "1,2", "--max-tokens", "2", capsys=capsys)
@@ -489,14 +494,15 @@ def test_default_model_is_synthesized_once_without_a_bundled_one(tmp_path, monke
 def test_expert_prefetch_reads_in_background_and_serves_the_same_bytes(tiny):
     ck = Checkpoint.open(tiny)
     fam = family(ck.config)
+    expert_names = functools.partial(fam.expert_tensor_names, fam.Config.from_dict(ck.config))
     r = BufferReader(ck)
-    one = sum(ck.tensors[n].nbytes for n in fam.expert_tensor_names(1, 0))
-    cache = ExpertCache(r, 4 * one, fam.expert_tensor_names)
+    one = sum(ck.tensors[n].nbytes for n in expert_names(1, 0))
+    cache = ExpertCache(r, 4 * one, expert_names)
     ids = [0, 3, 5, 9, 11]  # one more than fits: the fifth is read into a transient buffer
     cache.prefetch(2, ids)
     for e in ids:
         t = cache.get(2, e)
-        for n, short in zip(fam.expert_tensor_names(2, e), fam.EXPERT_TENSORS):
+        for n, short in zip(expert_names(2, e), fam.EXPERT_TENSORS):
             assert torch.equal(t[short], ck.read(n))
     assert cache.misses == 5 and r.io.reads == 5
     cache.release()

@@ -140,7 +140,7 @@ def test_sizes_count_the_mtp_layer_in_the_totals_only():
 
 
 def test_reap_info_counts_the_mtp_component(models, capsys):
-    from reap.sizes import info
+    from reap.info_cli import info
 
     base, _, path, names, _ = models
     assert main(["info", path]) == 0

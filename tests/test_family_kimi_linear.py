@@ -171,8 +171,8 @@ def test_state_bytes_are_the_decode_caches_and_the_engine_requires_them(tiny):
     import types
 
     from reap.engine.binding import state_costs
-    from reap.errors import ReapError
     from reap.models import kimi_linear
+    from reap.models.base import check_family
 
     path, _ = tiny
     _, cfg, model, get = R.load_ours(path)
@@ -182,8 +182,8 @@ def test_state_bytes_are_the_decode_caches_and_the_engine_requires_them(tiny):
     rec = sum(c.state.nbytes + c.conv.nbytes for c in caches if hasattr(c, "state"))
     per_pos, per_seq, act, pair = state_costs(kimi_linear, cfg, 4)
     assert (per_pos * T, per_seq) == (kv, rec) and act > 0 and pair == 12 * 2
-    with pytest.raises(ReapError, match="has no state_bytes"):
-        state_costs(types.ModuleType("nostate"), cfg, 4)
+    with pytest.raises(TypeError, match=r"state_bytes\(\) is missing"):
+        check_family(types.ModuleType("nostate"))  # the family contract, checked on load
 
 
 @pytest.mark.parametrize(

@@ -191,7 +191,7 @@ def test_expert_bytes_decode_like_the_reference(shipped):
     for layer in (i for i in range(cfg.num_hidden_layers) if cfg.is_moe(i)):
         mats = []
         for e in (0, cfg.num_experts - 1):
-            p, s = (weights[n] for n in kimi_k3.expert_tensor_names(layer, e)[:2])  # w1
+            p, s = (weights[n] for n in kimi_k3.expert_tensor_names(cfg, layer, e)[:2])  # w1
             fast = mxfp4.dequantize(p, s)
             torch.testing.assert_close(
                 fast.double(), mxfp4.dequantize_reference(p, s).double(), rtol=0, atol=0

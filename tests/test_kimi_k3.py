@@ -223,7 +223,7 @@ def test_k3_full_layout_reproduces_published_figures():
     assert abs(sum(s.nbytes for s in specs) / 1.56e12 - 1) < 0.005
     expert = [s for s in specs if (s.layer, s.expert) == (5, 17)]
     assert sum(s.nbytes for s in expert) == 17_547_264
-    assert [s.name for s in expert] == kimi_k3.expert_tensor_names(5, 17)
+    assert [s.name for s in expert] == kimi_k3.expert_tensor_names(kimi_k3.Config.from_dict(cfg_d), 5, 17)
     assert [s.shape for s in expert] == [
         (3072, 1792),
         (3072, 112),

@@ -4,11 +4,15 @@ match what is written."""
 import json
 import subprocess
 import sys
+from collections.abc import Mapping
 
 import pytest
 
+from reap.checkpoint import split_view
 from reap.errors import ReapError
-from reap.sizes import SizeModel, info, parse_size
+from reap.info_cli import info
+from reap.models import builtin_config
+from reap.sizes import SizeModel, parse_size
 
 
 @pytest.fixture(scope="module")
@@ -81,3 +85,65 @@ def test_predicted_bytes_match_a_written_checkpoint(tmp_path):
     got = info(str(out))
     assert got["tensors_on_disk"] == got["tensors"]
     assert abs(got["checkpoint_bytes"] - got["bytes_on_disk"]) <= 0.001 * got["bytes_on_disk"]
+
+
+FP8_DEEPSEEK = {
+    "model_type": "deepseek_v3", "vocab_size": 64, "hidden_size": 64, "intermediate_size": 96,
+    "moe_intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
+    "n_routed_experts": 4, "n_group": 1, "topk_group": 1, "num_experts_per_tok": 2,
+    "first_k_dense_replace": 1, "q_lora_rank": None, "kv_lora_rank": 16, "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 16, "v_head_dim": 16,
+    "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [16, 16]},
+}  # fmt: skip
+MXFP4_GPT_OSS = {
+    "model_type": "gpt_oss", "vocab_size": 64, "hidden_size": 64, "intermediate_size": 32,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+    "num_local_experts": 4, "num_experts_per_tok": 2, "quantization_config": {"quant_method": "mxfp4"},
+}  # fmt: skip
+
+
+class _Table(Mapping):
+    """A layout as a checkpoint's tensor table: stored tensors listed, views `X[e]` looked up."""
+
+    def __init__(self, specs):
+        self.views = {s.name: s for s in specs}
+        self.stored = sorted({split_view(n)[0] for n in self.views})
+
+    def __getitem__(self, name):
+        return self.views[name]
+
+    def __iter__(self):
+        return iter(self.stored)
+
+    def __len__(self):
+        return len(self.stored)
+
+
+@pytest.mark.parametrize(
+    ("config", "weights"),
+    [
+        (FP8_DEEPSEEK, 3 * 64 * 32),  # F8 weights, one each; F32 block scales hold none
+        (MXFP4_GPT_OSS, 2 * 32 * 64 + 2 * 32 + 64 * 32 + 64),  # blocks two a byte, biases
+        (builtin_config("k3-tiny"), 3 * 32 * 32),  # w1, w2, w3 [32, 32] as packed + scales
+    ],
+)
+def test_sizes_and_the_engine_binding_count_quantized_experts_alike(config, weights):
+    """Which tensors are quantization blocks or scales is declared once, by the layout's roles:
+    the size model's parameters and the engine's decoded expert agree (FP8 and MXFP4)."""
+    import torch
+
+    from reap.engine.binding import bind, model_bytes
+    from reap.models import family
+
+    fam = family(config)
+    specs = fam.layout(config)
+    size = SizeModel.from_layout(specs, fam, config)
+    tensors = _Table(specs)  # a layout binds like the checkpoint it describes
+    b = bind(tensors, fam, config, "layout")
+    layer = size.moe_layers[0]
+    assert b.expert_weights == size.expert_own_params[layer] == weights
+    mb = model_bytes(
+        tensors, b, (0, 0, 0, 0), fam.top_k(fam.Config.from_dict(config)), torch.bfloat16
+    )
+    assert mb.decoded_expert_bytes == 2 * weights
+    assert mb.expert_bytes[layer] == size.expert_own_bytes[layer]

@@ -219,3 +219,103 @@ def test_quant_stands_alone_and_the_expert_path_names_no_quantized_tensor():
         text = (ROOT / name).read_text()
         bad += [f"{name} names {s}" for s in ("_packed", "_scale", "_blocks") if s in text]
     assert not bad, "\n".join(bad)
+
+
+# -- the family contract (issue 13): stages ask the family, never read its config or names ------
+# keys every family reads the same way, or that the contract itself declares (Config.torch_dtype)
+GENERIC_KEYS = {"dtype", "torch_dtype", "model_type", "vocab_size"}
+EXPERT_SUFFIXES = ("_packed", "_scale", "weight_scale_inv", "_blocks", "_scales")
+
+
+def _family_keys() -> set[str]:
+    import dataclasses
+    import importlib
+
+    from reap.models import FAMILIES
+
+    keys = set()
+    for module in set(FAMILIES.values()):
+        keys |= {f.name for f in dataclasses.fields(importlib.import_module(module).Config)}
+    return keys - GENERIC_KEYS
+
+
+def _outside_families():
+    """(relative path, parsed tree) of every module outside models/, checkpoint/ and quant/."""
+    for path in sorted(ROOT.rglob("*.py")):
+        rel = path.relative_to(ROOT)
+        if rel.parts[0] not in {"models", "checkpoint", "quant"}:
+            yield rel.as_posix(), ast.parse(path.read_text())
+
+
+def _docstrings(tree) -> set[int]:
+    kinds = (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+    return {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, kinds) and ast.get_docstring(node, clean=False) is not None
+    }
+
+
+def test_family_config_keys_and_expert_suffixes_stay_in_models():
+    keys, bad = _family_keys(), []
+    assert {"attn_res_block_size", "num_experts_per_token", "first_k_dense_replace"} <= keys
+    for rel, tree in _outside_families():
+        docs = _docstrings(tree)
+        for node in ast.walk(tree):
+            name = None
+            if isinstance(node, ast.Attribute):
+                name = node.attr
+            elif isinstance(node, ast.keyword):
+                name = node.arg
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+                name = node.value
+                suffix = id(node) not in docs and node.value.endswith(EXPERT_SUFFIXES)
+                if suffix:
+                    bad.append(f"{rel}:{node.lineno} names expert tensor suffix {node.value!r}")
+            if name in keys:
+                bad.append(f"{rel}:{node.lineno} reads family config key {name!r}")
+    assert not bad, "\n".join(bad)
+
+
+def test_no_getattr_on_a_family_outside_models():
+    bad = []
+    for rel, tree in _outside_families():
+        for node in ast.walk(tree):
+            call = isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+            if call and node.func.id in {"getattr", "hasattr"} and node.args:
+                target = ast.unparse(node.args[0])
+                if target.split(".")[-1] in {"fam", "family", "cfg"} or "family(" in target:
+                    bad.append(f"{rel}:{node.lineno} {ast.unparse(node)}")
+    assert not bad, "\n".join(bad)
+
+
+def test_family_modules_are_checked_against_the_contract_once():
+    """Every registered family implements the contract; a module missing a hook, or taking other
+    arguments, is refused when `family()` first loads it."""
+    import sys
+    import types
+
+    import pytest
+
+    from reap.models import FAMILIES, family, load_family
+    from reap.models.base import family_hooks
+
+    assert {"layout", "expert_tensor_names", "top_k", "state_bytes", "calibration_widths"} <= set(
+        family_hooks()
+    )
+    for module in set(FAMILIES.values()):
+        assert load_family(module).__name__ == module
+    from reap.models import qwen3_moe
+
+    broken = types.ModuleType("reap_test_broken_family")
+    broken.__dict__.update({k: v for k, v in vars(qwen3_moe).items() if not k.startswith("__")})
+    del broken.state_bytes
+    broken.top_k = lambda: 1
+    sys.modules[broken.__name__] = broken
+    FAMILIES["reap_test_broken"] = broken.__name__
+    try:
+        with pytest.raises(TypeError, match=r"top_k\(\) cannot be called") as refused:
+            family({"model_type": "reap_test_broken"})
+        assert "state_bytes() is missing" in str(refused.value)
+    finally:
+        del FAMILIES["reap_test_broken"], sys.modules[broken.__name__]

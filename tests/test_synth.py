@@ -81,12 +81,12 @@ def test_values_keep_activations_order_one(tiny):
     assert torch.isfinite(logits).all() and 0.2 < logits.std() < 5
     # KDA decays per step span short and long memory, inside [exp(-5), 1]
     p = "model.layers.0.self_attn."
-    a = kimi_k3.B.linear(
-        kimi_k3.B.linear(torch.randn(500, cfg.hidden_size), ck.read(p + "f_a_proj.weight").float()),
+    a = kimi_k3.blocks.linear(
+        kimi_k3.blocks.linear(torch.randn(500, cfg.hidden_size), ck.read(p + "f_a_proj.weight").float()),
         ck.read(p + "f_b_proj.weight").float(),
     ).reshape(500, cfg.kda_heads, cfg.kda_head_dim)
     dt = ck.read(p + "dt_bias").reshape(cfg.kda_heads, -1)
-    g = kimi_k3.B.kda_log_decay(a, ck.read(p + "A_log")[: cfg.kda_heads], dt, -5.0).exp()
+    g = kimi_k3.blocks.kda_log_decay(a, ck.read(p + "A_log")[: cfg.kda_heads], dt, -5.0).exp()
     assert g.min() >= math.exp(-5) * (1 - 1e-6) and g.max() <= 1
     assert (g < 0.5).float().mean() > 0.05 and (g > 0.9).float().mean() > 0.05
 

@@ -8,6 +8,7 @@ k3-tiny synthesized on first use into the cache directory (`$REAP_CACHE`, else
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import time
@@ -15,7 +16,7 @@ import time
 import torch
 
 from reap.calibrate import artifacts as art
-from reap.calibrate import runner as R
+from reap.calibrate import runner
 from reap.calibrate.accumulate import StatsAccumulator
 from reap.calibrate.memory import peak_rss, plan_memory
 from reap.calibrate.spill import SpillStore
@@ -41,7 +42,7 @@ def calibrate(*, corpus: str, tokens: int, seq_len: int, out: str, model: str | 
               seed: int = 0, batch: int | None = None, save_token_experts: bool = False,
               seq_counts: bool | None = None, shard: tuple[int, int] = (1, 1),
               max_pass_seqs: int | None = None, progress: bool = True,
-              hooks=None) -> R.CalibrateResult:
+              hooks=None) -> runner.CalibrateResult:
     """Stream `tokens` calibration tokens of corpus mixture `corpus` (e.g. "zh:3+code:1")
     through `model` in sequences of `seq_len` and write per-corpus expert statistics to `out`.
 
@@ -57,7 +58,7 @@ def calibrate(*, corpus: str, tokens: int, seq_len: int, out: str, model: str | 
     from reap.corpora import corpus_fingerprint, parse_spec
 
     names = [name for name, _ in parse_spec(corpus)]  # unknown corpora fail before model work
-    R.check_lengths({}, tokens, seq_len)
+    runner.check_lengths({}, tokens, seq_len)
     if model is None:
         model = default_model(lambda m: print(m, file=sys.stderr))
     path = os.path.abspath(model)
@@ -91,7 +92,7 @@ def _sequences(corpus: str, path: str, tokens: int, seq_len: int, seed: int,
     from reap.tokenizer import load_tokenizer
 
     seqs = calibration_sequences(corpus, load_tokenizer(path), tokens, seq_len, seed)
-    s0, s1 = R.resolve_shard(shard, len(seqs))
+    s0, s1 = runner.resolve_shard(shard, len(seqs))
     if s0 == s1:
         raise ReapError(f"--shard {shard[0]}/{shard[1]} holds no sequences")
     return seqs[s0:s1], (s0, s1)
@@ -104,7 +105,7 @@ def _setup(ckpt, path: str, tokens: int, seq_len: int, device: str, dtype: str) 
 
     if not ckpt.config:
         raise ReapError(f"{path}: no config.json: not a model checkpoint")
-    R.check_lengths(ckpt.config, tokens, seq_len)
+    runner.check_lengths(ckpt.config, tokens, seq_len)
     fam = family(ckpt.config)
     specs = fam.layout(ckpt.config)
     missing = [s.name for s in specs if s.name not in ckpt.tensors]
@@ -117,43 +118,45 @@ def _setup(ckpt, path: str, tokens: int, seq_len: int, device: str, dtype: str) 
         raise ReapError("--device cuda: no CUDA device is available")
     if dtype not in ("float32", "bfloat16"):
         raise ReapError(f"--dtype must be float32 or bfloat16, got {dtype!r}")
-    tdtype = getattr(torch, dtype)
-    model = fam.Model(fam.Config.from_dict(ckpt.config), device=device, dtype=tdtype)
-    return {"fam": fam, "specs": specs, "size": size, "model": model, "dtype": tdtype,
-            "device": torch.device(device)}
+    tdtype, cfg = getattr(torch, dtype), fam.Config.from_dict(ckpt.config)
+    model = fam.Model(cfg, device=device, dtype=tdtype)
+    return {"fam": fam, "cfg": cfg, "specs": specs, "size": size, "model": model,
+            "dtype": tdtype, "device": torch.device(device)}
 
 
 def _make_run(ckpt, setup, ids, seq_corpus, n_corpora, identity, out, budget, batch, seq_counts,
-              save_token_experts) -> R.Run:
+              save_token_experts) -> runner.Run:
     """Plan memory, then open a fresh work directory or resume the one in `out`."""
-    size, text = setup["size"], ckpt.config.get("text_config", ckpt.config)
+    size, fam = setup["size"], setup["fam"]
+    widths = fam.calibration_widths(setup["cfg"], max(size.moe_layers) + 1)
     S, T = ids.shape
     plan = plan_memory(
-        weight_bytes=R.weight_sizes(ckpt, setup["specs"], setup["dtype"].itemsize),
-        hidden=text["hidden_size"], heads=text.get("num_attention_heads", 1),
-        dense_ffn=text.get("intermediate_size", 0),
-        n_experts=size.n_experts, top_k=size.top_k,
-        n_blocks=R.n_blocks(text, max(size.moe_layers) + 1), n_seq=S, seq_len=T, budget=budget,
-        batch=batch, max_pass_seqs=identity["arguments"]["max_pass_seqs"])
+        weight_bytes=runner.weight_sizes(ckpt, setup["specs"], setup["dtype"].itemsize),
+        hidden=widths.hidden, heads=widths.heads, dense_ffn=widths.dense_ffn,
+        n_experts=size.n_experts, top_k=size.top_k, n_blocks=widths.snapshots, n_seq=S,
+        seq_len=T, budget=budget, batch=batch,
+        max_pass_seqs=identity["arguments"]["max_pass_seqs"])
     work = os.path.join(out, ".work")
     prog = art.read_json(os.path.join(work, "progress.json"))
     if prog is None and os.path.exists(os.path.join(out, "all.safetensors")):
         raise ReapError(f"{out} already holds finished statistics; choose another --out")
     if prog is not None and prog["identity"] != identity:
-        diff = R.identity_diff(prog["identity"], identity)
+        diff = runner.identity_diff(prog["identity"], identity)
         raise ReapError(f"{out} holds an unfinished run with different arguments ({diff}); "
                         f"rerun with the same arguments to resume, or delete {work}")
     if prog is None:
-        R.cleanup_work(work)
+        runner.cleanup_work(work)
         store = SpillStore(work, S)
     else:
         store = SpillStore.from_manifest(work, S, prog["store"])
         store.cleanup()  # files of the layer that was interrupted
+    expert_names = functools.partial(fam.expert_tensor_names, setup["cfg"])  # (layer, expert)
     acc = StatsAccumulator(size.n_experts, size.top_k, seq_corpus, T, n_corpora, seq_counts)
-    run = R.Run(ckpt=ckpt, model=setup["model"], moe_layers=size.moe_layers, ids=ids, plan=plan,
-                 store=store, acc=acc, weights=R.LayerWeights(ckpt, setup["device"]),
-                 experts=R.StoreExperts(ckpt, setup["fam"], setup["device"]), work=work,
-                 identity=identity, device=setup["device"])
+    run = runner.Run(ckpt=ckpt, model=setup["model"], moe_layers=size.moe_layers, ids=ids,
+                     plan=plan, store=store, acc=acc,
+                     weights=runner.LayerWeights(ckpt, setup["device"]),
+                     experts=runner.StoreExperts(ckpt, expert_names, setup["device"]),
+                     work=work, identity=identity, device=setup["device"])
     run.done = -1 if prog is None else prog["done"]
     if prog is not None:
         run.counters = dict(prog["counters"])
@@ -163,7 +166,7 @@ def _make_run(ckpt, setup, ids, seq_corpus, n_corpora, identity, out, budget, ba
     return run
 
 
-def _execute(run: R.Run, setup, seqs, names, progress, hooks, t0) -> R.CalibrateResult:
+def _execute(run: runner.Run, setup, seqs, names, progress, hooks, t0) -> runner.CalibrateResult:
     """Run the remaining layers with a progress bar, then write the final artifacts."""
     from tqdm import tqdm
 
@@ -174,7 +177,7 @@ def _execute(run: R.Run, setup, seqs, names, progress, hooks, t0) -> R.Calibrate
                    unit_scale=1 / n_layers, desc="calibrate", disable=not progress,
                    dynamic_ncols=True, smoothing=0.1, bar_format=_BAR)
     try:
-        R.run_layers(run, run.done if run.done < 0 else run.done + 1, hooks)
+        runner.run_layers(run, run.done if run.done < 0 else run.done + 1, hooks)
     finally:
         run.bar.close()
         run.store.close()
@@ -186,11 +189,11 @@ def _execute(run: R.Run, setup, seqs, names, progress, hooks, t0) -> R.Calibrate
                     "tokens_per_second": result.tokens / max(result.seconds, 1e-9),
                     "resumed_after": resumed, "plan": run.plan.__dict__, "timing": run.timing,
                     "estimated_peak_rss": run.plan.estimate_peak(), "files": result.files})
-    R.cleanup_work(run.work)
+    runner.cleanup_work(run.work)
     return result
 
 
-def _write(run: R.Run, setup, seqs, names) -> R.CalibrateResult:
+def _write(run: runner.Run, setup, seqs, names) -> runner.CalibrateResult:
     """Statistics files (and token ids) with provenance; returns the result record."""
     from reap.corpora import corpus_fingerprint
 
@@ -215,6 +218,6 @@ def _write(run: R.Run, setup, seqs, names) -> R.CalibrateResult:
         tok = run.token_experts.assemble(os.path.join(out, "token_experts.safetensors"),
                                          run.moe_layers, [names.index(s.corpus) for s in seqs],
                                          meta)
-    return R.CalibrateResult(out, files, tok, S * T, list(run.moe_layers), c["bytes_read"],
+    return runner.CalibrateResult(out, files, tok, S * T, list(run.moe_layers), c["bytes_read"],
                              ckpt_bytes, c["expert_reads_max"], run.plan.passes, None, 0.0, 0,
                              run.plan)

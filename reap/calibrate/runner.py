@@ -77,10 +77,11 @@ class LayerWeights:
 
 class StoreExperts:
     """ExpertSource reading one routed expert's tensors with one coalesced read, counting reads
-    per (layer, expert) within the current pass."""
+    per (layer, expert) within the current pass; `names(layer, expert)` lists an expert's
+    tensors (the family's `expert_tensor_names` for this config)."""
 
-    def __init__(self, ckpt: Checkpoint, fam, device: torch.device):
-        self.ckpt, self.fam, self.device = ckpt, fam, device
+    def __init__(self, ckpt: Checkpoint, names, device: torch.device):
+        self.ckpt, self.names, self.device = ckpt, names, device
         self.pass_reads: dict[tuple[int, int], int] = {}
         self.max_reads = 0
         self.total = 0
@@ -90,7 +91,7 @@ class StoreExperts:
         self.pass_reads = {}
 
     def __call__(self, layer: int, expert: int) -> dict[str, torch.Tensor]:
-        names = self.fam.expert_tensor_names(layer, expert)
+        names = self.names(layer, expert)
         try:
             got = self.ckpt.read_many(names, self.device)
         except (CheckpointError, OSError) as e:
@@ -238,7 +239,8 @@ def _timed(run: Run, phase: str, fn, *args) -> None:
 # -- sizes --------------------------------------------------------------------------------------
 def weight_sizes(ckpt: Checkpoint, specs, itemsize: int) -> dict:
     """Resident bytes of the largest layer trunk, the embedding and one routed expert (MXFP4
-    bytes plus their dequantized copy); 16-bit weights count double when computing in fp32."""
+    blocks and scales, by their layout role, count nine times: the bytes plus a dequantized fp32
+    copy); 16-bit weights count double when computing in fp32."""
     first = next(((s.layer, s.expert) for s in specs if s.expert is not None), None)
     trunk: dict[int, int] = {}
     expert = embed = 0
@@ -249,7 +251,7 @@ def weight_sizes(ckpt: Checkpoint, specs, itemsize: int) -> dict:
         n = info.nbytes * (2 if info.dtype in ("BF16", "F16") and itemsize == 4 else 1)
         if s.expert is not None:
             if (s.layer, s.expert) == first:
-                expert += info.nbytes * 9 if info.dtype == "U8" else n * 2
+                expert += info.nbytes * 9 if s.role.startswith("mxfp4") else n * 2
         elif s.layer is not None:
             trunk[s.layer] = trunk.get(s.layer, 0) + n
         elif s.component == "embed_head":
@@ -268,12 +270,6 @@ def check_lengths(config: dict, tokens: int, seq_len: int) -> None:
         raise ReapError(f"--seq-len {seq_len} exceeds the model's limit of {limit} tokens")
     if tokens < seq_len:
         raise ReapError(f"--tokens {tokens} is less than one sequence of --seq-len {seq_len}")
-
-
-def n_blocks(text: dict, n_layers: int) -> int:
-    """Most AttnRes block snapshots carried through `n_layers` layers (0 without AttnRes)."""
-    size = text.get("attn_res_block_size")
-    return 0 if not size else -(-n_layers // size)
 
 
 def resolve_shard(shard: tuple[int, int], n_seq: int) -> tuple[int, int]:

@@ -70,6 +70,16 @@ def split_view(name: str) -> tuple[str, int | None]:
 # in the totals but not in the active parameters, and `reap prune` leaves them out.
 UNUSED_COMPONENTS = frozenset({"mtp"})
 
+# What a tensor's elements hold (TensorSpec.role, declared by the family layouts) -> the weights
+# each stores, for the size model, the engine's byte census and `reap synth`. Plain weights: a
+# "weight" (matrix, bias, sink), or one synth draws its own way: "embedding", "norm", "conv",
+# "router_bias", KDA's "decay_log"/"decay_bias"/"decay_proj" (A_log, dt_bias, f_b_proj).
+# Quantized "codec.part": "mxfp4.blocks" (two E2M1 codes a byte: `weight_packed`, `_blocks`) with
+# "mxfp4.scales" (E8M0); "fp8.weight" (F8_E4M3) with "fp8.scales" (F32 `weight_scale_inv`).
+_ONE_EACH = "weight embedding norm conv router_bias decay_log decay_bias decay_proj fp8.weight"
+_QUANTIZED = {"mxfp4.blocks": 2, "mxfp4.scales": 0, "fp8.scales": 0}
+ROLE_WEIGHTS = dict.fromkeys(_ONE_EACH.split(), 1) | _QUANTIZED
+
 
 @dataclass(frozen=True)
 class TensorSpec:
@@ -80,6 +90,7 @@ class TensorSpec:
     (softmax GQA) | dense_mlp | embed_head | attn_res | norms | vision | mtp (see
     UNUSED_COMPONENTS) | other.
     layer: decoder layer index or None; expert: routed expert id or None.
+    role: what its elements hold, a key of ROLE_WEIGHTS (default "weight").
     """
 
     name: str
@@ -88,6 +99,12 @@ class TensorSpec:
     component: str = "other"
     layer: int | None = None
     expert: int | None = None
+    role: str = "weight"
+
+    @property
+    def weights(self) -> int:
+        """Weights the tensor holds: two per MXFP4 block byte, none in a scale (ROLE_WEIGHTS)."""
+        return self.numel * ROLE_WEIGHTS[self.role]
 
     @property
     def numel(self) -> int:

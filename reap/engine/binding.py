@@ -1,7 +1,7 @@
 """Binding a checkpoint to its model family, and what the memory plan needs to know about it.
 
     b = bind(checkpoint.tensors, fam, config, path)       # strict: missing/unused -> exit 1
-    mb = model_bytes(checkpoint.tensors, fam, b, state_costs(fam, cfg, 2), top_k, torch.bfloat16)
+    mb = model_bytes(checkpoint.tensors, b, state_costs(fam, cfg, 2), top_k, torch.bfloat16)
 
 The engine reads a checkpoint as *trunk units* (each decoder layer without its routed experts,
 then the head) plus routed experts read on demand; the embedding table is read by rows. Works on
@@ -24,13 +24,17 @@ from reap.errors import EXIT_FAILURE, ReapError
 @dataclass
 class Binding:
     """What the engine reads, by trunk unit: units[i] names unit i's tensors (decoder layers in
-    order, then the head); `embed` is the embedding table, read by rows."""
+    order, then the head); `embed` is the embedding table, read by rows. `first_expert[layer]`
+    names the tensors of expert 0 of each MoE layer; `expert_weights` is how many weights one
+    routed expert holds (decoded, by the layout's roles: MXFP4 blocks two a byte, scales none)."""
 
     unit_names: list[str]
     units: list[list[str]]
     embed: str
     expert_layers: list[int]
     n_experts: int
+    first_expert: dict[int, list[str]]
+    expert_weights: int
 
 
 def bind(tensors: dict, fam, config: dict, path: str) -> Binding:
@@ -68,16 +72,20 @@ def bind(tensors: dict, fam, config: dict, path: str) -> Binding:
             units[s.layer].append(s.name)
         elif s.name != embed or len(embed_specs) == 1:  # a tied table is also the head
             units[n_layers].append(s.name)
-    expert_layers = sorted({s.layer for s in specs if s.component == "routed_experts"})
+    first = [s for s in specs if s.component == "routed_experts" and s.expert == 0]
+    first_expert: dict[int, list[str]] = {}
+    for s in first:
+        first_expert.setdefault(s.layer, []).append(s.name)
     n_experts = 1 + max((s.expert for s in specs if s.expert is not None), default=-1)
     names = [f"layer {i}" for i in range(n_layers)] + ["head"]
-    return Binding(names, units, embed, expert_layers, n_experts)
+    weights = sum(s.weights for s in first if s.layer == first[0].layer) if first else 0
+    return Binding(names, units, embed, sorted(first_expert), n_experts, first_expert, weights)
 
 
 def state_costs(fam, cfg, act_bytes: int) -> tuple[int, int, int, int]:
     """(KV bytes per position, recurrent-state bytes per sequence, activation bytes per token,
     attention-score bytes per (query, key) pair) of one sequence, computing with `act_bytes`-byte
-    activations: the family's `state_bytes(cfg, act_bytes)`, which every family must provide.
+    activations: the family's `state_bytes(cfg, act_bytes)` (part of the family contract).
 
     - KV per position: what the attention caches hold per token, summed over layers (MLA latent
       + rope key; K and V of every KV head for GQA; a sliding-window layer counts here too);
@@ -86,31 +94,24 @@ def state_costs(fam, cfg, act_bytes: int) -> tuple[int, int, int, int]:
     - activation per token: peak transient bytes per token of one layer's forward;
     - score per pair: bytes per (query, key) pair of one attention layer's scores (fp32 scores,
       probabilities and mask: 12 bytes x the most heads of any layer)."""
-    fn, name = getattr(fam, "state_bytes", None), getattr(fam, "__name__", fam)
-    if fn is None:
-        raise ReapError(
-            f"model family {name} has no state_bytes(cfg, act_bytes): "
-            "the engine cannot size its caches",
-            EXIT_FAILURE,
-        )
-    costs = tuple(int(c) for c in fn(cfg, act_bytes))
+    costs = tuple(int(c) for c in fam.state_bytes(cfg, act_bytes))
     if len(costs) != 4 or min(costs) < 0:
         raise ReapError(
-            f"model family {name}: state_bytes returned {costs}, not 4 byte counts >= 0",
+            f"model family {fam.__name__}: state_bytes returned {costs}, not 4 byte counts >= 0",
             EXIT_FAILURE,
         )
     return costs
 
 
 def model_bytes(
-    tensors: dict, fam, b: Binding, costs: tuple[int, int, int, int], top_k: int, dtype: torch.dtype
+    tensors: dict, b: Binding, costs: tuple[int, int, int, int], top_k: int, dtype: torch.dtype
 ) -> memory.ModelBytes:
     """The plan's view of a bound checkpoint (bytes as stored) computing in `dtype`."""
     units = [sum(tensors[n].nbytes for n in names) for names in b.units]
     expert_bytes = [0] * len(units)
     n_experts = [0] * len(units)
     for layer in b.expert_layers:
-        expert_bytes[layer] = sum(tensors[n].nbytes for n in fam.expert_tensor_names(layer, 0))
+        expert_bytes[layer] = sum(tensors[n].nbytes for n in b.first_expert[layer])
         n_experts[layer] = b.n_experts
     code, size = DTYPE_CODES[dtype], torch.finfo(dtype).bits // 8
     cast = max(
@@ -132,30 +133,12 @@ def model_bytes(
         resident=0,
         embed_row=row.nbytes // row.shape[0],
         cast_bytes=cast,
-        decoded_expert_bytes=_decoded(tensors, fam, b, size),
+        decoded_expert_bytes=b.expert_weights * size,
         state_per_position=costs[0],
         state_per_sequence=costs[1],
         act_per_token=costs[2],
         attn_per_pair=costs[3],
     )
-
-
-def _decoded(tensors: dict, fam, b: Binding, size: int) -> int:
-    """Bytes of one routed expert's weights decoded to `size`-byte elements (MXFP4: two values
-    per packed byte or MXFP4 block byte; scale bytes produce none)."""
-    if not b.expert_layers:
-        return 0
-    names = fam.expert_tensor_names(b.expert_layers[0], 0)
-    bases = [split_view(n)[0] for n in names]
-    elems = sum(
-        2 * tensors[n].nbytes
-        if base.endswith(("_packed", "_blocks"))
-        else 0
-        if base.endswith(("_scale", "_scales"))
-        else _numel(tensors[n].shape)
-        for n, base in zip(names, bases)
-    )
-    return elems * size
 
 
 def _numel(shape) -> int:

@@ -17,6 +17,7 @@ a weight came from (pinned, ring slot or cache hit), so output is identical acro
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from dataclasses import dataclass
@@ -98,11 +99,10 @@ class Engine:
         torch_dtype = _compute_dtype(dtype, cfg)
         b = bind(ckpt.tensors, fam, ckpt.config, str(model))
         costs = state_costs(fam, cfg, torch.finfo(torch_dtype).bits // 8)
-        top_k = int(getattr(cfg, "num_experts_per_token", 0))
-        mb = model_bytes(ckpt.tensors, fam, b, costs, top_k, torch_dtype)
+        mb = model_bytes(ckpt.tensors, b, costs, fam.top_k(cfg), torch_dtype)
         plan = _make_plan(mb, budget, preset, context, batch, prefill_chunk, available, baseline)
         memory.check_available(plan, available)
-        reader, trunk, experts = _stores(ckpt, fam, b, plan, direct, device)
+        reader, trunk, experts = _stores(ckpt, fam, cfg, b, plan, direct, device)
         eng = cls(
             plan_bytes=mb, path=str(model), config=ckpt.config, fam=fam, cfg=cfg, binding=b,
             plan=plan, reader=reader, trunk=trunk, experts=experts, device=device,
@@ -194,7 +194,7 @@ class Engine:
 
     def _zero_expert(self, layer: int, expert: int) -> dict[str, torch.Tensor]:
         """All-zero bytes decode to all-zero weights: the expert contributes nothing."""
-        names = self.fam.expert_tensor_names(layer, expert)
+        names = self.fam.expert_tensor_names(self.cfg, layer, expert)
         # bind() checked every expert tensor is listed; only its bytes failed to load
         shapes = (self.reader.tensors[n].shape for n in names)
         return {
@@ -310,7 +310,7 @@ def _open_checkpoint(model):
     return ckpt, model
 
 
-def _stores(ckpt, fam, b: Binding, plan: memory.MemoryPlan, direct: bool, device: str):
+def _stores(ckpt, fam, cfg, b: Binding, plan: memory.MemoryPlan, direct: bool, device: str):
     """The reader, the trunk store (pinned units read now) and the expert cache (slab held)."""
     reader = BufferReader(ckpt, direct=direct, kinds=IO_KINDS)
     try:
@@ -320,10 +320,10 @@ def _stores(ckpt, fam, b: Binding, plan: memory.MemoryPlan, direct: bool, device
     except ReapError:
         reader.close()
         raise
-    names, matrices = fam.expert_tensor_names, fam.expert_matrices
-    experts = ExpertCache(reader, plan.expert_cache, names, matrices, device=device)
+    names = functools.partial(fam.expert_tensor_names, cfg)  # (layer, expert) -> stored names
+    experts = ExpertCache(reader, plan.expert_cache, names, fam.expert_matrices, device=device)
     if b.expert_layers:
-        experts.reserve(fam.expert_tensor_names(b.expert_layers[0], 0))
+        experts.reserve(b.first_expert[b.expert_layers[0]])
     return reader, trunk, experts
 
 
@@ -340,7 +340,7 @@ def _check_device(device: str) -> None:
 
 def _compute_dtype(dtype: str | None, cfg) -> torch.dtype:
     if dtype is None or dtype == "auto":
-        dtype = "float32" if getattr(cfg, "torch_dtype", "") == "float32" else "bfloat16"
+        dtype = "float32" if cfg.torch_dtype == "float32" else "bfloat16"
     if dtype not in DTYPES:
         raise ReapError(f"--dtype must be auto, float32 or bfloat16, got {dtype!r}")
     return DTYPES[dtype]

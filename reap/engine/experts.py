@@ -2,7 +2,8 @@
 tensors are contiguous) into a slab of fixed-size slots, evicted by LFU with aging; reads of a
 layer's experts can start in background threads as soon as its routing is known.
 
-    cache = ExpertCache(reader, capacity_bytes, fam.expert_tensor_names, fam.expert_matrices)
+    names = functools.partial(fam.expert_tensor_names, cfg)  # (layer, expert) -> stored names
+    cache = ExpertCache(reader, capacity_bytes, names, fam.expert_matrices)
     cache.prefetch(layer, ids)         # optional: start all reads now
     tensors = cache.get(layer, expert)  # short name -> tensor, or None if it failed to load
     cache.release()                     # the layer is done: its experts may be evicted

@@ -1,7 +1,8 @@
 """Model families and built-in configs.
 
 `family(config_dict)` returns the module that implements a checkpoint's architecture (one file
-per family, see `reap.models.base` for what each provides); `builtin_config(name)` returns a full
+per family, registered in FAMILIES and checked against the contract `reap.models.base.Family`
+when first loaded); `builtin_config(name)` returns a full
 config.json dict for the built-in K3-architecture configs used by tests, `reap synth` and the
 size model:
 
@@ -14,6 +15,7 @@ size model:
 from __future__ import annotations
 
 import copy
+import functools
 import importlib
 from types import ModuleType
 
@@ -203,9 +205,16 @@ def family(config_dict: dict) -> ModuleType:
         mt = "kimi_k3"
     if mt not in FAMILIES:
         raise ReapError(f"unsupported model_type {mt!r} (supported: {', '.join(sorted(FAMILIES))})")
-    module = importlib.import_module(FAMILIES[mt])
-    variant = getattr(module, "variant", None)  # a family whose names depend on the storage
-    return variant(config_dict) if variant is not None else module
+    return load_family(FAMILIES[mt])
+
+
+@functools.cache
+def load_family(module: str) -> ModuleType:
+    """The family module `module` (a FAMILIES value), checked once against the contract
+    (TypeError naming what a family lacks)."""
+    from reap.models.base import check_family
+
+    return check_family(importlib.import_module(module))
 
 
 def _is_k3_text(text: dict) -> bool:

@@ -208,6 +208,24 @@ class MLADims:
             getattr(c, "mla_use_output_gate", False),
         )
 
+    def specs(self, t: Callable, hidden: int) -> list:
+        """The layout of one MLA block in file order, each tensor as `t(name, shape, "mla")`
+        (names under `self_attn.`; `hidden`: D)."""
+        D, H, r, kv, q = hidden, self.heads, self.q_lora, self.kv_lora, self.nope + self.rope
+        if r:
+            shapes = {"q_a_proj": (r, D), "q_a_layernorm": (r,), "q_b_proj": (H * q, r)}
+        else:
+            shapes = {"q_proj": (H * q, D)}
+        shapes |= {
+            "kv_a_proj_with_mqa": (kv + self.rope, D),
+            "kv_a_layernorm": (kv,),
+            "kv_b_proj": (H * (self.nope + self.v), kv),
+            "o_proj": (D, H * self.v),
+        }
+        if self.output_gate:
+            shapes["g_proj"] = (H * self.v, D)
+        return [t(f"self_attn.{n}.weight", s, "mla") for n, s in shapes.items()]
+
 
 def mla_attention(
     x: Tensor,

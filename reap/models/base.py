@@ -1,19 +1,32 @@
-"""Contracts between model families and the stages that drive them (calibrate, engine, eval).
+"""The family contract: what every model family module provides, and the layer-by-layer protocol.
 
-Every family module under `reap.models` (one file each, e.g. `kimi_k3.py`) provides:
+Each family is one module under `reap.models` (e.g. `kimi_k3.py`, registered in `FAMILIES`)
+implementing `Family` below; the first time `reap.models.family(config_dict)` loads a module,
+`check_family` refuses it (TypeError) if it lacks a member or a hook cannot take the contract's
+arguments. Stages ask the family; none reads its config fields or tensor names (the structure
+test checks this outside `models/`, `checkpoint/` and `quant/`):
 
-- `Config` dataclass whose field names are the `config.json` names, `Config.from_dict(d)`;
-- `layout(config_dict) -> list[TensorSpec]`: every tensor of the released checkpoint layout, in
-  file order, names without any `language_model.` prefix, tagged with component/layer/expert;
-- `expert_key(name) -> (layer, expert) | None`, `router_tensors(cfg, layer) -> {name: axis}`
-  (tensors sliced along the expert axis when pruning) and `with_experts(config_dict, n) -> dict`;
+- `Config`: a dataclass whose field names are the `config.json` names, `Config.from_dict(d)`,
+  with at least `torch_dtype` (the checkpoint's dtype name, e.g. "bfloat16");
+- `Model(cfg, device, dtype)`: a `LayerModel` holding no weights (the driving protocol below);
+- `layout(config_dict) -> list[TensorSpec]`: every tensor of the released layout, in file order,
+  names without any `language_model.` prefix, tagged with component, layer, expert and role (what
+  its elements hold: plain weights, MXFP4 blocks or scales, FP8 weights or scales; see
+  `reap.checkpoint.spec.ROLE_WEIGHTS`);
+- `expert_key(name) -> (layer, expert) | None`; `expert_tensor_names(cfg, layer, expert)`: one
+  routed expert's tensors as stored (an FP8 or MXFP4 checkpoint names its scales too);
+- `router_tensors(cfg, layer) -> {name: axis}` (sliced along the expert axis when pruning),
+  `with_experts(config_dict, n) -> dict`, `expert_groups(config_dict) -> int` (routing groups a
+  plan keeps equally many experts in; 1 for ungrouped routers), `top_k(cfg) -> int`;
 - `state_bytes(cfg, act_bytes)`: the engine's per-sequence cache and activation sizes (see
   `reap.engine.binding.state_costs` for the four numbers);
-- `Model(cfg)`: holds no weights. Weights are pulled by name through a `Weights` getter, so the
-  same code runs fully in memory (tests, the reference forward) and one layer at a time with
-  weights streamed from disk (calibration, the engine).
+- `calibration_widths(cfg, n_layers) -> ActivationWidths`: what calibration's memory plan needs;
+- `expert_matrices(tensors)`: one routed expert's stored tensors (short names) as the weights its
+  code multiplies by, quantized ones paired into records (see `reap.quant.matrix`).
 
-Driving a model layer by layer (shapes: B batch, T tokens, D hidden, V vocab):
+Driving a model layer by layer (shapes: B batch, T tokens, D hidden, V vocab): weights are
+pulled by name through a `Weights` getter, so the same code runs fully in memory (tests, the
+reference forward) and one layer at a time with weights streamed from disk (calibration, engine).
 
     state = model.embed(get, ids)                      # ids [B, T] -> State
     for i in range(model.n_layers):
@@ -30,12 +43,13 @@ results do not depend on caching or memory budgets.
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import os
-import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -50,10 +64,29 @@ ExpertSource = Callable[[int, int], Mapping[str, torch.Tensor]]
 Weights = Callable[[str], torch.Tensor]
 
 
-def decoder_specs(cfg, dtype: str, layer_specs: Callable[[int], list]) -> list:
+# A family's tensor names -> their role (TensorSpec.role) by name suffix: the Hugging Face ones
+# every family shares; families with more (KDA's decay, router biases) extend the table.
+HF_ROLES = {"embed_tokens.weight": "embedding", "norm.weight": "norm"}
+
+
+def tag_roles(specs: list, roles: Mapping[str, str] = HF_ROLES) -> list:
+    """`specs` with the role of each plain non-expert tensor whose name ends with a key of
+    `roles` (tensors already given a role, e.g. quantized experts, keep it)."""
+    suffixes, out = tuple(roles), []
+    for s in specs:
+        if s.expert is None and s.role == "weight" and s.name.endswith(suffixes):
+            s = dataclasses.replace(s, role=next(r for k, r in roles.items() if s.name.endswith(k)))
+        out.append(s)
+    return out
+
+
+def decoder_specs(
+    cfg, dtype: str, layer_specs: Callable[[int], list], roles: Mapping[str, str] = HF_ROLES
+) -> list:
     """The TensorSpecs of a decoder-only layout in order: `model.embed_tokens.weight`, each
     layer's `layer_specs(i)`, `model.norm.weight`, then `lm_head.weight` unless the config ties
-    it (`cfg`: hidden_size, vocab_size, num_hidden_layers, tie_word_embeddings)."""
+    it (`cfg`: hidden_size, vocab_size, num_hidden_layers, tie_word_embeddings), tagged with
+    `roles` (see `tag_roles`)."""
     from reap.checkpoint import TensorSpec
 
     D, V = cfg.hidden_size, cfg.vocab_size
@@ -63,30 +96,88 @@ def decoder_specs(cfg, dtype: str, layer_specs: Callable[[int], list]) -> list:
     specs.append(TensorSpec("model.norm.weight", dtype, (D,), "norms"))
     if not cfg.tie_word_embeddings:
         specs.append(TensorSpec("lm_head.weight", dtype, (V, D), "embed_head"))
-    return specs
-
-
-_VARIANTS: dict[tuple[str, str], ModuleType] = {}
-
-
-def storage_variant(module: str, name: str, **functions: Callable) -> ModuleType:
-    """Family module `module` (its __name__) as seen for one storage of its experts (e.g. "fp8",
-    "mxfp4"): a cached copy with `functions` (e.g. expert_tensor_names) replaced. For families
-    whose tensor names depend on how a checkpoint stores its experts; `family()` returns it."""
-    key = (module, name)
-    if key not in _VARIANTS:
-        source = sys.modules[module]
-        twin = ModuleType(f"{module}.{name}", source.__doc__)
-        twin.__dict__.update({k: v for k, v in vars(source).items() if not k.startswith("__")})
-        twin.__dict__.update(functions)
-        _VARIANTS[key] = twin
-    return _VARIANTS[key]
+    return tag_roles(specs, roles)
 
 
 def dtype_code(torch_dtype: str | None) -> str:
     """The safetensors dtype code of a config's `torch_dtype` / `dtype` (default BF16)."""
     codes = {"bfloat16": "BF16", "float32": "F32", "float16": "F16"}
     return codes.get(torch_dtype or "bfloat16", "BF16")
+
+
+@dataclass(frozen=True)
+class ActivationWidths:
+    """What calibration's memory plan needs of a family's activations (`calibration_widths`)."""
+
+    hidden: int  # D, the residual stream width
+    heads: int  # attention heads of a layer (its [H, T] scores per token)
+    dense_ffn: int  # intermediate width of the dense MLP layers (0 if none)
+    snapshots: int  # residual snapshots carried through the layers (AttnRes blocks; 0 if none)
+
+
+class Family(Protocol):
+    """The members every family module has (module-level functions and classes)."""
+
+    Config: type  # dataclass with from_dict(config_dict) and a `torch_dtype` field
+    Model: type  # Model(cfg, device=..., dtype=...) -> LayerModel
+
+    def layout(self, config: dict) -> list: ...
+    def expert_key(self, name: str) -> tuple[int, int] | None: ...
+    def expert_tensor_names(self, cfg: Any, layer: int, expert: int) -> list[str]: ...
+    def router_tensors(self, cfg: Any, layer: int) -> dict[str, int]: ...
+    def with_experts(self, config: dict, n_experts: int | dict[int, int]) -> dict: ...
+    def expert_groups(self, config: dict) -> int: ...
+    def top_k(self, cfg: Any) -> int: ...
+    def state_bytes(self, cfg: Any, act_bytes: int) -> tuple[int, int, int, int]: ...
+    def calibration_widths(self, cfg: Any, n_layers: int) -> ActivationWidths: ...
+    def expert_matrices(self, tensors: Mapping[str, torch.Tensor]) -> dict: ...
+
+
+def ungrouped(config_dict: dict) -> int:
+    """`expert_groups` of a family whose router picks among all experts at once."""
+    return 1
+
+
+def residual_widths(cfg, n_layers: int) -> ActivationWidths:
+    """`calibration_widths` of a plain residual stream (no snapshots) from the Hugging Face
+    names `hidden_size`, `num_attention_heads` and `intermediate_size`."""
+    return ActivationWidths(cfg.hidden_size, cfg.num_attention_heads, cfg.intermediate_size, 0)
+
+
+def family_hooks() -> dict[str, int]:
+    """The functions of the contract -> how many arguments each takes."""
+    hooks = {n: f for n, f in vars(Family).items() if inspect.isfunction(f) and n[0] != "_"}
+    return {n: len(inspect.signature(f).parameters) - 1 for n, f in hooks.items()}  # no self
+
+
+def check_family(module: ModuleType) -> ModuleType:
+    """`module` if it implements `Family`, else TypeError naming every missing or misdeclared
+    member (called once per family when `reap.models.family` first loads it)."""
+    config, problems = getattr(module, "Config", None), []
+    fields = (
+        {f.name for f in dataclasses.fields(config)} if dataclasses.is_dataclass(config) else ()
+    )
+    if "torch_dtype" not in fields or not hasattr(config, "from_dict"):
+        problems.append("Config is not a dataclass with from_dict and a torch_dtype field")
+    if not inspect.isclass(getattr(module, "Model", None)):
+        problems.append("class Model is missing")
+    for name, n_args in family_hooks().items():
+        fn = getattr(module, name, None)
+        if not callable(fn):
+            problems.append(f"{name}() is missing")
+        elif not _takes(fn, n_args):
+            problems.append(f"{name}() cannot be called with the contract's {n_args} argument(s)")
+    if problems:
+        raise TypeError(f"model family {module.__name__}: {'; '.join(problems)}")
+    return module
+
+
+def _takes(fn: Callable, n_args: int) -> bool:
+    try:
+        inspect.signature(fn).bind(*[None] * n_args)
+    except TypeError:
+        return False
+    return True
 
 
 @dataclass

@@ -20,26 +20,14 @@ from __future__ import annotations
 import copy
 import math
 import re
-import sys
-import types
 from dataclasses import dataclass, fields, replace
 
 import torch
 
 from reap.checkpoint import TensorSpec
 from reap.errors import ReapError
-from reap.models import attention as A
-from reap.models import blocks as B
-from reap.models.base import (
-    ExpertSource,
-    Observer,
-    State,
-    Weights,
-    decoder_specs,
-    dtype_code,
-    expert_short_names,
-    storage_variant,
-)
+from reap.models import attention, base, blocks
+from reap.models.base import ExpertSource, Observer, State, Weights, decoder_specs, dtype_code
 from reap.quant import fp8
 from reap.quant.matrix import stored_matrices as expert_matrices  # noqa: F401 - family hook
 
@@ -50,6 +38,7 @@ EXPERT_TENSORS = ("down_proj.weight", "gate_proj.weight", "up_proj.weight")
 FP8_EXPERT_TENSORS = tuple(n + s for n in EXPERT_TENSORS for s in ("", "_scale_inv"))
 _FP8_RE = re.compile(r"^model\.layers\.\d+\..*_proj(_with_mqa)?\.weight$")  # quantized weights
 _EXPERT_RE = re.compile(r"(?:^|\.)model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.")
+_ROLES = {**base.HF_ROLES, "e_score_correction_bias": "router_bias"}  # TensorSpec.role by suffix
 _KEEP_F32 = {"gate.weight", "gate.e_score_correction_bias"}  # the router runs in fp32
 GLU = ("gate", "up", "down")  # the SwiGLU projections, as called
 
@@ -143,15 +132,10 @@ class Config:
         return bool(self.fp8_block and _FP8_RE.match(name) and not any(m in name for m in skip))
 
     @property
-    def num_experts_per_token(self) -> int:
-        """top_k under the name the engine and size model read."""
-        return self.num_experts_per_tok
-
-    @property
     def softmax_scale(self) -> float:
         """1/sqrt(qk head width), times mscale(factor, mscale_all_dim)^2 under YaRN."""
         scale = (self.qk_nope_head_dim + self.qk_rope_head_dim) ** -0.5
-        _, s = A.rope_settings(self)  # `rope_parameters`, or `rope_theta` + `rope_scaling`
+        _, s = attention.rope_settings(self)  # `rope_parameters`, or `rope_theta` + `rope_scaling`
         m_all = (s or {}).get("mscale_all_dim")
         if m_all and float(s["factor"]) > 1:
             scale *= (0.1 * m_all * math.log(float(s["factor"])) + 1.0) ** 2
@@ -166,7 +150,7 @@ def layout(config_dict: dict) -> list[TensorSpec]:
     specs = decoder_specs(cfg, fdt, lambda i: _layer_specs(cfg, i, fdt))
     for j in range(cfg.mtp_layers):
         specs += _mtp_specs(cfg, cfg.num_hidden_layers + j, fdt)
-    return [q for s in specs for q in _stored(cfg, s)]
+    return [q for s in base.tag_roles(specs, _ROLES) for q in _stored(cfg, s)]
 
 
 def _mtp_specs(cfg: Config, n: int, fdt: str) -> list[TensorSpec]:
@@ -185,8 +169,9 @@ def _stored(cfg: Config, s: TensorSpec) -> list[TensorSpec]:
     if not cfg.is_fp8(s.name):
         return [s]
     (O, I), (b0, b1) = s.shape, cfg.fp8_block
-    scale = replace(s, name=s.name + "_scale_inv", dtype="F32", shape=(-(-O // b0), -(-I // b1)))
-    return [replace(s, dtype="F8_E4M3"), scale]
+    shape = (-(-O // b0), -(-I // b1))
+    scale = replace(s, name=s.name + "_scale_inv", dtype="F32", shape=shape, role="fp8.scales")
+    return [replace(s, dtype="F8_E4M3", role="fp8.weight"), scale]
 
 
 def _layer_specs(cfg: Config, i: int, fdt: str) -> list[TensorSpec]:
@@ -200,7 +185,7 @@ def _layer_specs(cfg: Config, i: int, fdt: str) -> list[TensorSpec]:
         return [t(f"{prefix}{n}_proj.weight", s, comp, fdt, expert) for n, s in shapes.items()]
 
     norm = [t(f"{n}_layernorm.weight", (D,), "norms") for n in ("input", "post_attention")]
-    out = [norm[0], *_mla_specs(cfg, t), norm[1]]
+    out = [norm[0], *attention.MLADims.from_config(cfg).specs(t, D), norm[1]]
     if not cfg.is_moe(i):
         return out + glu("mlp.", cfg.intermediate_size, "dense_mlp")
     out += [
@@ -214,42 +199,16 @@ def _layer_specs(cfg: Config, i: int, fdt: str) -> list[TensorSpec]:
     return out
 
 
-def _mla_specs(cfg: Config, t) -> list[TensorSpec]:
-    D, H, r, kv = cfg.hidden_size, cfg.num_attention_heads, cfg.q_lora_rank, cfg.kv_lora_rank
-    nope, rope, v = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
-    q = {"q_proj": (H * (nope + rope), D)}
-    if r:
-        q = {"q_a_proj": (r, D), "q_a_layernorm": (r,), "q_b_proj": (H * (nope + rope), r)}
-    rest = {
-        "kv_a_proj_with_mqa": (kv + rope, D),
-        "kv_a_layernorm": (kv,),
-        "kv_b_proj": (H * (nope + v), kv),
-        "o_proj": (D, H * v),
-    }
-    return [t(f"self_attn.{n}.weight", s, "mla") for n, s in {**q, **rest}.items()]
-
-
 def expert_key(name: str) -> tuple[int, int] | None:
     """(layer, expert) of a routed-expert tensor name (prefix optional), else None."""
     m = _EXPERT_RE.search(name)
     return (int(m.group(1)), int(m.group(2))) if m else None
 
 
-def expert_tensor_names(layer: int, expert: int) -> list[str]:
-    """The tensor names of routed expert `expert` of `layer`, in `EXPERT_TENSORS` order."""
-    return _names(EXPERT_TENSORS, layer, expert)
-
-
-def variant(config_dict: dict) -> types.ModuleType:
-    """This module, or for an FP8 checkpoint its variant whose `expert_tensor_names` also name the
-    scales (`reap.models.family` calls this, so every stage reads an expert's six tensors)."""
-    if not Config.from_dict(config_dict).fp8_block:
-        return sys.modules[__name__]
-    names = lambda layer, expert: _names(FP8_EXPERT_TENSORS, layer, expert)
-    return storage_variant(__name__, "fp8", expert_tensor_names=names)
-
-
-def _names(short: tuple[str, ...], layer: int, expert: int) -> list[str]:
+def expert_tensor_names(cfg: Config, layer: int, expert: int) -> list[str]:
+    """The tensor names of routed expert `expert` of `layer` as stored: `EXPERT_TENSORS`, each
+    followed by its `_scale_inv` in an FP8 checkpoint."""
+    short = FP8_EXPERT_TENSORS if cfg.fp8_block else EXPERT_TENSORS
     return [f"model.layers.{layer}.mlp.experts.{expert}.{s}" for s in short]
 
 
@@ -284,6 +243,14 @@ def expert_groups(config_dict: dict) -> int:
     return int(config_dict.get("text_config", config_dict).get("n_group") or 1)
 
 
+calibration_widths = base.residual_widths
+
+
+def top_k(cfg: Config) -> int:
+    """Experts each token is routed to (`num_experts_per_tok`)."""
+    return cfg.num_experts_per_tok
+
+
 def state_bytes(cfg: Config, act_bytes: int) -> tuple[int, int, int, int]:
     """(KV bytes per position: latent + rotated key per layer, recurrent bytes per sequence: 0,
     activation bytes per token, attention-score bytes per (query, key) pair)."""
@@ -300,17 +267,17 @@ def chat_format(config_dict: dict) -> None:
 
 
 # -- the model ---------------------------------------------------------------------------------
-def default_experts(get: Weights, short: tuple[str, ...] = EXPERT_TENSORS) -> ExpertSource:
-    """An ExpertSource pulling each expert's tensors (`short` names) through the weight getter."""
+def default_experts(get: Weights, cfg: Config) -> ExpertSource:
+    """An ExpertSource pulling each expert's tensors (as stored) through the weight getter."""
 
     def source(layer: int, expert: int) -> dict[str, Tensor]:
-        full = _names(short, layer, expert)
-        return dict(zip(expert_short_names(full), map(get, full)))
+        full = expert_tensor_names(cfg, layer, expert)
+        return dict(zip(base.expert_short_names(full), map(get, full)))
 
     return source
 
 
-class Model(B.PreNormModel):
+class Model(blocks.PreNormModel):
     """DeepSeek-V3 / Kimi K2 text model; holds no weights (see `reap.models.base`).
 
     Compute runs in `dtype` on `device`; norms, the router and the softmax are fp32."""
@@ -319,16 +286,16 @@ class Model(B.PreNormModel):
         self, cfg: Config, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
     ):
         self.cfg, self.device, self.dtype = cfg, torch.device(device), dtype
-        self.n_layers, self.mla = cfg.num_hidden_layers, A.MLADims.from_config(cfg)
-        self.rope = A.Rope.create(cfg.qk_rope_head_dim, *A.rope_settings(cfg))
+        self.n_layers, self.mla = cfg.num_hidden_layers, attention.MLADims.from_config(cfg)
+        self.rope = attention.Rope.create(cfg.qk_rope_head_dim, *attention.rope_settings(cfg))
         self.scale = cfg.softmax_scale
         r = (cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor)
-        self.routing = (*r, cfg.norm_topk_prob)  # B.grouped_route's settings
+        self.routing = (*r, cfg.norm_topk_prob)  # blocks.grouped_route's settings
 
     def _rotate(self, x: Tensor, start: int) -> Tensor:
         return self.rope.apply(x, start, interleaved=self.cfg.rope_interleave)
 
-    def _w(self, get: Weights, prefix: str) -> B.WeightFn:
+    def _w(self, get: Weights, prefix: str) -> blocks.WeightFn:
         def w(name: str) -> Tensor:
             dtype, t = torch.float32 if name in _KEEP_F32 else self.dtype, get(prefix + name)
             if self.cfg.is_fp8(prefix + name):
@@ -337,18 +304,18 @@ class Model(B.PreNormModel):
 
         return w
 
-    def new_caches(self) -> list[A.MLACache]:
+    def new_caches(self) -> list[attention.MLACache]:
         """Empty per-layer latent KV caches."""
-        return [A.MLACache() for _ in range(self.n_layers)]
+        return [attention.MLACache() for _ in range(self.n_layers)]
 
     def attn_block(self, i: int, get: Weights, state: State, cache=None) -> tuple[State, Tensor]:
         """Pre-norm MLA of layer i plus the residual; returns (state, MLP input [B, T, D])."""
         w, eps = self._w(get, f"model.layers.{i}."), self.cfg.rms_norm_eps
-        x = B.rms_norm(state.hidden, w("input_layernorm.weight"), eps)
+        x = blocks.rms_norm(state.hidden, w("input_layernorm.weight"), eps)
         sub = self._w(get, f"model.layers.{i}.self_attn.")
-        a = A.mla_attention(x, sub, self.mla, cache, rope=self._rotate, scale=self.scale)
+        a = attention.mla_attention(x, sub, self.mla, cache, rope=self._rotate, scale=self.scale)
         h = state.hidden + a
-        return State(h), B.rms_norm(h, w("post_attention_layernorm.weight"), eps)
+        return State(h), blocks.rms_norm(h, w("post_attention_layernorm.weight"), eps)
 
     def mlp_block(
         self,
@@ -361,24 +328,25 @@ class Model(B.PreNormModel):
         """Dense SwiGLU MLP or the MoE of layer i: x [B, T, D] -> [B, T, D]."""
         w = self._w(get, f"model.layers.{i}.mlp.")
         if not self.cfg.is_moe(i):
-            return B.silu_glu(x, *(w(f"{n}_proj.weight") for n in GLU))
+            return blocks.silu_glu(x, *(w(f"{n}_proj.weight") for n in GLU))
         flat = x.reshape(-1, x.shape[-1])  # [N, D]
-        short = FP8_EXPERT_TENSORS if self.cfg.fp8_block else EXPERT_TENSORS
-        y = self._moe(flat, w, i, experts or default_experts(get, short), observer)
+        y = self._moe(flat, w, i, experts or default_experts(get, self.cfg), observer)
         return y.reshape(x.shape)
 
-    def _moe(self, x: Tensor, w: B.WeightFn, i: int, experts: ExpertSource, observer) -> Tensor:
+    def _moe(
+        self, x: Tensor, w: blocks.WeightFn, i: int, experts: ExpertSource, observer
+    ) -> Tensor:
         """Route, run the chosen experts expert-major, add the shared experts: [N, D] -> [N, D].
         Experts work in the model space, so an expert's model_norm is its output's norm."""
         bias = w("gate.e_score_correction_bias")
-        ids, weights, probs = B.grouped_route(
-            B.linear(x.float(), w("gate.weight")), bias, *self.routing
+        ids, weights, probs = blocks.grouped_route(
+            blocks.linear(x.float(), w("gate.weight")), bias, *self.routing
         )
-        y = B.model_width_experts(x, ids, weights, probs, i, experts, self._expert, observer)
+        y = blocks.model_width_experts(x, ids, weights, probs, i, experts, self._expert, observer)
         y = y.to(x.dtype)
         if self.cfg.n_shared_experts:
             s = "shared_experts."
-            y = y + B.silu_glu(x, *(w(f"{s}{n}_proj.weight") for n in GLU))
+            y = y + blocks.silu_glu(x, *(w(f"{s}{n}_proj.weight") for n in GLU))
         return y
 
     def _expert(self, x: Tensor, t) -> Tensor:
@@ -389,4 +357,4 @@ class Model(B.PreNormModel):
             w = w if s is None else fp8.dequantize(w, s, self.cfg.fp8_block)
             return w.to(x.device, x.dtype)
 
-        return B.silu_glu(x, *map(weight, GLU))
+        return blocks.silu_glu(x, *map(weight, GLU))

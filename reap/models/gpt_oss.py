@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import copy
 import re
-import sys
-import types
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 
@@ -31,17 +29,9 @@ import torch
 
 from reap.checkpoint import TensorSpec, view_name
 from reap.errors import ReapError
-from reap.models import blocks as B
+from reap.models import base, blocks
 from reap.models.attention import KVCache, Rope, gqa_attention, rope_settings
-from reap.models.base import (
-    ExpertSource,
-    Observer,
-    State,
-    Weights,
-    decoder_specs,
-    dtype_code,
-    storage_variant,
-)
+from reap.models.base import ExpertSource, Observer, State, Weights, decoder_specs, dtype_code
 from reap.quant import mxfp4
 from reap.quant.matrix import stored_matrices as expert_matrices  # noqa: F401 - family hook
 
@@ -103,11 +93,6 @@ class Config:
         """Routed experts of layer `layer` (one count for all layers)."""
         return self.num_local_experts
 
-    @property
-    def num_experts_per_token(self) -> int:
-        """top_k under the name the stages read."""
-        return self.num_experts_per_tok
-
     def window(self, layer: int) -> int | None:
         """The sliding window of layer `layer`, or None for full attention."""
         sliding = self.layer_types is not None and self.layer_types[layer] == "sliding_attention"
@@ -161,24 +146,24 @@ def expert_specs(cfg: Config, layer: int, expert: int) -> list[TensorSpec]:
     D, F, fdt = cfg.hidden_size, cfg.intermediate_size, cfg.file_dtype
     if cfg.mxfp4:
         shapes = {
-            "gate_up_proj_blocks": ((2 * F, D // 32, 16), "U8"),
-            "gate_up_proj_scales": ((2 * F, D // 32), "U8"),
-            "gate_up_proj_bias": ((2 * F,), fdt),
-            "down_proj_blocks": ((D, F // 32, 16), "U8"),
-            "down_proj_scales": ((D, F // 32), "U8"),
-            "down_proj_bias": ((D,), fdt),
+            "gate_up_proj_blocks": ((2 * F, D // 32, 16), "U8", "mxfp4.blocks"),
+            "gate_up_proj_scales": ((2 * F, D // 32), "U8", "mxfp4.scales"),
+            "gate_up_proj_bias": ((2 * F,), fdt, "weight"),
+            "down_proj_blocks": ((D, F // 32, 16), "U8", "mxfp4.blocks"),
+            "down_proj_scales": ((D, F // 32), "U8", "mxfp4.scales"),
+            "down_proj_bias": ((D,), fdt, "weight"),
         }
     else:
         shapes = {
-            "gate_up_proj": ((D, 2 * F), fdt),
-            "gate_up_proj_bias": ((2 * F,), fdt),
-            "down_proj": ((F, D), fdt),
-            "down_proj_bias": ((D,), fdt),
+            "gate_up_proj": ((D, 2 * F), fdt, "weight"),
+            "gate_up_proj_bias": ((2 * F,), fdt, "weight"),
+            "down_proj": ((F, D), fdt, "weight"),
+            "down_proj_bias": ((D,), fdt, "weight"),
         }
-    names = _expert_names(MXFP4_TENSORS if cfg.mxfp4 else DENSE_TENSORS, layer, expert)
+    names = expert_tensor_names(cfg, layer, expert)
     return [
-        TensorSpec(n, shapes[s][1], shapes[s][0], "routed_experts", layer, expert)
-        for n, s in zip(names, shapes)
+        TensorSpec(n, dtype, shape, "routed_experts", layer, expert, role)
+        for n, (shape, dtype, role) in zip(names, shapes.values())
     ]
 
 
@@ -193,10 +178,10 @@ def expert_key(name: str) -> tuple[int, int] | None:
     return (int(m.group(1)), int(m.group(2))) if m else None
 
 
-def expert_tensor_names(layer: int, expert: int) -> list[str]:
-    """The views of expert `expert` of `layer` in transformers' dequantized fused tensors (the
-    MXFP4 variant of this module, see `variant`, names the blocks and scales)."""
-    return _expert_names(DENSE_TENSORS, layer, expert)
+def expert_tensor_names(cfg: Config, layer: int, expert: int) -> list[str]:
+    """The views of expert `expert` of `layer` in the fused tensors as stored: the MXFP4 blocks,
+    scales and biases of a release, or transformers' dequantized matrices and biases."""
+    return _expert_names(MXFP4_TENSORS if cfg.mxfp4 else DENSE_TENSORS, layer, expert)
 
 
 def router_tensors(cfg: Config | dict, layer: int) -> dict[str, int]:
@@ -222,13 +207,13 @@ def with_experts(config_dict: dict, n_experts: int | dict[int, int]) -> dict:
     return out
 
 
-def variant(config_dict: dict) -> types.ModuleType:
-    """This module, or for an MXFP4 checkpoint its variant whose `expert_tensor_names` names the
-    blocks and scales (`reap.models.family` calls this, so stages get the right names)."""
-    if not Config.from_dict(config_dict).mxfp4:
-        return sys.modules[__name__]
-    names = lambda layer, expert: _expert_names(MXFP4_TENSORS, layer, expert)
-    return storage_variant(__name__, "mxfp4", expert_tensor_names=names)
+expert_groups = base.ungrouped  # softmax over the top-k logits of all experts
+calibration_widths = base.residual_widths
+
+
+def top_k(cfg: Config) -> int:
+    """Experts each token is routed to (`num_experts_per_tok`)."""
+    return cfg.num_experts_per_tok
 
 
 def state_bytes(cfg: Config, act_bytes: int) -> tuple[int, int, int, int]:
@@ -256,8 +241,8 @@ def sanitize(t: Mapping[str, torch.Tensor], dtype: torch.dtype) -> dict[str, tor
     }
     for n in ("gate_up", "down"):
         if f"{n}_proj_blocks" in t:
-            blocks, scales = t[f"{n}_proj_blocks"], t[f"{n}_proj_scales"]
-            packed = blocks.reshape(*blocks.shape[:-2], -1)  # [R, C/2]
+            codes, scales = t[f"{n}_proj_blocks"], t[f"{n}_proj_scales"]
+            packed = codes.reshape(*codes.shape[:-2], -1)  # [R, C/2]
             out[n] = mxfp4.dequantize(packed, scales, dtype).T  # [C, R]
         else:
             out[n] = t[f"{n}_proj"].to(dtype)
@@ -274,14 +259,12 @@ def expert_mlp(x: torch.Tensor, t: Mapping[str, torch.Tensor], alpha: float, lim
     return h @ w["down"].to(x.device) + w["down_bias"].to(x.device)
 
 
-def default_experts(get: Weights, names=expert_tensor_names) -> ExpertSource:
-    """An ExpertSource pulling each expert's views through the weight getter (names: the
-    `expert_tensor_names` of the module variant)."""
-    from reap.models.base import expert_short_names
+def default_experts(get: Weights, cfg: Config) -> ExpertSource:
+    """An ExpertSource pulling each expert's views (`expert_tensor_names`) through the getter."""
 
     def source(layer: int, expert: int) -> dict[str, torch.Tensor]:
-        full = names(layer, expert)
-        return {s: get(n) for s, n in zip(expert_short_names(full), full)}
+        full = expert_tensor_names(cfg, layer, expert)
+        return {s: get(n) for s, n in zip(base.expert_short_names(full), full)}
 
     return source
 
@@ -294,7 +277,7 @@ def router(logits: torch.Tensor, top_k: int):
 
 
 # -- the model ---------------------------------------------------------------------------------
-class Model(B.PreNormModel):
+class Model(blocks.PreNormModel):
     """GPT-OSS decoder; holds no weights (see `reap.models.base` for the driving protocol).
     Compute runs in `dtype` on `device`; norms, router softmax and attention softmax in fp32."""
 
@@ -304,8 +287,6 @@ class Model(B.PreNormModel):
         self.cfg, self.device, self.dtype = cfg, torch.device(device), dtype
         self.n_layers = cfg.num_hidden_layers
         self.rope = Rope.create(cfg.head_dim, *cfg.rope)
-        short = MXFP4_TENSORS if cfg.mxfp4 else DENSE_TENSORS
-        self._names = lambda layer, expert: _expert_names(short, layer, expert)
 
     def new_caches(self) -> list[KVCache]:
         """Empty per-layer KV caches."""
@@ -315,10 +296,10 @@ class Model(B.PreNormModel):
         """Attention of layer i; returns (state, MLP input [B, T, D])."""
         cfg, w = self.cfg, self._w(get, f"model.layers.{i}.")
         Bn, T, _ = state.hidden.shape
-        x = B.rms_norm(state.hidden, w("input_layernorm.weight"), cfg.rms_norm_eps)
+        x = blocks.rms_norm(state.hidden, w("input_layernorm.weight"), cfg.rms_norm_eps)
 
         def proj(n: str) -> torch.Tensor:  # [B, T, heads, Dh]
-            y = B.linear(x, w(f"self_attn.{n}_proj.weight")) + w(f"self_attn.{n}_proj.bias")
+            y = blocks.linear(x, w(f"self_attn.{n}_proj.weight")) + w(f"self_attn.{n}_proj.bias")
             return y.reshape(Bn, T, -1, cfg.head_dim)
 
         start = cache.length if cache is not None else 0
@@ -326,8 +307,12 @@ class Model(B.PreNormModel):
         sinks = get(f"model.layers.{i}.self_attn.sinks").to(self.device, torch.float32)
         o = gqa_attention(q, k, proj("v"), cache, cfg.head_dim**-0.5, sinks, cfg.window(i))
         o = o.reshape(Bn, T, -1)  # [B, T, H*Dh]
-        h = state.hidden + B.linear(o, w("self_attn.o_proj.weight")) + w("self_attn.o_proj.bias")
-        return State(h), B.rms_norm(h, w("post_attention_layernorm.weight"), cfg.rms_norm_eps)
+        h = (
+            state.hidden
+            + blocks.linear(o, w("self_attn.o_proj.weight"))
+            + w("self_attn.o_proj.bias")
+        )
+        return State(h), blocks.rms_norm(h, w("post_attention_layernorm.weight"), cfg.rms_norm_eps)
 
     def mlp_block(
         self,
@@ -340,10 +325,10 @@ class Model(B.PreNormModel):
         """The MoE of layer i: x [B, T, D] -> [B, T, D]."""
         cfg, w = self.cfg, self._w(get, f"model.layers.{i}.mlp.router.")
         flat = x.reshape(-1, x.shape[-1])  # [N, D]
-        logits = B.linear(flat, w("weight")) + w("bias")  # [N, E]
+        logits = blocks.linear(flat, w("weight")) + w("bias")  # [N, E]
         ids, weights, probs = router(logits, cfg.num_experts_per_tok)
-        source = experts or default_experts(get, self._names)
-        y = B.model_width_experts(
+        source = experts or default_experts(get, cfg)
+        y = blocks.model_width_experts(
             flat,
             ids,
             weights,

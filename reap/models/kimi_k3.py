@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import copy
 import re
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 
 from reap.checkpoint import TensorSpec
 from reap.errors import ReapError
-from reap.models import attention as A
-from reap.models import blocks as B
+from reap.models import attention, base, blocks
 from reap.models.base import ExpertSource, LayerModel, Observer, State, Weights, dtype_code
 from reap.models.kimi_k3_blocks import (
     MoEDims,
@@ -31,6 +30,10 @@ from reap.models.vision import standin_specs
 # the six tensors of a routed expert, file order: w1 gate, w2 down, w3 up; E2M1 pairs, E8M0 scales
 EXPERT_TENSORS = tuple(f"w{i}.weight_{k}" for i in (1, 2, 3) for k in ("packed", "scale"))
 _EXPERT_RE = re.compile(r"(?:^|\.)model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.")
+# K3's tensor roles by name suffix (TensorSpec.role): KDA's decay and convolutions, router bias
+ROLES = base.HF_ROLES | {"A_log": "decay_log", "dt_bias": "decay_bias", "conv1d.weight": "conv"}
+ROLES |= {"f_b_proj.weight": "decay_proj", "e_score_correction_bias": "router_bias"}
+expert_groups = base.ungrouped  # family hook: K3 routes ungrouped (num_expert_group must be 1)
 _KEEP_F32 = {"A_log", "dt_bias", "gate.e_score_correction_bias"}  # used in fp32 whatever dtype
 
 
@@ -146,7 +149,7 @@ def layout(config_dict: dict) -> list[TensorSpec]:
     if not cfg.tie_word_embeddings:
         specs.append(TensorSpec("lm_head.weight", fdt, (V, D), "embed_head"))
     vision = config_dict.get("vision_config")
-    return specs + (standin_specs(vision, fdt) if vision else [])
+    return base.tag_roles(specs, ROLES) + (standin_specs(vision, fdt) if vision else [])
 
 
 def _layer_specs(cfg: Config, i: int, fdt: str) -> list[TensorSpec]:
@@ -156,7 +159,8 @@ def _layer_specs(cfg: Config, i: int, fdt: str) -> list[TensorSpec]:
         return TensorSpec(p + name, dtype, tuple(shape), comp, i)
 
     out = [t("input_layernorm.weight", (D,), "norms")]
-    out += _kda_specs(cfg, t) if cfg.is_kda(i) else _mla_specs(cfg, t)
+    mla = attention.MLADims.from_config(cfg)
+    out += _kda_specs(cfg, t) if cfg.is_kda(i) else mla.specs(t, D)
     out.append(t("post_attention_layernorm.weight", (D,), "norms"))
     if cfg.attn_res_block_size is not None:
         for r in ("self_attention_res", "mlp_res"):
@@ -195,29 +199,6 @@ def _kda_specs(cfg: Config, t) -> list[TensorSpec]:
     return out
 
 
-def _mla_specs(cfg: Config, t) -> list[TensorSpec]:
-    D, H, a = cfg.hidden_size, cfg.num_attention_heads, "self_attn."
-    q_dim, kv = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.kv_lora_rank
-    if cfg.q_lora_rank:
-        r = cfg.q_lora_rank
-        out = [
-            t(a + "q_a_proj.weight", (r, D), "mla"),
-            t(a + "q_a_layernorm.weight", (r,), "mla"),
-            t(a + "q_b_proj.weight", (H * q_dim, r), "mla"),
-        ]
-    else:
-        out = [t(a + "q_proj.weight", (H * q_dim, D), "mla")]
-    out += [
-        t(a + "kv_a_proj_with_mqa.weight", (kv + cfg.qk_rope_head_dim, D), "mla"),
-        t(a + "kv_a_layernorm.weight", (kv,), "mla"),
-        t(a + "kv_b_proj.weight", (H * (cfg.qk_nope_head_dim + cfg.v_head_dim), kv), "mla"),
-        t(a + "o_proj.weight", (D, H * cfg.v_head_dim), "mla"),
-    ]
-    if cfg.mla_use_output_gate:
-        out.append(t(a + "g_proj.weight", (H * cfg.v_head_dim, D), "mla"))
-    return out
-
-
 def _moe_specs(cfg: Config, i: int, t, fdt: str) -> list[TensorSpec]:
     D, E, m = cfg.hidden_size, cfg.experts_in(i), "block_sparse_moe."
     out = [
@@ -242,12 +223,13 @@ def expert_specs(cfg: Config, layer: int, expert: int) -> list[TensorSpec]:
     """The six MXFP4 tensors of one routed expert, in file order (w1 gate, w2 down, w3 up)."""
     Lt, F = cfg.latent, cfg.moe_intermediate_size
     shapes = {"w1": (F, Lt), "w2": (Lt, F), "w3": (F, Lt)}  # [out, in]
-    names = expert_tensor_names(layer, expert)
+    names = expert_tensor_names(cfg, layer, expert)
+    roles = {"packed": ("mxfp4.blocks", 2), "scale": ("mxfp4.scales", 32)}  # weights per byte
     out = []
     for name, short in zip(names, EXPERT_TENSORS):
-        rows, cols = shapes[short[:2]]
-        shape = (rows, cols // 2) if short.endswith("packed") else (rows, cols // 32)
-        out.append(TensorSpec(name, "U8", shape, "routed_experts", layer, expert))
+        (rows, cols), (role, per_byte) = shapes[short[:2]], roles[short.rsplit("_", 1)[1]]
+        shape = (rows, cols // per_byte)
+        out.append(TensorSpec(name, "U8", shape, "routed_experts", layer, expert, role))
     return out
 
 
@@ -257,8 +239,8 @@ def expert_key(name: str) -> tuple[int, int] | None:
     return (int(m.group(1)), int(m.group(2))) if m else None
 
 
-def expert_tensor_names(layer: int, expert: int) -> list[str]:
-    """The six tensor names of routed expert `expert` of `layer`, file order (contiguous)."""
+def expert_tensor_names(cfg: Config | None, layer: int, expert: int) -> list[str]:
+    """The six tensor names of routed expert `expert` of `layer`, file order (any K3 config)."""
     p = f"model.layers.{layer}.block_sparse_moe.experts.{expert}."
     return [p + s for s in EXPERT_TENSORS]
 
@@ -284,6 +266,17 @@ def with_experts(config_dict: dict, n_experts: int | dict[int, int]) -> dict:
     return out
 
 
+def top_k(cfg: Config) -> int:
+    """Experts each token is routed to (`num_experts_per_token`)."""
+    return cfg.num_experts_per_token
+
+
+def calibration_widths(cfg: Config, n_layers: int) -> base.ActivationWidths:
+    """Calibration's widths: the AttnRes snapshots carried through `n_layers` layers (or 0)."""
+    snapshots = -(-n_layers // cfg.attn_res_block_size) if cfg.attn_res_block_size else 0
+    return replace(base.residual_widths(cfg, n_layers), snapshots=snapshots)
+
+
 def state_bytes(cfg: Config, act_bytes: int) -> tuple[int, int, int, int]:
     """(KV bytes per position, recurrent bytes per sequence, activation bytes per token, score
     bytes per (query, key) pair) for the engine's memory plan: MLA caches latent + rope key per
@@ -294,10 +287,10 @@ def state_bytes(cfg: Config, act_bytes: int) -> tuple[int, int, int, int]:
     P = cfg.kda_heads * cfg.kda_head_dim if kda else 0
     k = cfg.linear_attn_config.get("short_conv_kernel_size", 4)
     per_seq = len(kda) * (cfg.kda_heads * cfg.kda_head_dim**2 * 4 + (k - 1) * 3 * P * act_bytes)
-    blocks = -(-n // (cfg.attn_res_block_size or n))
+    n_blocks = -(-n // (cfg.attn_res_block_size or n))
     mla = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + 2 * cfg.v_head_dim
     widest = max(cfg.intermediate_size, 3 * P, cfg.num_attention_heads * mla)
-    act = 4 * (cfg.hidden_size * (blocks + 8) + 4 * widest)
+    act = 4 * (cfg.hidden_size * (n_blocks + 8) + 4 * widest)
     pair = 4 * 3 * max(cfg.num_attention_heads, cfg.kda_heads if kda else 0)
     return per_pos, per_seq, act, pair
 
@@ -307,7 +300,7 @@ def default_experts(get: Weights) -> ExpertSource:
     """An ExpertSource pulling each expert's six MXFP4 tensors through the weight getter."""
 
     def source(layer: int, expert: int) -> dict[str, torch.Tensor]:
-        return {s: get(n) for s, n in zip(EXPERT_TENSORS, expert_tensor_names(layer, expert))}
+        return dict(zip(EXPERT_TENSORS, map(get, expert_tensor_names(None, layer, expert))))
 
     return source
 
@@ -323,11 +316,11 @@ class Model(LayerModel):
     ):
         self.cfg, self.device, self.dtype = cfg, torch.device(device), dtype
         self.n_layers = cfg.num_hidden_layers
-        self.mla = A.MLADims.from_config(cfg)
+        self.mla = attention.MLADims.from_config(cfg)
         self.act = (cfg.activation_situ_beta or 1.0, cfg.activation_situ_linear_beta)
         self.moe = MoEDims.from_config(cfg)
 
-    def _w(self, get: Weights, prefix: str) -> B.WeightFn:
+    def _w(self, get: Weights, prefix: str) -> blocks.WeightFn:
         def w(name: str) -> torch.Tensor:
             t = get(prefix + name)
             keep = name in _KEEP_F32 or not t.is_floating_point()
@@ -335,9 +328,10 @@ class Model(LayerModel):
 
         return w
 
-    def new_caches(self) -> list[B.KDACache | A.MLACache]:
+    def new_caches(self) -> list[blocks.KDACache | attention.MLACache]:
         """Empty per-layer decode caches (KDA conv/recurrent state or MLA latent KV)."""
-        return [B.KDACache() if self.cfg.is_kda(i) else A.MLACache() for i in range(self.n_layers)]
+        kda, mla = blocks.KDACache, attention.MLACache
+        return [kda() if self.cfg.is_kda(i) else mla() for i in range(self.n_layers)]
 
     def embed(self, get: Weights, ids: torch.Tensor) -> State:
         """ids [B, T] int -> State with hidden [B, T, D]."""
@@ -349,25 +343,28 @@ class Model(LayerModel):
     ) -> tuple[State, torch.Tensor]:
         """Attention of layer i with its AttnRes mixes; returns (state, MLP input [B, T, D])."""
         cfg, w, eps = self.cfg, self._w(get, f"model.layers.{i}."), self.cfg.rms_norm_eps
-        partial, blocks = state.hidden, list(state.blocks)
+        partial, snapshots = state.hidden, list(state.blocks)
         res = cfg.attn_res_block_size is not None
-        h = self._mix(w, "self_attention_res", blocks, partial) if res else partial
+        h = self._mix(w, "self_attention_res", snapshots, partial) if res else partial
         if res and i % cfg.attn_res_block_size == 0:
-            blocks, partial = [*blocks, partial], None
-        x = B.rms_norm(h, w("input_layernorm.weight"), eps)
+            snapshots, partial = [*snapshots, partial], None
+        x = blocks.rms_norm(h, w("input_layernorm.weight"), eps)
         sub = self._w(get, f"model.layers.{i}.self_attn.")
         if cfg.is_kda(i):
             bound = cfg.linear_attn_config.get("gate_lower_bound")
-            a = B.kda_attention(x, sub, cfg.kda_heads, cfg.kda_head_dim, bound, eps, cache)
+            a = blocks.kda_attention(x, sub, cfg.kda_heads, cfg.kda_head_dim, bound, eps, cache)
         else:
-            a = A.mla_attention(x, sub, self.mla, cache)
+            a = attention.mla_attention(x, sub, self.mla, cache)
         partial = a if partial is None else partial + a
-        h = self._mix(w, "mlp_res", blocks, partial) if res else partial
-        return State(partial, blocks), B.rms_norm(h, w("post_attention_layernorm.weight"), eps)
+        h = self._mix(w, "mlp_res", snapshots, partial) if res else partial
+        x = blocks.rms_norm(h, w("post_attention_layernorm.weight"), eps)
+        return State(partial, snapshots), x
 
-    def _mix(self, w: B.WeightFn, name: str, blocks: list, partial: torch.Tensor) -> torch.Tensor:
+    def _mix(
+        self, w: blocks.WeightFn, name: str, snapshots: list, partial: torch.Tensor
+    ) -> torch.Tensor:
         proj, norm = w(f"{name}_proj.weight"), w(f"{name}_norm.weight")
-        return attn_res_mix(blocks, partial, proj, norm, self.cfg.rms_norm_eps)
+        return attn_res_mix(snapshots, partial, proj, norm, self.cfg.rms_norm_eps)
 
     def mlp_block(
         self,
@@ -381,7 +378,7 @@ class Model(LayerModel):
         if not self.cfg.is_moe(i):
             w = self._w(get, f"model.layers.{i}.mlp.")
             mats = (w(f"{n}_proj.weight") for n in ("gate", "up", "down"))
-            return B.glu_mlp(x, *mats, *self.act)
+            return blocks.glu_mlp(x, *mats, *self.act)
         w = self._w(get, f"model.layers.{i}.block_sparse_moe.")
         flat = x.reshape(-1, x.shape[-1])  # [N, D]
         y = latent_moe(flat, w, self.moe, i, experts or default_experts(get), observer)
@@ -393,6 +390,6 @@ class Model(LayerModel):
         h = state.hidden
         if cfg.attn_res_block_size is not None:
             h = self._mix(w, "output_attn_res", state.blocks, h)
-        h = B.rms_norm(h, w("norm.weight"), cfg.rms_norm_eps)
+        h = blocks.rms_norm(h, w("norm.weight"), cfg.rms_norm_eps)
         name = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
-        return B.linear(h, self._w(get, "")(name))
+        return blocks.linear(h, self._w(get, "")(name))

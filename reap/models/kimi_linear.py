@@ -22,16 +22,16 @@ import torch
 
 from reap.checkpoint import TensorSpec
 from reap.errors import ReapError
-from reap.models import attention as A
-from reap.models import blocks as B
-from reap.models import kimi_k3 as K3
+from reap.models import attention, blocks, kimi_k3
 from reap.models.base import ExpertSource, Observer, State, Weights, decoder_specs, dtype_code
 from reap.quant.matrix import stored_matrices as expert_matrices  # noqa: F401 - family hook
 
 # shared with K3: same names, same meaning
-expert_key = K3.expert_key
-router_tensors = K3.router_tensors
-state_bytes = K3.state_bytes  # MLA latent KV, KDA state + conv tail; no AttnRes blocks
+expert_key = kimi_k3.expert_key
+router_tensors = kimi_k3.router_tensors
+top_k = kimi_k3.top_k
+state_bytes = kimi_k3.state_bytes  # MLA latent KV, KDA state + conv tail; no AttnRes blocks
+calibration_widths = kimi_k3.calibration_widths  # no AttnRes: no snapshots
 
 EXPERT_TENSORS = ("w1.weight", "w2.weight", "w3.weight")  # gate, down, up: file order
 # used in fp32 whatever the compute dtype (transformers keeps the router in fp32 too)
@@ -41,7 +41,7 @@ _STORED_F32 = ("dt_bias", "gate.weight", "gate.e_score_correction_bias")
 
 
 @dataclass
-class Config(K3.Config):
+class Config(kimi_k3.Config):
     """A Kimi Linear text config; field names are the `config.json` names (K3's, plus the
     per-layer type lists transformers 5 writes)."""
 
@@ -121,7 +121,7 @@ def layout(config_dict: dict) -> list[TensorSpec]:
     transformers saves them: the config's dtype, fp32 for dt_bias and the router."""
     cfg = Config.from_dict(config_dict)
     fdt = _dtype(cfg)
-    return decoder_specs(cfg, fdt, lambda i: _layer_specs(cfg, i, fdt))
+    return decoder_specs(cfg, fdt, lambda i: _layer_specs(cfg, i, fdt), kimi_k3.ROLES)
 
 
 def _dtype(cfg: Config) -> str:
@@ -136,10 +136,11 @@ def _layer_specs(cfg: Config, i: int, fdt: str) -> list[TensorSpec]:
         return TensorSpec(p + name, dtype, tuple(shape), comp, i)
 
     out = [t("input_layernorm.weight", (D,), "norms")]
-    out += _kda_specs(cfg, t) if cfg.is_kda(i) else K3._mla_specs(cfg, t)
+    mla = attention.MLADims.from_config(cfg)
+    out += _kda_specs(cfg, t) if cfg.is_kda(i) else mla.specs(t, D)
     out.append(t("post_attention_layernorm.weight", (D,), "norms"))
     if not cfg.is_moe(i):
-        return out + K3._mlp_specs(t, cfg.dense_prefix, D, cfg.intermediate_size, "dense_mlp")
+        return out + kimi_k3._mlp_specs(t, cfg.dense_prefix, D, cfg.intermediate_size, "dense_mlp")
     m, E = "block_sparse_moe.", cfg.experts_in(i)
     out += [
         t(m + "gate.weight", (E, D), "router"),
@@ -147,7 +148,7 @@ def _layer_specs(cfg: Config, i: int, fdt: str) -> list[TensorSpec]:
     ]
     if cfg.num_shared_experts:
         F = cfg.moe_intermediate_size * cfg.num_shared_experts
-        out += K3._mlp_specs(t, m + "shared_experts.", D, F, "shared_experts")
+        out += kimi_k3._mlp_specs(t, m + "shared_experts.", D, F, "shared_experts")
     for e in range(E):
         out += expert_specs(cfg, i, e)
     return out
@@ -176,15 +177,15 @@ def expert_specs(cfg: Config, layer: int, expert: int) -> list[TensorSpec]:
     """The three tensors of one routed expert, in file order (w1 gate, w2 down, w3 up)."""
     D, F = cfg.hidden_size, cfg.moe_intermediate_size
     shapes = ((F, D), (D, F), (F, D))  # [out, in]
-    names = expert_tensor_names(layer, expert)
+    names = expert_tensor_names(cfg, layer, expert)
     return [
         TensorSpec(n, _dtype(cfg), s, "routed_experts", layer, expert)
         for n, s in zip(names, shapes)
     ]
 
 
-def expert_tensor_names(layer: int, expert: int) -> list[str]:
-    """The tensor names of routed expert `expert` of `layer`, file order."""
+def expert_tensor_names(cfg: Config | None, layer: int, expert: int) -> list[str]:
+    """The tensor names of routed expert `expert` of `layer`, file order (any config)."""
     p = f"model.layers.{layer}.block_sparse_moe.experts.{expert}."
     return [p + s for s in EXPERT_TENSORS]
 
@@ -202,7 +203,7 @@ def with_experts(config_dict: dict, n_experts: int | dict[int, int]) -> dict:
                 "(use a per-layer scope)"
             )
         n_experts = counts.pop()
-    out = K3.with_experts(config_dict, int(n_experts))
+    out = kimi_k3.with_experts(config_dict, int(n_experts))
     text = out.get("text_config", out)
     n, G = int(n_experts), int(text.get("num_expert_group", 1))
     if n % G or int(text.get("topk_group", 1)) * (n // G) < text["num_experts_per_token"]:
@@ -227,7 +228,8 @@ def default_experts(get: Weights) -> ExpertSource:
     """An ExpertSource pulling each expert's tensors (short names "w1.weight", ...) by name."""
 
     def source(layer: int, expert: int) -> dict[str, torch.Tensor]:
-        return {s: get(n) for s, n in zip(EXPERT_TENSORS, expert_tensor_names(layer, expert))}
+        names = expert_tensor_names(None, layer, expert)
+        return {s: get(n) for s, n in zip(EXPERT_TENSORS, names)}
 
     return source
 
@@ -235,12 +237,12 @@ def default_experts(get: Weights) -> ExpertSource:
 def _expert(x: torch.Tensor, t) -> torch.Tensor:
     """One routed expert on its tokens: x [M, D] -> [M, D]."""
     gate, up, down = (t[f"{n}.weight"].to(x.device) for n in ("w1", "w3", "w2"))
-    return B.silu_glu(x, gate, up, down)
+    return blocks.silu_glu(x, gate, up, down)
 
 
 def sparse_moe(
     x: torch.Tensor,
-    w: B.WeightFn,
+    w: blocks.WeightFn,
     cfg: Config,
     layer: int,
     experts: ExpertSource,
@@ -249,25 +251,25 @@ def sparse_moe(
     """Kimi Linear's MoE on x [N, D] -> [N, D]: fp32 sigmoid router with correction bias, the
     routed SiLU GLU experts expert-major, plus the shared experts. Experts work in the model
     width, so a MoERecord's model_norm is the norm of the expert's own output."""
-    logits = B.linear(x.float(), w("gate.weight").float())  # [N, E]
+    logits = blocks.linear(x.float(), w("gate.weight").float())  # [N, E]
     bias = w("gate.e_score_correction_bias")
     groups = (cfg.num_expert_group, cfg.topk_group)
     k, scale = cfg.num_experts_per_token, cfg.routed_scaling_factor
-    ids, weights, probs = B.grouped_route(logits, bias, k, *groups, scale, cfg.moe_renormalize)
-    y = B.model_width_experts(x, ids, weights, probs, layer, experts, _expert, observer)
+    ids, weights, probs = blocks.grouped_route(logits, bias, k, *groups, scale, cfg.moe_renormalize)
+    y = blocks.model_width_experts(x, ids, weights, probs, layer, experts, _expert, observer)
     y = y.to(x.dtype)
     if cfg.num_shared_experts:
-        y = y + B.silu_glu(
+        y = y + blocks.silu_glu(
             x, *(w(f"shared_experts.{n}_proj.weight") for n in ("gate", "up", "down"))
         )
     return y
 
 
-class Model(K3.Model):
+class Model(kimi_k3.Model):
     """Kimi Linear text model; holds no weights (see `reap.models.base` for the protocol).
     Compute runs in `dtype`; the KDA decay and state, router and norms are fp32."""
 
-    def _w(self, get: Weights, prefix: str) -> B.WeightFn:
+    def _w(self, get: Weights, prefix: str) -> blocks.WeightFn:
         def w(name: str) -> torch.Tensor:
             t = sanitize(name, get(prefix + name))
             keep = name in _KEEP_F32 or not t.is_floating_point()
@@ -280,15 +282,15 @@ class Model(K3.Model):
     ) -> tuple[State, torch.Tensor]:
         """Pre-norm KDA or NoPE MLA of layer i plus the residual: (state, MLP input [B, T, D])."""
         cfg, w, eps = self.cfg, self._w(get, f"model.layers.{i}."), self.cfg.rms_norm_eps
-        x = B.rms_norm(state.hidden, w("input_layernorm.weight"), eps)
+        x = blocks.rms_norm(state.hidden, w("input_layernorm.weight"), eps)
         sub = self._w(get, f"model.layers.{i}.self_attn.")
         if cfg.is_kda(i):
             H, Dk = cfg.kda_heads, cfg.kda_head_dim
-            a = B.kda_attention(x, sub, H, Dk, None, eps, cache, low_rank_gate=True)
+            a = blocks.kda_attention(x, sub, H, Dk, None, eps, cache, low_rank_gate=True)
         else:
-            a = A.mla_attention(x, sub, self.mla, cache)
+            a = attention.mla_attention(x, sub, self.mla, cache)
         h = state.hidden + a
-        return State(h), B.rms_norm(h, w("post_attention_layernorm.weight"), eps)
+        return State(h), blocks.rms_norm(h, w("post_attention_layernorm.weight"), eps)
 
     def mlp_block(
         self,
@@ -302,7 +304,7 @@ class Model(K3.Model):
         cfg = self.cfg
         if not cfg.is_moe(i):
             w = self._w(get, f"model.layers.{i}.{cfg.dense_prefix}")
-            return B.silu_glu(x, *(w(f"{n}_proj.weight") for n in ("gate", "up", "down")))
+            return blocks.silu_glu(x, *(w(f"{n}_proj.weight") for n in ("gate", "up", "down")))
         w = self._w(get, f"model.layers.{i}.block_sparse_moe.")
         flat = x.reshape(-1, x.shape[-1])  # [N, D]
         y = sparse_moe(flat, w, cfg, i, experts or default_experts(get), observer)

@@ -16,15 +16,25 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from reap.checkpoint import TensorSpec
-from reap.models import qwen3_moe as Q
-from reap.models.qwen3_moe import Model, Naming, default_experts  # noqa: F401 - family API
+from reap.models import qwen3_moe
+from reap.models.qwen3_moe import (  # noqa: F401 - family API
+    Model,
+    Naming,
+    calibration_widths,
+    default_experts,
+    expert_groups,
+    expert_matrices,
+    expert_tensor_names,
+    router_tensors,
+    state_bytes,
+    top_k,
+)
 
-expert_matrices = Q.expert_matrices  # the family hook: experts used as stored
 NAMES = Naming("block_sparse_moe.", "w1.weight", "w3.weight", "w2.weight", "num_local_experts")
 
 
 @dataclass
-class Config(Q.Config):
+class Config(qwen3_moe.Config):
     """A Mixtral config; field names are the `config.json` names (`num_local_experts` is read
     as `num_experts`, `intermediate_size` is the expert width)."""
 
@@ -42,7 +52,7 @@ class Config(Q.Config):
 
     @staticmethod
     def _aliases(text: dict) -> dict:
-        text = Q.Config._aliases(text)
+        text = qwen3_moe.Config._aliases(text)
         text["norm_topk_prob"] = True  # Mixtral always renormalizes its top-k weights
         text.pop("moe_intermediate_size", None)
         return text
@@ -62,7 +72,7 @@ class Config(Q.Config):
 
 def layout(config_dict: dict) -> list[TensorSpec]:
     """Every tensor of the checkpoint (names as Hugging Face saves them)."""
-    return Q.layout_of(Config.from_dict(config_dict))
+    return qwen3_moe.layout_of(Config.from_dict(config_dict))
 
 
 def expert_key(name: str) -> tuple[int, int] | None:
@@ -70,24 +80,9 @@ def expert_key(name: str) -> tuple[int, int] | None:
     return NAMES.expert_key(name)
 
 
-def expert_tensor_names(layer: int, expert: int) -> list[str]:
-    """The three tensor names (w1, w2, w3) of routed expert `expert` of `layer`, file order."""
-    return NAMES.expert_names(layer, expert)
-
-
-def router_tensors(cfg: Config | dict, layer: int) -> dict[str, int]:
-    """Tensors of `layer` indexed by expert id -> the axis to slice when pruning experts."""
-    return Q.router_names(cfg if isinstance(cfg, Config) else Config.from_dict(cfg), layer)
-
-
 def with_experts(config_dict: dict, n_experts: int | dict[int, int]) -> dict:
     """The config with `n_experts` routed experts per layer (see `qwen3_moe.set_experts`)."""
-    return Q.set_experts(config_dict, n_experts, NAMES.expert_count_key)
-
-
-def state_bytes(cfg: Config, act_bytes: int) -> tuple[int, int, int, int]:
-    """Per-sequence state costs for the engine's memory plan (see `qwen3_moe.kv_state_bytes`)."""
-    return Q.kv_state_bytes(cfg, act_bytes)
+    return qwen3_moe.set_experts(config_dict, n_experts, NAMES.expert_count_key)
 
 
 def chat_format(config_dict: dict) -> None:

@@ -24,7 +24,7 @@ import torch
 
 from reap.checkpoint import TensorSpec
 from reap.errors import ReapError
-from reap.models import blocks as B
+from reap.models import base, blocks
 from reap.models.attention import KVCache, Rope, gqa_attention, rope_settings
 from reap.models.base import ExpertSource, Observer, State, Weights, decoder_specs, dtype_code
 from reap.quant.matrix import stored_matrices as expert_matrices  # noqa: F401 - family hook
@@ -134,11 +134,6 @@ class Config:
         """ "head" (per-head RMSNorm of q and k), "full" (over the whole projection) or None."""
         return "full" if self.model_type == "olmoe" else "head"
 
-    @property
-    def num_experts_per_token(self) -> int:
-        """top_k under the name the sizes, plans and the engine read."""
-        return self.num_experts_per_tok
-
     def is_moe(self, layer: int) -> bool:
         """Whether decoder layer `layer` (zero-based) has routed experts (else a dense MLP)."""
         return (
@@ -211,11 +206,6 @@ def expert_specs(cfg: Config, layer: int, expert: int, dt: str | None = None) ->
     ]
 
 
-def router_names(cfg: Config, layer: int) -> dict[str, int]:
-    """The router tensor of `layer` -> its expert axis."""
-    return {f"model.layers.{layer}.{cfg.names.moe}gate.weight": 0}
-
-
 def set_experts(config_dict: dict, n_experts: int | dict[int, int], key: str) -> dict:
     """config.json with `n_experts` routed experts per MoE layer (under `key` and any alias
     already present), top-k capped at that count. The Hugging Face configs hold one count for
@@ -235,7 +225,7 @@ def set_experts(config_dict: dict, n_experts: int | dict[int, int], key: str) ->
     return out
 
 
-def kv_state_bytes(cfg: Config, act_bytes: int) -> tuple[int, int, int, int]:
+def state_bytes(cfg: Config, act_bytes: int) -> tuple[int, int, int, int]:
     """(KV bytes per position, recurrent bytes per sequence (none), activation bytes per token,
     attention-score bytes per (query, key) pair) for the engine's memory plan."""
     H, Hkv, Dh = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.dh
@@ -246,6 +236,10 @@ def kv_state_bytes(cfg: Config, act_bytes: int) -> tuple[int, int, int, int]:
 
 
 # -- the family API ----------------------------------------------------------------------------
+expert_groups = base.ungrouped  # softmax top-k over all experts
+calibration_widths = base.residual_widths
+
+
 def layout(config_dict: dict) -> list[TensorSpec]:
     """Every tensor of the checkpoint (names as Hugging Face saves them)."""
     return layout_of(Config.from_dict(config_dict))
@@ -256,14 +250,14 @@ def expert_key(name: str) -> tuple[int, int] | None:
     return NAMES.expert_key(name)
 
 
-def expert_tensor_names(layer: int, expert: int) -> list[str]:
+def expert_tensor_names(cfg: Config, layer: int, expert: int) -> list[str]:
     """The three tensor names of routed expert `expert` of `layer`, file order."""
-    return NAMES.expert_names(layer, expert)
+    return cfg.names.expert_names(layer, expert)
 
 
-def router_tensors(cfg: Config | dict, layer: int) -> dict[str, int]:
-    """Tensors of `layer` indexed by expert id -> the axis to slice when pruning experts."""
-    return router_names(cfg if isinstance(cfg, Config) else Config.from_dict(cfg), layer)
+def router_tensors(cfg: Config, layer: int) -> dict[str, int]:
+    """The router tensor of `layer` -> its expert axis (sliced when pruning experts)."""
+    return {f"model.layers.{layer}.{cfg.names.moe}gate.weight": 0}
 
 
 def with_experts(config_dict: dict, n_experts: int | dict[int, int]) -> dict:
@@ -271,9 +265,9 @@ def with_experts(config_dict: dict, n_experts: int | dict[int, int]) -> dict:
     return set_experts(config_dict, n_experts, NAMES.expert_count_key)
 
 
-def state_bytes(cfg: Config, act_bytes: int) -> tuple[int, int, int, int]:
-    """Per-sequence state costs for the engine's memory plan (see `kv_state_bytes`)."""
-    return kv_state_bytes(cfg, act_bytes)
+def top_k(cfg: Config) -> int:
+    """Experts each token is routed to (`num_experts_per_tok`)."""
+    return cfg.num_experts_per_tok
 
 
 def chat_format(config_dict: dict) -> None:
@@ -290,7 +284,7 @@ def default_experts(get: Weights, names: Naming = NAMES) -> ExpertSource:
     return source
 
 
-class Model(B.PreNormModel):
+class Model(blocks.PreNormModel):
     """Pre-norm decoder with GQA RoPE attention and softmax-routed SwiGLU experts; holds no
     weights (see `reap.models.base`). Compute runs in `dtype` on `device`; router probabilities,
     norms and attention softmax in fp32."""
@@ -312,31 +306,33 @@ class Model(B.PreNormModel):
         """Attention of layer i with its residual; returns (state, MLP input [B, T, D])."""
         w, eps = self._w(get, f"model.layers.{i}."), self.cfg.rms_norm_eps
         h = state.hidden
-        a = self._attention(B.rms_norm(h, w("input_layernorm.weight"), eps), w, cache)
+        a = self._attention(blocks.rms_norm(h, w("input_layernorm.weight"), eps), w, cache)
         h = h + a
-        return State(h), B.rms_norm(h, w("post_attention_layernorm.weight"), eps)
+        return State(h), blocks.rms_norm(h, w("post_attention_layernorm.weight"), eps)
 
-    def _attention(self, x: torch.Tensor, w: B.WeightFn, cache: KVCache | None) -> torch.Tensor:
+    def _attention(
+        self, x: torch.Tensor, w: blocks.WeightFn, cache: KVCache | None
+    ) -> torch.Tensor:
         cfg, Bn, T = self.cfg, x.shape[0], x.shape[1]
         H, Hkv, Dh, eps = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.dh, cfg.rms_norm_eps
         q, k, v = (self._proj(x, w, n) for n in "qkv")  # [B, T, H*Dh], [B, T, Hkv*Dh] x2
         if cfg.qk_norm == "full":
-            q = B.rms_norm(q, w("self_attn.q_norm.weight"), eps)
-            k = B.rms_norm(k, w("self_attn.k_norm.weight"), eps)
+            q = blocks.rms_norm(q, w("self_attn.q_norm.weight"), eps)
+            k = blocks.rms_norm(k, w("self_attn.k_norm.weight"), eps)
         if cfg.clip_qkv is not None:
             q, k, v = (t.clamp(-cfg.clip_qkv, cfg.clip_qkv) for t in (q, k, v))
         q, k = q.reshape(Bn, T, H, Dh), k.reshape(Bn, T, Hkv, Dh)  # per head
         v = v.reshape(Bn, T, Hkv, Dh)
         if cfg.qk_norm == "head":
-            q = B.rms_norm(q, w("self_attn.q_norm.weight"), eps)
-            k = B.rms_norm(k, w("self_attn.k_norm.weight"), eps)
+            q = blocks.rms_norm(q, w("self_attn.q_norm.weight"), eps)
+            k = blocks.rms_norm(k, w("self_attn.k_norm.weight"), eps)
         start = cache.length if cache is not None else 0
         q, k = self.rope.apply(q, start), self.rope.apply(k, start)
         o = gqa_attention(q, k, v, cache, Dh**-0.5, window=cfg.sliding_window)  # [B, T, H, Dh]
         return self._proj(o.reshape(Bn, T, H * Dh), w, "o")
 
-    def _proj(self, x: torch.Tensor, w: B.WeightFn, n: str) -> torch.Tensor:
-        y = B.linear(x, w(f"self_attn.{n}_proj.weight"))
+    def _proj(self, x: torch.Tensor, w: blocks.WeightFn, n: str) -> torch.Tensor:
+        y = blocks.linear(x, w(f"self_attn.{n}_proj.weight"))
         return y + w(f"self_attn.{n}_proj.bias") if self.cfg.attention_bias else y
 
     def mlp_block(
@@ -351,17 +347,17 @@ class Model(B.PreNormModel):
         cfg = self.cfg
         if not cfg.is_moe(i):
             w = self._w(get, f"model.layers.{i}.mlp.")
-            return B.silu_glu(x, *(w(f"{n}_proj.weight") for n in ("gate", "up", "down")))
+            return blocks.silu_glu(x, *(w(f"{n}_proj.weight") for n in ("gate", "up", "down")))
         w = self._w(get, f"model.layers.{i}.{cfg.names.moe}")
         flat = x.reshape(-1, x.shape[-1])  # [N, D]
-        ids, weights, probs = B.softmax_topk(
-            B.linear(flat, w("gate.weight")), cfg.num_experts_per_tok, cfg.norm_topk_prob
+        ids, weights, probs = blocks.softmax_topk(
+            blocks.linear(flat, w("gate.weight")), cfg.num_experts_per_tok, cfg.norm_topk_prob
         )
         source = experts or default_experts(get, cfg.names)
-        y = B.model_width_experts(flat, ids, weights, probs, i, source, self._expert, observer)
+        y = blocks.model_width_experts(flat, ids, weights, probs, i, source, self._expert, observer)
         return y.to(x.dtype).reshape(x.shape)
 
     def _expert(self, x: torch.Tensor, t) -> torch.Tensor:
         """One routed expert on its tokens: x [M, D] -> [M, D]."""
         n = self.cfg.names
-        return B.silu_glu(x, *(t[s].to(x.device, x.dtype) for s in (n.gate, n.up, n.down)))
+        return blocks.silu_glu(x, *(t[s].to(x.device, x.dtype) for s in (n.gate, n.up, n.down)))

@@ -170,8 +170,7 @@ def _expert_groups(config: dict | None, counts: list[int], E: int) -> int:
     layer's count must be a multiple of it (ReapError otherwise)."""
     if config is None:
         return 1
-    hook = getattr(family(config), "expert_groups", None)
-    G = int(hook(config)) if hook else 1
+    G = int(family(config).expert_groups(config))
     bad = sorted({n for n in counts if n % G})
     if G > 1 and (E % G or bad):
         raise ReapError(

@@ -54,7 +54,7 @@ def stream_items(ck, fam, writer, items: list[Item], progress: bool, new_ids: di
     """Copy every item into the writer; returns ({(layer, new id): sha256}, resumed count)."""
     from tqdm import tqdm
 
-    hasher = _Hasher()
+    hasher, cfg = _Hasher(), fam.Config.from_dict(ck.config)
     resumed = 0
     bar = tqdm(
         total=sum(it.spec.nbytes for it in items),
@@ -82,7 +82,7 @@ def stream_items(ck, fam, writer, items: list[Item], progress: bool, new_ids: di
     for layer in sorted({it.spec.layer for it in items if it.kind == "fused"}):
         for j, e in enumerate(new_ids[layer]):  # an expert's slices lie in several tensors
             hasher.submit(
-                (layer, j), list(ck.read_many(fam.expert_tensor_names(layer, e)).values())
+                (layer, j), list(ck.read_many(fam.expert_tensor_names(cfg, layer, e)).values())
             )
     return hasher.close(), resumed
 

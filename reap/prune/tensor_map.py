@@ -48,7 +48,7 @@ def plan_items(
     cfg = fam.Config.from_dict(ck.config)
     dropped = unused_tensors(fam, ck.config) if dropped is None else dropped
     new_ids = {layer: {e: j for j, e in enumerate(ids)} for layer, ids in plan.keep.items()}
-    fused = fused_tensors(fam, plan.layers)
+    fused = fused_tensors(fam, cfg, plan.layers)
     found = _experts_found(ck, fam, plan, fused, dropped)
     routers = {}
     for layer in plan.layers:
@@ -83,20 +83,20 @@ def plan_items(
             continue  # a dropped expert, or one already emitted with its first tensor
         else:
             seen.add(key)
-            items += _expert_items(ck, fam, key, new_ids[key[0]][key[1]], found[key])
+            items += _expert_items(ck, fam, cfg, key, new_ids[key[0]][key[1]], found[key])
     if routers:
         raise ReapError(f"{ck.path}: router tensor {next(iter(routers))} is missing")
     return items, {layer: list(ids) for layer, ids in plan.keep.items()}
 
 
-def fused_tensors(fam, layers) -> dict[str, int]:
+def fused_tensors(fam, cfg, layers) -> dict[str, int]:
     """Stored fused expert tensor -> its layer: the tensors X behind the views `X[e]` that the
     family's `expert_tensor_names` use for these layers (empty for per-expert layouts)."""
     from reap.checkpoint import split_view
 
     out = {}
     for layer in layers:
-        for name in fam.expert_tensor_names(layer, 0):
+        for name in fam.expert_tensor_names(cfg, layer, 0):
             base, index = split_view(name)
             if index is not None:
                 out[base] = layer
@@ -133,11 +133,11 @@ def _experts_found(
     return found
 
 
-def _expert_items(ck, fam, key: tuple[int, int], new: int, present: set[str]) -> list[Item]:
+def _expert_items(ck, fam, cfg, key: tuple[int, int], new: int, present: set[str]) -> list[Item]:
     from reap.checkpoint import TensorSpec
 
     layer, e = key
-    old_names = fam.expert_tensor_names(layer, e)
+    old_names = fam.expert_tensor_names(cfg, layer, e)
     missing = [n for n in old_names if n not in ck.tensors]
     if missing:
         raise ReapError(f"{ck.path}: expert tensor {missing[0]} is missing")
@@ -145,7 +145,7 @@ def _expert_items(ck, fam, key: tuple[int, int], new: int, present: set[str]) ->
     if extra:
         raise ReapError(f"{ck.path}: tensor {extra[0]} is not one of its expert's tensors")
     out = []
-    for old, name in zip(old_names, fam.expert_tensor_names(layer, new)):
+    for old, name in zip(old_names, fam.expert_tensor_names(cfg, layer, new)):
         info = ck.tensors[old]
         spec = TensorSpec(name, info.dtype, info.shape, "routed_experts", layer, new)
         out.append(Item(old, spec, "expert", expert=(layer, new)))

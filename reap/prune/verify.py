@@ -52,6 +52,7 @@ def verify(*, pruned: str, source: str) -> VerifyResult:
                 "(fingerprint differs from the manifest's)"
             )
         fam = family(old.config)
+        cfg = fam.Config.from_dict(old.config)
         original = {int(la): v["original"] for la, v in man["experts"].items()}
         _check_config(fam, old.config, new.config, original, pruned)
         expected = _expected(old, fam, original)
@@ -65,7 +66,7 @@ def verify(*, pruned: str, source: str) -> VerifyResult:
         for layer, ids in original.items():
             for j, e in enumerate(ids):
                 nbytes += _check_expert(
-                    new, old, fam, layer, j, e, man["experts"][str(layer)]["sha256"][j]
+                    new, old, fam, cfg, layer, j, e, man["experts"][str(layer)]["sha256"][j]
                 )
     n_stored = sum(1 for n in expected if split_view(n)[1] is None)  # views are not tensors
     return VerifyResult(n_stored, nbytes, sum(len(v) for v in original.values()))
@@ -128,7 +129,7 @@ def _expected(old, fam, original: dict) -> dict[str, tuple[str, str, list | None
     for layer, ids in original.items():
         for name, axis in fam.router_tensors(cfg, layer).items():
             routers[name] = (axis, ids)
-    fused = fused_tensors(fam, original)
+    fused = fused_tensors(fam, cfg, original)
     out: dict[str, tuple[str, str, list | None]] = {}
     for name in old.tensors:
         if name in dropped:
@@ -140,7 +141,7 @@ def _expected(old, fam, original: dict) -> dict[str, tuple[str, str, list | None
     for layer, ids in original.items():
         for j, e in enumerate(ids):
             for new, src in zip(
-                fam.expert_tensor_names(layer, j), fam.expert_tensor_names(layer, e)
+                fam.expert_tensor_names(cfg, layer, j), fam.expert_tensor_names(cfg, layer, e)
             ):
                 out[new] = ("expert", src, None)
     return out
@@ -187,10 +188,10 @@ def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     )
 
 
-def _check_expert(new, old, fam, layer: int, j: int, e: int, sha: str) -> int:
+def _check_expert(new, old, fam, cfg, layer: int, j: int, e: int, sha: str) -> int:
     """Expert j of the pruned layer == expert e of the source, byte for byte and by hash."""
-    names_new = fam.expert_tensor_names(layer, j)
-    names_old = fam.expert_tensor_names(layer, e)
+    names_new = fam.expert_tensor_names(cfg, layer, j)
+    names_old = fam.expert_tensor_names(cfg, layer, e)
     got, want = new.read_many(names_new), old.read_many(names_old)
     h_new, h_old, n = hashlib.sha256(), hashlib.sha256(), 0
     for a, b in zip(names_new, names_old):
