@@ -22,7 +22,9 @@ test checks this outside `models/`, `checkpoint/` and `quant/`):
   `reap.engine.binding.state_costs` for the four numbers);
 - `calibration_widths(cfg, n_layers) -> ActivationWidths`: what calibration's memory plan needs;
 - `expert_matrices(tensors)`: one routed expert's stored tensors (short names) as the weights its
-  code multiplies by, quantized ones paired into records (see `reap.quant.matrix`).
+  code multiplies by, quantized ones paired into records (see `reap.quant.matrix`);
+- `chat_format(config_dict) -> ChatFormat | None`: the built-in chat markers for checkpoints that
+  ship no chat template (None: the checkpoint's own template, else chat is refused).
 
 Driving a model layer by layer (shapes: B batch, T tokens, D hidden, V vocab): weights are
 pulled by name through a `Weights` getter, so the same code runs fully in memory (tests, the
@@ -131,6 +133,7 @@ class Family(Protocol):
     def state_bytes(self, cfg: Any, act_bytes: int) -> tuple[int, int, int, int]: ...
     def calibration_widths(self, cfg: Any, n_layers: int) -> ActivationWidths: ...
     def expert_matrices(self, tensors: Mapping[str, torch.Tensor]) -> dict: ...
+    def chat_format(self, config: dict) -> ChatFormat | None: ...
 
 
 def ungrouped(config_dict: dict) -> int:
