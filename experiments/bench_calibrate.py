@@ -99,7 +99,7 @@ def run_naive(model_dir: str, corpus: str, tokens: int, seq_len: int, out: str) 
     import torch
 
     from reap.calibrate.accumulate import StatsAccumulator
-    from reap.calibrate.memory import peak_rss
+    from reap.memstat import peak_rss
     from reap.checkpoint import Checkpoint
     from reap.corpora import calibration_sequences
     from reap.models import family
@@ -215,7 +215,7 @@ def main() -> int:
     args = p.parse_args()
     import torch
 
-    from reap.sizes import parse_size
+    from reap.units import parse_bytes
 
     torch.set_num_threads(1)
     if args.method == "naive":
@@ -224,7 +224,7 @@ def main() -> int:
         return 0
     if args.method == "streamed":
         print(json.dumps(run_streamed(args.model_dir, args.corpus, args.tokens, args.seq_len,
-                                      args.out, parse_size(args.budget))))
+                                      args.out, parse_bytes(args.budget))))
         return 0
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -244,7 +244,7 @@ def main() -> int:
 
 def write_report(args, cfg: dict, model_dir: str, streamed: dict, naive: dict, diff: dict) -> None:
     """reports/calibrate.md and .json."""
-    from reap.sizes import parse_size
+    from reap.units import parse_bytes
 
     text = cfg["text_config"]
     speedup = naive["seconds"] / streamed["seconds"]
@@ -274,7 +274,7 @@ Model: k3-small widths with K3-like sparsity: {res["model"]["layers"]} layers
 ({res["model"]["layers"] - 1} LatentMoE), {text["num_experts"]} routed experts per layer, top-{text["num_experts_per_token"]}
 ({100 * text["num_experts_per_token"] / text["num_experts"]:.1f} % active; K3: 16/896 = 1.8 %), hidden
 {text["hidden_size"]}, latent {text["routed_expert_hidden_size"]}, expert FFN {text["moe_intermediate_size"]}, MXFP4 experts;
-checkpoint {streamed["checkpoint_bytes"] / mb:.0f} MB, {"larger" if streamed["checkpoint_bytes"] > parse_size(budget) else "NOT larger"} than the {budget} budget of the streamed run.
+checkpoint {streamed["checkpoint_bytes"] / mb:.0f} MB, {"larger" if streamed["checkpoint_bytes"] > parse_bytes(budget) else "NOT larger"} than the {budget} budget of the streamed run.
 Tokens: {streamed["tokens"]} ({streamed["tokens"] // args.seq_len} sequences of {args.seq_len}) from `{args.corpus}`, the same for both.
 Machine: {os.cpu_count()} cores shared with other jobs (load average {res["load_average"][0]:.1f} at the end),
 one torch thread per method, each method in its own process.
@@ -289,7 +289,7 @@ one torch thread per method, each method in its own process.
   {streamed["passes"]} pass(es); each expert read at most {streamed["expert_reads_max"]} time(s) per pass. The
   ratio is below 1 because the output head and final norm are not needed for statistics and
   experts no token routed to are never read.
-- Peak RSS {streamed["peak_rss"] / mb:.0f} MB, {"within" if streamed["peak_rss"] <= parse_size(budget) else "ABOVE"} the {budget} budget (plan estimate
+- Peak RSS {streamed["peak_rss"] / mb:.0f} MB, {"within" if streamed["peak_rss"] <= parse_bytes(budget) else "ABOVE"} the {budget} budget (plan estimate
   {streamed["estimated_peak_rss"] / mb:.0f} MB; attention batches of {streamed["batch"]} sequences, MLP passes of
   {streamed["pass_seqs"]}).
 - Same statistics: counts and co-activations equal ({diff.get("count")} and {diff.get("coact")} max

@@ -483,6 +483,7 @@ def extrapolate(rates: dict, expert_s: float, baseline: int, threads: int) -> li
     non-expert FLOPs / matmul throughput + the measured fused time per routed expert used."""
     from reap.engine import binding, memory
     from reap.models import builtin_config, family
+    from reap.units import parse_bytes
 
     cfgd = builtin_config("k3-full")
     fam = family(cfgd)
@@ -496,7 +497,7 @@ def extrapolate(rates: dict, expert_s: float, baseline: int, threads: int) -> li
     trunk_flops = decode_flops(cfgd) - 2.0 * used * expert_params
     rows = []
     for budget, published in PUBLISHED.items():
-        plan = memory.make_plan(mb, memory.parse_bytes(budget), 4096, 1, 16, baseline)
+        plan = memory.plan_memory(mb, parse_bytes(budget), 4096, 1, 16, baseline)
         hit = plan.expert_cache / mb.experts_total
         expert_bytes = used * mb.expert_bytes[1] * (1 - hit)
         io = plan.streamed_bytes / (rates["sequential_gbps"] * GB) + expert_bytes / (
@@ -755,9 +756,9 @@ def main(argv: list[str] | None = None) -> int:
     batch = batch_bytes(ckpt, [1, 4, 16], 3, args.threads, work)
     print("engine vs mlx-lm", flush=True)
     mlx = versus_mlx(work, 16, args.threads)
-    from reap.engine.memory import rss_bytes
+    from reap.memstat import current_rss
 
-    extra = extrapolate(rates, expert_s["fused_s"], rss_bytes()[0], args.threads)
+    extra = extrapolate(rates, expert_s["fused_s"], current_rss(), args.threads)
     result = {
         "command": "python experiments/bench_engine.py " + " ".join(argv or sys.argv[1:]),
         "code_version": code_version(),

@@ -7,7 +7,8 @@ import argparse
 import json
 import os
 
-from reap.sizes import SizeModel, fmt_bytes, fmt_params, resolve_config
+from reap.sizes import SizeModel, fmt_params, resolve_config
+from reap.units import format_bytes
 
 
 def info(model: str, layers: int | None = None) -> dict:
@@ -58,14 +59,14 @@ def run(args: argparse.Namespace) -> int:
         return 0
     total = out["total_params"]
     print(
-        f"{out['model']}: {fmt_params(total)} parameters, {fmt_bytes(out['checkpoint_bytes'])}"
+        f"{out['model']}: {fmt_params(total)} parameters, {format_bytes(out['checkpoint_bytes'])}"
         f" checkpoint, {out['tensors']:,} tensors"
     )
     print(f"{'component':<16}{'params':>14}{'share':>8}{'bytes':>14}")
     for name, c in out["components"].items():
         print(
             f"{name:<16}{fmt_params(c['params']):>14}{c['params'] / total:>8.1%}"
-            f"{fmt_bytes(c['bytes']):>14}"
+            f"{format_bytes(c['bytes']):>14}"
         )
     print(
         f"active per token: {fmt_params(out['active_params'])} "
@@ -77,5 +78,6 @@ def run(args: argparse.Namespace) -> int:
         f"{out['bytes_per_routed_expert']:,} bytes"
     )
     if "bytes_on_disk" in out:
-        print(f"on disk: {fmt_bytes(out['bytes_on_disk'])} in {out['tensors_on_disk']:,} tensors")
+        on_disk = format_bytes(out["bytes_on_disk"])
+        print(f"on disk: {on_disk} in {out['tensors_on_disk']:,} tensors")
     return 0

@@ -183,36 +183,6 @@ class SizeModel:
         return keep
 
 
-def parse_size(text: str) -> int:
-    """'350GB' -> 350e9 bytes; accepts B, KB, MB, GB, TB (powers of 1000) and KiB..TiB."""
-    units = {
-        "B": 1,
-        "KB": 10**3,
-        "MB": 10**6,
-        "GB": 10**9,
-        "TB": 10**12,
-        "KIB": 2**10,
-        "MIB": 2**20,
-        "GIB": 2**30,
-        "TIB": 2**40,
-    }
-    t = text.strip().upper().replace(" ", "")
-    for u in sorted(units, key=len, reverse=True):
-        if t.endswith(u):
-            try:
-                return int(float(t[: -len(u)]) * units[u])
-            except ValueError:
-                break
-    raise ReapError(f"cannot read size {text!r} (use e.g. 350GB, 8GiB, 1.5TB)")
-
-
-def fmt_bytes(n: float) -> str:
-    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if abs(n) >= scale:
-            return f"{n / scale:.3f} {unit}"
-    return f"{int(n)} B"
-
-
 def fmt_params(n: float) -> str:
     for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
         if abs(n) >= scale:

@@ -24,9 +24,11 @@ from reap.engine.experts import ExpertCache
 from reap.engine.generate import StopMatcher, sample
 from reap.engine.store import TrunkStore
 from reap.errors import ReapError
+from reap.memstat import available_memory
 from reap.models import family
 from reap.models.base import dict_weights
 from reap.quant.mxfp4_decode import decode_mxfp4
+from reap.units import parse_bytes
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +87,7 @@ def test_plan_gives_the_trunk_priority_then_the_expert_cache():
     assert low == state + scratch + 2 * 100
     last = None
     for extra in range(0, 900, 7):
-        plan = memory.make_plan(mb, low + extra, 16, 1, 4)
+        plan = memory.plan_memory(mb, low + extra, 16, 1, 4)
         assert plan.total <= low + extra
         if plan.expert_cache > 0 and len(plan.pinned) < len(mb.units):
             # cache only gets what cannot pin another unit (or the ring for the rest)
@@ -93,10 +95,10 @@ def test_plan_gives_the_trunk_priority_then_the_expert_cache():
         if last is not None:
             assert plan.pinned_bytes + plan.expert_cache >= last
         last = plan.pinned_bytes + plan.expert_cache
-    full = memory.make_plan(mb, 10**9, 16, 1, 4)
+    full = memory.plan_memory(mb, 10**9, 16, 1, 4)
     assert len(full.pinned) == 5 and full.ring_slots == 0 and full.expert_cache == 3 * 100 * 10
     with pytest.raises(ReapError, match="short by"):
-        memory.make_plan(mb, low - 1, 16, 1, 4)
+        memory.plan_memory(mb, low - 1, 16, 1, 4)
 
 
 def test_presets_are_ordered_and_scaled_to_the_model():
@@ -104,25 +106,25 @@ def test_presets_are_ordered_and_scaled_to_the_model():
     budgets = [memory.preset_budget(mb, p, 16, 1, 4) for p in memory.PRESETS]
     assert budgets == sorted(budgets)
     assert budgets[0] == memory.minimum_budget(mb, 16, 1, 4)
-    top = memory.make_plan(mb, budgets[-1], 16, 1, 4)
+    top = memory.plan_memory(mb, budgets[-1], 16, 1, 4)
     assert len(top.pinned) == 5 and top.expert_cache == mb.experts_total
     with pytest.raises(ReapError, match="unknown preset"):
         memory.preset_budget(mb, "huge", 16)
 
 
 def test_refusal_names_the_shortfall_and_parse_bytes():
-    plan = memory.make_plan(_mb(), 10**9, 16, 1, 4, baseline=100)
+    plan = memory.plan_memory(_mb(), 10**9, 16, 1, 4, baseline=100)
     need = plan.total - plan.baseline
     memory.check_available(plan, available=-(-need * 100 // 95))  # exactly at 95 %: accepted
     with pytest.raises(ReapError, match=r"short by .*lower --budget") as e:
         memory.check_available(plan, available=need * 100 // 95 - 2)
     assert e.value.exit_code == 2
-    assert memory.parse_bytes("8GB") == 8 * 10**9
-    assert memory.parse_bytes("512MiB") == 512 * 2**20
-    assert memory.parse_bytes("1.5g") == 1_500_000_000
+    assert parse_bytes("8GB") == 8 * 10**9
+    assert parse_bytes("512MiB") == 512 * 2**20
+    assert parse_bytes("1.5g") == 1_500_000_000
     with pytest.raises(ReapError, match="cannot parse"):
-        memory.parse_bytes("lots")
-    avail, source = memory.available_memory()
+        parse_bytes("lots")
+    avail, source = available_memory()
     assert avail > 0 and source
 
 

@@ -12,7 +12,8 @@ from reap.checkpoint import split_view
 from reap.errors import ReapError
 from reap.info_cli import info
 from reap.models import builtin_config
-from reap.sizes import SizeModel, parse_size
+from reap.sizes import SizeModel
+from reap.units import parse_bytes
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +45,7 @@ def test_target_size_350gb_keeps_about_146_experts():
     from reap.models import builtin_config
 
     m = SizeModel.from_config(builtin_config("k3-full"))
-    keep = m.max_uniform_keep(parse_size("350GB"))
+    keep = m.max_uniform_keep(parse_bytes("350GB"))
     assert 140 <= keep <= 150
     assert m.predict_bytes(keep) <= 350e9 < m.predict_bytes(keep + 1)
 
@@ -59,11 +60,11 @@ def test_predict_bytes_is_linear_in_kept_experts():
 
 
 def test_parse_size_units():
-    assert parse_size("350GB") == 350 * 10**9
-    assert parse_size("8GiB") == 8 * 2**30
-    assert parse_size("1.5 TB") == 1.5e12
+    assert parse_bytes("350GB") == 350 * 10**9
+    assert parse_bytes("8GiB") == 8 * 2**30
+    assert parse_bytes("1.5 TB") == 1.5e12
     with pytest.raises(ReapError):
-        parse_size("lots")
+        parse_bytes("lots")
 
 
 def test_info_cli_json_and_bad_config():

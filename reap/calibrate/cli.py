@@ -53,17 +53,17 @@ def _shard(text: str) -> tuple[int, int]:
 
 def run(args: argparse.Namespace) -> int:
     from reap.calibrate.pipeline import calibrate
-    from reap.sizes import fmt_bytes, parse_size
+    from reap.units import format_bytes, parse_bytes
 
     res = calibrate(
         model=args.model, corpus=args.corpus, tokens=args.tokens, seq_len=args.seq_len,
-        out=args.out, budget=parse_size(args.budget), device=args.device, dtype=args.dtype,
+        out=args.out, budget=parse_bytes(args.budget), device=args.device, dtype=args.dtype,
         seed=args.seed, batch=args.batch, save_token_experts=args.save_token_experts,
         seq_counts={"auto": None, "on": True, "off": False}[args.seq_counts],
         shard=_shard(args.shard), progress=not args.no_progress)
     print(f"calibrated {res.tokens} tokens over {len(res.layers)} MoE layers in "
           f"{res.seconds:.1f} s ({res.tokens / max(res.seconds, 1e-9):.0f} tokens/s), peak RSS "
-          f"{fmt_bytes(res.peak_rss)}; read {fmt_bytes(res.bytes_read)} = "
+          f"{format_bytes(res.peak_rss)}; read {format_bytes(res.bytes_read)} = "
           f"{res.read_ratio:.3f} x the checkpoint; each expert read at most "
           f"{res.expert_reads_max}x per pass ({res.passes} pass(es))"
           + (f"; resumed after layer {res.resumed_after}" if res.resumed_after is not None else ""),

@@ -14,19 +14,18 @@ constant factors); `experiments/bench_calibrate.py` measures the real peak again
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import math
-import resource
 from dataclasses import dataclass
 
 from reap.errors import ReapError
+from reap.memstat import current_rss
+from reap.units import format_bytes
 
 _F32 = 4
 
 
 @dataclass(frozen=True)
-class MemoryPlan:
+class BatchPlan:
     """Batch sizes chosen for a budget; all sizes in bytes."""
 
     budget: int
@@ -45,42 +44,11 @@ class MemoryPlan:
         return self.baseline + self.weights + work
 
 
-def current_rss() -> int:
-    """Resident set size of this process now, bytes (Linux /proc; 0 where unavailable)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * resource.getpagesize()
-    except (OSError, IndexError, ValueError):
-        return 0
-
-
-@functools.lru_cache(maxsize=1)
-def _malloc_trim():
-    try:
-        return ctypes.CDLL("libc.so.6").malloc_trim
-    except (OSError, AttributeError):
-        return None
-
-
-def release_memory() -> None:
-    """Return freed heap memory to the OS (glibc `malloc_trim`; a no-op elsewhere). Called
-    between batches: without it glibc keeps freed activation buffers and RSS drifts above the
-    live working set."""
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)
-
-
-def peak_rss() -> int:
-    """Peak resident set size of this process so far, bytes (Linux reports KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def plan_memory(*, weight_bytes: dict, hidden: int, heads: int, dense_ffn: int, n_experts: int,
-                top_k: int,
-                n_blocks: int, n_seq: int, seq_len: int, budget: int,
-                batch: int | None = None, max_pass_seqs: int | None = None,
-                baseline: int | None = None) -> MemoryPlan:
+def plan_batches(*, weight_bytes: dict, hidden: int, heads: int, dense_ffn: int, n_experts: int,
+                 top_k: int,
+                 n_blocks: int, n_seq: int, seq_len: int, budget: int,
+                 batch: int | None = None, max_pass_seqs: int | None = None,
+                 baseline: int | None = None) -> BatchPlan:
     """Choose the attention batch and the MLP pass size for `budget` bytes.
 
     weight_bytes: {"trunk": largest layer's non-expert bytes, "embed": embedding bytes,
@@ -103,19 +71,16 @@ def plan_memory(*, weight_bytes: dict, hidden: int, heads: int, dense_ffn: int, 
     free = budget - baseline - weights
     need = baseline + weights + max(per_seq_attn, per_seq_mlp)
     if free < max(per_seq_attn, per_seq_mlp):
-        raise ReapError(f"--budget {_gb(budget)} is too small for this model and --seq-len {T}: "
-                        f"one layer's weights and one sequence need about {_gb(need)}")
+        raise ReapError(f"--budget {format_bytes(budget, 2)} is too small for this model and "
+                        f"--seq-len {T}: one layer's weights and one sequence need about "
+                        f"{format_bytes(need, 2)}")
     fit_attn = max(1, free // per_seq_attn)
     if batch is None:
         batch = int(min(n_seq, fit_attn, 64))
     elif batch > fit_attn:
-        raise ReapError(f"--batch {batch} does not fit --budget {_gb(budget)}: at most "
+        raise ReapError(f"--batch {batch} does not fit --budget {format_bytes(budget, 2)}: at most "
                         f"{fit_attn} sequences of {T} tokens fit")
     pass_seqs = int(min(n_seq, max(1, free // per_seq_mlp), max_pass_seqs or n_seq))
-    return MemoryPlan(budget, baseline, weights, per_seq_attn, per_seq_mlp,
-                      n_seq * T * state_tok, int(batch), pass_seqs,
-                      math.ceil(n_seq / pass_seqs) if n_seq else 0)
-
-
-def _gb(n: int) -> str:
-    return f"{n / 1e9:.2f} GB"
+    return BatchPlan(budget, baseline, weights, per_seq_attn, per_seq_mlp,
+                     n_seq * T * state_tok, int(batch), pass_seqs,
+                     math.ceil(n_seq / pass_seqs) if n_seq else 0)

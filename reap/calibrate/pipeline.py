@@ -18,11 +18,12 @@ import torch
 from reap.calibrate import artifacts as art
 from reap.calibrate import runner
 from reap.calibrate.accumulate import StatsAccumulator
-from reap.calibrate.memory import peak_rss, plan_memory
+from reap.calibrate.memory import plan_batches
 from reap.calibrate.spill import SpillStore
 from reap.checkpoint import Checkpoint
 from reap.defaults import default_model as _default_model
 from reap.errors import ReapError
+from reap.memstat import peak_rss
 
 SPLIT = "calibration"
 # progress in whole calibrated tokens (token-layers scaled by 1/layers), tokens/s and ETA
@@ -130,7 +131,7 @@ def _make_run(ckpt, setup, ids, seq_corpus, n_corpora, identity, out, budget, ba
     size, fam = setup["size"], setup["fam"]
     widths = fam.calibration_widths(setup["cfg"], max(size.moe_layers) + 1)
     S, T = ids.shape
-    plan = plan_memory(
+    plan = plan_batches(
         weight_bytes=runner.weight_sizes(ckpt, setup["specs"], setup["dtype"].itemsize),
         hidden=widths.hidden, heads=widths.heads, dense_ffn=widths.dense_ffn,
         n_experts=size.n_experts, top_k=size.top_k, n_blocks=widths.snapshots, n_seq=S,

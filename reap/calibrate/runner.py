@@ -26,10 +26,11 @@ import torch
 
 from reap.calibrate import artifacts as art
 from reap.calibrate.accumulate import StatsAccumulator
-from reap.calibrate.memory import MemoryPlan, release_memory
+from reap.calibrate.memory import BatchPlan
 from reap.calibrate.spill import SpillStore, state_arrays, state_from_arrays
 from reap.checkpoint import Checkpoint
 from reap.errors import CheckpointError, ExpertLoadError, ReapError
+from reap.memstat import release_memory
 from reap.models.base import expert_short_names
 
 
@@ -49,7 +50,7 @@ class CalibrateResult:
     resumed_after: int | None  # the layer an interrupted run was resumed after, else None
     seconds: float
     peak_rss: int
-    plan: MemoryPlan | None = None
+    plan: BatchPlan | None = None
     timing: dict = field(default_factory=dict)  # seconds per phase in this process
 
     @property
@@ -109,7 +110,7 @@ class Run:
     model: object
     moe_layers: list[int]
     ids: torch.Tensor  # [S, T] token ids
-    plan: MemoryPlan
+    plan: BatchPlan
     store: SpillStore
     acc: StatsAccumulator
     weights: LayerWeights

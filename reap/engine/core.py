@@ -32,9 +32,11 @@ from reap.engine.experts import ExpertCache
 from reap.engine.metrics import RunMetrics
 from reap.engine.store import IO_KINDS, TrunkStore
 from reap.errors import EXIT_FAILURE, ReapError
+from reap.memstat import available_memory, current_rss
 from reap.models.base import expert_short_names
 from reap.quant.mxfp4_decode import BufferPool
 from reap.quant.mxfp4_matmul import MXFP4Kernels, fused_available
+from reap.units import parse_bytes
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 PREFILL_CHUNKS = (512, 256, 128, 64, 32, 16)
@@ -353,17 +355,17 @@ def _make_plan(
         raise ReapError("give --budget or --preset, not both")
     if context < 1 or batch < 1:
         raise ReapError(f"--context and batch must be positive (got {context}, {batch})")
-    base = memory.rss_bytes()[0] if baseline is None else baseline
-    avail = available if available is not None else memory.available_memory()[0]
+    base = current_rss() if baseline is None else baseline
+    avail = available if available is not None else available_memory()[0]
     if budget is not None:
-        b = memory.parse_bytes(budget) if isinstance(budget, str) else int(budget)
+        b = parse_bytes(budget) if isinstance(budget, str) else int(budget)
         chunk = prefill_chunk or memory.choose_prefill_chunk(mb, context, b, PREFILL_CHUNKS)
     else:
         chunk = prefill_chunk or memory.choose_prefill_chunk(mb, context, avail, PREFILL_CHUNKS)
         b = memory.preset_budget(mb, preset or "max", context, batch, chunk, base)
         if preset is None:  # no request: the whole model if it fits, else 80 % of available
             b = min(b, base + int(0.8 * avail))
-    return memory.make_plan(mb, b, context, batch, chunk, base)
+    return memory.plan_memory(mb, b, context, batch, chunk, base)
 
 
 def _tokenizer(path):

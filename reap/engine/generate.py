@@ -21,6 +21,7 @@ import torch
 
 from reap.engine.metrics import RunMetrics
 from reap.errors import ReapError
+from reap.memstat import peak_rss
 
 
 @dataclass
@@ -202,13 +203,11 @@ def _events(
 
 
 def _finish(engine, metrics: RunMetrics, requests, gens) -> None:
-    from reap.engine.memory import rss_bytes
-
     engine.trunk.drain()
     metrics.sequences += len(requests)
     metrics.generated_tokens += sum(len(g.ids) for g in gens)
     metrics.expert_failures = len(engine.expert_failures)
-    metrics.peak_rss = rss_bytes()[1]
+    metrics.peak_rss = peak_rss()
     engine.metrics.merge(metrics)
     engine.last_metrics = metrics
 

@@ -17,20 +17,19 @@ byte of experts only when that expert is chosen again. A plan above 95 % of the 
 available (MemAvailable, capped by the cgroup limit) is refused before anything is read.
 
     mb = ModelBytes(...)                       # from reap.engine.store.model_bytes(checkpoint)
-    plan = make_plan(mb, budget=parse_bytes("8GB"), context=4096)
+    plan = plan_memory(mb, budget=parse_bytes("8GB"), context=4096)  # reap.units
     check_available(plan)                      # ReapError (exit 2) naming the shortfall
     print(plan.describe())
 """
 
 from __future__ import annotations
 
-import os
-import re
 from dataclasses import dataclass, field
 
 from reap.errors import ReapError
+from reap.memstat import available_memory
+from reap.units import format_bytes
 
-GB = 10**9
 RING_SLOTS = 2
 OVERHEAD = 64 * 10**6  # allocator slack, libraries loaded after the baseline, Python objects
 REFUSE_FRACTION = 0.95
@@ -138,15 +137,15 @@ class MemoryPlan:
             ("baseline (interpreter, torch)", self.baseline),
             ("always-resident tensors", self.resident),
             (f"pinned trunk: {len(self.pinned)}/{len(self.units)} units", self.pinned_bytes),
-            (f"streamed-layer ring: {self.ring_slots} x {_fmt(self.slot_bytes)}", self.ring_bytes),
+            (f"streamed-layer ring: {self.ring_slots} x {_size(self.slot_bytes)}", self.ring_bytes),
             ("routed-expert cache", self.expert_cache),
             (f"KV cache + recurrent state ({self.batch} x {self.context} positions)", self.state),
             (f"scratch (prefill chunk {self.prefill_chunk})", self.scratch),
         ]
-        lines = [f"memory plan (budget {_fmt(self.budget)}):"]
-        lines += [f"  {name:<58} {_fmt(b):>10}" for name, b in rows]
-        lines.append(f"  {'total':<58} {_fmt(self.total):>10}")
-        lines.append(f"  streamed per token: {_fmt(self.streamed_bytes)} of trunk")
+        lines = [f"memory plan (budget {_size(self.budget)}):"]
+        lines += [f"  {name:<58} {_size(b):>10}" for name, b in rows]
+        lines.append(f"  {'total':<58} {_size(self.total):>10}")
+        lines.append(f"  streamed per token: {_size(self.streamed_bytes)} of trunk")
         return "\n".join(lines)
 
     def to_dict(self) -> dict:
@@ -170,21 +169,9 @@ class MemoryPlan:
         }
 
 
-def _fmt(n: int) -> str:
-    for unit, size in (("GB", GB), ("MB", 10**6), ("KB", 10**3)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n} B"
-
-
-def parse_bytes(text: str) -> int:
-    """'8GB', '512MiB', '1.5G', '1000000' -> bytes (decimal GB/MB/KB, binary GiB/MiB/KiB)."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]?)(i?)B?\s*", text, re.IGNORECASE)
-    if not m:
-        raise ReapError(f"cannot parse memory size {text!r} (try 8GB, 512MiB)")
-    value, prefix, binary = float(m.group(1)), m.group(2).upper(), bool(m.group(3))
-    power = "KMGT".find(prefix) + 1 if prefix else 0
-    return int(value * (1024 if binary else 1000) ** power)
+def _size(n: int) -> str:
+    """Bytes for the plan table and messages: two decimals, as the plan has always printed."""
+    return format_bytes(n, digits=2)
 
 
 def fixed_costs(mb: ModelBytes, context: int, batch: int, prefill_chunk: int) -> tuple[int, int]:
@@ -243,7 +230,7 @@ def preset_budget(
     return base + int(f_trunk * mb.trunk) + int(f_experts * mb.experts_total)
 
 
-def make_plan(
+def plan_memory(
     mb: ModelBytes,
     budget: int,
     context: int,
@@ -258,8 +245,8 @@ def make_plan(
     need = minimum_budget(mb, context, batch, prefill_chunk, baseline)
     if budget < need:
         raise ReapError(
-            f"budget {_fmt(budget)} is below the {_fmt(need)} this model needs at "
-            f"context {context} x batch {batch} (short by {_fmt(need - budget)})"
+            f"budget {_size(budget)} is below the {_size(need)} this model needs at "
+            f"context {context} x batch {batch} (short by {_size(need - budget)})"
         )
     free = budget - (baseline + mb.resident + state + scratch)
     pinned = _pin(mb.units, free)
@@ -301,65 +288,6 @@ def _pin(units: list[int], free: int) -> set[int]:
     return pinned
 
 
-def available_memory() -> tuple[int, str]:
-    """(bytes of memory this process may still use, where the number comes from):
-    MemAvailable, capped by the cgroup (v2 memory.max or v1 limit_in_bytes) minus its usage."""
-    avail, source = _meminfo("MemAvailable"), "MemAvailable"
-    limit = _cgroup_headroom()
-    if limit is not None and limit < avail:
-        avail, source = limit, "cgroup limit"
-    return avail, source
-
-
-def _meminfo(key: str) -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    raise ReapError(f"/proc/meminfo has no {key}")
-
-
-def _cgroup_headroom() -> int | None:
-    """cgroup memory limit minus current usage, or None when unlimited or unknown."""
-    for limit_f, usage_f in _cgroup_files():
-        try:
-            with open(limit_f) as f:
-                raw = f.read().strip()
-            with open(usage_f) as f:
-                usage = int(f.read().strip())
-        except (OSError, ValueError):
-            continue
-        if raw == "max" or int(raw) >= 2**60:
-            return None
-        return max(0, int(raw) - usage)
-    return None
-
-
-def _cgroup_files() -> list[tuple[str, str]]:
-    """Candidate (limit, usage) file pairs for this process's cgroup, v2 then v1."""
-    out = []
-    try:
-        with open("/proc/self/cgroup") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        lines = []
-    for line in lines:
-        hier, controllers, path = line.split(":", 2)
-        if hier == "0":
-            out.append((f"/sys/fs/cgroup{path}/memory.max", f"/sys/fs/cgroup{path}/memory.current"))
-        elif "memory" in controllers.split(","):
-            base = f"/sys/fs/cgroup/memory{path}"
-            out.append((f"{base}/memory.limit_in_bytes", f"{base}/memory.usage_in_bytes"))
-            out.append(
-                (
-                    "/sys/fs/cgroup/memory/memory.limit_in_bytes",
-                    "/sys/fs/cgroup/memory/memory.usage_in_bytes",
-                )
-            )
-    out.append(("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"))
-    return out
-
-
 def check_available(plan: MemoryPlan, available: int | None = None) -> None:
     """Refuse (ReapError, exit 2) a plan above 95 % of the memory actually available.
 
@@ -371,29 +299,7 @@ def check_available(plan: MemoryPlan, available: int | None = None) -> None:
     allowed = int(REFUSE_FRACTION * available)
     if need > allowed:
         raise ReapError(
-            f"memory plan needs {_fmt(need)} beyond the running process but only "
-            f"{_fmt(allowed)} is allowed (95% of {_fmt(available)} available, "
-            f"{source}): short by {_fmt(need - allowed)}; lower --budget or --context"
+            f"memory plan needs {_size(need)} beyond the running process but only "
+            f"{_size(allowed)} is allowed (95% of {_size(available)} available, "
+            f"{source}): short by {_size(need - allowed)}; lower --budget or --context"
         )
-
-
-def rss_bytes() -> tuple[int, int]:
-    """(current RSS, peak RSS) of this process in bytes, from /proc/self/status."""
-    cur = peak = 0
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                cur = int(line.split()[1]) * 1024
-            elif line.startswith("VmHWM:"):
-                peak = int(line.split()[1]) * 1024
-    return cur, peak
-
-
-def reset_peak_rss() -> bool:
-    """Reset the kernel's peak-RSS mark (VmHWM) if allowed; True on success."""
-    try:
-        with open(f"/proc/{os.getpid()}/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False

@@ -75,16 +75,17 @@ class Engines:
 
     def reference_engine(self):
         """The reference's engine, opened on first use."""
-        from reap.engine import memory
+        from reap.memstat import available_memory, current_rss
+        from reap.units import parse_bytes
 
         if self.ref is None:
-            base = memory.rss_bytes()[0]
+            base = current_rss()
             if self.opts["preset"] is None:
                 b = self.opts["budget"]
                 self.total = (
-                    (memory.parse_bytes(b) if isinstance(b, str) else int(b))
+                    (parse_bytes(b) if isinstance(b, str) else int(b))
                     if b is not None
-                    else base + int(0.8 * memory.available_memory()[0])
+                    else base + int(0.8 * available_memory()[0])
                 )
             half = None if self.total is None else base + (self.total - base) // 2
             self.ref = self._open(self.reference.path, half)

@@ -85,10 +85,10 @@ def _target_bytes(text: str, size) -> int:
 def positive_size(text: str, flag: str) -> int:
     """A size argument ('5GB', '8GiB') in bytes; ReapError naming `flag` unless it is a finite
     whole number of bytes above zero (not -1GB, 0, nan or inf)."""
-    from reap.sizes import parse_size
+    from reap.units import parse_bytes
 
     try:
-        n = parse_size(text)
+        n = parse_bytes(text)
     except ReapError:
         raise ReapError(
             f"{flag}: cannot read size {text!r} (use e.g. 350GB, 8GiB, 1.5TB)"
@@ -110,12 +110,12 @@ def _unit_bytes(size) -> list[int]:
 def _too_small(n, floor_, E, size, target) -> str:
     if target is None:
         return f"{n} experts per layer is outside [{floor_}, {E}] (min keep .. n_experts)"
-    from reap.sizes import fmt_bytes
+    from reap.units import format_bytes
 
     smallest = size.predict_bytes(floor_)
     return (
-        f"target size {fmt_bytes(target)} is below the smallest build, "
-        f"{fmt_bytes(smallest)} with {floor_} experts per layer"
+        f"target size {format_bytes(target)} is below the smallest build, "
+        f"{format_bytes(smallest)} with {floor_} experts per layer"
     )
 
 
@@ -126,7 +126,7 @@ def budget_record(keep, ratio, target_size, floor_) -> dict:
     elif ratio is not None:
         b = {"ratio": ratio}
     else:
-        from reap.sizes import parse_size
+        from reap.units import parse_bytes
 
-        b = {"target_size": target_size, "target_bytes": parse_size(target_size)}
+        b = {"target_size": target_size, "target_bytes": parse_bytes(target_size)}
     return {**b, "min_keep": floor_}

@@ -35,7 +35,8 @@ class Subcommand(NamedTuple):
 
 def size_table(plan: Plan) -> str:
     """Human-readable per-layer counts and predicted sizes of a plan."""
-    from reap.sizes import fmt_bytes, fmt_params
+    from reap.sizes import fmt_params
+    from reap.units import format_bytes
 
     rows, start = [], 0
     layers = plan.layers
@@ -60,9 +61,9 @@ def size_table(plan: Plan) -> str:
     out = [head, *rows, kept]
     if plan.predicted_bytes is not None:
         out.append(
-            f"  predicted: {fmt_bytes(plan.predicted_bytes)} "
+            f"  predicted: {format_bytes(plan.predicted_bytes)} "
             f"({fmt_params(plan.predicted_params)} params) from "
-            f"{fmt_bytes(plan.source_bytes)} ({fmt_params(plan.source_params)} params), "
+            f"{format_bytes(plan.source_bytes)} ({fmt_params(plan.source_params)} params), "
             f"{plan.predicted_bytes / plan.source_bytes:.1%}"
         )
     return "\n".join(out)
@@ -219,12 +220,12 @@ def run_prune(args: argparse.Namespace) -> int:
         raise ReapError(
             f"{e.path}: {e.reason} (give --overwrite to replace it, or another --out)"
         ) from None
-    from reap.sizes import fmt_bytes
+    from reap.units import format_bytes
 
-    pred = f", predicted {fmt_bytes(r.predicted_bytes)}" if r.predicted_bytes else ""
+    pred = f", predicted {format_bytes(r.predicted_bytes)}" if r.predicted_bytes else ""
     print(
         f"{r.out}: {r.tensors} tensors, {r.kept_experts} experts kept, "
-        f"{fmt_bytes(r.file_bytes)} written{pred}, {r.seconds:.1f} s"
+        f"{format_bytes(r.file_bytes)} written{pred}, {r.seconds:.1f} s"
         + (f" ({r.resumed_tensors} tensors resumed)" if r.resumed_tensors else ""),
         file=sys.stderr,
     )
