@@ -2,11 +2,13 @@
 
 `code_version(parts)` is `reap <version> src <digest>`, the digest a sha256 over the source files
 that determine the artifact (an edit there, committed or not, changes it; unrelated modules do
-not). Artifacts record it next to the model fingerprint, corpus sha256 and arguments.
+not). Artifacts record it next to the model fingerprint, corpus sha256 and arguments. Each
+stage names its parts once, beside the artifact it writes (e.g. `reap.prune.plan_file.PRUNE_CODE`).
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from pathlib import Path
 
@@ -15,6 +17,7 @@ from reap import __version__
 _ROOT = Path(__file__).resolve().parent
 
 
+@functools.cache
 def code_version(parts: tuple[str, ...] = (".",)) -> str:
     """Version plus a digest of the sources under `parts` (paths relative to the package)."""
     h = hashlib.sha256()

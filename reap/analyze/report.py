@@ -7,7 +7,6 @@ baseline, p-value and interval, and says "not significant" where a result is not
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 import os
@@ -21,7 +20,10 @@ from reap.analyze.markdown import render
 from reap.analyze.pipeline import AnalysisResult
 from reap.errors import WriteError
 from reap.fileio import atomic_path
-from reap.provenance import code_version as _code_version
+from reap.provenance import code_version
+
+# the sources that decide the analysis results (`reap.provenance.code_version` parts)
+ANALYSIS_CODE = ("analyze", "stats.py")
 
 
 @dataclass
@@ -51,16 +53,10 @@ def write_text(path: str, text: str) -> str:
     return _atomic(path, w)
 
 
-@functools.lru_cache(maxsize=1)
-def code_version() -> str:
-    """Digest of the analysis sources and the statistics format."""
-    return _code_version(("analyze", "stats.py"))
-
-
 def provenance(r: AnalysisResult) -> dict:
     """What made these results: code version, arguments, and each input's model and corpus."""
     return _jsonable({
-        "format": "reap.analysis/1", "code_version": code_version(), "settings": r.settings,
+        "format": "reap.analysis/1", "code_version": code_version(ANALYSIS_CODE), "settings": r.settings,
         "inputs": [{"corpus": c.name, "path": c.path, "model": c.meta.get("model"),
                     "corpus_sha256": c.meta.get("corpus_sha256"), "tokens": c.tokens}
                    for c in r.corpora],

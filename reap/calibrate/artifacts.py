@@ -13,7 +13,6 @@ differs between an interrupted-and-resumed run and an uninterrupted one).
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import re
@@ -24,8 +23,11 @@ import torch
 from reap.calibrate.accumulate import LayerRow
 from reap.checkpoint import encode_header
 from reap.fileio import atomic_path, write_atomic
-from reap.provenance import code_version as _code_version
 from reap.stats import ExpertStats, merge
+
+# the code that determines calibration results: its source digest is the code version
+RESULT_CODE = ("calibrate", "models", "checkpoint", "corpora", "quant/mxfp4.py", "stats.py",
+               "tokenizer.py")
 
 
 def write_json(path: str, obj: dict) -> str:
@@ -41,17 +43,6 @@ def read_json(path: str) -> dict | None:
             return json.load(f)
     except FileNotFoundError:
         return None
-
-
-# the code that determines calibration results: its source digest is the code version
-_RESULT_CODE = ("calibrate", "models", "checkpoint", "corpora", "quant/mxfp4.py", "stats.py",
-                "tokenizer.py")
-
-
-@functools.lru_cache(maxsize=1)
-def code_version() -> str:
-    """Digest of the sources that determine the statistics (see `reap.provenance`)."""
-    return _code_version(_RESULT_CODE)
 
 
 def safe_name(corpus: str) -> str:

@@ -24,6 +24,7 @@ from reap.checkpoint import Checkpoint
 from reap.defaults import default_model as _default_model
 from reap.errors import ReapError
 from reap.memstat import peak_rss
+from reap.provenance import code_version
 
 SPLIT = "calibration"
 # progress in whole calibrated tokens (token-layers scaled by 1/layers), tokens/s and ETA
@@ -77,7 +78,7 @@ def calibrate(*, corpus: str, tokens: int, seq_len: int, out: str, model: str | 
                 "seq_counts": seq_counts, "max_pass_seqs": max_pass_seqs}
         identity = {"arguments": args, "model": ckpt.fingerprint(),
                     "corpus_sha256": corpus_fingerprint(corpus, SPLIT),
-                    "code_version": art.code_version(), "sequences": [s0, s1]}
+                    "code_version": code_version(art.RESULT_CODE), "sequences": [s0, s1]}
         ids = torch.tensor([s.ids for s in seqs], dtype=torch.int64)  # [S, T]
         run = _make_run(ckpt, setup, ids, [names.index(s.corpus) for s in seqs], len(names),
                         identity, out, budget, batch, seq_counts, save_token_experts)
