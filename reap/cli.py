@@ -26,7 +26,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "synth": ("reap.synth", "write a random but valid checkpoint of a built-in config"),
     "corpora": ("reap.corpora.cli", "list, build and inspect calibration/evaluation corpora"),
     "calibrate": ("reap.calibrate.cli", "stream corpora through a model, record expert statistics"),
-    "stats": ("reap.stats", "inspect and merge expert statistics files"),
+    "stats": ("reap.stats.cli", "inspect and merge expert statistics files"),
     "analyze": ("reap.analyze.cli", "expert overlap between corpora against chance, clusters, plots"),
     "plan": ("reap.prune.cli:PLAN", "choose the experts to keep (criteria, budgets, target size)"),
     "prune": ("reap.prune.cli:PRUNE", "write a pruned checkpoint from a plan, kept experts bit-identical"),

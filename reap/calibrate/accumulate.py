@@ -10,55 +10,18 @@ Dimension letters: N tokens of a record, K top_k, E n_experts, S sequences, T se
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-
 import torch
 
 from reap.models.base import MoERecord
+from reap.stats import ExpertSums, zero_sums
 
 # Tokens per step of the [n, E] and [n, K, K] temporaries (bounds their memory).
 _CHUNK = 4096
 
 
-@dataclass
-class LayerRow:
-    """One layer's statistics for one corpus; [E] unless noted (fields as in `ExpertStats`)."""
-
-    count: torch.Tensor
-    gate_sum: torch.Tensor
-    reap_sum: torch.Tensor
-    reap_latent_sum: torch.Tensor
-    ean_sum: torch.Tensor
-    ean_latent_sum: torch.Tensor
-    max_act: torch.Tensor
-    prob_mass: torch.Tensor
-    coact: torch.Tensor  # [E, E]
-    seq_count: torch.Tensor | None  # [S_c, E] int32, sequences of this corpus
-
-    @classmethod
-    def zeros(cls, n_experts: int, n_seq: int | None) -> LayerRow:
-        E, f64 = n_experts, torch.float64
-        return cls(
-            count=torch.zeros(E, dtype=torch.int64),
-            gate_sum=torch.zeros(E, dtype=f64),
-            reap_sum=torch.zeros(E, dtype=f64),
-            reap_latent_sum=torch.zeros(E, dtype=f64),
-            ean_sum=torch.zeros(E, dtype=f64),
-            ean_latent_sum=torch.zeros(E, dtype=f64),
-            max_act=torch.zeros(E, dtype=torch.float32),
-            prob_mass=torch.zeros(E, dtype=f64),
-            coact=torch.zeros(E, E, dtype=torch.int64),
-            seq_count=None if n_seq is None else torch.zeros(n_seq, E, dtype=torch.int32),
-        )
-
-    def tensors(self) -> dict[str, torch.Tensor]:
-        """Field name -> tensor, omitting an absent seq_count."""
-        return {f.name: getattr(self, f.name) for f in fields(self)
-                if getattr(self, f.name) is not None}
-
-
 class StatsAccumulator:
-    """Observer that accumulates `LayerRow`s per (layer, corpus) from MoE records.
+    """Observer that accumulates `ExpertSums` rows ([E]; coact [E, E], seq_count
+    [S_c, E]) per (layer, corpus) from MoE records.
 
     `seq_corpus[s]` is the corpus index (0..n_corpora-1) of calibration sequence s; every
     sequence has `seq_len` tokens. Before each `mlp_block` call, `span(s0, s1)` says which
@@ -79,7 +42,7 @@ class StatsAccumulator:
             local[s], sizes[c] = sizes[c], sizes[c] + 1
         self.seq_local, self.corpus_sizes = local, sizes
         self.seq_counts = seq_counts
-        self.rows: dict[int, list[LayerRow]] = {}  # layer -> row per corpus
+        self.rows: dict[int, list[ExpertSums]] = {}  # layer -> row per corpus
         self._span = (0, len(seq_corpus))
         # optional: ids_sink(layer, first_token, ids [N, K]) receives every record's routing
         self.ids_sink = None
@@ -88,11 +51,13 @@ class StatsAccumulator:
         """The next records cover sequences s0..s1-1 (all of their tokens, in order)."""
         self._span = (s0, s1)
 
-    def layer(self, layer: int) -> list[LayerRow]:
+    def layer(self, layer: int) -> list[ExpertSums]:
         """The rows of a layer, one per corpus (created empty on first use)."""
         if layer not in self.rows:
-            self.rows[layer] = [LayerRow.zeros(self.n_experts, n if self.seq_counts else None)
-                                for n in self.corpus_sizes]
+            self.rows[layer] = [
+                ExpertSums(**zero_sums(self.n_experts, n if self.seq_counts else None))
+                for n in self.corpus_sizes
+            ]
         return self.rows[layer]
 
     def on_moe(self, record: MoERecord) -> None:
@@ -114,7 +79,7 @@ class StatsAccumulator:
             sel = (tok_corpus == c).nonzero().squeeze(1)  # [n]
             self._add(rows[c], rec, sel, seq[sel])
 
-    def _add(self, row: LayerRow, rec: MoERecord, sel: torch.Tensor, seq: torch.Tensor) -> None:
+    def _add(self, row: ExpertSums, rec: MoERecord, sel: torch.Tensor, seq: torch.Tensor) -> None:
         E = self.n_experts
         ids = rec.ids[sel]  # [n, K]
         flat = ids.reshape(-1)  # [n*K]

@@ -20,10 +20,9 @@ from pathlib import Path
 
 import torch
 
-from reap.calibrate.accumulate import LayerRow
 from reap.checkpoint import encode_header
 from reap.fileio import atomic_path, write_atomic
-from reap.stats import ExpertStats, merge
+from reap.stats import ExpertStats, ExpertSums, merge
 
 # the code that determines calibration results: its source digest is the code version
 RESULT_CODE = ("calibrate", "models", "checkpoint", "corpora", "quant/mxfp4.py", "stats.py",
@@ -52,7 +51,7 @@ def safe_name(corpus: str) -> str:
 
 
 # -- per-layer rows -----------------------------------------------------------------------------
-def save_rows(work: str, layer: int, rows: list[LayerRow]) -> str:
+def save_rows(work: str, layer: int, rows: list[ExpertSums]) -> str:
     """Save one layer's rows (one per corpus) atomically; returns the path."""
     from safetensors.torch import save_file
 

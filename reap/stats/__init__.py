@@ -2,7 +2,9 @@
 
 One `ExpertStats` holds what one corpus did to one model: per MoE layer, per routed expert,
 sums that merge exactly by addition (and one maximum). Means are derived, never stored, so
-statistics from separate runs or corpus shards combine with `merge` (`reap stats merge`).
+statistics from separate runs or corpus shards combine with `merge` (`reap stats merge`, in
+`reap.stats.cli`). The fields are declared once, in `ExpertSums` (dtype and merge rule in each
+field's metadata); calibration's per-layer rows, the file format and `merge` derive from it.
 
 Dimension letters: L recorded MoE layers, E routed experts, S calibration sequences.
 
@@ -13,10 +15,9 @@ of the concatenated corpus to float64 rounding (counts exactly).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import Field, dataclass, field, fields
 
 import torch
 
@@ -25,24 +26,57 @@ from reap.fileio import atomic_path
 
 FORMAT = "reap.expert_stats/1"
 
-# field -> (dtype, merge rule). Shapes: [L, E] unless noted.
-_TENSORS = {
-    "count": (torch.int64, "sum"),  # tokens routed to the expert
-    "gate_sum": (torch.float64, "sum"),  # sum of routing weights over routed tokens
-    "reap_sum": (torch.float64, "sum"),  # sum of weight * ||expert output|| (model space)
-    "reap_latent_sum": (torch.float64, "sum"),  # same, output norm in the latent space
-    "ean_sum": (torch.float64, "sum"),  # sum of ||expert output|| (model space)
-    "ean_latent_sum": (torch.float64, "sum"),  # sum of ||expert output|| (latent space)
-    "max_act": (torch.float32, "max"),  # max |activation| of the expert's output
-    "prob_mass": (torch.float64, "sum"),  # sum over ALL tokens of the router probability
-    "coact": (torch.int64, "sum"),  # [L, E, E] tokens routed to both i and j (diagonal = count)
-    "seq_count": (torch.int32, "cat"),  # [S, L, E] optional: per-sequence routed counts
-}
+
+def _sums(dtype: torch.dtype, merge: str = "sum", optional: bool = False):
+    """A statistics field: its dtype, how shards merge ("sum", "max" or "cat") and whether a
+    file may lack it."""
+    meta = {"dtype": dtype, "merge": merge, "optional": optional}
+    return field(default=None, metadata=meta) if optional else field(metadata=meta)
+
+
+@dataclass(kw_only=True)
+class ExpertSums:
+    """The per-expert sums, the one declaration of the statistics fields. Shapes are [*R, E]:
+    R = [L] in `ExpertStats`, nothing in one layer's calibration row; `coact` adds a trailing E,
+    `seq_count` a leading S."""
+
+    count: torch.Tensor = _sums(torch.int64)  # tokens routed to the expert
+    gate_sum: torch.Tensor = _sums(torch.float64)  # sum of routing weights over routed tokens
+    reap_sum: torch.Tensor = _sums(torch.float64)  # sum of weight * ||expert output|| (model space)
+    reap_latent_sum: torch.Tensor = _sums(torch.float64)  # same, output norm in the latent space
+    ean_sum: torch.Tensor = _sums(torch.float64)  # sum of ||expert output|| (model space)
+    ean_latent_sum: torch.Tensor = _sums(torch.float64)  # sum of ||expert output|| (latent space)
+    max_act: torch.Tensor = _sums(torch.float32, "max")  # max |activation| of the expert's output
+    prob_mass: torch.Tensor = _sums(torch.float64)  # sum over ALL tokens of the router probability
+    coact: torch.Tensor = _sums(torch.int64)  # [*R, E, E] tokens routed to both i and j (diag: count)
+    seq_count: torch.Tensor | None = _sums(torch.int32, "cat", optional=True)  # [S, *R, E] counts
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Field name -> tensor, omitting an absent seq_count."""
+        return {f.name: getattr(self, f.name) for f in sum_fields()
+                if getattr(self, f.name) is not None}
+
+
+def sum_fields() -> list[Field]:
+    """The statistics fields of `ExpertSums`, in declaration order."""
+    return list(fields(ExpertSums))
+
+
+def zero_sums(n_experts: int, n_seq: int | None = None, rows: tuple[int, ...] = ()) -> dict:
+    """Empty `ExpertSums` fields of shape [*rows, E] to accumulate into, name -> tensor
+    (`seq_count` [n_seq, *rows, E] only when `n_seq` is given)."""
+    E = n_experts
+    out = {f.name: torch.zeros((*rows, E, E) if f.name == "coact" else (*rows, E),
+                               dtype=f.metadata["dtype"])
+           for f in sum_fields() if f.name != "seq_count"}
+    if n_seq is not None:
+        out["seq_count"] = torch.zeros((n_seq, *rows, E), dtype=torch.int32)
+    return out
 
 
 @dataclass
-class ExpertStats:
-    """Per-layer, per-expert routing statistics of one corpus on one model.
+class ExpertStats(ExpertSums):
+    """Per-layer, per-expert routing statistics of one corpus on one model ([L, E] sums).
 
     `layers[l]` is the model layer index of row l. `tokens` counts every token that passed
     the layers (routed or not). `meta` is provenance: model fingerprint, corpus name and sha256,
@@ -53,25 +87,13 @@ class ExpertStats:
     n_experts: int
     top_k: int
     tokens: int
-    count: torch.Tensor
-    gate_sum: torch.Tensor
-    reap_sum: torch.Tensor
-    reap_latent_sum: torch.Tensor
-    ean_sum: torch.Tensor
-    ean_latent_sum: torch.Tensor
-    max_act: torch.Tensor
-    prob_mass: torch.Tensor
-    coact: torch.Tensor
-    seq_count: torch.Tensor | None = None
     meta: dict = field(default_factory=dict)
 
     @classmethod
     def zeros(cls, layers: list[int], n_experts: int, top_k: int, meta: dict | None = None):
         """Empty statistics to accumulate into."""
-        L, E = len(layers), n_experts
-        t = {n: torch.zeros((L, E, E) if n == "coact" else (L, E), dtype=d)
-             for n, (d, _) in _TENSORS.items() if n != "seq_count"}
-        return cls(list(layers), E, top_k, 0, meta=dict(meta or {}), **t)
+        sums = zero_sums(n_experts, rows=(len(layers),))
+        return cls(list(layers), n_experts, top_k, 0, meta=dict(meta or {}), **sums)
 
     # Derived per-expert scores, [L, E]; experts never routed score 0.
     def reap(self, latent: bool = False) -> torch.Tensor:
@@ -87,9 +109,6 @@ class ExpertStats:
     def frequency(self) -> torch.Tensor:
         """Share of tokens routed to each expert."""
         return self.count.double() / max(self.tokens, 1)
-
-    def tensors(self) -> dict[str, torch.Tensor]:
-        return {n: getattr(self, n) for n in _TENSORS if getattr(self, n) is not None}
 
     def header(self) -> dict:
         return {"format": FORMAT, "layers": self.layers, "n_experts": self.n_experts,
@@ -118,7 +137,8 @@ class ExpertStats:
             raise ReapError(f"{path}: not a reap statistics file ({type(e).__name__}: {e})") from e
         if head.get("format") != FORMAT:
             raise ReapError(f"{path}: unknown statistics format {head.get('format')!r}")
-        missing = [n for n in _TENSORS if n != "seq_count" and n not in tensors]
+        missing = [f.name for f in sum_fields()
+                   if not f.metadata["optional"] and f.name not in tensors]
         if missing:
             raise ReapError(f"{path}: statistics file lacks {', '.join(missing)}")
         return cls(head["layers"], head["n_experts"], head["top_k"], head["tokens"],
@@ -165,7 +185,8 @@ def merge(parts: list[ExpertStats], meta: dict | None = None) -> ExpertStats:
         if b.meta.get("model") != a.meta.get("model"):
             raise ReapError("cannot merge statistics of different model fingerprints")
     out = {}
-    for name, (_, rule) in _TENSORS.items():
+    for f in sum_fields():
+        name, rule = f.name, f.metadata["merge"]
         vals = [getattr(p, name) for p in parts]
         if rule == "sum":
             out[name] = torch.stack(vals).sum(0)
@@ -177,25 +198,3 @@ def merge(parts: list[ExpertStats], meta: dict | None = None) -> ExpertStats:
     m["merged_from"] = [p.meta for p in parts]
     return ExpertStats(list(a.layers), a.n_experts, a.top_k, sum(p.tokens for p in parts),
                        meta=m, **out)
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    sub = p.add_subparsers(dest="action", required=True)
-    show = sub.add_parser("show", help="print a summary of a statistics file")
-    show.add_argument("path")
-    mg = sub.add_parser("merge", help="merge statistics of corpus shards or runs exactly")
-    mg.add_argument("paths", nargs="+")
-    mg.add_argument("--out", required=True, help="output .safetensors path")
-
-
-def run(args: argparse.Namespace) -> int:
-    if args.action == "merge":
-        merged = merge([ExpertStats.load(p) for p in args.paths])
-        print(merged.save(args.out))
-        return 0
-    s = ExpertStats.load(args.path)
-    print(json.dumps({**s.header(), "fields": sorted(s.tensors())}, indent=1))
-    used = (s.count > 0).sum(1).tolist()
-    for layer, n in zip(s.layers, used):
-        print(f"layer {layer:3d}: {n}/{s.n_experts} experts used")
-    return 0

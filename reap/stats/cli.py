@@ -1,0 +1,31 @@
+"""`reap stats show PATH | merge PATHS... --out FILE`: inspect statistics files and merge the
+statistics of corpus shards or runs exactly (see `reap.stats.merge`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from reap.stats import ExpertStats, merge
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="action", required=True)
+    show = sub.add_parser("show", help="print a summary of a statistics file")
+    show.add_argument("path")
+    mg = sub.add_parser("merge", help="merge statistics of corpus shards or runs exactly")
+    mg.add_argument("paths", nargs="+")
+    mg.add_argument("--out", required=True, help="output .safetensors path")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.action == "merge":
+        merged = merge([ExpertStats.load(p) for p in args.paths])
+        print(merged.save(args.out))
+        return 0
+    s = ExpertStats.load(args.path)
+    print(json.dumps({**s.header(), "fields": sorted(s.tensors())}, indent=1))
+    used = (s.count > 0).sum(1).tolist()
+    for layer, n in zip(s.layers, used):
+        print(f"layer {layer:3d}: {n}/{s.n_experts} experts used")
+    return 0
