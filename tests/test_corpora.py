@@ -23,14 +23,12 @@ from pathlib import Path
 
 import pytest
 
-import reap.corpora as C
+from reap import corpora
 from reap.cli import main as reap_main
-from reap.corpora import extract, roff
-from reap.corpora.build import build_corpus
-from reap.corpora.mix import allocate, pack, seeded_order
-from reap.corpora.recipes import load_recipe, source_key
-from reap.corpora.store import Document, corpora_root, split_bytes
-from reap.corpora.text import (
+from reap.corpora.builder import extract, roff
+from reap.corpora.builder.pipeline import build_corpus
+from reap.corpora.builder.recipes import load_recipe, source_key
+from reap.corpora.builder.text import (
     chunk_text,
     count_words,
     dedupe_lines,
@@ -39,6 +37,8 @@ from reap.corpora.text import (
     line_filter,
     looks_english,
 )
+from reap.corpora.mix import allocate, pack, seeded_order
+from reap.corpora.store import Document, corpora_root, split_bytes
 from reap.errors import ReapError
 
 ROOT = corpora_root()
@@ -58,7 +58,7 @@ def test_shipped_split_matches_manifest(name):
     """sha256 and counts recomputed from the shipped files equal the manifest; every document
     sits in the split its key hashes to; ids sorted and unique."""
     manifest = json.loads((ROOT / name / "manifest.json").read_text())
-    for split in C.SPLITS:
+    for split in corpora.SPLITS:
         rows, raw = _rows(name, split)
         m = manifest["splits"][split]
         assert hashlib.sha256(raw).hexdigest() == m["sha256"]
@@ -69,7 +69,7 @@ def test_shipped_split_matches_manifest(name):
         assert m["words"] == sum(count_words(t) for t in texts)
         ids = [r["id"] for r in rows]
         assert ids == sorted(set(ids))
-        assert all(C.split_of(i) == split for i in ids)
+        assert all(corpora.split_of(i) == split for i in ids)
     assert manifest["splits"]["calibration"]["bytes"] > 200_000
     assert all(s["version"] and len(s["sha256"]) == 64 for s in manifest["sources"])
 
@@ -83,7 +83,7 @@ def test_shipped_budget_and_notice():
     for name in SHIPPED:
         for s in json.loads((ROOT / name / "manifest.json").read_text())["sources"]:
             assert s["package"] in notice and s["version"] in notice and s["sha256"] in notice
-        for split in C.SPLITS:
+        for split in corpora.SPLITS:
             f = ROOT / name / f"{split}.jsonl.xz"
             assert hashlib.sha256(f.read_bytes()).hexdigest() in notice
 
@@ -95,8 +95,8 @@ def test_translations_share_split():
         pytest.skip("needs two European corpora")
     where = {}
     for n in have:
-        for split in C.SPLITS:
-            for d in C.load_documents(n, split):
+        for split in corpora.SPLITS:
+            for d in corpora.load_documents(n, split):
                 where.setdefault(d.id, set()).add(split)
     shared = [i for i, s in where.items() if i.startswith("man/")]
     assert len(shared) > 100
@@ -106,10 +106,10 @@ def test_translations_share_split():
 def test_mix_manifest_and_documents():
     if not {"de", "fr", "es", "it"} <= set(SHIPPED):
         pytest.skip("eu parts not built")
-    eu = C.corpus_info("eu")
-    parts = [C.corpus_info(n) for n in ("de", "fr", "es", "it")]
+    eu = corpora.corpus_info("eu")
+    parts = [corpora.corpus_info(n) for n in ("de", "fr", "es", "it")]
     assert eu.splits["eval"].docs == sum(p.splits["eval"].docs for p in parts)
-    docs = C.load_documents("eu", "eval")
+    docs = corpora.load_documents("eu", "eval")
     assert {d.corpus for d in docs} == {"de", "fr", "es", "it"} and len(docs) == eu.splits["eval"].docs
     assert len({d.id for d in docs}) == len(docs) and all(d.id.startswith(d.corpus + ":") for d in docs)
 
@@ -296,13 +296,13 @@ def test_build_from_deb_is_deterministic(tmp_path, monkeypatch):
     assert m1["sources"][0]["version"] == "1.0" and m1["sources"][0]["licence_fields"] == ["GPL-3+"]
     assert m1["splits"]["train"]["full"]["docs"] > m1["splits"]["train"]["docs"]  # capped
     monkeypatch.setenv("REAP_CORPORA_DIR", str(out1))
-    all_de = {s: C.load_documents("de", s) for s in C.SPLITS}
-    ids = [d.id for s in C.SPLITS for d in all_de[s]]
+    all_de = {s: corpora.load_documents("de", s) for s in corpora.SPLITS}
+    ids = [d.id for s in corpora.SPLITS for d in all_de[s]]
     assert len(ids) == len(set(ids))
     for s in ("calibration", "eval"):  # translations in the same split, "NAME" deduped after doc 1
-        assert [d.id for d in all_de[s]] == [d.id for d in C.load_documents("fr", s)]
-    assert sum("NAME" in d.text.split("\n") for s in C.SPLITS for d in all_de[s]) <= 1
-    doc = C.load_documents("fr", "calibration")[0]
+        assert [d.id for d in all_de[s]] == [d.id for d in corpora.load_documents("fr", s)]
+    assert sum("NAME" in d.text.split("\n") for s in corpora.SPLITS for d in all_de[s]) <= 1
+    doc = corpora.load_documents("fr", "calibration")[0]
     assert doc.text.startswith(doc.id.split("/")[-1].removesuffix(".1") + " - page")
 
 
@@ -334,7 +334,7 @@ def test_local_only_recipe_guarded(tmp_path):
 
 
 def test_recipes_parse_and_translation_keys():
-    for name in C.corpus_names(ROOT):
+    for name in corpora.corpus_names(ROOT):
         load_recipe(ROOT / name / "recipe.json")
     de = load_recipe(ROOT / "de" / "recipe.json").sources[0]
     fr = load_recipe(ROOT / "fr" / "recipe.json").sources[0]
@@ -347,12 +347,12 @@ def test_recipes_parse_and_translation_keys():
 # --- split rule ------------------------------------------------------------------------------
 
 def test_split_rule_reference():
-    counts = {s: 0 for s in C.SPLITS}
+    counts = {s: 0 for s in corpora.SPLITS}
     for i in range(20000):
         key = f"doc/{i}"
         h = int.from_bytes(hashlib.sha256(key.encode()).digest(), "big") % 1000
         want = "eval" if h < 50 else "calibration" if h < 150 else "train"
-        assert C.split_of(key) == want
+        assert corpora.split_of(key) == want
         counts[want] += 1
     assert 800 < counts["eval"] < 1200 and 1700 < counts["calibration"] < 2300
 
@@ -360,14 +360,14 @@ def test_split_rule_reference():
 # --- specs and sampling ----------------------------------------------------------------------
 
 def test_parse_spec():
-    assert C.parse_spec("zh") == [("zh", 1.0)]
-    assert C.parse_spec("zh:3+code:1") == [("zh", 3.0), ("code", 1.0)]
-    assert C.parse_spec("en:0.5+./x.txt:2+hf:wikitext:wikitext-2-raw-v1") == [
+    assert corpora.parse_spec("zh") == [("zh", 1.0)]
+    assert corpora.parse_spec("zh:3+code:1") == [("zh", 3.0), ("code", 1.0)]
+    assert corpora.parse_spec("en:0.5+./x.txt:2+hf:wikitext:wikitext-2-raw-v1") == [
         ("en", 0.5), ("./x.txt", 2.0), ("hf:wikitext:wikitext-2-raw-v1", 1.0)]
     for bad, msg in [("nope", "unknown corpus"), ("zh:0", "positive"), ("zh:abc", "bad corpus term"),
                      ("zh+zh", "twice"), ("", "empty"), ("zh+", "bad corpus term"), ("zh:-1", "bad")]:
         with pytest.raises(ReapError, match=msg):
-            C.parse_spec(bad)
+            corpora.parse_spec(bad)
 
 
 def test_allocate_exact():
@@ -387,7 +387,7 @@ def _docs(n: int) -> list[Document]:
 
 
 def test_pack_matches_naive_reference():
-    tok = C.ByteTokenizer(eos_id=256)
+    tok = corpora.ByteTokenizer(eos_id=256)
     docs = seeded_order(_docs(50), seed=3)
     seqs = pack(docs, tok, count=12, seq_len=37, label="t", split="train")
     stream, owner = [], []
@@ -413,24 +413,24 @@ def test_local_sources(tmp_path):
         (tmp_path / "dir" / f"f{i}.txt").write_text(texts[i])
     for name in ("a.txt", "b.jsonl", "c.parquet", "dir"):
         path = str(tmp_path / name)
-        parts = {s: C.load_documents(path, s) for s in C.SPLITS}
-        got = sorted(d.text.strip() for s in C.SPLITS for d in parts[s])
+        parts = {s: corpora.load_documents(path, s) for s in corpora.SPLITS}
+        got = sorted(d.text.strip() for s in corpora.SPLITS for d in parts[s])
         want = texts[:30] if name == "dir" else texts
         assert got == sorted(t.strip() for t in want)
-        assert all(C.split_of(d.id) == s for s in C.SPLITS for d in parts[s])
-    seqs = C.sample_sequences(f"{tmp_path}/a.txt:1+{tmp_path}/b.jsonl:3", "train", C.ByteTokenizer(), 64 * 8, 64)
+        assert all(corpora.split_of(d.id) == s for s in corpora.SPLITS for d in parts[s])
+    seqs = corpora.sample_sequences(f"{tmp_path}/a.txt:1+{tmp_path}/b.jsonl:3", "train", corpora.ByteTokenizer(), 64 * 8, 64)
     assert [s.corpus.endswith("a.txt") for s in seqs].count(True) == 2 and len(seqs) == 8
     (tmp_path / "bad.jsonl").write_text('{"txt": 1}\n')
     with pytest.raises(ReapError, match="bad.jsonl: line 1"):
-        C.load_documents(str(tmp_path / "bad.jsonl"), "train")
+        corpora.load_documents(str(tmp_path / "bad.jsonl"), "train")
     with pytest.raises(ReapError, match="no such file"):
-        C.load_documents(str(tmp_path / "missing.txt"), "train")
+        corpora.load_documents(str(tmp_path / "missing.txt"), "train")
 
 
 def test_hf_sources(monkeypatch):
     monkeypatch.setitem(sys.modules, "datasets", None)
     with pytest.raises(ReapError, match="`datasets` package"):
-        C.load_documents("hf:wikitext:wikitext-2-raw-v1", "train")
+        corpora.load_documents("hf:wikitext:wikitext-2-raw-v1", "train")
 
     class FakeDatasets:
         @staticmethod
@@ -441,26 +441,26 @@ def test_hf_sources(monkeypatch):
             return [{"content": f"row {i}"} for i in range(300)]
 
     monkeypatch.setitem(sys.modules, "datasets", FakeDatasets)
-    docs = [d for s in C.SPLITS for d in C.load_documents("hf:corp::validation:content", s)]
+    docs = [d for s in corpora.SPLITS for d in corpora.load_documents("hf:corp::validation:content", s)]
     assert sorted(d.text for d in docs) == sorted(f"row {i}" for i in range(300))
     with pytest.raises(ReapError, match="cannot load hub dataset"):
-        C.load_documents("hf:offline", "train")
+        corpora.load_documents("hf:offline", "train")
 
 
 @pytest.mark.skipif(not {"zh", "code-py", "code-c"} <= set(SHIPPED), reason="corpora not built")
 def test_sample_sequences_shipped():
-    tok = C.ByteTokenizer(eos_id=256)
-    seqs = C.sample_sequences("zh:3+code:1", "calibration", tok, n_tokens=8 * 128 + 5, seq_len=128, seed=1)
+    tok = corpora.ByteTokenizer(eos_id=256)
+    seqs = corpora.sample_sequences("zh:3+code:1", "calibration", tok, n_tokens=8 * 128 + 5, seq_len=128, seed=1)
     assert [s.corpus for s in seqs] == ["zh"] * 6 + ["code"] * 2
     assert all(len(s.ids) == 128 and s.split == "calibration" for s in seqs)
-    assert seqs == C.sample_sequences("zh:3+code:1", "calibration", tok, 8 * 128, 128, seed=1)
-    assert seqs != C.sample_sequences("zh:3+code:1", "calibration", tok, 8 * 128, 128, seed=2)
-    cal_ids = {d.id for d in C.load_documents("zh", "calibration")}
+    assert seqs == corpora.sample_sequences("zh:3+code:1", "calibration", tok, 8 * 128, 128, seed=1)
+    assert seqs != corpora.sample_sequences("zh:3+code:1", "calibration", tok, 8 * 128, 128, seed=2)
+    cal_ids = {d.id for d in corpora.load_documents("zh", "calibration")}
     assert {s.doc_id for s in seqs[:6]} <= cal_ids
-    assert {s.doc_id for s in seqs[6:]} <= {d.id for d in C.load_documents("code", "calibration")}
-    assert all(s.split == "calibration" for s in C.calibration_sequences("zh", tok, 256, 128))
+    assert {s.doc_id for s in seqs[6:]} <= {d.id for d in corpora.load_documents("code", "calibration")}
+    assert all(s.split == "calibration" for s in corpora.calibration_sequences("zh", tok, 256, 128))
     with pytest.raises(ReapError, match="unknown split"):
-        C.sample_sequences("zh", "test", tok, 256, 128)
+        corpora.sample_sequences("zh", "test", tok, 256, 128)
 
 
 @pytest.mark.skipif("zh" not in SHIPPED, reason="zh not built")
@@ -468,10 +468,10 @@ def test_fingerprint_and_list():
     m = json.loads((ROOT / "zh" / "manifest.json").read_text())
     content = m["splits"]["calibration"]["sha256"]
     want = hashlib.sha256(f"zh 1 {content}\n".encode()).hexdigest()
-    assert C.corpus_fingerprint("zh", "calibration") == want
-    assert C.corpus_fingerprint("zh", "eval") != want
-    assert hashlib.sha256(split_bytes(C.load_documents("zh", "eval"))).hexdigest() == m["splits"]["eval"]["sha256"]
-    info = {i.name: i for i in C.list_corpora()}
+    assert corpora.corpus_fingerprint("zh", "calibration") == want
+    assert corpora.corpus_fingerprint("zh", "eval") != want
+    assert hashlib.sha256(split_bytes(corpora.load_documents("zh", "eval"))).hexdigest() == m["splits"]["eval"]["sha256"]
+    info = {i.name: i for i in corpora.list_corpora()}
     assert info["zh"].splits["calibration"].docs == m["splits"]["calibration"]["docs"]
     assert "GFDL-1.2+" in info["zh"].licences
 
@@ -488,7 +488,7 @@ def test_cli(capsys):
 
 def test_corpora_imports_no_later_stage():
     later = ("reap.calibrate", "reap.analyze", "reap.prune", "reap.engine", "reap.eval")
-    for path in Path(C.__file__).parent.glob("*.py"):
+    for path in Path(corpora.__file__).parent.glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
                 [node.module or ""] if isinstance(node, ast.ImportFrom) else []

@@ -21,7 +21,7 @@ from reap.checkpoint import BufferReader, Checkpoint
 from reap.cli import main
 from reap.engine import Engine, memory
 from reap.engine.experts import ExpertCache
-from reap.engine.generate import StopMatcher, sample
+from reap.engine.generate import StopMatcher, generate, sample
 from reap.engine.store import TrunkStore
 from reap.errors import ReapError
 from reap.memstat import available_memory
@@ -284,11 +284,12 @@ def test_lockstep_batch_matches_single_runs_and_reads_less_per_token(tiny):
     with Engine.open(tiny, preset="ultra", context=64, batch=3) as eng:
         singles, per_token = [], []
         for p in prompts:
-            singles.append(eng.generate([p], max_tokens=8)[0].ids)
-            m = eng.last_metrics.decode
+            gens, metrics = generate(eng, [p], max_tokens=8)
+            singles.append(gens[0].ids)
+            m = metrics.decode
             per_token.append(m.total_bytes / m.tokens)
-        batch = eng.generate(prompts, max_tokens=8)
-        m = eng.last_metrics.decode
+        batch, metrics = generate(eng, prompts, max_tokens=8)
+        m = metrics.decode
         assert [g.ids for g in batch] == singles
         assert m.tokens == 3 * 7
         assert m.total_bytes / m.tokens < 0.5 * min(per_token)

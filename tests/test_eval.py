@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from reap.checkpoint import Checkpoint
 from reap.cli import main
-from reap.eval import metrics as M
+from reap.eval import text_metrics
 from reap.eval.summary import ratio_replicates, summarize_quality
 from reap.models import family
 from reap.models.base import dict_weights
@@ -25,7 +25,7 @@ from reap.models.base import dict_weights
 
 # -- metrics on hand-made strings ---------------------------------------------------------------
 def test_units_split_words_cjk_and_punctuation_runs():
-    assert M.units("Hello, world!!! 你好 x_1=2 ===== カナ") == [
+    assert text_metrics.units("Hello, world!!! 你好 x_1=2 ===== カナ") == [
         "Hello",
         ",",
         "world",
@@ -42,13 +42,13 @@ def test_units_split_words_cjk_and_punctuation_runs():
 
 
 def test_distinct_n_exact_values():
-    u = M.units("a b a b c")
-    assert M.distinct_n(u, 1) == 3 / 5
-    assert M.distinct_n(u, 2) == 3 / 4  # ab ba ab bc
-    assert M.distinct_n(u, 3) == 1.0  # aba bab abc
-    assert M.distinct_n(M.units("的的的的"), 1) == 1 / 4
-    assert M.distinct_n(M.units("的的的的"), 2) == 1 / 3
-    assert M.distinct_n(["a"], 2) == 0.0 and M.distinct_n([], 1) == 0.0
+    u = text_metrics.units("a b a b c")
+    assert text_metrics.distinct_n(u, 1) == 3 / 5
+    assert text_metrics.distinct_n(u, 2) == 3 / 4  # ab ba ab bc
+    assert text_metrics.distinct_n(u, 3) == 1.0  # aba bab abc
+    assert text_metrics.distinct_n(text_metrics.units("的的的的"), 1) == 1 / 4
+    assert text_metrics.distinct_n(text_metrics.units("的的的的"), 2) == 1 / 3
+    assert text_metrics.distinct_n(["a"], 2) == 0.0 and text_metrics.distinct_n([], 1) == 0.0
 
 
 def test_longest_repeated_ngram_matches_brute_force():
@@ -63,8 +63,8 @@ def test_longest_repeated_ngram_matches_brute_force():
     rng = random.Random(0)
     for _ in range(200):
         u = [rng.choice("abc") for _ in range(rng.randint(0, 25))]
-        assert M.longest_repeated_ngram(u) == brute(u), u
-    assert M.longest_repeated_ngram(M.units("the cat sat . the cat ran")) == 2
+        assert text_metrics.longest_repeated_ngram(u) == brute(u), u
+    assert text_metrics.longest_repeated_ngram(text_metrics.units("the cat sat . the cat ran")) == 2
 
 
 LOOPING = [
@@ -88,46 +88,46 @@ NOT_LOOPING = [
 
 @pytest.mark.parametrize("text", LOOPING)
 def test_looping_text_is_flagged(text):
-    m = M.generation_metrics(text, "en")
+    m = text_metrics.generation_metrics(text, "en")
     assert m["looping"] and m["loop_period"] >= 1
 
 
 @pytest.mark.parametrize("text", NOT_LOOPING)
 def test_non_looping_text_is_not_flagged(text):
-    assert not M.generation_metrics(text, "en")["looping"]
+    assert not text_metrics.generation_metrics(text, "en")["looping"]
 
 
 def test_loop_period_and_span():
-    loop = M.find_loop(M.units("x y " + "a b c " * 5))
+    loop = text_metrics.find_loop(text_metrics.units("x y " + "a b c " * 5))
     assert (loop.period, loop.span, loop.repeats) == (3, 15, 5.0)
 
 
 def test_python_validity():
     head = "def f(x):\n"
-    assert M.python_valid("    return x + 1\n", head)
-    assert M.python_valid("    y = x * 2\n    return y\nprint(f(", head)  # cut last line dropped
-    assert not M.python_valid("    return (x +\n", head)
-    assert not M.python_valid("return ]]] x", head)
-    assert M.python_valid("Sure:\n```python\nimport os\nprint(os.sep)\n```\nDone.")
-    assert M.python_valid("```\nx = 1\n")  # a fence never closed runs to the end
-    assert not M.python_valid("```python\nx = (\n```\nx = 1\n")  # the fenced block decides
-    assert not M.python_valid("", "import os\n")  # an empty generation is not code
-    assert not M.python_valid("garbage words here", "import os\n")
-    assert not M.python_valid("x = 1\x00\n", "")  # null bytes: rejected, no crash
-    assert not M.python_valid("\n\n", "import sys\n\n")
+    assert text_metrics.python_valid("    return x + 1\n", head)
+    assert text_metrics.python_valid("    y = x * 2\n    return y\nprint(f(", head)  # cut last line dropped
+    assert not text_metrics.python_valid("    return (x +\n", head)
+    assert not text_metrics.python_valid("return ]]] x", head)
+    assert text_metrics.python_valid("Sure:\n```python\nimport os\nprint(os.sep)\n```\nDone.")
+    assert text_metrics.python_valid("```\nx = 1\n")  # a fence never closed runs to the end
+    assert not text_metrics.python_valid("```python\nx = (\n```\nx = 1\n")  # the fenced block decides
+    assert not text_metrics.python_valid("", "import os\n")  # an empty generation is not code
+    assert not text_metrics.python_valid("garbage words here", "import os\n")
+    assert not text_metrics.python_valid("x = 1\x00\n", "")  # null bytes: rejected, no crash
+    assert not text_metrics.python_valid("\n\n", "import sys\n\n")
 
 
 def test_script_shares():
-    assert M.script_share("你好世界abc", "zh") == 4 / 7
-    assert M.script_share("你好，世界！123", "zh") == 1.0  # punctuation, digits: not letters
-    assert M.script_share("Hello, wörld", "en") == 9 / 10
-    assert M.script_share("日本語のテキスト abc", "ja") == 8 / 11
-    assert M.kana_share("日本語のテキスト abc") == 5 / 11
-    assert M.script_share("Ça va très bien мир", "eu") == 12 / 15
-    assert M.script_share("x = 1  # é", "code") == 4 / 5
-    assert M.script_share("123 !!", "zh") == 0.0 and M.script_share("", "code") == 0.0
-    assert M.script_share("text", "xx") is None
-    m = M.generation_metrics("カタカナ", "ja")
+    assert text_metrics.script_share("你好世界abc", "zh") == 4 / 7
+    assert text_metrics.script_share("你好，世界！123", "zh") == 1.0  # punctuation, digits: not letters
+    assert text_metrics.script_share("Hello, wörld", "en") == 9 / 10
+    assert text_metrics.script_share("日本語のテキスト abc", "ja") == 8 / 11
+    assert text_metrics.kana_share("日本語のテキスト abc") == 5 / 11
+    assert text_metrics.script_share("Ça va très bien мир", "eu") == 12 / 15
+    assert text_metrics.script_share("x = 1  # é", "code") == 4 / 5
+    assert text_metrics.script_share("123 !!", "zh") == 0.0 and text_metrics.script_share("", "code") == 0.0
+    assert text_metrics.script_share("text", "xx") is None
+    m = text_metrics.generation_metrics("カタカナ", "ja")
     assert m["script"] == 1.0 and m["kana"] == 1.0 and m["python_valid"] is None
 
 

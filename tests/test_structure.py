@@ -319,3 +319,82 @@ def test_family_modules_are_checked_against_the_contract_once():
         assert "state_bytes() is missing" in str(refused.value)
     finally:
         del FAMILIES["reap_test_broken"], sys.modules[broken.__name__]
+
+
+# ---- issue 13, names: shared helpers, the corpus builder apart, one definition per name
+
+
+def _reap_imports(path: pathlib.Path) -> set[str]:
+    """Full names of the reap modules a file imports (anywhere in it, lazily or not)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+            names.update(f"{node.module}.{a.name}" for a in node.names)
+    return {n for n in names if n.startswith("reap.")}
+
+
+def test_byte_units_and_memory_readings_import_no_stage():
+    bad = [f"{name} imports {dep}" for name in ("units.py", "memstat.py")
+           for dep in _reap_imports(ROOT / name) if dep.split(".")[1] in STAGES]
+    assert not bad, "\n".join(bad)
+
+
+def test_corpus_builder_stays_out_of_runtime_code():
+    """Sampling, calibration and evaluation never import the Debian/PyPI corpus builder; only
+    the builder itself and the `reap corpora` CLI do."""
+    bad = []
+    for path in ROOT.rglob("*.py"):
+        rel = path.relative_to(ROOT).as_posix()
+        if rel.startswith("corpora/builder/") or rel == "corpora/cli.py":
+            continue
+        bad += [f"{rel} imports {m}" for m in _reap_imports(path)
+                if m.startswith("reap.corpora.builder")]
+    assert not bad, "\n".join(bad)
+
+
+def test_colliding_names_are_defined_once():
+    """Names that two modules used to define differently (memory plans, sequences, corpus
+    records, code versions, byte parsers and formatters, RSS readers) have one definition."""
+    names = {"MemoryPlan", "BatchPlan", "plan_memory", "make_plan", "Sequence", "SequenceState",
+             "SampledSequence", "CorpusInfo", "InputCorpus", "code_version", "parse_bytes",
+             "parse_size", "format_bytes", "fmt_bytes", "current_rss", "peak_rss", "rss_bytes"}
+    where: dict[str, list[str]] = {}
+    for path in ROOT.rglob("*.py"):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, (ast.ClassDef, ast.FunctionDef)) and node.name in names:
+                where.setdefault(node.name, []).append(str(path.relative_to(ROOT)))
+    twice = {name: paths for name, paths in where.items() if len(paths) > 1}
+    assert not twice, twice
+    assert not {p.stem for p in ROOT.rglob("metrics.py")}, "a module named just `metrics`"
+
+
+def test_statistics_fields_are_declared_once():
+    """The expert statistics fields are declared in `reap.stats.ExpertSums` only: no other class
+    lists them as fields and no dict spells them out."""
+    fields = {"gate_sum", "reap_sum", "reap_latent_sum", "ean_sum", "ean_latent_sum",
+              "prob_mass", "coact"}
+    bad = []
+    for path in ROOT.rglob("*.py"):
+        rel = path.relative_to(ROOT).as_posix()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                declared = {s.target.id for s in node.body
+                            if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)}
+                if len(declared & fields) > 2 and not (rel == "stats/__init__.py"
+                                                       and node.name == "ExpertSums"):
+                    bad.append(f"{rel}: class {node.name} declares statistics fields")
+            elif isinstance(node, ast.Dict):
+                keys = {k.value for k in node.keys if isinstance(k, ast.Constant)}
+                if len(keys & fields) > 2:
+                    bad.append(f"{rel}:{node.lineno}: a dict lists statistics fields")
+    assert not bad, "\n".join(bad)
+
+
+def test_classes_declare_their_fields():
+    """No class fills its attributes from `**kw` (`self.__dict__.update`): fields are declared."""
+    bad = [str(p.relative_to(ROOT)) for p in ROOT.rglob("*.py")
+           if "self.__dict__.update(" in p.read_text()]
+    assert not bad, bad

@@ -26,7 +26,7 @@ QUALITY_INTRO = """Perplexity of each build divided by the full model's on held-
 each domain: geometric mean over seeds [95 % t-interval over seeds of the log ratio,
 exponentiated]. `eu` is de+fr+es+it."""
 GEN_INTRO = """Greedy continuations of the shipped prompts ({n} tokens) by the full model and by the
-REAP builds at the first budget, measured by `reap.eval.metrics` in text units (a CJK character,
+REAP builds at the first budget, measured by `reap.eval.text_metrics` in text units (a CJK character,
 a word or a run of one punctuation mark): `looping` = share of outputs that end in repeated
 copies of one block (greedy degeneration), `longest_repeat` = longest n-gram of units occurring
 twice, `distinct_2` = share of distinct unit bigrams, `script` = share of letters in the

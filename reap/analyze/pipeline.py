@@ -19,7 +19,7 @@ from reap.stats import ExpertStats
 
 
 @dataclass
-class CorpusInfo:
+class InputCorpus:
     """Provenance of one input corpus."""
 
     name: str
@@ -50,7 +50,7 @@ class Settings:
 class AnalysisResult:
     """Everything the analysis found; see each record's docstring for fields and shapes."""
 
-    corpora: list[CorpusInfo]
+    corpora: list[InputCorpus]
     layers: list[int]
     n_experts: int
     top_k: int
@@ -132,7 +132,7 @@ def analyze(
         )
     return AnalysisResult(
         corpora=[
-            CorpusInfo(c.name, c.path, c.tokens, c.n_sequences, c.stats.meta) for c in corpora
+            InputCorpus(c.name, c.path, c.tokens, c.n_sequences, c.stats.meta) for c in corpora
         ],
         layers=list(first.layers),
         n_experts=first.n_experts,

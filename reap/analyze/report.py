@@ -19,7 +19,7 @@ from reap.analyze import plots
 from reap.analyze.markdown import render
 from reap.analyze.pipeline import AnalysisResult
 from reap.errors import WriteError
-from reap.fileio import atomic_path
+from reap.fileio import atomic_path, write_atomic
 from reap.provenance import code_version
 
 # the sources that decide the analysis results (`reap.provenance.code_version` parts)
@@ -41,16 +41,6 @@ def _atomic(path: str, write) -> str:
     with atomic_path(path) as tmp:
         write(tmp)
     return path
-
-
-def write_text(path: str, text: str) -> str:
-    """Write a text file atomically."""
-
-    def w(tmp):
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-
-    return _atomic(path, w)
 
 
 def provenance(r: AnalysisResult) -> dict:
@@ -304,6 +294,6 @@ def write_report(
             files.figures.append(plots.save_figure(fig, os.path.join(out_dir, name)))
     files.report = os.path.join(out_dir, "report.md")
     files.summary = os.path.join(out_dir, "summary.json")
-    write_text(files.report, render(r, [os.path.basename(f) for f in files.figures]))
-    write_text(files.summary, json.dumps(summary(r, files), indent=1, allow_nan=False))
+    write_atomic(files.report, render(r, [os.path.basename(f) for f in files.figures]))
+    write_atomic(files.summary, json.dumps(summary(r, files), indent=1, allow_nan=False))
     return files

@@ -65,7 +65,7 @@ def cmd_show(args) -> int:
 
 
 def cmd_build(args) -> int:
-    from reap.corpora.build import build
+    from reap.corpora.builder.pipeline import build
     out = args.out or (local_root() if args.local_only_sources else corpora_root())
     for name in args.names:
         corpus_info(name)  # unknown name -> ReapError before any download

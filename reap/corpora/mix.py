@@ -32,7 +32,7 @@ _WEIGHT_RE = re.compile(r"^(?P<name>.+):(?P<w>[0-9]*\.?[0-9]+)$")
 
 
 @dataclass(frozen=True)
-class Sequence:
+class SampledSequence:
     """`seq_len` token ids from corpus term `corpus` (as named in the spec), starting inside
     document `doc_id` ("part:id" for a part of a mix corpus), drawn from `split`."""
 
@@ -114,13 +114,13 @@ def seeded_order(docs: list[Document], seed: int) -> list[Document]:
 
 
 def pack(docs: list[Document], tokenizer, count: int, seq_len: int, label: str,
-         split: str) -> list[Sequence]:
+         split: str) -> list[SampledSequence]:
     """The first `count` sequences of `seq_len` tokens from `docs` concatenated in the given
     order (eos between documents if the tokenizer has `eos_id`)."""
     eos = getattr(tokenizer, "eos_id", None)
     buf: list[int] = []
     owners: deque[list] = deque()  # [doc_id, tokens of it still in buf], in buffer order
-    out: list[Sequence] = []
+    out: list[SampledSequence] = []
     for doc in docs:
         if len(out) == count:
             break
@@ -128,7 +128,7 @@ def pack(docs: list[Document], tokenizer, count: int, seq_len: int, label: str,
         buf += ids
         owners.append([doc.id, len(ids)])
         while len(buf) >= seq_len and len(out) < count:
-            out.append(Sequence(label, owners[0][0], buf[:seq_len], split))
+            out.append(SampledSequence(label, owners[0][0], buf[:seq_len], split))
             buf = buf[seq_len:]
             used = seq_len
             while used:
@@ -145,7 +145,7 @@ def pack(docs: list[Document], tokenizer, count: int, seq_len: int, label: str,
 
 
 def sample_sequences(spec: str, split: str, tokenizer, n_tokens: int, seq_len: int,
-                     seed: int = 0) -> list[Sequence]:
+                     seed: int = 0) -> list[SampledSequence]:
     """n_tokens // seq_len sequences of exactly `seq_len` token ids from `split` of the spec's
     corpora, allocated by weight (exact largest remainders), each component's documents packed
     in sha256(seed:id) order. split: "calibration", "train" or "eval"."""
@@ -156,7 +156,7 @@ def sample_sequences(spec: str, split: str, tokenizer, n_tokens: int, seq_len: i
     leaves = [(term, leaf, w) for term, tw in terms
               for leaf, w in _leaves(term, Fraction(str(tw)))]
     counts = allocate(n_tokens // seq_len, [w for _, _, w in leaves])
-    out: list[Sequence] = []
+    out: list[SampledSequence] = []
     for (term, leaf, _), count in zip(leaves, counts):
         if count:
             docs = seeded_order(load_documents(leaf, split), seed)
@@ -168,7 +168,7 @@ def sample_sequences(spec: str, split: str, tokenizer, n_tokens: int, seq_len: i
 
 
 def calibration_sequences(spec: str, tokenizer, n_tokens: int, seq_len: int,
-                          seed: int = 0) -> list[Sequence]:
+                          seed: int = 0) -> list[SampledSequence]:
     """`sample_sequences` on the calibration split: the entry point for calibration, which has
     no way to reach held-out eval text."""
     return sample_sequences(spec, "calibration", tokenizer, n_tokens, seq_len, seed)

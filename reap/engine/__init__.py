@@ -12,7 +12,7 @@ trunk resident, streaming the other layers through a ring buffer and caching rou
 Modules: `memory` (the plan), `binding` (checkpoint -> trunk units, byte census), `store`
 (positioned reads, pinned trunk, streamed-layer ring), `experts` (routed-expert cache), `core`
 (Engine: open and the layer-by-layer step; expert matmuls by `reap.quant`), `generate`
-(sampling, stop strings, lockstep batches), `metrics`, `remote` (checkpoints over HTTP), `cli`
+(sampling, stop strings, lockstep batches), `run_metrics`, `remote` (checkpoints over HTTP), `cli`
 (`reap run`). `reap.serve` builds on this API. Importing this package loads nothing heavy.
 """
 

@@ -192,17 +192,19 @@ def run(args: argparse.Namespace) -> int:
             print(engine.plan.describe(), file=sys.stderr)
         if args.plan_only:
             return 0
-        gens = generate(engine, None, requests=_requests(args, engine))
+        gens, metrics = generate(engine, None, requests=_requests(args, engine))
         result = {
             "model": engine.path,
             "fingerprint": engine.fingerprint,
             "generations": [g.as_dict() for g in gens],
             "plan": engine.plan.to_dict(),
-            "metrics": engine.last_metrics.as_dict(),
+            "metrics": metrics.as_dict(),
             "unit_seconds": dict(zip(engine.binding.unit_names, engine.unit_seconds)),
             "expert_failures": [list(f) for f in engine.expert_failures],
         }
         _print(args, gens, result, engine)
+        if not args.quiet:
+            print(metrics.describe(), file=sys.stderr)
         if args.out:
             write_atomic(args.out, json.dumps(result, indent=1) + "\n")
         if engine.expert_failures:
@@ -221,5 +223,3 @@ def _print(args, gens, result: dict, engine) -> None:
     else:
         for g in gens:
             print(g.text if engine.tokenizer is not None else ",".join(map(str, g.ids)))
-    if not args.quiet:
-        print(engine.last_metrics.describe(), file=sys.stderr)

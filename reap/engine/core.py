@@ -20,8 +20,9 @@ from __future__ import annotations
 import functools
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -29,7 +30,7 @@ from reap.checkpoint import BufferReader, open_checkpoint
 from reap.engine import memory
 from reap.engine.binding import Binding, bind, model_bytes, state_costs
 from reap.engine.experts import ExpertCache
-from reap.engine.metrics import RunMetrics
+from reap.engine.run_metrics import RunMetrics
 from reap.engine.store import IO_KINDS, TrunkStore
 from reap.errors import EXIT_FAILURE, ReapError
 from reap.memstat import available_memory, current_rss
@@ -43,28 +44,52 @@ PREFILL_CHUNKS = (512, 256, 128, 64, 32, 16)
 
 
 @dataclass
-class Sequence:
+class SequenceState:
     """One sequence's decode state: per-layer caches and the positions it holds."""
 
     caches: list
     length: int = 0
 
 
+@dataclass(eq=False, repr=False)
 class Engine:
-    """A bound checkpoint with its memory plan, weight stores and model (see module docstring).
+    """A bound checkpoint with its memory plan, weight stores and model (see module docstring);
+    made by `Engine.open`."""
 
-    Attributes: path, config, tokenizer (or None), plan (MemoryPlan), metrics (RunMetrics,
-    cumulative), limits: max_prompt, max_generation, context."""
+    path: str  # checkpoint directory or URL
+    config: dict  # its config.json
+    fingerprint: str  # the checkpoint's fingerprint (reap.checkpoint)
+    fam: Any  # the model family (reap.models.family)
+    cfg: Any  # the family's Config of this checkpoint
+    binding: Binding  # checkpoint tensors -> trunk units and routed experts
+    plan_bytes: memory.ModelBytes  # the byte census the plan was made from
+    plan: memory.MemoryPlan
+    reader: BufferReader  # buffered positioned reads of the checkpoint
+    trunk: TrunkStore  # pinned units and the streamed-layer ring
+    experts: ExpertCache  # the routed-expert cache
+    model: Any  # fam.Model, weights pulled per step
+    tokenizer: Any  # reap.tokenizer, or None without tokenizer.json
+    device: str
+    dtype: torch.dtype  # compute dtype
+    context: int  # declared context: prompt + generated tokens per sequence
+    max_prompt: int
+    max_generation: int
+    metrics: RunMetrics = field(init=False)  # cumulative over the engine's life
+    unit_seconds: list[float] = field(init=False)  # wall time per trunk unit, cumulative
+    _sync_io: float = field(init=False)  # compute-thread read seconds (experts, embedding rows)
+    _source: _ExpertSource = field(init=False)
+    _decoded: BufferPool = field(init=False)  # decoded expert weights: reused buffers
+    _fused: bool = field(init=False)  # bf16 on CPU: fused expert matmuls
+    _kernels: MXFP4Kernels = field(init=False)  # expert matmuls (reap.quant)
 
-    def __init__(self, **kw):
-        self.__dict__.update(kw)
+    def __post_init__(self) -> None:
         self.metrics = RunMetrics()
-        self._sync_io = 0.0  # compute-thread read seconds (experts, embedding rows)
-        self.unit_seconds = [0.0] * len(self.binding.units)  # wall time per trunk unit, cumulative
+        self.unit_seconds = [0.0] * len(self.binding.units)
+        self._sync_io = 0.0
         self._source = _ExpertSource(self)
-        # decoded expert weights: reused buffers, as much as the plan's scratch allows
+        # as many decoded-expert buffers as the plan's scratch allows
         self._decoded = BufferPool(2 * self.plan_bytes.decoded_expert_bytes)
-        self._fused = fused_available(self.dtype, self.device)  # bf16 on CPU: fused expert matmuls
+        self._fused = fused_available(self.dtype, self.device)
         self._kernels = MXFP4Kernels(self.dtype, self._decoded, self._fused)
 
     @classmethod
@@ -117,12 +142,12 @@ class Engine:
         return eng
 
     # -- the forward step ---------------------------------------------------------------------
-    def new_sequence(self) -> Sequence:
-        return Sequence(self.model.new_caches())
+    def new_sequence(self) -> SequenceState:
+        return SequenceState(self.model.new_caches())
 
     def step(
         self,
-        seqs: list[Sequence],
+        seqs: list[SequenceState],
         chunks: list[list[int]],
         all_positions: bool = False,
         more: bool = True,
@@ -222,55 +247,25 @@ class Engine:
         """(layer, expert, reason) of every routed expert that failed to load."""
         return list(self.experts.failed)
 
-    def generate(
-        self,
-        prompts,
-        max_tokens: int = 64,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        seed: int = 0,
-        stop=(),
-    ):
-        """See `reap.engine.generate.generate`."""
+    def generate(self, prompts, max_tokens: int = 64, temperature: float = 0.0,
+                 top_p: float = 1.0, seed: int = 0, stop=()) -> list:
+        """See `reap.engine.generate.generate` (which also returns the run's metrics)."""
         from reap.engine.generate import generate
 
-        return generate(
-            self,
-            prompts,
-            max_tokens=max_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            seed=seed,
-            stop=stop,
-        )
+        return generate(self, prompts, max_tokens, temperature, top_p, seed, stop)[0]
 
-    def stream(
-        self,
-        prompt,
-        max_tokens: int = 64,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        seed: int = 0,
-        stop=(),
-    ):
+    def stream(self, prompt, max_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
+               seed: int = 0, stop=()):
         """See `reap.engine.generate.stream`: yields token ids as they are sampled."""
         from reap.engine.generate import stream
 
-        return stream(
-            self,
-            prompt,
-            max_tokens=max_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            seed=seed,
-            stop=stop,
-        )
+        return stream(self, prompt, max_tokens, temperature, top_p, seed, stop)
 
     def logits(self, sequences) -> list[torch.Tensor]:
         """See `reap.engine.generate.teacher_forced_logits`: [T, V] float32 per sequence."""
         from reap.engine.generate import teacher_forced_logits
 
-        return teacher_forced_logits(self, sequences)
+        return teacher_forced_logits(self, sequences)[0]
 
     def close(self) -> None:
         """Release buffers and file descriptors."""

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from reap.engine.metrics import RunMetrics
+from reap.engine.run_metrics import RunMetrics
 from reap.errors import ReapError
 from reap.memstat import peak_rss
 
@@ -209,7 +209,6 @@ def _finish(engine, metrics: RunMetrics, requests, gens) -> None:
     metrics.expert_failures = len(engine.expert_failures)
     metrics.peak_rss = peak_rss()
     engine.metrics.merge(metrics)
-    engine.last_metrics = metrics
 
 
 def requests_from(
@@ -233,14 +232,16 @@ def generate(
     seed: int = 0,
     stop=(),
     requests: list[Request] | None = None,
-) -> list[Generation]:
-    """Generate for every prompt (text or token ids) in lockstep; returns one Generation each.
-    `requests` instead gives each sequence its own settings."""
+) -> tuple[list[Generation], RunMetrics]:
+    """Generate for every prompt (text or token ids) in lockstep; returns one Generation each
+    and what the run measured (also added to `engine.metrics`). `requests` instead gives each
+    sequence its own settings."""
     reqs = requests or requests_from(engine, prompts, max_tokens, temperature, top_p, seed, stop)
     gens: list[Generation] = [Generation(list(r.ids)) for r in reqs]
-    for k, _, g in _events(engine, reqs, RunMetrics()):
+    metrics = RunMetrics()
+    for k, _, g in _events(engine, reqs, metrics):
         gens[k] = g
-    return gens
+    return gens, metrics
 
 
 def stream(
@@ -261,9 +262,9 @@ def stream(
         yield tok
 
 
-def teacher_forced_logits(engine, sequences) -> list[torch.Tensor]:
+def teacher_forced_logits(engine, sequences) -> tuple[list[torch.Tensor], RunMetrics]:
     """Next-token logits at every position of each sequence (teacher forcing, in lockstep,
-    prefill chunks of the plan's size): float32 [T_s, V] per sequence."""
+    prefill chunks of the plan's size): float32 [T_s, V] per sequence, and the run's metrics."""
     reqs = requests_from(engine, sequences, 1, 0.0, 1.0, 0, ())
     for r in reqs:
         check_request(engine, Request(r.ids, 1))
@@ -282,4 +283,4 @@ def teacher_forced_logits(engine, sequences) -> list[torch.Tensor]:
         "prefill", sum(len(r.ids) for r in reqs), time.perf_counter() - t0, c0, engine.counters()
     )
     _finish(engine, metrics, reqs, [])
-    return [torch.cat(o) for o in out]
+    return [torch.cat(o) for o in out], metrics

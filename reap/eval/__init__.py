@@ -6,7 +6,7 @@ with a reference, and greedy generations with text metrics.
                        out="runs/eval", max_docs=20)
 
 Modules: `quality` (documents streamed through the reference and a build in lockstep, per-document
-sums), `summary` (bootstrap intervals, per-domain means), `metrics` (repetition, script, Python
+sums), `summary` (bootstrap intervals, per-domain means), `text_metrics` (repetition, script, Python
 validity), `generations` (prompt sets, batched greedy decoding), `cache` (build identities,
 per-build cached results), `builds` (columns and their engines), `workload` (inputs), `tasks`
 (results to compute, run uncached), `results` (results.json), `pipeline` (`evaluate`), `report` and

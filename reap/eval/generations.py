@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from reap.errors import ReapError
-from reap.eval.metrics import generation_metrics
+from reap.eval.text_metrics import generation_metrics
 
 DOMAINS = ("zh", "en", "eu", "ja", "code")
 

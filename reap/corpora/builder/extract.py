@@ -3,7 +3,7 @@
 Every extractor is a pure function of its input, so a rebuild from the same package versions
 reproduces the corpus byte for byte. Formats: HTML (stdlib parser), fortune files, OSIS Bible
 text in SWORD zText modules, reStructuredText, and source code (kept verbatim). Man pages live
-in `reap.corpora.roff`.
+in `reap.corpora.builder.roff`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from html import unescape
 from html.parser import HTMLParser
 from pathlib import Path
 
-from reap.corpora.text import join_lines, strip_ansi
+from reap.corpora.builder.text import join_lines, strip_ansi
 
 _VOID = {"area", "base", "br", "col", "embed", "hr", "img", "input", "link", "meta", "param",
          "source", "track", "wbr", "keygen"}

@@ -12,7 +12,7 @@ import tarfile
 import zipfile
 from pathlib import Path
 
-from reap.corpora.debian import sha256_file
+from reap.corpora.builder.debian import sha256_file
 from reap.errors import ReapError
 
 

@@ -19,9 +19,9 @@ import tarfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from reap.corpora import extract, roff
+from reap.corpora.builder import extract, roff
+from reap.corpora.builder.text import chunk_text, dedupe_lines, filter_lines, line_filter
 from reap.corpora.store import Document, read_json
-from reap.corpora.text import chunk_text, dedupe_lines, filter_lines, line_filter
 from reap.errors import ReapError
 
 CHUNK_BYTES = 16384  # documents above this are cut at line boundaries into chunks

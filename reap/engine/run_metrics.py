@@ -4,7 +4,7 @@ hit rate, achieved read bandwidth, I/O share of wall time and peak RSS.
 The engine snapshots its I/O counters at phase boundaries and adds the differences here:
 
     m = RunMetrics()
-    m.add_phase("prefill", tokens=T, seconds=s, io_before=a, io_after=b)
+    m.add("prefill", T, seconds, before, after)  # before/after: Engine.counters() snapshots
     m.as_dict()  # JSON-ready, derived rates included
 """
 
@@ -84,7 +84,7 @@ class RunMetrics:
     pinned_read_bytes: int = 0
 
     def add(self, phase: str, tokens: int, seconds: float, before: dict, after: dict) -> None:
-        """Add one stretch of work to `phase`; before/after are `Engine._counters()` snapshots."""
+        """Add one stretch of work to `phase`; before/after are `Engine.counters()` snapshots."""
         p: PhaseMetrics = getattr(self, phase)
         p.tokens += tokens
         p.seconds += seconds

