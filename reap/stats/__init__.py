@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import Field, dataclass, field, fields
+from dataclasses import MISSING, Field, dataclass, field, fields
 
 import torch
 
@@ -27,29 +27,29 @@ from reap.fileio import atomic_path
 FORMAT = "reap.expert_stats/1"
 
 
-def _sums(dtype: torch.dtype, merge: str = "sum", optional: bool = False):
-    """A statistics field: its dtype, how shards merge ("sum", "max" or "cat") and whether a
-    file may lack it."""
-    meta = {"dtype": dtype, "merge": merge, "optional": optional}
-    return field(default=None, metadata=meta) if optional else field(metadata=meta)
+# field metadata: the dtype of a statistic and how shards merge ("sum", "max" or "cat")
+_COUNT = {"dtype": torch.int64, "merge": "sum"}
+_SUM = {"dtype": torch.float64, "merge": "sum"}
+_MAX = {"dtype": torch.float32, "merge": "max"}
+_PER_SEQUENCE = {"dtype": torch.int32, "merge": "cat"}
 
 
 @dataclass(kw_only=True)
 class ExpertSums:
-    """The per-expert sums, the one declaration of the statistics fields. Shapes are [*R, E]:
-    R = [L] in `ExpertStats`, nothing in one layer's calibration row; `coact` adds a trailing E,
-    `seq_count` a leading S."""
+    """The per-expert sums, the one declaration of the statistics fields (a field with a
+    default may be absent from a file). Shapes are [*R, E]: R = [L] in `ExpertStats`, nothing in
+    one layer's calibration row; `coact` adds a trailing E, `seq_count` a leading S."""
 
-    count: torch.Tensor = _sums(torch.int64)  # tokens routed to the expert
-    gate_sum: torch.Tensor = _sums(torch.float64)  # sum of routing weights over routed tokens
-    reap_sum: torch.Tensor = _sums(torch.float64)  # sum of weight * ||expert output|| (model space)
-    reap_latent_sum: torch.Tensor = _sums(torch.float64)  # same, output norm in the latent space
-    ean_sum: torch.Tensor = _sums(torch.float64)  # sum of ||expert output|| (model space)
-    ean_latent_sum: torch.Tensor = _sums(torch.float64)  # sum of ||expert output|| (latent space)
-    max_act: torch.Tensor = _sums(torch.float32, "max")  # max |activation| of the expert's output
-    prob_mass: torch.Tensor = _sums(torch.float64)  # sum over ALL tokens of the router probability
-    coact: torch.Tensor = _sums(torch.int64)  # [*R, E, E] tokens routed to both i and j (diag: count)
-    seq_count: torch.Tensor | None = _sums(torch.int32, "cat", optional=True)  # [S, *R, E] counts
+    count: torch.Tensor = field(metadata=_COUNT)  # tokens routed to the expert
+    gate_sum: torch.Tensor = field(metadata=_SUM)  # sum of routing weights over routed tokens
+    reap_sum: torch.Tensor = field(metadata=_SUM)  # sum of weight * ||expert output|| (model)
+    reap_latent_sum: torch.Tensor = field(metadata=_SUM)  # same, output norm in latent space
+    ean_sum: torch.Tensor = field(metadata=_SUM)  # sum of ||expert output|| (model space)
+    ean_latent_sum: torch.Tensor = field(metadata=_SUM)  # sum of ||expert output|| (latent)
+    max_act: torch.Tensor = field(metadata=_MAX)  # max |activation| of the expert's output
+    prob_mass: torch.Tensor = field(metadata=_SUM)  # sum over ALL tokens of router probability
+    coact: torch.Tensor = field(metadata=_COUNT)  # [*R, E, E] tokens routed to both i and j
+    seq_count: torch.Tensor | None = field(default=None, metadata=_PER_SEQUENCE)  # [S, *R, E]
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """Field name -> tensor, omitting an absent seq_count."""
@@ -137,8 +137,7 @@ class ExpertStats(ExpertSums):
             raise ReapError(f"{path}: not a reap statistics file ({type(e).__name__}: {e})") from e
         if head.get("format") != FORMAT:
             raise ReapError(f"{path}: unknown statistics format {head.get('format')!r}")
-        missing = [f.name for f in sum_fields()
-                   if not f.metadata["optional"] and f.name not in tensors]
+        missing = [f.name for f in sum_fields() if f.default is MISSING and f.name not in tensors]
         if missing:
             raise ReapError(f"{path}: statistics file lacks {', '.join(missing)}")
         return cls(head["layers"], head["n_experts"], head["top_k"], head["tokens"],
