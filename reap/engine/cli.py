@@ -58,6 +58,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="keep generating past the end-of-text token until --max-tokens (benchmarks, tests)",
     )
+    _add_engine_arguments(p)
+
+
+def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    """Memory budget, context, device and output options of `reap run`."""
     mem = p.add_mutually_exclusive_group()
     mem.add_argument("--budget", help="RAM budget, e.g. 8GB or 512MiB (the whole process)")
     mem.add_argument("--preset", choices=list(PRESETS), help=PRESET_HELP)
