@@ -23,7 +23,7 @@ from reap.fileio import atomic_path, write_atomic
 from reap.provenance import code_version
 
 # the sources that decide the analysis results (`reap.provenance.code_version` parts)
-ANALYSIS_CODE = ("analyze", "stats.py")
+ANALYSIS_CODE = ("analyze", "stats")
 
 
 @dataclass
@@ -46,7 +46,8 @@ def _atomic(path: str, write) -> str:
 def provenance(r: AnalysisResult) -> dict:
     """What made these results: code version, arguments, and each input's model and corpus."""
     return _jsonable({
-        "format": "reap.analysis/1", "code_version": code_version(ANALYSIS_CODE), "settings": r.settings,
+        "format": "reap.analysis/1", "code_version": code_version(ANALYSIS_CODE),
+        "settings": r.settings,
         "inputs": [{"corpus": c.name, "path": c.path, "model": c.meta.get("model"),
                     "corpus_sha256": c.meta.get("corpus_sha256"), "tokens": c.tokens}
                    for c in r.corpora],

@@ -25,7 +25,7 @@ from reap.fileio import atomic_path, write_atomic
 from reap.stats import ExpertStats, ExpertSums, merge
 
 # the code that determines calibration results: its source digest is the code version
-RESULT_CODE = ("calibrate", "models", "checkpoint", "corpora", "quant/mxfp4.py", "stats.py",
+RESULT_CODE = ("calibrate", "models", "checkpoint", "corpora", "quant/mxfp4.py", "stats",
                "tokenizer.py")
 
 

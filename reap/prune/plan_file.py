@@ -17,7 +17,7 @@ from reap.fileio import write_atomic
 
 FORMAT = "reap.plan/1"
 # sources that decide what a plan and a pruned checkpoint contain: their `code_version` parts
-PRUNE_CODE = ("prune", "checkpoint", "models", "sizes.py", "stats.py")
+PRUNE_CODE = ("prune", "checkpoint", "models", "sizes.py", "stats")
 
 
 @dataclass
