@@ -23,7 +23,7 @@ from reap.corpora.store import (
     check_split,
     corpus_dir,
     load_shipped,
-    read_json,
+    read_corpus_json,
     split_bytes,
 )
 from reap.errors import ReapError
@@ -82,7 +82,7 @@ def _leaves(name: str, weight: Fraction) -> list[tuple[str, Fraction]]:
     """A spec term -> [(leaf corpus or path, weight)]; a mix corpus spreads its weight."""
     if is_local(name):
         return [(name, weight)]
-    mix = read_json(corpus_dir(name) / "recipe.json").get("mix") or {}
+    mix = read_corpus_json(corpus_dir(name) / "recipe.json").get("mix") or {}
     if not mix:
         return [(name, weight)]
     total = sum(Fraction(str(w)) for w in mix.values())

@@ -104,7 +104,7 @@ def corpus_names(root: Path | None = None) -> list[str]:
     return sorted({p.parent.name for r in roots for p in r.glob("*/recipe.json")})
 
 
-def read_json(path: Path) -> dict:
+def read_corpus_json(path: Path) -> dict:
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
@@ -165,7 +165,7 @@ def load_shipped(name: str, split: str, root: Path | None = None) -> list[Docume
     recipe order, ids prefixed "part:" (translations in two parts share a key)."""
     check_split(split)
     d = corpus_dir(name, root)
-    recipe = read_json(d / "recipe.json")
+    recipe = read_corpus_json(d / "recipe.json")
     if recipe.get("mix"):
         return [Document(f"{part}:{d.id}", d.text, d.source, d.corpus)
                 for part in recipe["mix"] for d in load_shipped(part, split, root)]
@@ -178,8 +178,8 @@ def load_shipped(name: str, split: str, root: Path | None = None) -> list[Docume
 def corpus_info(name: str, root: Path | None = None) -> CorpusInfo:
     """Recipe + manifest of one corpus as a `CorpusInfo` (splits empty if not built)."""
     d = corpus_dir(name, root)
-    recipe = read_json(d / "recipe.json")
-    manifest = read_json(d / "manifest.json") if (d / "manifest.json").exists() else {}
+    recipe = read_corpus_json(d / "recipe.json")
+    manifest = read_corpus_json(d / "manifest.json") if (d / "manifest.json").exists() else {}
     splits = {s: SplitInfo(**{k: v[k] for k in SplitInfo.__dataclass_fields__})
               for s, v in manifest.get("splits", {}).items()}
     licences = sorted({s["licence"] for s in recipe.get("sources", [])})

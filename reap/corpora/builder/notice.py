@@ -11,7 +11,7 @@ import hashlib
 import lzma
 from pathlib import Path
 
-from reap.corpora.store import SPLITS, read_json
+from reap.corpora.store import SPLITS, read_corpus_json
 from reap.fileio import write_atomic
 
 
@@ -37,7 +37,7 @@ def write_notice(out: Path, cache: Path) -> Path:
              "notice is in the file listed. The original sources are available from Debian at the "
              "versions given.", ""]
     for manifest_path in sorted(out.glob("*/manifest.json")):
-        m = read_json(manifest_path)
+        m = read_corpus_json(manifest_path)
         if m.get("mix") or any(s.get("local_only") for s in m.get("sources", [])):
             continue
         name = m["name"]

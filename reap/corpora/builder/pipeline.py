@@ -25,7 +25,7 @@ from reap.corpora.store import (
     Document,
     corpora_root,
     corpus_names,
-    read_json,
+    read_corpus_json,
     split_bytes,
     split_of,
 )
@@ -152,7 +152,7 @@ def _write_manifest(out: Path, recipes: Path, name: str, manifest: dict) -> Path
 
 def _build_mix(recipe: Recipe, out: Path, recipes: Path) -> Path:
     """A mix corpus's manifest: its parts' counts summed, sha256 over the parts' sha256."""
-    parts = {p: read_json(out / p / "manifest.json") for p in recipe.mix}
+    parts = {p: read_corpus_json(out / p / "manifest.json") for p in recipe.mix}
     splits = {}
     for s in SPLITS:
         rows = [parts[p]["splits"][s] for p in recipe.mix]
@@ -179,7 +179,7 @@ def _check_local_only(recipe: Recipe, out: Path, recipes: Path, allowed: bool) -
 def _warn_versions(old_manifest: Path, sources: list[dict], log) -> None:
     if not old_manifest.exists():
         return
-    old = {s["package"]: s["version"] for s in read_json(old_manifest).get("sources", [])}
+    old = {s["package"]: s["version"] for s in read_corpus_json(old_manifest).get("sources", [])}
     for s in sources:
         if s["package"] in old and old[s["package"]] != s["version"]:
             log(f"  warning: {s['package']} is {s['version']}, the manifest was built from "

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from reap.corpora.builder import extract, roff
 from reap.corpora.builder.text import chunk_text, dedupe_lines, filter_lines, line_filter
-from reap.corpora.store import Document, read_json
+from reap.corpora.store import Document, read_corpus_json
 from reap.errors import ReapError
 
 CHUNK_BYTES = 16384  # documents above this are cut at line boundaries into chunks
@@ -64,7 +64,7 @@ class Recipe:
 
 def load_recipe(path: Path) -> Recipe:
     """Parse and check a recipe.json."""
-    raw = read_json(path)
+    raw = read_corpus_json(path)
     try:
         sources = [Source(**s) for s in raw.pop("sources", [])]
         recipe = Recipe(sources=sources, **raw)
