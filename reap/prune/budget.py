@@ -93,7 +93,7 @@ def positive_size(text: str, flag: str) -> int:
         raise ReapError(
             f"{flag}: cannot read size {text!r} (use e.g. 350GB, 8GiB, 1.5TB)"
         ) from None
-    except OverflowError:  # int(inf) inside parse_size
+    except OverflowError:  # int(inf) inside parse_bytes (a digit string beyond float range)
         n = 0
     if n <= 0:
         raise ReapError(f"{flag}: {text!r} is not a positive, finite size")
