@@ -34,7 +34,7 @@ from reap.engine.run_metrics import RunMetrics
 from reap.engine.store import IO_KINDS, TrunkStore
 from reap.errors import EXIT_FAILURE, ReapError
 from reap.memstat import available_memory, current_rss
-from reap.models.base import expert_short_names
+from reap.models.base import Family, expert_short_names
 from reap.quant.mxfp4_decode import BufferPool
 from reap.quant.mxfp4_matmul import MXFP4Kernels, fused_available
 from reap.units import parse_bytes
@@ -59,7 +59,7 @@ class Engine:
     path: str  # checkpoint directory or URL
     config: dict  # its config.json
     fingerprint: str  # the checkpoint's fingerprint (reap.checkpoint)
-    fam: Any  # the model family (reap.models.family)
+    fam: Family  # the model family, through its declared contract
     cfg: Any  # the family's Config of this checkpoint
     binding: Binding  # checkpoint tensors -> trunk units and routed experts
     plan_bytes: memory.ModelBytes  # the byte census the plan was made from
