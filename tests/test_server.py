@@ -19,7 +19,8 @@ import pytest
 from reap.errors import ReapError
 from reap.models import FAMILIES, builtin_config, family
 from reap.serve.chat import ChatTemplate, render_markers
-from reap.serve.http import Server, check_host
+from reap.serve.hosts import check_host
+from reap.serve.http import Server
 from reap.serve.params import parse_messages
 from reap.serve.stream import ReasoningSplitter, TextStream, split_reasoning
 from reap.tokenizer import encode_prompt

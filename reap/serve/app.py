@@ -23,6 +23,7 @@ from reap.errors import EXIT_USAGE, ReapError
 from reap.serve.params import (
     Params,
     RequestError,
+    check_prompt_chars,
     completion_ids,
     parse_messages,
     parse_params,
@@ -33,6 +34,9 @@ from reap.serve.stream import Reply, TextStream
 from reap.tokenizer import encode_prompt
 
 _ERROR_TYPE = {400: "invalid_request_error", 500: "server_error"}
+# Prompt characters allowed per token of context, checked before tokenizing so that a huge
+# prompt costs neither the tokenizer's time nor its memory (real text averages about 4).
+CHARS_PER_TOKEN = 32
 
 
 class ApiError(Exception):
@@ -139,9 +143,12 @@ class Worker:
 class App:
     """Request handling independent of HTTP plumbing: validation, queueing, models list."""
 
-    def __init__(self, backend, queue_size: int = 16, max_tokens_limit: int = 4096):
+    def __init__(self, backend, queue_size: int = 16, max_tokens_limit: int = 4096,
+                 max_prompt_chars: int | None = None):
         self.backend = backend
         self.limit = max_tokens_limit
+        context = getattr(backend, "context", None) or max_tokens_limit
+        self.max_prompt_chars = max_prompt_chars or CHARS_PER_TOKEN * context
         self.worker = Worker(backend, queue_size)
         self.created = int(time.time())
 
@@ -163,10 +170,13 @@ class App:
         stop, thinking = (), False
         try:
             if not is_chat:
-                ids = completion_ids(body, b.encode, b.special)
+                ids = completion_ids(body, b.encode, b.special, self.max_prompt_chars)
             else:
                 messages = parse_messages(body.get("messages"))
+                check_prompt_chars(sum(len(m.content) + len(m.reasoning) for m in messages),
+                                   self.max_prompt_chars, "messages")
                 prompt = b.template.render(messages, thinking_option(body), template_kwargs(body))
+                check_prompt_chars(len(prompt), self.max_prompt_chars, "messages")
                 ids = encode_prompt(prompt, b.encode, b.special)
                 stop, thinking = b.template.stop, b.template.opens_thinking(prompt)
             context = getattr(b, "context", None)
@@ -174,11 +184,11 @@ class App:
             if room < 1:
                 where = "messages" if is_chat else "prompt"
                 raise RequestError(f"the prompt of {len(ids)} tokens leaves no room in the "
-                                   f"{context}-token context", where)
+                                   f"{context}-token context", where, "context_length_exceeded")
             default = room if is_chat else min(16, room)
             sampling = parse_params(body, default_max=default, limit=room)
         except RequestError as e:
-            raise ApiError(400, str(e), param=e.param) from None
+            raise ApiError(400, str(e), param=e.param, code=e.code) from None
         stop_ids = {b.special[s] for s in stop if s in b.special} | {b.eos_id}
         reply = Reply(b.model_id, len(ids), is_chat, thinking, b.template.think_close)
         return Job(ids, sampling, stop, stop_ids), reply

@@ -34,14 +34,52 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--verbose", action="store_true", help="log every HTTP request")
+    add_limit_arguments(p)
+
+
+def add_limit_arguments(p: argparse.ArgumentParser) -> None:
+    """The bounds that keep one client from taking a shared machine (`Limits`)."""
+    from reap.serve.app import CHARS_PER_TOKEN
+    from reap.serve.limits import Limits
+
+    d = Limits()
+    g = p.add_argument_group("access and limits (each bounded by default)")
+    g.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
+                   help="a Host name clients may address besides the loopback names and --host "
+                        "(repeatable; '*' = any). Other Host or browser Origin headers are "
+                        "refused (403), against DNS rebinding and cross-site pages")
+    g.add_argument("--max-connections", type=int, default=d.max_connections,
+                   help="connections served at once, one thread each; more are answered 503 "
+                        f"(default {d.max_connections})")
+    g.add_argument("--read-timeout", type=float, default=d.read_timeout,
+                   help="seconds a client has to send one whole request, idle keep-alive "
+                        f"included; slower ones are dropped (default {d.read_timeout:g})")
+    g.add_argument("--max-body", type=int, default=d.max_body,
+                   help=f"largest request body in bytes (default {d.max_body})")
+    g.add_argument("--max-prompt-chars", type=int, default=None,
+                   help="longest prompt in characters, refused before tokenizing (default "
+                        f"{CHARS_PER_TOKEN} x --context)")
+    g.add_argument("--backlog", type=int, default=d.backlog,
+                   help=f"listen backlog: connections queued before accept (default {d.backlog})")
+
+
+def limits_of(args: argparse.Namespace):
+    """The `Limits` the command line asks for."""
+    from reap.serve.limits import Limits
+
+    return Limits(args.max_connections, args.read_timeout, args.max_body, args.max_prompt_chars,
+                  args.backlog)
 
 
 def run(args: argparse.Namespace) -> int:
     """`reap serve`: open the engine, then serve until interrupted."""
     from reap.serve.backend import open_backend
-    from reap.serve.http import Server, check_host
+    from reap.serve.hosts import check_host
+    from reap.serve.http import Server
 
     check_host(args.host, args.allow_remote)  # refuse before loading anything
+    limits = limits_of(args)
+    limits.check()
     if args.queue < 1 or args.max_tokens_limit < 1 or (args.threads or 1) < 1:
         raise ReapError("--queue, --max-tokens-limit and --threads must be at least 1")
     if args.threads:
@@ -54,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
     print(backend.engine.plan.describe(), file=sys.stderr)
     try:
         server = Server(backend, args.host, args.port, args.queue, args.max_tokens_limit,
-                        args.allow_remote, args.verbose)
+                        args.allow_remote, args.verbose, limits, tuple(args.allowed_host))
     except ReapError:
         backend.close()
         raise

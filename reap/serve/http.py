@@ -1,33 +1,52 @@
 """The OpenAI-compatible HTTP server (standard library only): routing, bodies, responses.
 
 Routes: GET /v1/models, GET /v1/models/{id}, POST /v1/completions, POST /v1/chat/completions
-(both with `stream: true` as server-sent events), GET /health. Errors use OpenAI's shape
-`{"error": {"message", "type", "param", "code"}}`: 400 bad request, 404 unknown route or model,
-413 body too large, 503 queue full, 500 generation failure. The work behind each route is
+(both with `stream: true` as server-sent events), GET /health. Every error, from any method or
+malformed request, has OpenAI's JSON shape `{"error": {"message", "type", "param", "code"}}` and
+closes the connection: 400 bad request (or a prompt too long for the context), 403 a Host or
+browser Origin not served (`reap.serve.hosts`), 404 unknown route or model, 405 a method other
+than GET/POST, 408 a request not received within the read timeout, 411/413 a body without a
+length or over the limit, 415 a POST body that is not `application/json`, 503 queue full or too
+many connections (`reap.serve.limits`), 500 generation failure. The work behind each route is
 `reap.serve.app.App`'s; this module only moves JSON in and out.
 """
 
 from __future__ import annotations
 
-import ipaddress
+import io
 import json
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 
 from reap.errors import ReapError
 from reap.serve.app import ApiError, App, Job, wait_events
+from reap.serve.hosts import HostPolicy, check_host
+from reap.serve.limits import LINGER, DeadlineReader, LimitedServer, Limits, linger, read_body
 from reap.serve.stream import SSE_DONE, Reply, sse_event
 
-MAX_BODY = 8 << 20  # bytes of JSON per request
 ROUTES = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
 
 
 class Handler(BaseHTTPRequestHandler):
-    """Routes HTTP requests to the `App` set on the server as `server.app`."""
+    """Routes HTTP requests to the `App` set on the server as `server.app`, under the server's
+    `limits` and `hosts` policy."""
 
     protocol_version = "HTTP/1.1"
     server_version = "reap"
+
+    def setup(self) -> None:
+        super().setup()
+        self.rfile.close()  # replaced by a reader under the per-request deadline
+        self.reader = DeadlineReader(self.connection, self.limits.read_timeout)
+        self.rfile = io.BufferedReader(self.reader)
+        self.answered = self.lingering = False
+
+    def finish(self) -> None:
+        super().finish()
+        if self.lingering:  # after an error the request may still be arriving
+            linger(self.connection, min(LINGER, self.limits.read_timeout))
 
     def log_message(self, format: str, *args: Any) -> None:  # quiet unless asked
         if getattr(self.server, "verbose", False):
@@ -37,7 +56,40 @@ class Handler(BaseHTTPRequestHandler):
     def app(self) -> App:
         return self.server.app  # type: ignore[attr-defined]
 
+    @property
+    def limits(self) -> Limits:
+        return self.server.limits  # type: ignore[attr-defined]
+
+    def handle_one_request(self) -> None:
+        self.reader.begin()
+        self.answered = False
+        super().handle_one_request()  # a timed-out read ends it with close_connection set
+        if self.reader.expired and self.reader.received and not self.answered:
+            self._error(ApiError(408, f"request not received within {self.limits.read_timeout:g}"
+                                      " s (--read-timeout)", code="request_timeout"))
+
+    def send_response(self, code: int, message: str | None = None) -> None:
+        self.connection.settimeout(self.limits.read_timeout)  # bounds writes to a stalled client
+        self.answered = True
+        super().send_response(code, message)
+
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+        """The standard server's protocol errors (bad request line, headers, unknown method), as
+        JSON."""
+        type_ = "server_error" if code >= 500 else "invalid_request_error"
+        self._error(ApiError(code, message or HTTPStatus(code).phrase, type_))
+
+    def _refuse_method(self) -> None:
+        self._error(ApiError(405, f"method {self.command} is not allowed (GET or POST)",
+                             code="method_not_allowed"), ("Allow", "GET, POST"))
+
+    do_PUT = do_DELETE = do_PATCH = do_OPTIONS = do_HEAD = do_TRACE = _refuse_method
+
     def do_GET(self) -> None:
+        try:
+            self.server.hosts.check(self.headers.get("Host"), self.headers.get("Origin"))
+        except ApiError as e:
+            return self._error(e)
         path = self.path.split("?", 1)[0].rstrip("/")
         if path == "/v1/models":
             return self._json(200, self.app.models())
@@ -54,6 +106,7 @@ class Handler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         route = ROUTES.get(self.path.split("?", 1)[0].rstrip("/"))
         try:
+            self.server.hosts.check(self.headers.get("Host"), self.headers.get("Origin"))
             if route is None:
                 raise ApiError(404, f"no route POST {self.path}")
             body = self._body()
@@ -71,15 +124,13 @@ class Handler(BaseHTTPRequestHandler):
             self._collect(job, reply)
 
     def _body(self) -> dict:
+        media = (self.headers.get("Content-Type") or "").split(";", 1)[0].strip().lower()
+        if media != "application/json":
+            raise ApiError(415, "the request body must be JSON with 'Content-Type: "
+                                "application/json'", code="unsupported_media_type")
+        data = read_body(self.rfile, self.headers, self.limits.max_body)
         try:
-            length = int(self.headers.get("Content-Length", ""))
-        except ValueError:
-            raise ApiError(400, "a JSON body with Content-Length is required") from None
-        if length > MAX_BODY:
-            self.close_connection = True
-            raise ApiError(413, f"request body over {MAX_BODY} bytes")
-        try:
-            body = json.loads(self.rfile.read(length))
+            body = json.loads(data)
         except ValueError as e:
             raise ApiError(400, f"request body is not valid JSON: {e}") from None
         if not isinstance(body, dict):
@@ -117,39 +168,48 @@ class Handler(BaseHTTPRequestHandler):
                         self._event({**reply.chunk(""), "choices": [], "usage": reply.usage(ev[2])})
             self.wfile.write(SSE_DONE)
             self.wfile.flush()
-        except (BrokenPipeError, ConnectionResetError):
+        except OSError:  # includes a write timeout
             job.cancelled.set()  # the client left: stop generating for it
 
     def _event(self, obj: dict) -> None:
         self.wfile.write(sse_event(obj))
         self.wfile.flush()
 
-    def _json(self, status: int, obj: dict) -> None:
+    def _json(self, status: int, obj: dict, *headers: tuple[str, str]) -> None:
         data = json.dumps(obj).encode()
         self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
+        for name, value in (("Content-Type", "application/json"),
+                            ("Content-Length", str(len(data))), *headers):
+            self.send_header(name, value)
+        if status >= 400:  # the rest of the request may be unread: close, lingering
+            self.send_header("Connection", "close")
+            self.lingering = True
         self.end_headers()
-        self.wfile.write(data)
+        if self.command != "HEAD":
+            self.wfile.write(data)
 
-    def _error(self, e: ApiError) -> None:
-        self._json(e.status, e.body())
+    def _error(self, e: ApiError, *headers: tuple[str, str]) -> None:
+        self._json(e.status, e.body(), *headers)
 
 
 class Server:
-    """A running server: `Server(backend, host, port).start()`; `.url`; `.stop()`."""
+    """A running server: `Server(backend, host, port).start()`; `.url`; `.stop()`. It answers
+    requests addressed to the loopback, `host` or `allowed_hosts` ("*": any) under `limits`."""
 
     def __init__(self, backend, host: str = "127.0.0.1", port: int = 8000,
                  queue_size: int = 16, max_tokens_limit: int = 4096, allow_remote: bool = False,
-                 verbose: bool = False):
+                 verbose: bool = False, limits: Limits | None = None,
+                 allowed_hosts: tuple[str, ...] = ()):
         check_host(host, allow_remote)
+        limits = limits or Limits()
+        limits.check()
         try:
-            self.httpd = ThreadingHTTPServer((host, port), Handler)
+            self.httpd = LimitedServer((host, port), Handler, limits)
         except OSError as e:
             raise ReapError(f"cannot listen on {host}:{port}: {e.strerror or e}", 1) from None
-        self.app = App(backend, queue_size, max_tokens_limit)
-        self.httpd.daemon_threads = True
+        self.app = App(backend, queue_size, max_tokens_limit, limits.max_prompt_chars)
         self.httpd.app, self.httpd.verbose = self.app, verbose  # type: ignore[attr-defined]
+        self.httpd.hosts = HostPolicy(host, tuple(allowed_hosts))  # type: ignore[attr-defined]
         self._thread: threading.Thread | None = None
 
     @property
@@ -171,16 +231,3 @@ class Server:
         self.httpd.server_close()
         self.app.worker.stop()
         self.app.backend.close()
-
-
-def check_host(host: str, allow_remote: bool) -> None:
-    """Refuse a non-loopback bind address unless `allow_remote` (ReapError, exit 2)."""
-    if allow_remote or host == "localhost":
-        return
-    try:
-        loopback = ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        loopback = False
-    if not loopback:
-        raise ReapError(f"--host {host} is not a loopback address: the server has no "
-                        "authentication; pass --allow-remote to expose it anyway")

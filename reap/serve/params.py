@@ -17,11 +17,11 @@ _UNSUPPORTED = ("logprobs", "top_logprobs", "echo", "tools", "functions", "suffi
 
 class RequestError(ReapError):
     """A request the server cannot honour (bad field, bad role, non-text content, template
-    error); `param` names the offending request field (HTTP 400)."""
+    error); `param` names the offending request field (HTTP 400), `code` is OpenAI's error code."""
 
-    def __init__(self, message: str, param: str | None = "messages"):
+    def __init__(self, message: str, param: str | None = "messages", code: str | None = None):
         super().__init__(message)
-        self.param = param
+        self.param, self.code = param, code
 
 
 @dataclass(frozen=True)
@@ -126,13 +126,22 @@ def parse_params(body: dict[str, Any], default_max: int, limit: int) -> Params:
     return Params(max_tokens, temperature, top_p, seed, tuple(stop))
 
 
+def check_prompt_chars(n_chars: int, max_chars: int, param: str) -> None:
+    """RequestError (before anything is tokenized) for a prompt of over `max_chars` characters."""
+    if n_chars > max_chars:
+        raise RequestError(f"the prompt of {n_chars} characters is over the limit of {max_chars} "
+                           "(--max-prompt-chars)", param, "context_length_exceeded")
+
+
 def completion_ids(body: dict[str, Any], encode: Callable[[str], list[int]],
-                   specials: dict[str, int]) -> list[int]:
-    """Prompt token ids of a /v1/completions body: one string or one list of token ids."""
+                   specials: dict[str, int], max_chars: int) -> list[int]:
+    """Prompt token ids of a /v1/completions body: one string (of at most `max_chars`
+    characters) or one list of token ids."""
     p = body.get("prompt")
     if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
         p = p[0]
     if isinstance(p, str):
+        check_prompt_chars(len(p), max_chars, "prompt")
         ids = encode_prompt(p, encode, specials)
     else:
         ok = isinstance(p, list) and all(_is_int(t) and t >= 0 for t in p)
