@@ -7,8 +7,10 @@ that every expected answer is known exactly; the end-to-end test serves a real k
 
 from __future__ import annotations
 
+import http.client
 import json
 import random
+import socket
 import threading
 import time
 import urllib.error
@@ -21,6 +23,7 @@ from reap.models import FAMILIES, builtin_config, family
 from reap.serve.chat import ChatTemplate, render_markers
 from reap.serve.hosts import check_host
 from reap.serve.http import Server
+from reap.serve.limits import Limits
 from reap.serve.params import parse_messages
 from reap.serve.stream import ReasoningSplitter, TextStream, split_reasoning
 from reap.tokenizer import encode_prompt
@@ -413,6 +416,229 @@ def test_loopback_only_unless_allowed():
         with pytest.raises(ReapError, match="--allow-remote"):
             check_host(host, False)
     check_host("0.0.0.0", True)
+
+
+# --------------------------------------------------------------------------- abuse (issue 18)
+# Raw HTTP to 127.0.0.1 only. Every refusal must be a JSON error in OpenAI's shape, never an HTML
+# page, a hang or a TCP reset; waits are bounded and no test races a timer.
+
+ERROR_FIELDS = {"message", "type", "param", "code"}
+
+
+def exchange(s, request: bytes, head: bool = False, timeout: float = 20):
+    """Send raw bytes to server `s`; (status, headers, JSON body or None) of its answer."""
+    with socket.create_connection(s.httpd.server_address[:2], timeout=timeout) as sock:
+        sock.sendall(request)
+        resp = http.client.HTTPResponse(sock, method="HEAD" if head else "POST")
+        resp.begin()
+        data = resp.read()
+        return resp.status, resp.headers, json.loads(data) if data else None
+
+
+def raw_post(s, body: bytes, *headers: str, path: str = "/v1/completions",
+             content_type: str | None = "application/json") -> bytes:
+    """A POST request's bytes: Host and (unless None) Content-Type, then `headers` lines."""
+    lines = [f"POST {path} HTTP/1.1", f"Host: 127.0.0.1:{s.httpd.server_address[1]}",
+             *([f"Content-Type: {content_type}"] if content_type else []), *headers]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
+
+
+def assert_json_error(status, headers, body, want_status, code=None):
+    assert status == want_status, body
+    assert headers["Content-Type"] == "application/json" and set(body["error"]) == ERROR_FIELDS
+    assert code is None or body["error"]["code"] == code
+
+
+PROMPT = json.dumps({"prompt": "hi", "max_tokens": 3, "temperature": 0}).encode()
+
+
+@pytest.mark.parametrize("length, status", [("-1", 400), ("+3", 400), ("0x10", 400),
+                                            ("3, 4", 400), ("99999999999", 413), (None, 411)])
+def test_bad_or_oversized_content_length_is_refused(served, length, status):
+    """A negative length once read the socket to its end (20 MB -> 4 GB); now every bad length is
+    a JSON error before any body byte is read, and the connection is closed."""
+    s, _ = served()
+    headers = [] if length is None else [f"Content-Length: {length}"]
+    st, hdrs, body = exchange(s, raw_post(s, b'{"prompt": "x"}', *headers))
+    assert_json_error(st, hdrs, body, status)
+    assert hdrs["Connection"] == "close"
+    assert exchange(s, raw_post(s, PROMPT, f"Content-Length: {len(PROMPT)}"))[0] == 200
+
+
+def chunked(data: bytes, size: int) -> bytes:
+    parts = [data[i:i + size] for i in range(0, len(data), size)]
+    return b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in parts) + b"0\r\n\r\n"
+
+
+def test_chunked_body_read_and_bounded(served):
+    s, _ = served(limits=Limits(max_body=1000))
+    st, _, body = exchange(s, raw_post(s, chunked(PROMPT, 7), "Transfer-Encoding: chunked"))
+    assert st == 200 and body["choices"][0]["text"] == "ech"
+    big = json.dumps({"prompt": "x" * 3000}).encode()
+    st, hdrs, body = exchange(s, raw_post(s, chunked(big, 600), "Transfer-Encoding: chunked"))
+    assert_json_error(st, hdrs, body, 413, "body_too_large")
+    for bad in (b"zz\r\n{}\r\n0\r\n\r\n", b"2\r\n{}XX0\r\n\r\n"):
+        st, hdrs, body = exchange(s, raw_post(s, bad, "Transfer-Encoding: chunked"))
+        assert_json_error(st, hdrs, body, 400)
+    st, hdrs, body = exchange(s, raw_post(s, PROMPT, "Transfer-Encoding: chunked",
+                                          f"Content-Length: {len(PROMPT)}"))
+    assert_json_error(st, hdrs, body, 400)  # both framings: a smuggling attempt
+
+
+def test_huge_prompt_refused_before_tokenizing(served):
+    """A prompt far over what the context holds is refused on its length: the tokenizer never
+    sees it (7.9 MB once cost 1.9 GB and 25 s of tokenizing before the 400)."""
+    be = FakeBackend()
+    be.context = 1024  # the limit: 32 characters per token of context
+    encoded = []
+    be.encode = lambda text: encoded.append(len(text)) or list(text.encode())
+    s, _ = served(be)
+    assert s.app.max_prompt_chars == 32 * 1024
+    huge = "word " * 800_000  # 4 MB, within the 8 MB body limit
+    for path, body in (("/completions", {"prompt": huge}),
+                       ("/completions", {"prompt": [huge]}),
+                       ("/chat/completions", {"messages": [{"role": "user", "content": huge}]}),
+                       ("/chat/completions", {"messages": [{"role": "user", "content": "x"}] * 9
+                                              + [{"role": "assistant", "content": "y",
+                                                  "reasoning_content": huge}]})):
+        status, err = post(s.url + path, body)
+        assert status == 400 and err["error"]["code"] == "context_length_exceeded", err
+    assert encoded == []
+    status, err = post(s.url + "/completions", {"prompt": "x" * 32 * 1000, "max_tokens": 1})
+    assert encoded == [32 * 1000]  # a prompt that may fit is tokenized, then counted in tokens
+    assert status == 400 and "tokens leaves no room" in err["error"]["message"]
+    s2, _ = served(FakeBackend(), limits=Limits(max_prompt_chars=10))
+    status, err = post(s2.url + "/completions", {"prompt": "x" * 11})
+    assert status == 400 and "--max-prompt-chars" in err["error"]["message"]
+
+
+def test_slow_and_idle_clients_dropped_by_read_timeout(served):
+    """A client trickling its request (slowloris) gets a 408 JSON and is closed; an idle one is
+    closed; both free their handler slot. The timeout is tiny, the waits generous."""
+    s, _ = served(limits=Limits(read_timeout=0.3))
+    deadline = time.monotonic() + 60
+    with socket.create_connection(s.httpd.server_address[:2], timeout=60) as slow:
+        slow.sendall(raw_post(s, b"")[:-2] + b"X-Slow: ")  # headers never finished
+        slow.settimeout(0.05)
+        answer = b""
+        while not answer and time.monotonic() < deadline:
+            slow.sendall(b"a")  # well within any per-read timeout: only a deadline stops it
+            try:
+                answer = slow.recv(65536)
+            except TimeoutError:
+                pass
+        slow.settimeout(60)
+        while more := slow.recv(65536):
+            answer += more
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408 ") and b"Connection: close" in head
+    assert json.loads(body)["error"]["code"] == "request_timeout"
+    with socket.create_connection(s.httpd.server_address[:2], timeout=60) as idle:
+        assert idle.recv(65536) == b""  # closed without an answer: it asked nothing
+    wait_until(lambda: s.httpd.active == 0)
+
+
+def test_connection_cap_answers_503_json(served):
+    s, _ = served(limits=Limits(max_connections=1))
+    held = socket.create_connection(s.httpd.server_address[:2], timeout=20)
+    try:
+        wait_until(lambda: s.httpd.active == 1)  # the one handler waits on the held socket
+        st, hdrs, body = exchange(s, raw_post(s, PROMPT, f"Content-Length: {len(PROMPT)}"))
+        assert_json_error(st, hdrs, body, 503, "too_many_connections")
+        assert body["error"]["type"] == "server_error" and hdrs["Connection"] == "close"
+    finally:
+        held.close()
+    wait_until(lambda: s.httpd.active == 0)
+    assert exchange(s, raw_post(s, PROMPT, f"Content-Length: {len(PROMPT)}"))[0] == 200
+
+
+def test_host_origin_and_content_type_checks(served):
+    """DNS rebinding (a foreign Host), cross-site pages (a foreign Origin) and form posts (not
+    JSON) are refused; the loopback names and --allowed-host names are served."""
+    s, _ = served(allowed_hosts=("reap.internal",))
+    port = s.httpd.server_address[1]
+
+    def ask(method="GET", body=None, **headers):
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=20)
+        try:
+            conn.request(method, "/v1/models" if body is None else "/v1/completions", body,
+                         {k.replace("_", "-"): v for k, v in headers.items()})
+            r = conn.getresponse()
+            return r.status, r.headers, json.loads(r.read())
+        finally:
+            conn.close()
+
+    for host in ("localhost", f"localhost:{port}", f"127.0.0.1:{port}", "reap.internal:80",
+                 "REAP.internal."):
+        assert ask(Host=host)[0] == 200
+    for method, body in (("GET", None), ("POST", PROMPT)):
+        hdrs = {"Content_Type": "application/json"}
+        assert_json_error(*ask(method, body, Host=f"evil.example:{port}", **hdrs), 403,
+                          "host_not_allowed")
+        assert_json_error(*ask(method, body, Origin="http://evil.example", **hdrs), 403,
+                          "origin_not_allowed")
+        assert_json_error(*ask(method, body, Origin="null", **hdrs), 403, "origin_not_allowed")
+        assert ask(method, body, Origin=f"http://localhost:{port}", **hdrs)[0] == 200
+    st, hdrs, body = exchange(s, b"GET /v1/models HTTP/1.0\r\n\r\n")
+    assert_json_error(st, hdrs, body, 400)  # no Host at all
+    for ctype in ("text/plain", "application/x-www-form-urlencoded", None):
+        extra = {} if ctype is None else {"Content_Type": ctype}
+        assert_json_error(*ask("POST", PROMPT, **extra), 415, "unsupported_media_type")
+    assert ask("POST", PROMPT, Content_Type="Application/JSON; charset=utf-8")[0] == 200
+
+
+@pytest.mark.parametrize("method", ["PUT", "DELETE", "PATCH", "OPTIONS", "TRACE", "HEAD", "BREW"])
+def test_every_method_gets_a_json_error(served, method):
+    s, _ = served()
+    req = (f"{method} /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 0\r\n"
+           "\r\n").encode()
+    st, hdrs, body = exchange(s, req, head=method == "HEAD")
+    assert hdrs["Content-Type"] == "application/json" and st == (501 if method == "BREW" else 405)
+    if method == "HEAD":
+        assert body is None  # a HEAD answer has no body, only the JSON error's headers
+    else:
+        assert_json_error(st, hdrs, body, st)
+        assert st == 501 or hdrs["Allow"] == "GET, POST"
+
+
+def test_malformed_requests_get_json_errors(served):
+    s, _ = served()
+    for req, status in ((b"GARBAGE\r\n\r\n", 400), (b"GET /" + b"a" * 70000 + b" HTTP/1.1\r\n", 414),
+                        (b"GET / HTTP/9.9\r\nHost: x\r\n\r\n", 505)):
+        assert_json_error(*exchange(s, req), status)
+
+
+def test_32_clients_3_requests_no_resets(served):
+    """32 clients x 3 requests at once on a server capped at 8 connections: every answer is a
+    200 or a 503 JSON error; no connection is reset or refused (the backlog queues them)."""
+    s, _ = served(FakeBackend(delay=0.001), limits=Limits(max_connections=8))
+    port, start = s.httpd.server_address[1], threading.Barrier(32)
+    answers, failures = [], []
+
+    def client():
+        try:
+            start.wait(60)
+            for _ in range(3):
+                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+                conn.request("POST", "/v1/completions", PROMPT,
+                             {"Content-Type": "application/json"})
+                r = conn.getresponse()
+                answers.append((r.status, json.loads(r.read())))
+                conn.close()
+        except Exception as e:  # noqa: BLE001 - a reset or refusal is the failure counted
+            failures.append(repr(e))
+
+    threads = [threading.Thread(target=client) for _ in range(32)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert failures == [] and len(answers) == 96
+    assert {st for st, _ in answers} <= {200, 503} and any(st == 200 for st, _ in answers)
+    for st, body in answers:
+        if st == 503:
+            assert body["error"]["code"] in ("too_many_connections", "queue_full")
+    assert s.httpd.errors == 0
 
 
 # --------------------------------------------------------------------------- real engine

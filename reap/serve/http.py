@@ -76,6 +76,8 @@ class Handler(BaseHTTPRequestHandler):
     def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
         """The standard server's protocol errors (bad request line, headers, unknown method), as
         JSON."""
+        if self.request_version == "HTTP/0.9":  # a request line not understood: answer 1.1
+            self.request_version = "HTTP/1.1"
         type_ = "server_error" if code >= 500 else "invalid_request_error"
         self._error(ApiError(code, message or HTTPStatus(code).phrase, type_))
 
