@@ -602,10 +602,13 @@ def test_every_method_gets_a_json_error(served, method):
 
 
 def test_malformed_requests_get_json_errors(served):
-    s, _ = served()
-    for req, status in ((b"GARBAGE\r\n\r\n", 400), (b"GET /" + b"a" * 70000 + b" HTTP/1.1\r\n", 414),
-                        (b"GET / HTTP/9.9\r\nHost: x\r\n\r\n", 505)):
+    s, _ = served(limits=Limits(read_timeout=0.3))
+    for req, status in ((b"GARBAGE\r\n\r\n", 400), (b"\n\x01junk\r\n", 400),
+                        (b"GET /" + b"a" * 70000 + b" HTTP/1.1\r\n", 414),
+                        (b"GET / HTTP/9.9\r\nHost: x\r\n\r\n", 505),
+                        (b"GET /v1/mod", 408)):  # a request line never finished
         assert_json_error(*exchange(s, req), status)
+    assert s.httpd.errors == 0
 
 
 def test_32_clients_3_requests_no_resets(served):

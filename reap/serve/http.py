@@ -63,10 +63,19 @@ class Handler(BaseHTTPRequestHandler):
     def handle_one_request(self) -> None:
         self.reader.begin()
         self.answered = False
+        # what an answer needs if the request line never arrives whole (a 408)
+        self.command, self.requestline, self.request_version = None, "", "HTTP/1.1"
         super().handle_one_request()  # a timed-out read ends it with close_connection set
         if self.reader.expired and self.reader.received and not self.answered:
             self._error(ApiError(408, f"request not received within {self.limits.read_timeout:g}"
                                       " s (--read-timeout)", code="request_timeout"))
+
+    def parse_request(self) -> bool:
+        if not super().parse_request():
+            if not self.answered:  # the standard server drops an empty request line unanswered
+                self.send_error(400, "empty request line")
+            return False
+        return True
 
     def send_response(self, code: int, message: str | None = None) -> None:
         self.connection.settimeout(self.limits.read_timeout)  # bounds writes to a stalled client
