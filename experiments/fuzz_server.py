@@ -11,8 +11,10 @@ slowloris (headers trickled forever), idle connections, floods, methods other th
 foreign Host/Origin or non-JSON bodies, random garbage request lines, huge prompts, and valid
 requests as a control. Each connection's outcome is one of:
 
-- clean: a complete answer with a JSON body in OpenAI's error shape (or a 2xx result; HEAD
-  answers carry headers only), or for an idle connection a close without an answer;
+- clean: a complete answer with a JSON body in OpenAI's error shape (or a 2xx result where the
+  request was valid; HEAD answers carry headers only), or for an idle connection a close;
+- accepted: an abusive request (bad length or framing, foreign Host/Origin, non-JSON body,
+  oversized prompt, bad method, garbage) answered 2xx as if it were fine;
 - internal: a 5xx other than 503, a non-JSON or HTML answer, a close without any answer to a
   request, or an exception in a server handler;
 - hang: no answer and no close within read timeout + 5 s;
@@ -38,7 +40,7 @@ from pathlib import Path
 
 KINDS = ("length", "chunked", "slowloris", "idle", "flood", "method", "host", "garbage",
          "huge_prompt", "valid")
-OUTCOMES = ("clean", "internal", "hang", "reset")
+OUTCOMES = ("clean", "accepted", "internal", "hang", "reset")
 
 
 class EchoBackend:
@@ -85,14 +87,16 @@ def request(port: int, method: str, headers: dict, body: bytes = b"") -> bytes:
     return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
 
 
-def exchange(port: int, data: bytes, wait: float, head: bool = False) -> str:
-    """Send `data`, read one answer; its outcome."""
+def exchange(port: int, data: bytes, wait: float, head: bool = False,
+             abusive: bool = True) -> str:
+    """Send `data`, read one answer; its outcome (`abusive`: a 2xx is not clean)."""
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=wait) as sock:
             sock.sendall(data)
             resp = http.client.HTTPResponse(sock, method="HEAD" if head else "POST")
             resp.begin()
-            return judge(resp.status, resp.getheader("Content-Type"), resp.read(), head)
+            outcome = judge(resp.status, resp.getheader("Content-Type"), resp.read(), head)
+            return "accepted" if abusive and resp.status < 300 else outcome
     except (ConnectionResetError, BrokenPipeError, ConnectionRefusedError):
         return "reset"
     except TimeoutError:
@@ -136,8 +140,13 @@ def slowloris(port: int, wait: float) -> str:
                 return "hang"
             if not answer:
                 return "internal"
-            head, _, body = answer.partition(b"\r\n\r\n")
-            return "clean" if b" 408 " in head.split(b"\r\n")[0] and body else "internal"
+            sock.settimeout(wait)  # the rest of the answer, up to the server's close
+            while more := sock.recv(65536):
+                answer += more
+            head, _, body = answer.decode("latin-1").partition("\r\n\r\n")
+            lines = head.split("\r\n")
+            fields = dict(line.split(": ", 1) for line in lines[1:] if ": " in line)
+            return judge(int(lines[0].split()[1]), fields.get("Content-Type"), body, False)
     except (ConnectionResetError, BrokenPipeError):
         return "reset"
 
@@ -162,7 +171,7 @@ def flood(port: int, wait: float, rng: random.Random) -> list[str]:
     def client():
         go.wait(wait)
         for _ in range(3):
-            outcomes.append(exchange(port, data, wait))
+            outcomes.append(exchange(port, data, wait, abusive=False))
 
     threads = [threading.Thread(target=client) for _ in range(n)]
     for t in threads:
@@ -184,12 +193,12 @@ def probe(kind: str, port: int, wait: float, rng: random.Random) -> list[str]:
     if kind == "chunked":
         size = rng.choice([16, 4096, 1 << 20])
         chunk = b"x" * size
+        valid = b"%x\r\n%s\r\n0\r\n\r\n" % (len(good), good)
         body = rng.choice([b"%x\r\n%s\r\n" % (size, chunk) * rng.randint(1, 12) + b"0\r\n\r\n",
-                           b"zz\r\n\r\n", b"%x\r\n%s0\r\n\r\n" % (len(good), good),
-                           b"%x\r\n%s\r\n0\r\n\r\n" % (len(good), good)])
+                           b"zz\r\n\r\n", b"%x\r\n%s0\r\n\r\n" % (len(good), good), valid])
         return [exchange(port, request(port, "POST", {**json_type,
                                                        "Transfer-Encoding": "chunked"}, body),
-                         wait)]
+                         wait, abusive=body != valid)]
     if kind == "slowloris":
         return [slowloris(port, wait)]
     if kind == "idle":
@@ -214,7 +223,7 @@ def probe(kind: str, port: int, wait: float, rng: random.Random) -> list[str]:
         return [exchange(port, request(port, "POST", {**json_type, "Content-Length": len(body)},
                                        body), wait)]
     return [exchange(port, request(port, "POST", {**json_type, "Content-Length": len(good)},
-                                   good), wait)]
+                                   good), wait, abusive=False)]
 
 
 def run(seed: int, count: int, time_limit: float, read_timeout: float,
@@ -257,7 +266,7 @@ def report(result: dict, command: str) -> str:
          f"{result['peak_rss_mb']:.0f} MB; limits applied: {result['limited']}."), "",
         *rows, "",
         ("Outcomes: clean = a JSON answer (OpenAI error shape) or, for an idle connection, a "
-         "close; internal = a 5xx other than 503, a non-JSON answer or a close without one; "
+         "close; accepted = an abusive request answered 2xx; internal = a 5xx other than 503, a non-JSON answer or a close without one; "
          "hang = nothing within read timeout + 5 s; reset = connection reset or refused. "
          "See the docstring of `experiments/fuzz_server.py` for the probe kinds."), ""])
 
