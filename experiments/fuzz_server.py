@@ -8,13 +8,14 @@ over a fake backend that echoes bytes, then fires `--count` seeded probes, one a
 (floods are one probe of 32-48 concurrent clients x 3 requests each), stopping early at
 `--time-limit` seconds. Kinds: bad Content-Length values, bounded and malformed chunked bodies,
 slowloris (headers trickled forever), idle connections, floods, methods other than GET/POST,
-foreign Host/Origin or non-JSON bodies, random garbage request lines, huge prompts, and valid
-requests as a control. Each connection's outcome is one of:
+foreign Host/Origin or non-JSON bodies, random garbage request lines, JSON that breaks parsers
+(deep nesting, 300k objects, a 5000-digit integer, bad UTF-8, not an object), huge prompts, and
+valid requests as a control. Each connection's outcome is one of:
 
 - clean: a complete answer with a JSON body in OpenAI's error shape (or a 2xx result where the
   request was valid; HEAD answers carry headers only), or for an idle connection a close;
 - accepted: an abusive request (bad length or framing, foreign Host/Origin, non-JSON body,
-  oversized prompt, bad method, garbage) answered 2xx as if it were fine;
+  oversized prompt, bad method, garbage, bad JSON) answered 2xx as if it were fine;
 - internal: a 5xx other than 503, a non-JSON or HTML answer, a close without any answer to a
   request, or an exception in a server handler;
 - hang: no answer and no close within read timeout + 5 s;
@@ -39,7 +40,7 @@ from collections import Counter
 from pathlib import Path
 
 KINDS = ("length", "chunked", "slowloris", "idle", "flood", "method", "host", "garbage",
-         "huge_prompt", "valid")
+         "json_bomb", "huge_prompt", "valid")
 OUTCOMES = ("clean", "accepted", "internal", "hang", "reset")
 
 
@@ -218,6 +219,13 @@ def probe(kind: str, port: int, wait: float, rng: random.Random) -> list[str]:
     if kind == "garbage":
         junk = bytes(rng.randrange(1, 256) for _ in range(rng.randint(1, 300)))
         return [exchange(port, junk + rng.choice([b"\r\n\r\n", b""]), wait)]
+    if kind == "json_bomb":
+        depth = rng.randint(1000, 200_000)
+        body = rng.choice([b"[" * depth + b"]" * depth, b"[" + b"{}," * 300_000 + b"{}]",
+                           b'{"prompt": "x", "seed": 1' + b"0" * 5000 + b"}",
+                           b'{"prompt": "\xff\xfe"}', b'"just a string"'])
+        return [exchange(port, request(port, "POST", {**json_type, "Content-Length": len(body)},
+                                       body), wait)]
     if kind == "huge_prompt":
         body = json.dumps({"prompt": "word " * rng.randint(10_000, 1_500_000)}).encode()
         return [exchange(port, request(port, "POST", {**json_type, "Content-Length": len(body)},

@@ -465,6 +465,17 @@ def test_bad_or_oversized_content_length_is_refused(served, length, status):
     assert exchange(s, raw_post(s, PROMPT, f"Content-Length: {len(PROMPT)}"))[0] == 200
 
 
+def test_json_bombs_are_refused_as_json(served):
+    """Bodies that make the JSON parser fail in unusual ways (nesting too deep, an integer of
+    too many digits, bad UTF-8, not an object) are 400 answers, not handler crashes."""
+    s, _ = served()
+    for bomb in (b"[" * 100_000 + b"]" * 100_000, b'{"prompt": "x", "seed": 1' + b"0" * 5000 + b"}",
+                 b'{"prompt": "\xff"}', b'["prompt"]', b'{"prompt": "x"'):
+        st, hdrs, body = exchange(s, raw_post(s, bomb, f"Content-Length: {len(bomb)}"))
+        assert_json_error(st, hdrs, body, 400)
+    assert s.httpd.errors == 0
+
+
 def chunked(data: bytes, size: int) -> bytes:
     parts = [data[i:i + size] for i in range(0, len(data), size)]
     return b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in parts) + b"0\r\n\r\n"
@@ -492,8 +503,9 @@ def test_huge_prompt_refused_before_tokenizing(served):
     be.context = 1024  # the limit: 32 characters per token of context
     encoded = []
     be.encode = lambda text: encoded.append(len(text)) or list(text.encode())
-    s, _ = served(be)
+    s, _ = served(be, limits=Limits(max_body=8 << 20))  # the body limit lets the prompt in
     assert s.app.max_prompt_chars == 32 * 1024
+    assert served(be)[0].httpd.limits.max_body == 1 << 20  # by default 8 bytes per character
     huge = "word " * 800_000  # 4 MB, within the 8 MB body limit
     for path, body in (("/completions", {"prompt": huge}),
                        ("/completions", {"prompt": [huge]}),

@@ -34,9 +34,6 @@ from reap.serve.stream import Reply, TextStream
 from reap.tokenizer import encode_prompt
 
 _ERROR_TYPE = {400: "invalid_request_error", 500: "server_error"}
-# Prompt characters allowed per token of context, checked before tokenizing so that a huge
-# prompt costs neither the tokenizer's time nor its memory (real text averages about 4).
-CHARS_PER_TOKEN = 32
 
 
 class ApiError(Exception):
@@ -143,12 +140,10 @@ class Worker:
 class App:
     """Request handling independent of HTTP plumbing: validation, queueing, models list."""
 
-    def __init__(self, backend, queue_size: int = 16, max_tokens_limit: int = 4096,
-                 max_prompt_chars: int | None = None):
+    def __init__(self, backend, queue_size: int, max_tokens_limit: int, max_prompt_chars: int):
         self.backend = backend
         self.limit = max_tokens_limit
-        context = getattr(backend, "context", None) or max_tokens_limit
-        self.max_prompt_chars = max_prompt_chars or CHARS_PER_TOKEN * context
+        self.max_prompt_chars = max_prompt_chars  # longer prompts are refused untokenized
         self.worker = Worker(backend, queue_size)
         self.created = int(time.time())
 

@@ -39,8 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_limit_arguments(p: argparse.ArgumentParser) -> None:
     """The bounds that keep one client from taking a shared machine (`Limits`)."""
-    from reap.serve.app import CHARS_PER_TOKEN
-    from reap.serve.limits import Limits
+    from reap.serve.limits import BODY_BOUNDS, BODY_BYTES_PER_CHAR, CHARS_PER_TOKEN, Limits
 
     d = Limits()
     g = p.add_argument_group("access and limits (each bounded by default)")
@@ -54,8 +53,10 @@ def add_limit_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--read-timeout", type=float, default=d.read_timeout,
                    help="seconds a client has to send one whole request, idle keep-alive "
                         f"included; slower ones are dropped (default {d.read_timeout:g})")
-    g.add_argument("--max-body", type=int, default=d.max_body,
-                   help=f"largest request body in bytes (default {d.max_body})")
+    g.add_argument("--max-body", type=int, default=None,
+                   help=f"largest request body in bytes (default {BODY_BYTES_PER_CHAR} per "
+                        f"prompt character, within {BODY_BOUNDS[0] >> 20}-{BODY_BOUNDS[1] >> 20} "
+                        "MiB: 1 MiB at --context 4096)")
     g.add_argument("--max-prompt-chars", type=int, default=None,
                    help="longest prompt in characters, refused before tokenizing (default "
                         f"{CHARS_PER_TOKEN} x --context)")

@@ -142,7 +142,7 @@ class Handler(BaseHTTPRequestHandler):
         data = read_body(self.rfile, self.headers, self.limits.max_body)
         try:
             body = json.loads(data)
-        except ValueError as e:
+        except (ValueError, RecursionError) as e:  # RecursionError: nested too deep
             raise ApiError(400, f"request body is not valid JSON: {e}") from None
         if not isinstance(body, dict):
             raise ApiError(400, "request body must be a JSON object")
@@ -214,6 +214,7 @@ class Server:
         check_host(host, allow_remote)
         limits = limits or Limits()
         limits.check()
+        limits = limits.resolved(getattr(backend, "context", None) or max_tokens_limit)
         try:
             self.httpd = LimitedServer((host, port), Handler, limits)
         except OSError as e:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import queue
 import re
 import selectors
@@ -16,13 +17,19 @@ import socket
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from http.server import ThreadingHTTPServer
 
 from reap.errors import ReapError
 from reap.serve.app import ApiError
 
 LINGER = 2.0  # seconds a closing connection keeps discarding what its client still sends
+# Prompt characters allowed per token of context, checked before tokenizing so that a huge
+# prompt costs neither the tokenizer's time nor its memory (real text averages about 4).
+CHARS_PER_TOKEN = 32
+# Body bytes allowed per prompt character (a JSON escape spells one character in up to 12;
+# real prompts far fewer), within these bounds: a parsed body can take ~25x its bytes.
+BODY_BYTES_PER_CHAR, BODY_BOUNDS = 8, (1 << 20, 8 << 20)
 MAX_LINGERING = 256  # refused connections lingering at once; beyond that they are closed outright
 
 
@@ -30,19 +37,26 @@ MAX_LINGERING = 256  # refused connections lingering at once; beyond that they a
 class Limits:
     """The server's bounds (each a `reap serve` flag)."""
 
-    max_connections: int = 64  # connections with a handler thread; more are answered 503
+    max_connections: int = 32  # connections with a handler thread; more are answered 503
     read_timeout: float = 15.0  # seconds to receive one whole request, idle keep-alive included
-    max_body: int = 8 << 20  # bytes of JSON per request body
-    max_prompt_chars: int | None = None  # None: `reap.serve.app.CHARS_PER_TOKEN` per token
+    max_body: int | None = None  # bytes per request body; None: BODY_BYTES_PER_CHAR per char
+    max_prompt_chars: int | None = None  # None: CHARS_PER_TOKEN per token of context
     backlog: int = 256  # connections the kernel queues before the server accepts them
 
     def check(self) -> None:
-        """ReapError (exit 2) when a bound is not positive."""
-        if min(self.max_connections, self.max_body, self.backlog) < 1 or not (
-            self.read_timeout > 0) or (self.max_prompt_chars is not None
-                                       and self.max_prompt_chars < 1):
+        """ReapError (exit 2) when a bound is not positive and finite."""
+        values = (self.max_connections, self.read_timeout, self.max_body,
+                  self.max_prompt_chars, self.backlog)
+        if any(v is not None and not (v > 0 and math.isfinite(v)) for v in values):
             raise ReapError("--max-connections, --read-timeout, --max-body, --max-prompt-chars "
-                            "and --backlog must be positive")
+                            "and --backlog must be positive and finite")
+
+    def resolved(self, context: int) -> Limits:
+        """These limits with the derived defaults filled in for a `context`-token window."""
+        chars = self.max_prompt_chars or CHARS_PER_TOKEN * context
+        body = self.max_body or min(max(BODY_BYTES_PER_CHAR * chars, BODY_BOUNDS[0]),
+                                    BODY_BOUNDS[1])
+        return replace(self, max_prompt_chars=chars, max_body=body)
 
 
 class DeadlineReader(io.RawIOBase):
@@ -93,7 +107,8 @@ def read_body(rfile, headers, max_body: int) -> bytes:
         raise ApiError(400, f"bad Content-Length {', '.join(lengths)!r}")
     length = int(lengths[0])
     if length > max_body:
-        raise ApiError(413, f"request body over {max_body} bytes", code="body_too_large")
+        raise ApiError(413, f"request body over {max_body} bytes (--max-body)",
+                           code="body_too_large")
     data = rfile.read(length)
     if len(data) < length:
         raise ApiError(400, "request body shorter than its Content-Length")
@@ -111,7 +126,8 @@ def _read_chunked(rfile, max_body: int) -> bytes:
             break
         total += n
         if total > max_body:
-            raise ApiError(413, f"request body over {max_body} bytes", code="body_too_large")
+            raise ApiError(413, f"request body over {max_body} bytes (--max-body)",
+                           code="body_too_large")
         parts.append(rfile.read(n))
         if len(parts[-1]) < n or rfile.readline(3).strip():
             raise ApiError(400, "chunked body cut short or a chunk not followed by CRLF")
