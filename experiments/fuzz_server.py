@@ -5,7 +5,8 @@
 
 Starts the server in this process on 127.0.0.1 (an ephemeral port; nothing else is contacted)
 over a fake backend that echoes bytes, then fires `--count` seeded probes, one after another
-(floods are one probe of 32-48 concurrent clients x 3 requests each), stopping early at
+(a flood is one probe: 32-48 concurrent clients x 3 requests on a kept-alive connection each),
+stopping early at
 `--time-limit` seconds. Kinds: bad Content-Length values, bounded and malformed chunked bodies,
 slowloris (headers trickled forever), idle connections, floods, methods other than GET/POST,
 foreign Host/Origin or non-JSON bodies, random garbage request lines, JSON that breaks parsers
@@ -163,16 +164,18 @@ def idle(port: int, wait: float) -> str:
 
 
 def flood(port: int, wait: float, rng: random.Random) -> list[str]:
+    """32-48 clients at once, 3 requests each on one kept-alive connection (reopened after a
+    503, which closes it)."""
     n, outcomes = rng.randint(32, 48), []
     body = json.dumps({"prompt": "flood", "max_tokens": 4}).encode()
-    data = request(port, "POST", {"Content-Type": "application/json",
-                                  "Content-Length": len(body)}, body)
     go = threading.Barrier(n)
 
     def client():
         go.wait(wait)
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=wait)
         for _ in range(3):
-            outcomes.append(exchange(port, data, wait, abusive=False))
+            outcomes.append(ask(conn, body))
+        conn.close()
 
     threads = [threading.Thread(target=client) for _ in range(n)]
     for t in threads:
@@ -180,6 +183,22 @@ def flood(port: int, wait: float, rng: random.Random) -> list[str]:
     for t in threads:
         t.join(4 * wait)
     return outcomes
+
+
+def ask(conn: http.client.HTTPConnection, body: bytes) -> str:
+    """One valid request on a kept-alive connection; its outcome."""
+    try:
+        conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        return judge(resp.status, resp.getheader("Content-Type"), resp.read(), False)
+    except (ConnectionResetError, BrokenPipeError, ConnectionRefusedError):
+        outcome = "reset"
+    except TimeoutError:
+        outcome = "hang"
+    except (http.client.RemoteDisconnected, http.client.BadStatusLine):
+        outcome = "internal"
+    conn.close()
+    return outcome
 
 
 def probe(kind: str, port: int, wait: float, rng: random.Random) -> list[str]:
@@ -249,9 +268,11 @@ def run(seed: int, count: int, time_limit: float, read_timeout: float,
             probes += 1
     finally:
         handler_errors = getattr(server.httpd, "errors", 0) - errors_before
+        refuser = getattr(server.httpd, "refuser", None)
+        capped = refuser.refused if refuser else 0
         server.stop()
     return {"counts": counts, "probes": probes, "seconds": time.monotonic() - started,
-            "limited": limited, "handler_errors": handler_errors,
+            "limited": limited, "handler_errors": handler_errors, "capped": capped,
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
@@ -270,7 +291,8 @@ def report(result: dict, command: str) -> str:
         f"Command: `{command}`", "",
         (f"{result['probes']} probes ({sum(total.values())} connections) in "
          f"{result['seconds']:.0f} s; handler exceptions on the server: "
-         f"{result['handler_errors']}; peak RSS of the process (server and clients): "
+         f"{result['handler_errors']}; connections over the cap answered 503: "
+         f"{result['capped']}; peak RSS of the process (server and clients): "
          f"{result['peak_rss_mb']:.0f} MB; limits applied: {result['limited']}."), "",
         *rows, "",
         ("Outcomes: clean = a JSON answer (OpenAI error shape) or, for an idle connection, a "
