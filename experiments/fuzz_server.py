@@ -6,8 +6,7 @@
 Starts the server in this process on 127.0.0.1 (an ephemeral port; nothing else is contacted)
 over a fake backend that echoes bytes, then fires `--count` seeded probes, one after another
 (a flood is one probe: 32-48 concurrent clients x 3 requests on a kept-alive connection each),
-stopping early at
-`--time-limit` seconds. Kinds: bad Content-Length values, bounded and malformed chunked bodies,
+stopping early at `--time-limit` seconds. Kinds: bad Content-Length values, bounded and malformed chunked bodies,
 slowloris (headers trickled forever), idle connections, floods, methods other than GET/POST,
 foreign Host/Origin or non-JSON bodies, random garbage request lines, JSON that breaks parsers
 (deep nesting, 300k objects, a 5000-digit integer, bad UTF-8, not an object), huge prompts, and
