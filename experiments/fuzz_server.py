@@ -257,7 +257,7 @@ def run(seed: int, count: int, time_limit: float, read_timeout: float,
     """Fire the probes; the counts per kind and outcome, and the run's facts."""
     server, limited = start_server(read_timeout, max_connections)
     port, wait = server.httpd.server_address[1], read_timeout + 5
-    errors_before = getattr(server.httpd, "errors", 0)
+    errors_before = getattr(server.httpd, "errors", None)  # None: that server does not count
     rng, counts = random.Random(seed), {k: Counter() for k in KINDS}
     started, probes = time.monotonic(), 0
     try:
@@ -266,9 +266,9 @@ def run(seed: int, count: int, time_limit: float, read_timeout: float,
             counts[kind].update(probe(kind, port, wait, rng))
             probes += 1
     finally:
-        handler_errors = getattr(server.httpd, "errors", 0) - errors_before
+        handler_errors = "n/a" if errors_before is None else server.httpd.errors - errors_before
         refuser = getattr(server.httpd, "refuser", None)
-        capped = refuser.refused if refuser else 0
+        capped = refuser.refused if refuser else "n/a"
         server.stop()
     return {"counts": counts, "probes": probes, "seconds": time.monotonic() - started,
             "limited": limited, "handler_errors": handler_errors, "capped": capped,
