@@ -551,7 +551,7 @@ def test_slow_and_idle_clients_dropped_by_read_timeout(served):
 
 
 def test_connection_cap_answers_503_json(served):
-    s, _ = served(limits=Limits(max_connections=1))
+    s, _ = served(limits=Limits(max_connections=1, read_timeout=120))  # held past any stall
     held = socket.create_connection(s.httpd.server_address[:2], timeout=20)
     try:
         wait_until(lambda: s.httpd.active == 1)  # the one handler waits on the held socket
