@@ -7,6 +7,7 @@ buffer per call) and `BufferReader` (long-lived caller buffers, for the engine) 
 from __future__ import annotations
 
 import os
+import stat
 import threading
 import time
 from collections.abc import Iterable, Sequence
@@ -19,6 +20,34 @@ from reap.errors import CheckpointError
 ALIGN = 4096  # O_DIRECT alignment of file offsets, lengths and buffer addresses
 HAS_DIRECT = hasattr(os, "O_DIRECT")
 _BUFFERED_ALIGN = 64  # where buffered runs start inside a buffer (cache-line aligned)
+
+
+def open_regular(path: str | os.PathLike, what: str) -> tuple[int, int]:
+    """(read-only descriptor, size) of the regular file at `path`; CheckpointError naming it
+    otherwise: a FIFO or device would block or never end (opened non-blocking to find out)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot open {what} ({e.strerror})") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise CheckpointError(f"{path}: {what} is not a regular file")
+    return fd, st.st_size
+
+
+def read_regular(path: str | os.PathLike, what: str, limit: int) -> bytes:
+    """The whole regular file at `path`, refused (CheckpointError) beyond `limit` bytes."""
+    fd, size = open_regular(path, what)
+    try:
+        if size > limit:
+            raise CheckpointError(f"{path}: {what} of {size} bytes exceeds the limit of "
+                                  f"{limit} bytes")
+        return os.pread(fd, size, 0)  # what fstat saw: bounded even if the file grows
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read {what} ({e.strerror})") from None
+    finally:
+        os.close(fd)
 
 
 def pread_full(fd: int, buf: torch.Tensor, offset: int) -> int:
@@ -155,7 +184,9 @@ class RunReader:
             if self._fd_limit is not None and len(self._fds) >= self._fd_limit:
                 os.close(self._fds.pop(next(iter(self._fds))))
             try:
-                fd = os.open(file, os.O_RDONLY | (os.O_DIRECT if direct else 0))
+                # non-blocking: a FIFO put in place of a shard fails the read instead of hanging
+                flags = os.O_RDONLY | os.O_NONBLOCK | (os.O_DIRECT if direct else 0)
+                fd = os.open(file, flags)
             except OSError as e:
                 if not direct:
                     msg = f"{file}: cannot open shard ({e.strerror})"

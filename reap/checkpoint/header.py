@@ -25,15 +25,26 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import itertools
 import json
+import math
 import os
 import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from reap.checkpoint.spec import DTYPE_SIZES, TEXT_PREFIX, TensorInfo, TensorSpec, stored_key
+from reap.checkpoint.files import open_regular, read_regular
+from reap.checkpoint.spec import (
+    DTYPE_SIZES,
+    MAX_HEADER_BYTES,
+    MAX_INDEX_BYTES,
+    MAX_JSON_BYTES,
+    TEXT_PREFIX,
+    TensorInfo,
+    TensorSpec,
+    shard_name,
+    stored_key,
+)
 from reap.errors import CheckpointError
 
 _FIRST_READ = 1 << 16  # header bytes fetched speculatively with the length prefix
@@ -77,17 +88,6 @@ def length_prefix(raw: bytes) -> int:
     return struct.unpack("<Q", raw)[0]
 
 
-def described_size(header: bytes) -> int | None:
-    """The file size a header (the JSON after the length prefix) describes: 8 + its length +
-    the largest tensor end offset; None when it is not a valid header."""
-    try:
-        ends = [v["data_offsets"][1] for k, v in json.loads(header).items()
-                if k != "__metadata__"]
-    except (ValueError, KeyError, TypeError, IndexError, AttributeError):
-        return None
-    return 8 + len(header) + max(ends, default=0)
-
-
 @contextlib.contextmanager
 def no_gc():
     """Pause the cyclic garbage collector while building many small objects: json.loads of a
@@ -116,16 +116,15 @@ class Shard:
 
 def _read_text(path: str) -> tuple[str, int, int]:
     """A shard's header JSON text, data-region start and file size (one or two preads)."""
+    fd, size = open_regular(path, "shard")
     try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError as e:
-        raise CheckpointError(f"{path}: cannot open shard ({e.strerror})") from None
-    try:
-        size = os.fstat(fd).st_size
         head = os.pread(fd, _FIRST_READ, 0)
         if len(head) < 8:
             raise CheckpointError(f"{path}: truncated safetensors header ({size} bytes)")
         n = length_prefix(head[:8])
+        if n > MAX_HEADER_BYTES:
+            raise CheckpointError(f"{path}: header length {n} exceeds the limit of "
+                                  f"{MAX_HEADER_BYTES} bytes")
         if n > size - 8:
             raise CheckpointError(f"{path}: header length {n} beyond file size {size}")
         raw = (
@@ -144,14 +143,21 @@ def _read_text(path: str) -> tuple[str, int, int]:
     return text, 8 + n, size
 
 
-def _loads(path: str, text: str) -> dict:
+def parse_header(where: str, text: str | bytes) -> dict:
+    """A safetensors header's JSON -> its tensor entries (`__metadata__`, which must map strings
+    to strings, removed); CheckpointError naming `where` on anything else."""
     try:
         header = json.loads(text)
-    except ValueError as e:
-        raise CheckpointError(f"{path}: invalid safetensors JSON header ({e})") from None
+    except ValueError as e:  # UnicodeDecodeError included
+        raise CheckpointError(f"{where}: invalid safetensors JSON header ({e})") from None
+    except RecursionError:
+        raise CheckpointError(f"{where}: invalid safetensors JSON header (nested too deeply)"
+                              ) from None
     if not isinstance(header, dict):
-        raise CheckpointError(f"{path}: safetensors header is not a JSON object")
-    header.pop("__metadata__", None)
+        raise CheckpointError(f"{where}: safetensors header is not a JSON object")
+    meta = header.pop("__metadata__", {})
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise CheckpointError(f"{where}: __metadata__ must map strings to strings")
     return header
 
 
@@ -178,51 +184,77 @@ def scan_shard(path: str) -> tuple[Shard, dict | None]:
     fast = _fast_keys(text)
     header = None
     if fast is None:
-        header = _loads(path, text)
+        header = parse_header(path, text)
         keys = list(header)
         fast = keys, sum(k.startswith(TEXT_PREFIX) for k in keys)
     return Shard(path, base, size, *fast), header
 
 
-def _nbytes(path: str, key: str, dtype: str, shape: tuple) -> int:
-    """Bytes a tensor of this dtype and shape must occupy (validates both)."""
-    itemsize = DTYPE_SIZES.get(dtype)
-    if itemsize is None:
-        raise CheckpointError(f"{path}: tensor {key}: unknown dtype {dtype!r}")
-    n = itemsize
-    for d in shape:
-        if not isinstance(d, int) or d < 0:
-            raise CheckpointError(f"{path}: tensor {key}: bad shape {list(shape)}")
-        n *= d
-    return n
+def _entry(where: str, key: str, entry: object) -> tuple[str, tuple, int, int]:
+    """(dtype, shape, begin, end) of one header entry, with the types safetensors requires."""
+    if not isinstance(entry, dict):
+        raise CheckpointError(f"{where}: tensor {key}: malformed header entry (not an object)")
+    missing = next((f for f in ("dtype", "shape", "data_offsets") if f not in entry), None)
+    if missing is not None:
+        raise CheckpointError(f"{where}: tensor {key}: malformed header entry (no {missing})")
+    dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+    if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:
+        raise CheckpointError(f"{where}: tensor {key}: unknown dtype {dtype!r}")
+    # type(...) is int: JSON floats (2.0) and booleans compare and hash equal to ints
+    if type(shape) is not list or not all(type(d) is int and d >= 0 for d in shape):
+        raise CheckpointError(f"{where}: tensor {key}: bad shape {shape!r} (non-negative "
+                              "integers only)")
+    if (type(offsets) is not list or len(offsets) != 2
+            or not all(type(o) is int and o >= 0 for o in offsets)):
+        raise CheckpointError(f"{where}: tensor {key}: bad data_offsets {offsets!r} (two "
+                              "non-negative integers)")
+    return dtype, tuple(shape), offsets[0], offsets[1]
 
 
-def _entries(shard: Shard, header: dict) -> dict[str, TensorInfo]:
-    """Validated TensorInfos of a parsed header, by name."""
-    path, base, region = shard.path, shard.base, shard.size - shard.base
-    nbytes: dict[tuple[str, tuple], int] = {}  # shapes repeat: validate each (dtype, shape) once
+def check_entries(where: str, header: dict, base: int, size: int,
+                  file: str | None = None) -> dict[str, TensorInfo]:
+    """Validated TensorInfos (in `file`, default `where`) by name of a parsed header (from
+    `parse_header`) whose data region is bytes [base, size) of the file. Checks what the
+    safetensors library checks: known dtypes, integer shapes and offsets, each byte length
+    = dtype size x shape, and the entries, ordered by offset, tiling the data region exactly
+    (no overlap, no gap, nothing after the last). The one check for local and remote shards."""
+    file = where if file is None else file
+    region = size - base
+    nbytes: dict[tuple[str, tuple], int] = {}  # shapes repeat: compute each (dtype, shape) once
     infos = {}
     for key, entry in header.items():
-        try:
-            dtype, shape, (b, e) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
-            nb = nbytes.get((dtype, shape))
-            if nb is None:
-                nb = nbytes[dtype, shape] = _nbytes(path, key, dtype, shape)
-            if not 0 <= b <= e <= region:
-                raise CheckpointError(
-                    f"{path}: tensor {key}: offsets [{b}, {e}] outside the "
-                    f"data region of {region} bytes"
-                )
-            if e - b != nb:
-                raise CheckpointError(
-                    f"{path}: tensor {key}: {e - b} bytes do not hold {dtype} {list(shape)}"
-                )
-        except (KeyError, TypeError, ValueError):
-            raise CheckpointError(f"{path}: tensor {key}: malformed header entry") from None
+        dtype, shape, b, e = _entry(where, key, entry)
+        nb = nbytes.get((dtype, shape))
+        if nb is None:
+            nb = nbytes[dtype, shape] = DTYPE_SIZES[dtype] * math.prod(shape)
+        if not b <= e <= region:
+            raise CheckpointError(f"{where}: tensor {key}: offsets [{b}, {e}] outside the "
+                                  f"data region of {region} bytes")
+        if e - b != nb:
+            raise CheckpointError(f"{where}: tensor {key}: {e - b} bytes do not hold {dtype} "
+                                  f"{list(shape)}")
         name = key.removeprefix(TEXT_PREFIX)
         # tuple.__new__ skips NamedTuple's Python-level __new__: half the cost per tensor
-        infos[name] = _new_tuple(TensorInfo, (name, key, dtype, shape, path, base + b, base + e))
+        infos[name] = _new_tuple(TensorInfo, (name, key, dtype, shape, file, base + b, base + e))
+    _check_tiling(where, infos, base, size)
     return infos
+
+
+def _check_tiling(where: str, infos: dict[str, TensorInfo], base: int, size: int) -> None:
+    """The tensors' byte ranges cover [base, size) exactly, without overlap."""
+    at, last = base, None
+    for start, end, key in sorted((t.start, t.end, t.key) for t in infos.values()):
+        if start < at:
+            raise CheckpointError(f"{where}: tensors {last} and {key} overlap")
+        if start > at:
+            raise CheckpointError(f"{where}: data_offsets: bytes {at - base}-{start - base} "
+                                  f"before tensor {key} belong to no tensor")
+        at, last = end, key
+    if at != size:
+        raise CheckpointError(
+            f"{where}: data_offsets: the header describes a file of {at} bytes, but it has "
+            f"{size} (wrong header length, or bytes after the last tensor)"
+        )
 
 
 def parse_shard(shard: Shard, header: dict | None = None) -> dict[str, TensorInfo]:
@@ -235,44 +267,38 @@ def parse_shard(shard: Shard, header: dict | None = None) -> dict[str, TensorInf
         if (base, size) != (shard.base, shard.size):
             raise CheckpointError(f"{shard.path}: shard changed since the checkpoint was opened")
         with no_gc():
-            header = _loads(shard.path, text)
+            header = parse_header(shard.path, text)
     if list(header) != shard.keys:
         raise CheckpointError(f"{shard.path}: header keys differ from the scanned keys")
     with no_gc():
-        infos = _entries(shard, header)
-    spans = sorted((t.start, t.end, t.key) for t in infos.values())
-    for (_, e0, k0), (b1, _, k1) in itertools.pairwise(spans):
-        if b1 < e0:
-            raise CheckpointError(f"{shard.path}: tensors {k0} and {k1} overlap")
-    shard.infos = infos
-    return infos
+        shard.infos = check_entries(shard.path, header, shard.base, shard.size)
+    return shard.infos
 
 
-def load_json(path: Path, what: str) -> dict:
-    """A JSON object file (config, index) or a CheckpointError naming it."""
+def load_json(path: Path, what: str, limit: int = MAX_JSON_BYTES) -> dict:
+    """A JSON object file (config, index) of at most `limit` bytes, or a CheckpointError
+    naming it."""
     try:
-        data = json.loads(path.read_text())
-    except OSError as e:
-        raise CheckpointError(f"{path}: cannot read {what} ({e.strerror})") from None
+        data = json.loads(read_regular(path, what, limit))
     except ValueError as e:
         raise CheckpointError(f"{path}: invalid JSON in {what} ({e})") from None
+    except RecursionError:
+        raise CheckpointError(f"{path}: invalid JSON in {what} (nested too deeply)") from None
     if not isinstance(data, dict):
         raise CheckpointError(f"{path}: {what} is not a JSON object")
     return data
 
 
 def load_index(path: Path) -> dict[str, str]:
-    """The exact weight_map (stored key -> shard file name) of an index file."""
+    """The weight_map (stored key -> shard file name) of an index file; every name a plain
+    shard file name (`shard_name`)."""
     with no_gc():
-        weight_map = load_json(path, "index").get("weight_map")
+        weight_map = load_json(path, "index", MAX_INDEX_BYTES).get("weight_map")
     if not isinstance(weight_map, dict):
         raise CheckpointError(f"{path}: index has no weight_map")
+    if set(map(type, weight_map.values())) - {str}:
+        bad = next(v for v in weight_map.values() if not isinstance(v, str))
+        shard_name(bad, str(path))
+    for name in set(weight_map.values()):
+        shard_name(name, str(path))
     return weight_map
-
-
-def count_index_entries(path: Path) -> int:
-    """The number of shard references in an index (its entries), without parsing it."""
-    try:
-        return path.read_bytes().count(b'.safetensors"')
-    except OSError as e:
-        raise CheckpointError(f"{path}: cannot read index ({e.strerror})") from None

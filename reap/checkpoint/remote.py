@@ -7,14 +7,19 @@ Opening fetches the small files (config.json, the index, tokenizer files) whole 
 safetensors headers of the shards; a tensor's bytes are fetched the first time it is read. The
 cache lives in `~/.cache/reap/http/<sanitized host+path>-<hash>/` (see `default_cache_dir`; or
 `cache_dir`): each shard is a
-sparse file of its full size beside a sidecar `<shard>.ranges.json` listing the byte ranges already
-present. Data is written before the sidecar names it and sidecars are replaced atomically, so an
+sparse file of its full size; its bookkeeping lives apart, in `.reap/`: a sidecar
+`.reap/<shard>.ranges.json` listing the byte ranges already present, and `.reap/remote.json`.
+Data is written before the sidecar names it and sidecars are replaced atomically, so an
 interrupted download keeps every byte it received and resumes from there; a later open of the same
 URL makes no request for anything already cached.
 
 Every answer is checked: status (404/416/other errors named with the URL), Content-Range against
 the requested range and the file's size seen so far, and the number of bytes actually received.
-Shard names from the server's index must be plain file names (no `..`, no directories).
+Shard names from the server's index must be plain `*.safetensors` file names (`shard_name`), so
+they cannot escape the cache nor collide with the small files or `.reap/`. Sizes are capped
+while they stream: small files (`SMALL_FILES`: 16 MiB, the index 256 MiB, tokenizers 64 MiB),
+headers 100 MB (`spec.py`); each header is validated as a local shard's is (`check_entries`).
+Requests are bounded in time (`http_range.py`: read timeout and per-request deadline).
 """
 
 from __future__ import annotations
@@ -28,20 +33,28 @@ import threading
 import urllib.parse
 from pathlib import Path
 
-from reap.checkpoint.header import described_size, length_prefix
+from reap.checkpoint.header import check_entries, length_prefix, load_index, parse_header
 from reap.checkpoint.http_range import HttpClient, check_status, content_range
 from reap.checkpoint.reader import Checkpoint
-from reap.checkpoint.spec import INDEX_NAME, SINGLE_NAME
+from reap.checkpoint.spec import (
+    INDEX_NAME,
+    MAX_HEADER_BYTES,
+    MAX_INDEX_BYTES,
+    MAX_JSON_BYTES,
+    MAX_TOKENIZER_BYTES,
+    SINGLE_NAME,
+    shard_name,
+)
 from reap.defaults import cache_dir
 from reap.errors import CheckpointError
 from reap.fileio import write_atomic
 
-# Small files fetched whole when present; the first two decide the layout.
-SMALL_FILES = ("config.json", INDEX_NAME, "tokenizer.json", "tokenizer_config.json",
-               "chat_template.jinja", "generation_config.json", "special_tokens_map.json",
-               "tiktoken.model")
-_SAFE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
-_PIECE = 1 << 20  # bytes per write while streaming a response body
+# Small files fetched whole when present (the first two decide the layout), with size caps.
+SMALL_FILES = {"config.json": MAX_JSON_BYTES, INDEX_NAME: MAX_INDEX_BYTES,
+               "tokenizer.json": MAX_TOKENIZER_BYTES, "tokenizer_config.json": MAX_JSON_BYTES,
+               "chat_template.jinja": MAX_JSON_BYTES, "generation_config.json": MAX_JSON_BYTES,
+               "special_tokens_map.json": MAX_JSON_BYTES, "tiktoken.model": MAX_TOKENIZER_BYTES}
+_BOOKKEEPING = ".reap"  # hidden: no shard name (`shard_name`) can start with a dot
 
 
 def is_url(model: str | os.PathLike) -> bool:
@@ -60,10 +73,8 @@ def default_cache_dir(url: str) -> Path:
 
 
 def safe_name(name: str, where: str) -> str:
-    """`name` if it is a plain file name, else CheckpointError naming `where`."""
-    if not isinstance(name, str) or not _SAFE_NAME.fullmatch(name) or ".." in name:
-        raise CheckpointError(f"{where}: unsafe file name {name!r} (plain names only)")
-    return name
+    """`name` if it is a plain shard file name, else CheckpointError naming `where`."""
+    return shard_name(name, where)
 
 
 def _merge(ranges: list[list[int]]) -> list[list[int]]:
@@ -110,8 +121,9 @@ class HttpCache:
         self.block, self.max_request, self.retries = max(1, block), max_request, retries
         self._states: dict[str, dict] = {}
         self._lock = threading.RLock()
+        self.meta = self.dir / _BOOKKEEPING
         try:
-            self.dir.mkdir(parents=True, exist_ok=True)
+            self.meta.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise CheckpointError(f"{self.dir}: cannot create the HTTP cache ({e.strerror})"
                                   ) from None
@@ -123,10 +135,10 @@ class HttpCache:
 
     def prepare(self) -> list[str]:
         """Fetch the small files and every shard's header (once); returns the shard names."""
-        manifest_path = self.dir / "remote.json"
+        manifest_path = self.meta / "remote.json"
         manifest = _read_manifest(manifest_path, self.url)
         if manifest is None:
-            present = {n: self._fetch_small(n) for n in SMALL_FILES}
+            present = {n: self._fetch_small(n, limit) for n, limit in SMALL_FILES.items()}
             shards = self._shard_names(present[INDEX_NAME])
             manifest = {"url": self.url, "files": present, "shards": shards}
         for name in manifest["shards"]:
@@ -134,57 +146,45 @@ class HttpCache:
         write_atomic(manifest_path, json.dumps(manifest, indent=1).encode())
         return manifest["shards"]
 
-    def _fetch_small(self, name: str, limit: int = 256 << 20) -> bool:
-        """Fetch a small file whole into the cache; False if the server has none (404)."""
+    def _fetch_small(self, name: str, limit: int) -> bool:
+        """Fetch a small file whole into the cache, refused past `limit` bytes while it streams;
+        False if the server has none (404)."""
         url = self._file_url(name)
         resp = self.client.get(url)
-        if resp.status == 404:
-            resp.read()
-            return False
         if resp.status != 200:
-            resp.read()
+            self.client.drop()  # its body is not read
+            if resp.status == 404:
+                return False
             raise CheckpointError(f"{url}: HTTP {resp.status} {resp.reason}")
-        length = resp.getheader("Content-Length")
-        if length is not None and int(length) > limit:
-            raise CheckpointError(f"{url}: {length} bytes is too large for a metadata file")
-        try:
-            data = resp.read()
-        except (OSError, http.client.HTTPException) as e:
-            self.client.drop()
-            raise CheckpointError(f"{url}: download failed ({type(e).__name__})") from None
-        self.client.bytes += len(data)
-        write_atomic(self.dir / name, data)
+        write_atomic(self.dir / name, self.client.read_all(resp, url, limit))
         return True
 
     def _shard_names(self, has_index: bool) -> list[str]:
         if not has_index:
             return [SINGLE_NAME]
-        where = f"{self.url}/{INDEX_NAME}"
         try:
-            weight_map = json.loads((self.dir / INDEX_NAME).read_text())["weight_map"]
-            names = sorted(set(weight_map.values()))
-        except (ValueError, KeyError, TypeError, AttributeError):
-            raise CheckpointError(f"{where}: not a safetensors index with a weight_map") from None
-        return [safe_name(n, where) for n in names]
+            weight_map = load_index(self.dir / INDEX_NAME)
+        except CheckpointError as e:  # name the URL, not the cache file
+            raise CheckpointError(str(e).replace(str(self.dir / INDEX_NAME),
+                                                 f"{self.url}/{INDEX_NAME}", 1)) from None
+        return sorted(set(weight_map.values()))
 
     # ---- shards ----------------------------------------------------------------------------
 
     def ensure_header(self, name: str) -> None:
-        """Make the shard's header present and check the size the server reports against it."""
+        """Make the shard's header present and validate it (`check_entries`, as a local shard:
+        its entries must exactly cover the size the server reports)."""
         st = self._state(name)
+        url = self._file_url(name)
         self.ensure(name, 0, min(8, st["size"]))
         raw = _read_bytes(self.dir / name, 0, 8)
         n = length_prefix(raw) if len(raw) == 8 else -1
-        if not 0 <= n <= st["size"] - 8:
-            raise CheckpointError(f"{self._file_url(name)}: bad safetensors header length "
-                                  f"{n} for a file of {st['size']} bytes")
+        if not 0 <= n <= min(st["size"] - 8, MAX_HEADER_BYTES):
+            raise CheckpointError(f"{url}: bad safetensors header length {n} for a file of "
+                                  f"{st['size']} bytes (limit {MAX_HEADER_BYTES})")
         self.ensure(name, 8, 8 + n)
-        size = described_size(_read_bytes(self.dir / name, 8, n))
-        if size is None:
-            raise CheckpointError(f"{self._file_url(name)}: invalid safetensors header")
-        if size != st["size"]:
-            raise CheckpointError(f"{self._file_url(name)}: server says {st['size']} bytes but "
-                                  f"the header describes {size}")
+        header = parse_header(url, _read_bytes(self.dir / name, 8, n))
+        check_entries(url, header, 8 + n, st["size"])
 
     def ensure(self, name: str, start: int, end: int) -> None:
         """Make bytes [start, end) of shard `name` present in the cache file (fetching what is
@@ -223,8 +223,13 @@ class HttpCache:
         url = self._file_url(name)
         resp = self._open_range(url, 0, self.block, None)
         size = content_range(resp, url, 0, self.block, None)
-        with open(self.dir / name, "wb") as f:
-            f.truncate(size)  # sparse: only fetched ranges take disk space
+        try:
+            with open(self.dir / name, "wb") as f:
+                f.truncate(size)  # sparse: only fetched ranges take disk space
+        except OSError as e:
+            self.client.drop()
+            raise CheckpointError(f"{url}: cannot make a cache file of {size} bytes "
+                                  f"({e.strerror})") from None
         st = {"url": url, "size": size, "ranges": []}
         self._save(name, st)
         self._receive(name, st, resp, 0, min(self.block, size))
@@ -250,16 +255,12 @@ class HttpCache:
         got = a
         fd = os.open(self.dir / name, os.O_WRONLY)
         try:
-            while got < b:
-                piece = resp.read(min(_PIECE, b - got))
-                if not piece:
-                    break
+            for piece in self.client.body(resp, st["url"], b - a):
                 os.pwrite(fd, piece, got)
                 got += len(piece)
         except (OSError, http.client.HTTPException):
             pass  # keep what arrived; reported as a short read below
         finally:
-            self.client.bytes += got - a
             if got > a:
                 os.fsync(fd)  # data reaches the disk before the sidecar claims it
                 st["ranges"] = _merge(st["ranges"] + [[a, got]])
@@ -271,7 +272,7 @@ class HttpCache:
                              f"offset {a}")
 
     def _sidecar(self, name: str) -> Path:
-        return self.dir / f"{name}.ranges.json"
+        return self.meta / f"{name}.ranges.json"
 
     def _save(self, name: str, st: dict) -> None:
         write_atomic(self._sidecar(name), json.dumps(st).encode())
@@ -292,16 +293,19 @@ def _read_bytes(path: Path, offset: int, n: int) -> bytes:
 def _read_json_file(path: Path) -> dict | None:
     try:
         data = json.loads(path.read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None  # missing or torn: treated as absent and rebuilt
     return data if isinstance(data, dict) else None
 
 
 def _read_sidecar(path: Path, url: str) -> dict | None:
     st = _read_json_file(path)
-    if st is None or st.get("url") != url or not isinstance(st.get("size"), int):
+    if st is None or st.get("url") != url or type(st.get("size")) is not int:
         return None
-    st["ranges"] = _merge([[int(a), int(b)] for a, b in st.get("ranges", [])])
+    try:
+        st["ranges"] = _merge([[int(a), int(b)] for a, b in st.get("ranges", [])])
+    except (TypeError, ValueError):
+        return None  # not ours: refetched
     return st
 
 
@@ -309,10 +313,13 @@ def _read_manifest(path: Path, url: str) -> dict | None:
     m = _read_json_file(path)
     if m is None or m.get("url") != url or not isinstance(m.get("shards"), list):
         return None
-    if any(ok and not (path.parent / n).is_file() for n, ok in m.get("files", {}).items()):
+    files = m.get("files")
+    if not isinstance(files, dict) or set(files) != set(SMALL_FILES):
+        return None
+    if any(ok and not (path.parent.parent / n).is_file() for n, ok in files.items()):
         return None
     for n in m["shards"]:
-        safe_name(n, str(path))
+        shard_name(n, str(path))
     return m
 
 

@@ -9,6 +9,8 @@ from typing import NamedTuple
 
 import torch
 
+from reap.errors import CheckpointError
+
 DTYPE_SIZES = {
     "BOOL": 1,
     "U8": 1,
@@ -49,6 +51,27 @@ DTYPE_CODES = {v: k for k, v in TORCH_DTYPES.items()}
 TEXT_PREFIX = "language_model."
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
+SHARD_SUFFIX = ".safetensors"
+
+# Size caps, checked before anything is read whole (a local file) or while it streams (remote):
+MAX_HEADER_BYTES = 100_000_000  # a safetensors header, the safetensors library's own cap
+MAX_INDEX_BYTES = 256 << 20  # an HF index (K3's 497,220 entries take 59 MB)
+MAX_JSON_BYTES = 16 << 20  # config.json and the other small metadata files
+MAX_TOKENIZER_BYTES = 64 << 20  # tokenizer.json, tiktoken.model
+
+# A shard file name from an index: a plain name inside the checkpoint directory (no separators,
+# no `..`, not hidden), ending in .safetensors.
+_SHARD_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
+
+def shard_name(name: object, where: str) -> str:
+    """`name` if it is a plain shard file name (see `_SHARD_NAME`), else CheckpointError naming
+    `where`, the file that named it."""
+    if (not isinstance(name, str) or not _SHARD_NAME.fullmatch(name) or ".." in name
+            or not name.endswith(SHARD_SUFFIX)):
+        raise CheckpointError(f"{where}: weight_map: unsafe file name {name!r} for a shard "
+                              f"(plain *{SHARD_SUFFIX} names inside the directory only)")
+    return name
+
 
 # `X[e]` names slice e of a stored tensor X along its first axis (a fused expert tensor [E, ...])
 _VIEW = re.compile(r"^(.+)\[(\d+)\]$")

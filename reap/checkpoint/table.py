@@ -11,14 +11,7 @@ from collections.abc import Iterator, Mapping
 from itertools import chain, repeat
 from pathlib import Path
 
-from reap.checkpoint.header import (
-    Shard,
-    count_index_entries,
-    load_index,
-    load_json,
-    parse_shard,
-    scan_shard,
-)
+from reap.checkpoint.header import Shard, load_index, load_json, parse_shard, scan_shard
 from reap.checkpoint.spec import (
     INDEX_NAME,
     SINGLE_NAME,
@@ -33,15 +26,23 @@ from reap.errors import CheckpointError
 def open_table(path: Path) -> tuple[dict, list[Shard], TensorTable]:
     """(config.json or {}, shards, tensor table) of a checkpoint directory or file, from its
     headers alone: checks every shard's framing, that tensor names are unique and, for an HF
-    directory, that its shards hold as many tensors as the index has entries (otherwise the
-    index is parsed and followed exactly)."""
+    directory, that the index names plain shard files that exist and maps every tensor to the
+    shard that holds it, and no other."""
     files, index, config = _shard_files(path)
-    scans = [scan_shard(f) for f in files] if index is None else _scan_indexed(index, files)
+    weight_map = None
+    if index is not None:
+        weight_map = load_index(index)
+        files = [_named_shard(index, f) for f in sorted(set(weight_map.values()))]
+    scans = [scan_shard(f) for f in files]
     shards = [sh for sh, _ in scans]
     for sh, header in scans:
         if header is not None:  # json.loads already parsed it: validate now
             parse_shard(sh, header)
     where, prefixed = _name_index(shards, path)
+    if weight_map is not None:
+        problem = index_mismatch(index, shards, weight_map)
+        if problem:
+            raise CheckpointError(problem)
     return config, shards, TensorTable(shards, where, prefixed)
 
 
@@ -146,52 +147,38 @@ def _count(shards: list[Shard], key: str) -> int:
 
 def _shard_files(path: Path) -> tuple[list[str], Path | None, dict]:
     """A checkpoint path -> (shard files to scan, index path or None, config dict). With an
-    index, the files are the directory's `.safetensors` files (checked against the index)."""
-    if path.is_file():
-        return [str(path)], None, {}
+    index, the shards are the files it names (see `open_table`)."""
     if not path.is_dir():
+        if os.path.lexists(path):  # a file; scan_shard refuses anything but a regular one
+            return [str(path)], None, {}
         raise CheckpointError(f"{path}: no such checkpoint file or directory")
     config_path = path / "config.json"
-    config = load_json(config_path, "config") if config_path.exists() else {}
+    config = load_json(config_path, "config") if os.path.lexists(config_path) else {}
     index = path / INDEX_NAME
-    if index.exists():
-        return sorted(str(f) for f in path.glob("*.safetensors")), index, config
-    if (path / SINGLE_NAME).is_file():
+    if os.path.lexists(index):
+        return [], index, config
+    if os.path.lexists(path / SINGLE_NAME):
         return [str(path / SINGLE_NAME)], None, config
     raise CheckpointError(f"{path}: neither {INDEX_NAME} nor {SINGLE_NAME} found")
 
 
-def _scan_indexed(index: Path, files: list[str]) -> list[tuple[Shard, dict | None]]:
-    """Scan an HF directory's shards. Fast path: the directory's shards hold exactly as many
-    tensors as the index has entries. Otherwise the exact path: parse the index, scan only the
-    shards it names, and report the first disagreement."""
-    try:
-        scans = [scan_shard(f) for f in files]
-        if sum(len(sh.keys) for sh, _ in scans) == count_index_entries(index):
-            return scans
-    except CheckpointError:
-        pass  # maybe a stray file the index does not name; the exact path decides
-    weight_map = load_index(index)
-    named = sorted(set(weight_map.values()))
-    for f in named:
-        if not (index.parent / f).is_file():
-            raise CheckpointError(f"{index}: shard {f} is missing")
-    scans = [scan_shard(str(index.parent / f)) for f in named]
-    shards = [sh for sh, _ in scans]
-    for sh, header in scans:
-        if header is not None:
-            parse_shard(sh, header)
-    if sum(len(sh.keys) for sh in shards) != len(weight_map):
-        raise CheckpointError(index_mismatch(index, shards, weight_map) or f"{index}: mismatch")
-    return scans
+def _named_shard(index: Path, name: str) -> str:
+    """The path of shard `name` (a plain name, checked by `load_index`) named by the index."""
+    path = index.parent / name
+    if not os.path.lexists(path):
+        raise CheckpointError(f"{index}: weight_map: shard {name} is missing")
+    return str(path)
 
 
 def index_mismatch(index: Path, shards: list[Shard], weight_map: dict[str, str]) -> str | None:
-    """The first disagreement between an index and the shard headers, or None."""
-    stored: dict[str, str] = {}
-    for sh in shards:
-        file = os.path.basename(sh.path)
-        stored.update((t.key, file) for t in parse_shard(sh).values())
+    """The first disagreement between an index's weight map and the shards' tensor keys (each
+    tensor must be in the shard the index names, and every tensor listed), or None."""
+    stored = dict(zip(
+        chain.from_iterable(sh.keys for sh in shards),
+        chain.from_iterable(repeat(os.path.basename(sh.path), len(sh.keys)) for sh in shards),
+    ))
+    if stored == weight_map:  # the common case, compared in C
+        return None
     for key, shard in weight_map.items():
         if stored.get(key) != shard:
             return f"{index}: index places tensor {key} in {shard}, but that shard lacks it"
