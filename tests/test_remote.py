@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -25,12 +27,13 @@ from reap.checkpoint.remote import (
     open_checkpoint,
     safe_name,
 )
-from reap.errors import CheckpointError
+from reap.errors import EXIT_USAGE, CheckpointError, ReapError
 
 
 class FileServer:
     """Serves a directory with single-range GETs; knobs: drop_after, lie_size, ignore_range,
-    override (path -> bytes)."""
+    override (path -> bytes), redirect (path -> Location), stall (seconds before answering),
+    drip ((seconds per byte, "all" or "body"): each answer trickles out, for at most 10 s)."""
 
     def __init__(self, root: Path):
         self.root = root
@@ -40,6 +43,9 @@ class FileServer:
         self.lie_size = 0  # added to the total size stated in Content-Range
         self.ignore_range = False
         self.override: dict[str, bytes] = {}
+        self.redirect: dict[str, str] = {}
+        self.stall = 0.0
+        self.drip: tuple[float, str] | None = None
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self.httpd.daemon_threads = True
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
@@ -61,6 +67,9 @@ class FileServer:
                 rng = self.headers.get("Range")
                 fs.requests.append((self.path, rng))
                 name = self.path.removeprefix("/models/tiny/")
+                time.sleep(fs.stall)
+                if name in fs.redirect:
+                    return self._send(302, b"", {"Location": fs.redirect[name]})
                 data = fs.override.get(name)
                 if data is None:
                     p = fs.root / name
@@ -84,6 +93,8 @@ class FileServer:
                 self._send(206, body, {"Content-Range": cr})
 
             def _send(self, status, body, headers=None, length=None):
+                if fs.drip is not None:
+                    return self._drip(status, body, headers or {})
                 self.send_response(status)
                 for k, v in (headers or {}).items():
                     self.send_header(k, v)
@@ -91,6 +102,23 @@ class FileServer:
                 self.end_headers()
                 self.wfile.write(body)
                 fs.sent += len(body)
+
+            def _drip(self, status, body, headers):
+                seconds, what = fs.drip
+                head = f"HTTP/1.1 {status} OK\r\nContent-Length: {len(body)}\r\n"
+                head += "".join(f"{k}: {v}\r\n" for k, v in headers.items()) + "\r\n"
+                if what == "body":
+                    self.wfile.write(head.encode())
+                    head = ""
+                raw = head.encode() + body
+                end = time.monotonic() + 10  # bounded: the test never waits on it for long
+                for i in range(len(raw)):
+                    if time.monotonic() > end:
+                        break
+                    self.wfile.write(raw[i : i + 1])
+                    self.wfile.flush()
+                    time.sleep(seconds)
+                self.close_connection = True
 
         return H
 
@@ -303,3 +331,87 @@ def test_engine_generates_from_a_url(tmp_path, monkeypatch):
         assert (tmp_path / "reap-cache" / "http").is_dir()
     finally:
         fs.close()
+
+
+# ---- a hostile server (issue 18): redirects elsewhere, slow answers, huge files, odd names ----
+
+
+def test_redirects_are_followed_only_within_the_origin(remote, tmp_path):
+    src, fs, _cache = remote
+    other = FileServer(src)  # the same files on another port: another origin
+    try:
+        for target in (other.url + "/config.json", "file:///etc/passwd",
+                       "https://127.0.0.1/models/tiny/config.json"):
+            fs.redirect["config.json"] = target
+            with pytest.raises(CheckpointError, match="redirect to .* refused") as e:
+                RemoteCheckpoint.open(fs.url, tmp_path / "c1")
+            assert e.value.exit_code == EXIT_USAGE and "\n" not in str(e.value)
+        assert other.requests == []
+    finally:
+        other.close()
+    fs.override["moved-config.json"] = (src / "config.json").read_bytes()
+    fs.redirect["config.json"] = "/models/tiny/moved-config.json"  # same origin: followed
+    ck = RemoteCheckpoint.open(fs.url, tmp_path / "c2")
+    assert ck.config == json.loads((src / "config.json").read_text())
+
+
+@pytest.mark.parametrize("drip", ["all", "body"])
+def test_a_dripping_server_meets_the_deadline(remote, tmp_path, monkeypatch, drip):
+    _src, fs, _cache = remote
+    monkeypatch.setenv("REAP_HTTP_DEADLINE", "1.5")
+    fs.drip = (0.05, drip)  # 20 bytes/s: each read returns well within the read timeout
+    t0 = time.monotonic()
+    with pytest.raises(CheckpointError, match=r"within the 1.5 s deadline \(REAP_HTTP_DEADLINE"):
+        RemoteCheckpoint.open(fs.url, tmp_path / "c")
+    assert time.monotonic() - t0 < 6
+
+
+def test_a_silent_server_meets_the_read_timeout(remote, tmp_path, monkeypatch):
+    _src, fs, _cache = remote
+    monkeypatch.setenv("REAP_HTTP_TIMEOUT", "0.5")
+    fs.stall = 4.0
+    t0 = time.monotonic()
+    with pytest.raises(CheckpointError, match="timed out"):
+        RemoteCheckpoint.open(fs.url, tmp_path / "c")
+    assert time.monotonic() - t0 < 3.5  # not waiting for the answer
+    monkeypatch.setenv("REAP_HTTP_TIMEOUT", "soon")
+    with pytest.raises(ReapError, match="REAP_HTTP_TIMEOUT: expected a number of seconds"):
+        RemoteCheckpoint.open(fs.url, tmp_path / "c")
+
+
+def test_oversized_files_are_refused_while_they_stream(remote, tmp_path):
+    src, fs, _cache = remote
+    fs.override["config.json"] = b'{"pad": "' + b"x" * (17 << 20) + b'"}'
+    cache = HttpCache(fs.url, tmp_path / "c1")
+    with pytest.raises(CheckpointError, match="config.json: larger than the limit of 16777216"):
+        cache.prepare()
+    assert cache.client.bytes <= (17 << 20)  # stopped at the cap, not after the whole body
+    assert not (tmp_path / "c1" / "config.json").exists()
+    del fs.override["config.json"]
+    name = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]
+    first = sorted(set(name.values()))[0]
+    fs.override[first] = struct.pack("<Q", 150_000_000) + b"{}" + b" " * 64
+    fs.lie_size = 200_000_000  # the server claims room for a 150 MB header
+    with pytest.raises(CheckpointError, match="header length 150000000 .*limit 100000000"):
+        RemoteCheckpoint.open(fs.url, tmp_path / "c2", block=1)
+    asked = [r for p, r in fs.requests if r and p.endswith(first)]
+    assert asked and all(int(r.split("-")[1]) < 8 for r in asked)  # never the header itself
+
+
+def test_cache_bookkeeping_cannot_collide_with_shard_names(remote, tmp_path):
+    src, fs, cache = remote
+    for bad in ("config.json", "remote.json", "tokenizer.json", "x.safetensors.ranges.json",
+                ".reap", "model.safetensors.index.json"):
+        with pytest.raises(CheckpointError, match="unsafe file name"):
+            safe_name(bad, "index")
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    key = next(iter(index["weight_map"]))
+    index["weight_map"][key] = "config.json"
+    fs.override["model.safetensors.index.json"] = json.dumps(index).encode()
+    with pytest.raises(CheckpointError, match="model.safetensors.index.json: weight_map: unsafe"):
+        RemoteCheckpoint.open(fs.url, tmp_path / "c1")
+    del fs.override["model.safetensors.index.json"]
+    RemoteCheckpoint.open(fs.url, cache)
+    top = sorted(p.name for p in cache.iterdir())
+    assert ".reap" in top and not [n for n in top if n.endswith(".ranges.json")]
+    assert "remote.json" not in top and (cache / ".reap" / "remote.json").is_file()
