@@ -48,6 +48,7 @@ class FileServer:
         self.drip: tuple[float, str] | None = None
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self.httpd.daemon_threads = True
+        self.httpd.handle_error = lambda request, address: None  # clients hanging up on purpose
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/models/tiny"
 

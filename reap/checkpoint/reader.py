@@ -52,17 +52,17 @@ class Checkpoint(RunReader):
         """Index a checkpoint directory or `.safetensors` file from its headers alone.
 
         Checks every shard's framing, that tensor names are unique and, for an HF directory,
-        that its shards hold as many tensors as the index has entries (otherwise the index is
-        parsed and followed exactly); each shard's entries are validated when first used
-        (`validate()` checks everything now). direct=True reads tensor bytes with O_DIRECT
+        the index: plain shard names, each present, every tensor in the shard it names and
+        none unlisted; each shard's entries are validated when first used (`validate()` checks
+        everything now). Every problem is a CheckpointError (exit 2). direct=True reads tensor bytes with O_DIRECT
         where the file system supports it and silently falls back to buffered reads where it
         does not."""
         config, shards, table = open_table(Path(path))
         return cls(str(Path(path)), config, shards, table, direct=direct)
 
     def validate(self) -> None:
-        """Fully parse and check every shard header and, for an HF directory, that the index
-        maps each tensor to the shard holding it. Raises CheckpointError on the first problem."""
+        """Fully parse and check every shard header (`header.check_entries`) and, for an HF
+        directory, the index again. Raises CheckpointError on the first problem."""
         for sh in self._shards:
             parse_shard(sh)
         index = Path(self.path) / INDEX_NAME

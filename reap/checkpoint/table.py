@@ -1,7 +1,8 @@
 """Indexing a checkpoint: which safetensors files make it (an HF directory with its index, a
 directory holding one `model.safetensors`, or a single file), and `TensorTable`, the lazy
 name -> `TensorInfo` mapping over their shards (built from the scanned keys; a shard's entries
-are parsed and validated the first time one of its tensors is looked up).
+are parsed and validated the first time one of its tensors is looked up). An HF directory's
+shards are exactly the files its index names; the index is checked against their keys at open.
 """
 
 from __future__ import annotations
@@ -171,14 +172,18 @@ def _named_shard(index: Path, name: str) -> str:
 
 
 def index_mismatch(index: Path, shards: list[Shard], weight_map: dict[str, str]) -> str | None:
-    """The first disagreement between an index's weight map and the shards' tensor keys (each
-    tensor must be in the shard the index names, and every tensor listed), or None."""
-    stored = dict(zip(
-        chain.from_iterable(sh.keys for sh in shards),
-        chain.from_iterable(repeat(os.path.basename(sh.path), len(sh.keys)) for sh in shards),
-    ))
-    if stored == weight_map:  # the common case, compared in C
-        return None
+    """The first disagreement between an index's weight map and the shards' (unique) tensor
+    keys, each of which must be in the shard the index names, all of them listed; or None."""
+    listed = 0
+    for sh in shards:  # the common case: C-level lookups and counts
+        name = os.path.basename(sh.path)
+        if list(map(weight_map.get, sh.keys)).count(name) != len(sh.keys):
+            break
+        listed += len(sh.keys)
+    else:
+        if listed == len(weight_map):
+            return None
+    stored = {k: os.path.basename(sh.path) for sh in shards for k in sh.keys}
     for key, shard in weight_map.items():
         if stored.get(key) != shard:
             return f"{index}: index places tensor {key} in {shard}, but that shard lacks it"
