@@ -32,11 +32,10 @@ def _shard(path: Path, header: dict, data: bytes = b"", pad: int = 0, delta: int
 def _refused(path, *fields) -> str:
     """Open, fully validate and read `path`: the CheckpointError, checked to be one line with
     exit code 2 naming the file and each of `fields`."""
-    with pytest.raises(CheckpointError) as e:
-        with Checkpoint.open(path) as ck:
-            ck.validate()
-            for name in ck.tensors:
-                ck.read(name)
+    with pytest.raises(CheckpointError) as e, Checkpoint.open(path) as ck:
+        ck.validate()
+        for name in ck.tensors:
+            ck.read(name)
     msg = str(e.value)
     assert e.value.exit_code == EXIT_USAGE and "\n" not in msg
     assert str(path) in msg, msg
@@ -62,8 +61,11 @@ def test_header_length_one_byte_short_is_refused_not_read_off_by_one(tmp_path):
     [
         ({"w": OK, "v": {**OK, "data_offsets": [12, 20]}}, 20, ["data_offsets", "8-12", "v"]),
         ({"w": OK}, 12, ["data_offsets", "describes a file of"]),  # bytes after the last tensor
-        ({"w": OK, "v": {"dtype": "F32", "shape": [2.0], "data_offsets": [8, 16]}}, 16,
-         ["tensor v", "shape"]),  # (F32, (2,)) was validated already: 2.0 == 2 in a cache key
+        (
+            {"w": OK, "v": {"dtype": "F32", "shape": [2.0], "data_offsets": [8, 16]}},
+            16,
+            ["tensor v", "shape"],
+        ),  # (F32, (2,)) was validated already: 2.0 == 2 in a cache key
         ({"w": {**OK, "shape": [True, 2]}}, 8, ["tensor w", "shape"]),
         ({"w": {**OK, "data_offsets": [0, 8.0]}}, 8, ["tensor w", "data_offsets"]),
         ({"w": {**OK, "data_offsets": [False, 8]}}, 8, ["tensor w", "data_offsets"]),
@@ -143,8 +145,11 @@ def test_index_is_validated_at_open(tmp_path, change, fields):
     (tmp_path / "d" / "s1.safetensors").write_bytes((root / "s1.safetensors").read_bytes())
     (root / "sub").mkdir()
     (root / "sub" / "s1.safetensors").write_bytes((root / "s1.safetensors").read_bytes())
-    wm = {k: v.format(root=tmp_path / "d") if isinstance(v, str) else v
-          for k, v in {**GOOD, **change}.items() if v is not None}
+    wm = {
+        k: v.format(root=tmp_path / "d") if isinstance(v, str) else v
+        for k, v in {**GOOD, **change}.items()
+        if v is not None
+    }
     _index(root, wm)
     with pytest.raises(CheckpointError) as e:
         Checkpoint.open(root)
@@ -173,8 +178,14 @@ def test_renamed_and_swapped_shards_are_refused_at_open(tmp_path):
 def _reap(*args: str) -> subprocess.CompletedProcess:
     """`reap ARGS` in a subprocess that cannot hang the suite (the bug this guards against)."""
     env = {**os.environ, "PYTHONPATH": str(Path(reap.__file__).resolve().parents[1])}
-    return subprocess.run([sys.executable, "-m", "reap.cli", *args], capture_output=True,
-                          text=True, timeout=60, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "reap.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        check=False,
+    )
 
 
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
@@ -206,3 +217,18 @@ def test_cli_reports_bad_checkpoints_as_exit_2_one_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith("reap: error: ") and err.count("\n") == 1
     assert "model.safetensors.index.json: weight_map: unsafe file name '../s1" in err
+
+
+def test_run_refuses_a_header_one_byte_short_instead_of_emitting_zeros(tmp_path, capsys):
+    """The audit's case: `reap run` read every tensor one byte off and printed token 0s."""
+    from reap.synth import synth
+
+    path = Path(synth("k3-tiny", tmp_path / "k3", seed=0, dtype="float32"))
+    f = path / "model.safetensors"
+    raw = f.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    f.write_bytes(struct.pack("<Q", n + 7) + raw[8 : 8 + n] + b" " * 8 + raw[8 + n :])
+    code = main(["run", str(path), "--prompt-ids", "1,2,3", "--max-tokens", "2", "--quiet"])
+    err = capsys.readouterr().err
+    assert code == EXIT_USAGE and err.count("\n") == 1
+    assert f"{f}: data_offsets: the header describes a file of" in err

@@ -41,8 +41,9 @@ def read_regular(path: str | os.PathLike, what: str, limit: int) -> bytes:
     fd, size = open_regular(path, what)
     try:
         if size > limit:
-            raise CheckpointError(f"{path}: {what} of {size} bytes exceeds the limit of "
-                                  f"{limit} bytes")
+            raise CheckpointError(
+                f"{path}: {what} of {size} bytes exceeds the limit of {limit} bytes"
+            )
         return os.pread(fd, size, 0)  # what fstat saw: bounded even if the file grows
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read {what} ({e.strerror})") from None

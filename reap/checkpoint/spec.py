@@ -63,13 +63,20 @@ MAX_TOKENIZER_BYTES = 64 << 20  # tokenizer.json, tiktoken.model
 # no `..`, not hidden), ending in .safetensors.
 _SHARD_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
 
+
 def shard_name(name: object, where: str) -> str:
     """`name` if it is a plain shard file name (see `_SHARD_NAME`), else CheckpointError naming
     `where`, the file that named it."""
-    if (not isinstance(name, str) or not _SHARD_NAME.fullmatch(name) or ".." in name
-            or not name.endswith(SHARD_SUFFIX)):
-        raise CheckpointError(f"{where}: weight_map: unsafe file name {name!r} for a shard "
-                              f"(plain *{SHARD_SUFFIX} names inside the directory only)")
+    if (
+        not isinstance(name, str)
+        or not _SHARD_NAME.fullmatch(name)
+        or ".." in name
+        or not name.endswith(SHARD_SUFFIX)
+    ):
+        raise CheckpointError(
+            f"{where}: weight_map: unsafe file name {name!r} for a shard "
+            f"(plain *{SHARD_SUFFIX} names inside the directory only)"
+        )
     return name
 
 
