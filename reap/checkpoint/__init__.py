@@ -10,6 +10,11 @@ tensors, O_DIRECT with fallback), never by loading or mapping whole shards. `Buf
 `RemoteCheckpoint` (`remote.py`, `http_range.py`) is the backend for http(s) URLs: Range
 requests into a resumable disk cache; `open_checkpoint` picks the backend for a path or URL.
 
+Validation is one code path for both: `header.check_entries` (the safetensors library's rules:
+integer shapes and offsets, byte lengths, entries tiling the data region exactly), the index
+checked against the shards at open, regular files only, size caps (`spec.py`). Every invalid
+input is a `CheckpointError` (exit 2) naming the file and the field.
+
 `CheckpointWriter` (`writer.py`) streams tensors, declared up front as `TensorSpec`s, into
 deterministic shards under `<out>.partial/` and renames the directory into place on `close()`;
 a killed job resumes from the shards it completed. `encode_header` builds every header reap
