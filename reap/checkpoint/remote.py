@@ -152,7 +152,10 @@ class HttpCache:
         url = self._file_url(name)
         resp = self.client.get(url)
         if resp.status != 200:
-            self.client.drop()  # its body is not read
+            try:  # read a short error page to keep the connection; drop it otherwise
+                self.client.read_all(resp, url, 1 << 16)
+            except CheckpointError:
+                pass  # read_all dropped the connection
             if resp.status == 404:
                 return False
             raise CheckpointError(f"{url}: HTTP {resp.status} {resp.reason}")
