@@ -79,7 +79,7 @@ def test_layer_at_a_time_from_store_equals_forward(tiny):
     ids = torch.tensor(PROMPT * 2)
     whole = model.forward(dict_weights(weights), ids)
     calls = {}
-    default = kimi_k3.default_experts(ck.read)
+    default = model.default_experts(ck.read)
 
     def experts(layer, e):
         calls[layer, e] = calls.get((layer, e), 0) + 1

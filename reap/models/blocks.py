@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn.functional import conv1d, pad, silu, softplus
 
+from reap.models import base
 from reap.models.base import ExpertSource, LayerModel, MoERecord, Observer, State, Weights
 from reap.quant.matrix import Matrix
 
@@ -333,12 +334,21 @@ def report_moe(
     observer.on_moe(rec)
 
 
-# -- Llama-style model ends --------------------------------------------------------------------
+# -- Llama-style models ------------------------------------------------------------------------
 class PreNormModel(LayerModel):
-    """A LayerModel with the Llama-style ends: embedding `model.embed_tokens.weight`, final RMSNorm
-    `model.norm.weight`, head `lm_head.weight` (or the tied table). Needs `self.cfg` with
-    `rms_norm_eps` and `tie_word_embeddings`, `self.device`, `self.dtype`; `_w` casts every
-    weight to the compute dtype (override it to keep some in fp32 or to dequantize)."""
+    """A LayerModel with the Llama-style pieces: embedding `model.embed_tokens.weight`; layers of
+    `input_layernorm`, the family's `_attention`, residual, `post_attention_layernorm`, then a
+    dense SwiGLU `mlp.` or the family's `_moe`; final RMSNorm `model.norm.weight` and head
+    `lm_head.weight` (or the tied table). Needs `cfg` with `num_hidden_layers`, `rms_norm_eps`,
+    `tie_word_embeddings` and `is_moe(layer)` (or override `is_moe`), and the family's `expert_tensor_names(cfg, layer,
+    expert)` as a static method; `_w` casts every weight to the compute dtype (override it to
+    keep some in fp32 or to dequantize)."""
+
+    expert_tensor_names: Callable[..., list[str]]
+
+    def __init__(self, cfg, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
+        self.cfg, self.device, self.dtype = cfg, torch.device(device), dtype
+        self.n_layers = cfg.num_hidden_layers
 
     def _w(self, get: Weights, prefix: str) -> WeightFn:
         def w(name: str) -> Tensor:
@@ -350,6 +360,46 @@ class PreNormModel(LayerModel):
         """ids [B, T] int -> State with hidden [B, T, D] (only the used rows are cast)."""
         table = get("model.embed_tokens.weight")
         return State(table[ids.to(table.device)].to(self.device, self.dtype))
+
+    def attn_block(self, i: int, get: Weights, state: State, cache=None) -> tuple[State, Tensor]:
+        """Pre-norm attention of layer i plus the residual; returns (state, MLP input [B, T, D])."""
+        w, eps = self._w(get, f"model.layers.{i}."), self.cfg.rms_norm_eps
+        x = rms_norm(state.hidden, w("input_layernorm.weight"), eps)
+        h = state.hidden + self._attention(i, get, x, cache)
+        return State(h), rms_norm(h, w("post_attention_layernorm.weight"), eps)
+
+    def mlp_block(
+        self,
+        i: int,
+        get: Weights,
+        x: Tensor,
+        experts: ExpertSource | None = None,
+        observer: Observer | None = None,
+    ) -> Tensor:
+        """The dense MLP or the MoE of layer i: x [B, T, D] -> [B, T, D]."""
+        if not self.is_moe(i):
+            return self._dense_mlp(i, get, x)
+        flat = x.reshape(-1, x.shape[-1])  # [N, D]
+        y = self._moe(i, get, flat, experts or self.default_experts(get), observer)
+        return y.to(x.dtype).reshape(x.shape)
+
+    def is_moe(self, i: int) -> bool:
+        """Whether layer i routes to experts (as the config says)."""
+        return self.cfg.is_moe(i)
+
+    def _dense_mlp(self, i: int, get: Weights, x: Tensor) -> Tensor:
+        w = self._w(get, f"model.layers.{i}.mlp.")
+        return silu_glu(x, *(w(f"{n}_proj.weight") for n in ("gate", "up", "down")))
+
+    def default_experts(self, get: Weights) -> ExpertSource:
+        """The ExpertSource used when none is given: one expert's tensors as stored
+        (`expert_tensor_names`) pulled through `get`, keyed by short name."""
+
+        def source(layer: int, expert: int) -> dict[str, Tensor]:
+            full = self.expert_tensor_names(self.cfg, layer, expert)
+            return dict(zip(base.expert_short_names(full), map(get, full)))
+
+        return source
 
     def head(self, get: Weights, state: State) -> Tensor:
         """Final norm and output head: -> logits [B, T, V]."""

@@ -27,7 +27,7 @@ import torch
 from reap.checkpoint import TensorSpec
 from reap.errors import ReapError
 from reap.models import attention, base, blocks
-from reap.models.base import ExpertSource, Observer, State, Weights, decoder_specs, dtype_code
+from reap.models.base import ExpertSource, Weights, decoder_specs, dtype_code
 from reap.quant import fp8
 from reap.quant.matrix import stored_matrices as expert_matrices  # noqa: F401 - family hook
 
@@ -267,26 +267,18 @@ def chat_format(config_dict: dict) -> None:
 
 
 # -- the model ---------------------------------------------------------------------------------
-def default_experts(get: Weights, cfg: Config) -> ExpertSource:
-    """An ExpertSource pulling each expert's tensors (as stored) through the weight getter."""
-
-    def source(layer: int, expert: int) -> dict[str, Tensor]:
-        full = expert_tensor_names(cfg, layer, expert)
-        return dict(zip(base.expert_short_names(full), map(get, full)))
-
-    return source
-
-
 class Model(blocks.PreNormModel):
     """DeepSeek-V3 / Kimi K2 text model; holds no weights (see `reap.models.base`).
 
     Compute runs in `dtype` on `device`; norms, the router and the softmax are fp32."""
 
+    expert_tensor_names = staticmethod(expert_tensor_names)
+
     def __init__(
         self, cfg: Config, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
     ):
-        self.cfg, self.device, self.dtype = cfg, torch.device(device), dtype
-        self.n_layers, self.mla = cfg.num_hidden_layers, attention.MLADims.from_config(cfg)
+        super().__init__(cfg, device, dtype)
+        self.mla = attention.MLADims.from_config(cfg)
         self.rope = attention.Rope.create(cfg.qk_rope_head_dim, *attention.rope_settings(cfg))
         self.scale = cfg.softmax_scale
         r = (cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor)
@@ -308,36 +300,15 @@ class Model(blocks.PreNormModel):
         """Empty per-layer latent KV caches."""
         return [attention.MLACache() for _ in range(self.n_layers)]
 
-    def attn_block(self, i: int, get: Weights, state: State, cache=None) -> tuple[State, Tensor]:
-        """Pre-norm MLA of layer i plus the residual; returns (state, MLP input [B, T, D])."""
-        w, eps = self._w(get, f"model.layers.{i}."), self.cfg.rms_norm_eps
-        x = blocks.rms_norm(state.hidden, w("input_layernorm.weight"), eps)
+    def _attention(self, i: int, get: Weights, x: Tensor, cache) -> Tensor:
+        """The MLA of layer i: x [B, T, D] -> [B, T, D]."""
         sub = self._w(get, f"model.layers.{i}.self_attn.")
-        a = attention.mla_attention(x, sub, self.mla, cache, rope=self._rotate, scale=self.scale)
-        h = state.hidden + a
-        return State(h), blocks.rms_norm(h, w("post_attention_layernorm.weight"), eps)
+        return attention.mla_attention(x, sub, self.mla, cache, rope=self._rotate, scale=self.scale)
 
-    def mlp_block(
-        self,
-        i: int,
-        get: Weights,
-        x: Tensor,
-        experts: ExpertSource | None = None,
-        observer: Observer | None = None,
-    ) -> Tensor:
-        """Dense SwiGLU MLP or the MoE of layer i: x [B, T, D] -> [B, T, D]."""
-        w = self._w(get, f"model.layers.{i}.mlp.")
-        if not self.cfg.is_moe(i):
-            return blocks.silu_glu(x, *(w(f"{n}_proj.weight") for n in GLU))
-        flat = x.reshape(-1, x.shape[-1])  # [N, D]
-        y = self._moe(flat, w, i, experts or default_experts(get, self.cfg), observer)
-        return y.reshape(x.shape)
-
-    def _moe(
-        self, x: Tensor, w: blocks.WeightFn, i: int, experts: ExpertSource, observer
-    ) -> Tensor:
+    def _moe(self, i: int, get: Weights, x: Tensor, experts: ExpertSource, observer) -> Tensor:
         """Route, run the chosen experts expert-major, add the shared experts: [N, D] -> [N, D].
         Experts work in the model space, so an expert's model_norm is its output's norm."""
+        w = self._w(get, f"model.layers.{i}.mlp.")
         bias = w("gate.e_score_correction_bias")
         ids, weights, probs = blocks.grouped_route(
             blocks.linear(x.float(), w("gate.weight")), bias, *self.routing

@@ -31,7 +31,7 @@ from reap.checkpoint import TensorSpec, view_name
 from reap.errors import ReapError
 from reap.models import base, blocks
 from reap.models.attention import KVCache, Rope, gqa_attention, rope_settings
-from reap.models.base import ExpertSource, Observer, State, Weights, decoder_specs, dtype_code
+from reap.models.base import ExpertSource, Weights, decoder_specs, dtype_code
 from reap.quant import mxfp4
 from reap.quant.matrix import stored_matrices as expert_matrices  # noqa: F401 - family hook
 
@@ -259,16 +259,6 @@ def expert_mlp(x: torch.Tensor, t: Mapping[str, torch.Tensor], alpha: float, lim
     return h @ w["down"].to(x.device) + w["down_bias"].to(x.device)
 
 
-def default_experts(get: Weights, cfg: Config) -> ExpertSource:
-    """An ExpertSource pulling each expert's views (`expert_tensor_names`) through the getter."""
-
-    def source(layer: int, expert: int) -> dict[str, torch.Tensor]:
-        full = expert_tensor_names(cfg, layer, expert)
-        return {s: get(n) for s, n in zip(base.expert_short_names(full), full)}
-
-    return source
-
-
 def router(logits: torch.Tensor, top_k: int):
     """logits [N, E] -> (ids [N, K], weights [N, K] fp32: softmax over the top-k logits,
     probs [N, E] fp32: softmax over all logits, reported to observers)."""
@@ -281,25 +271,25 @@ class Model(blocks.PreNormModel):
     """GPT-OSS decoder; holds no weights (see `reap.models.base` for the driving protocol).
     Compute runs in `dtype` on `device`; norms, router softmax and attention softmax in fp32."""
 
+    expert_tensor_names = staticmethod(expert_tensor_names)
+
     def __init__(
         self, cfg: Config, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
     ):
-        self.cfg, self.device, self.dtype = cfg, torch.device(device), dtype
-        self.n_layers = cfg.num_hidden_layers
+        super().__init__(cfg, device, dtype)
         self.rope = Rope.create(cfg.head_dim, *cfg.rope)
 
     def new_caches(self) -> list[KVCache]:
         """Empty per-layer KV caches."""
         return [KVCache() for _ in range(self.n_layers)]
 
-    def attn_block(self, i: int, get: Weights, state: State, cache=None):
-        """Attention of layer i; returns (state, MLP input [B, T, D])."""
-        cfg, w = self.cfg, self._w(get, f"model.layers.{i}.")
-        Bn, T, _ = state.hidden.shape
-        x = blocks.rms_norm(state.hidden, w("input_layernorm.weight"), cfg.rms_norm_eps)
+    def _attention(self, i: int, get: Weights, x: torch.Tensor, cache: KVCache | None):
+        """Biased GQA with sinks of layer i: x [B, T, D] -> [B, T, D]."""
+        cfg, w = self.cfg, self._w(get, f"model.layers.{i}.self_attn.")
+        Bn, T, _ = x.shape
 
         def proj(n: str) -> torch.Tensor:  # [B, T, heads, Dh]
-            y = blocks.linear(x, w(f"self_attn.{n}_proj.weight")) + w(f"self_attn.{n}_proj.bias")
+            y = blocks.linear(x, w(f"{n}_proj.weight")) + w(f"{n}_proj.bias")
             return y.reshape(Bn, T, -1, cfg.head_dim)
 
         start = cache.length if cache is not None else 0
@@ -307,35 +297,21 @@ class Model(blocks.PreNormModel):
         sinks = get(f"model.layers.{i}.self_attn.sinks").to(self.device, torch.float32)
         o = gqa_attention(q, k, proj("v"), cache, cfg.head_dim**-0.5, sinks, cfg.window(i))
         o = o.reshape(Bn, T, -1)  # [B, T, H*Dh]
-        h = (
-            state.hidden
-            + blocks.linear(o, w("self_attn.o_proj.weight"))
-            + w("self_attn.o_proj.bias")
-        )
-        return State(h), blocks.rms_norm(h, w("post_attention_layernorm.weight"), cfg.rms_norm_eps)
+        return blocks.linear(o, w("o_proj.weight")) + w("o_proj.bias")
 
-    def mlp_block(
-        self,
-        i: int,
-        get: Weights,
-        x: torch.Tensor,
-        experts: ExpertSource | None = None,
-        observer: Observer | None = None,
+    def is_moe(self, i: int) -> bool:
+        """Every GPT-OSS layer routes to experts."""
+        return True
+
+    def _moe(
+        self, i: int, get: Weights, x: torch.Tensor, experts: ExpertSource, observer
     ) -> torch.Tensor:
-        """The MoE of layer i: x [B, T, D] -> [B, T, D]."""
+        """The MoE of layer i: x [N, D] -> [N, D] fp32."""
         cfg, w = self.cfg, self._w(get, f"model.layers.{i}.mlp.router.")
-        flat = x.reshape(-1, x.shape[-1])  # [N, D]
-        logits = blocks.linear(flat, w("weight")) + w("bias")  # [N, E]
+        logits = blocks.linear(x, w("weight")) + w("bias")  # [N, E]
         ids, weights, probs = router(logits, cfg.num_experts_per_tok)
-        source = experts or default_experts(get, cfg)
-        y = blocks.model_width_experts(
-            flat,
-            ids,
-            weights,
-            probs,
-            i,
-            source,
-            lambda xs, t: expert_mlp(xs, t, cfg.swiglu_alpha, cfg.swiglu_limit),
-            observer,
-        )
-        return y.to(x.dtype).reshape(x.shape)
+
+        def run(xs: torch.Tensor, t) -> torch.Tensor:
+            return expert_mlp(xs, t, cfg.swiglu_alpha, cfg.swiglu_limit)
+
+        return blocks.model_width_experts(x, ids, weights, probs, i, experts, run, observer)

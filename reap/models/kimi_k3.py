@@ -17,7 +17,7 @@ import torch
 from reap.checkpoint import TensorSpec
 from reap.errors import ReapError
 from reap.models import attention, base, blocks
-from reap.models.base import ExpertSource, LayerModel, Observer, State, Weights, dtype_code
+from reap.models.base import ExpertSource, State, Weights, dtype_code
 from reap.models.kimi_k3_blocks import (
     MoEDims,
     attn_res_mix,
@@ -296,26 +296,18 @@ def state_bytes(cfg: Config, act_bytes: int) -> tuple[int, int, int, int]:
 
 
 # -- the model ---------------------------------------------------------------------------------
-def default_experts(get: Weights) -> ExpertSource:
-    """An ExpertSource pulling each expert's six MXFP4 tensors through the weight getter."""
-
-    def source(layer: int, expert: int) -> dict[str, torch.Tensor]:
-        return dict(zip(EXPERT_TENSORS, map(get, expert_tensor_names(None, layer, expert))))
-
-    return source
-
-
-class Model(LayerModel):
+class Model(blocks.PreNormModel):
     """Kimi K3 text model; holds no weights (see `reap.models.base` for the driving protocol).
 
     Compute runs in `dtype` on `device`; the KDA decay and state, router scores, norms and the
     AttnRes mix are always fp32."""
 
+    expert_tensor_names = staticmethod(expert_tensor_names)
+
     def __init__(
         self, cfg: Config, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
     ):
-        self.cfg, self.device, self.dtype = cfg, torch.device(device), dtype
-        self.n_layers = cfg.num_hidden_layers
+        super().__init__(cfg, device, dtype)
         self.mla = attention.MLADims.from_config(cfg)
         self.act = (cfg.activation_situ_beta or 1.0, cfg.activation_situ_linear_beta)
         self.moe = MoEDims.from_config(cfg)
@@ -366,23 +358,17 @@ class Model(LayerModel):
         proj, norm = w(f"{name}_proj.weight"), w(f"{name}_norm.weight")
         return attn_res_mix(snapshots, partial, proj, norm, self.cfg.rms_norm_eps)
 
-    def mlp_block(
-        self,
-        i: int,
-        get: Weights,
-        x: torch.Tensor,
-        experts: ExpertSource | None = None,
-        observer: Observer | None = None,
+    def _dense_mlp(self, i: int, get: Weights, x: torch.Tensor) -> torch.Tensor:
+        w = self._w(get, f"model.layers.{i}.mlp.")
+        mats = (w(f"{n}_proj.weight") for n in ("gate", "up", "down"))
+        return blocks.glu_mlp(x, *mats, *self.act)
+
+    def _moe(
+        self, i: int, get: Weights, x: torch.Tensor, experts: ExpertSource, observer
     ) -> torch.Tensor:
-        """Dense MLP or LatentMoE of layer i: x [B, T, D] -> [B, T, D]."""
-        if not self.cfg.is_moe(i):
-            w = self._w(get, f"model.layers.{i}.mlp.")
-            mats = (w(f"{n}_proj.weight") for n in ("gate", "up", "down"))
-            return blocks.glu_mlp(x, *mats, *self.act)
+        """The LatentMoE of layer i: x [N, D] -> [N, D]."""
         w = self._w(get, f"model.layers.{i}.block_sparse_moe.")
-        flat = x.reshape(-1, x.shape[-1])  # [N, D]
-        y = latent_moe(flat, w, self.moe, i, experts or default_experts(get), observer)
-        return y.reshape(x.shape)
+        return latent_moe(x, w, self.moe, i, experts, observer)
 
     def head(self, get: Weights, state: State) -> torch.Tensor:
         """Final AttnRes mix, norm and output head: -> logits [B, T, V]."""

@@ -23,7 +23,7 @@ import torch
 from reap.checkpoint import TensorSpec
 from reap.errors import ReapError
 from reap.models import attention, blocks, kimi_k3
-from reap.models.base import ExpertSource, Observer, State, Weights, decoder_specs, dtype_code
+from reap.models.base import ExpertSource, Observer, Weights, decoder_specs, dtype_code
 from reap.quant.matrix import stored_matrices as expert_matrices  # noqa: F401 - family hook
 
 # shared with K3: same names, same meaning
@@ -224,16 +224,6 @@ def chat_format(config_dict: dict) -> None:
 
 
 # -- the model ---------------------------------------------------------------------------------
-def default_experts(get: Weights) -> ExpertSource:
-    """An ExpertSource pulling each expert's tensors (short names "w1.weight", ...) by name."""
-
-    def source(layer: int, expert: int) -> dict[str, torch.Tensor]:
-        names = expert_tensor_names(None, layer, expert)
-        return {s: get(n) for s, n in zip(EXPERT_TENSORS, names)}
-
-    return source
-
-
 def _expert(x: torch.Tensor, t) -> torch.Tensor:
     """One routed expert on its tokens: x [M, D] -> [M, D]."""
     gate, up, down = (t[f"{n}.weight"].to(x.device) for n in ("w1", "w3", "w2"))
@@ -277,35 +267,24 @@ class Model(kimi_k3.Model):
 
         return w
 
-    def attn_block(
-        self, i: int, get: Weights, state: State, cache=None
-    ) -> tuple[State, torch.Tensor]:
-        """Pre-norm KDA or NoPE MLA of layer i plus the residual: (state, MLP input [B, T, D])."""
-        cfg, w, eps = self.cfg, self._w(get, f"model.layers.{i}."), self.cfg.rms_norm_eps
-        x = blocks.rms_norm(state.hidden, w("input_layernorm.weight"), eps)
-        sub = self._w(get, f"model.layers.{i}.self_attn.")
-        if cfg.is_kda(i):
-            H, Dk = cfg.kda_heads, cfg.kda_head_dim
-            a = blocks.kda_attention(x, sub, H, Dk, None, eps, cache, low_rank_gate=True)
-        else:
-            a = attention.mla_attention(x, sub, self.mla, cache)
-        h = state.hidden + a
-        return State(h), blocks.rms_norm(h, w("post_attention_layernorm.weight"), eps)
+    attn_block = blocks.PreNormModel.attn_block  # plain pre-norm residual, no AttnRes
+    expert_tensor_names = staticmethod(expert_tensor_names)
 
-    def mlp_block(
-        self,
-        i: int,
-        get: Weights,
-        x: torch.Tensor,
-        experts: ExpertSource | None = None,
-        observer: Observer | None = None,
+    def _attention(self, i: int, get: Weights, x: torch.Tensor, cache) -> torch.Tensor:
+        """KDA or NoPE MLA of layer i: x [B, T, D] -> [B, T, D]."""
+        cfg, sub = self.cfg, self._w(get, f"model.layers.{i}.self_attn.")
+        if cfg.is_kda(i):
+            H, Dk, eps = cfg.kda_heads, cfg.kda_head_dim, cfg.rms_norm_eps
+            return blocks.kda_attention(x, sub, H, Dk, None, eps, cache, low_rank_gate=True)
+        return attention.mla_attention(x, sub, self.mla, cache)
+
+    def _dense_mlp(self, i: int, get: Weights, x: torch.Tensor) -> torch.Tensor:
+        w = self._w(get, f"model.layers.{i}.{self.cfg.dense_prefix}")
+        return blocks.silu_glu(x, *(w(f"{n}_proj.weight") for n in ("gate", "up", "down")))
+
+    def _moe(
+        self, i: int, get: Weights, x: torch.Tensor, experts: ExpertSource, observer
     ) -> torch.Tensor:
-        """Dense SiLU GLU or the sparse MoE of layer i: x [B, T, D] -> [B, T, D]."""
-        cfg = self.cfg
-        if not cfg.is_moe(i):
-            w = self._w(get, f"model.layers.{i}.{cfg.dense_prefix}")
-            return blocks.silu_glu(x, *(w(f"{n}_proj.weight") for n in ("gate", "up", "down")))
+        """The sparse MoE of layer i: x [N, D] -> [N, D]."""
         w = self._w(get, f"model.layers.{i}.block_sparse_moe.")
-        flat = x.reshape(-1, x.shape[-1])  # [N, D]
-        y = sparse_moe(flat, w, cfg, i, experts or default_experts(get), observer)
-        return y.reshape(x.shape)
+        return sparse_moe(x, w, self.cfg, i, experts, observer)

@@ -21,7 +21,6 @@ from reap.models.qwen3_moe import (  # noqa: F401 - family API
     Model,
     Naming,
     calibration_widths,
-    default_experts,
     expert_groups,
     expert_matrices,
     expert_tensor_names,

@@ -26,7 +26,7 @@ from reap.checkpoint import TensorSpec
 from reap.errors import ReapError
 from reap.models import base, blocks
 from reap.models.attention import KVCache, Rope, gqa_attention, rope_settings
-from reap.models.base import ExpertSource, Observer, State, Weights, decoder_specs, dtype_code
+from reap.models.base import ExpertSource, Weights, decoder_specs, dtype_code
 from reap.quant.matrix import stored_matrices as expert_matrices  # noqa: F401 - family hook
 
 
@@ -275,45 +275,27 @@ def chat_format(config_dict: dict) -> None:
 
 
 # -- the model ---------------------------------------------------------------------------------
-def default_experts(get: Weights, names: Naming = NAMES) -> ExpertSource:
-    """An ExpertSource pulling an expert's three matrices through the weight getter."""
-
-    def source(layer: int, expert: int) -> dict[str, torch.Tensor]:
-        return {s: get(n) for s, n in zip(names.order, names.expert_names(layer, expert))}
-
-    return source
-
-
 class Model(blocks.PreNormModel):
     """Pre-norm decoder with GQA RoPE attention and softmax-routed SwiGLU experts; holds no
     weights (see `reap.models.base`). Compute runs in `dtype` on `device`; router probabilities,
     norms and attention softmax in fp32."""
 
+    expert_tensor_names = staticmethod(expert_tensor_names)
+
     def __init__(
         self, cfg: Config, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
     ):
-        self.cfg, self.device, self.dtype = cfg, torch.device(device), dtype
-        self.n_layers = cfg.num_hidden_layers
+        super().__init__(cfg, device, dtype)
         self.rope = Rope.create(cfg.dh, cfg.rope_theta, cfg.rope_scaling)
 
     def new_caches(self) -> list[KVCache]:
         """Empty per-layer KV caches."""
         return [KVCache() for _ in range(self.n_layers)]
 
-    def attn_block(
-        self, i: int, get: Weights, state: State, cache: KVCache | None = None
-    ) -> tuple[State, torch.Tensor]:
-        """Attention of layer i with its residual; returns (state, MLP input [B, T, D])."""
-        w, eps = self._w(get, f"model.layers.{i}."), self.cfg.rms_norm_eps
-        h = state.hidden
-        a = self._attention(blocks.rms_norm(h, w("input_layernorm.weight"), eps), w, cache)
-        h = h + a
-        return State(h), blocks.rms_norm(h, w("post_attention_layernorm.weight"), eps)
-
     def _attention(
-        self, x: torch.Tensor, w: blocks.WeightFn, cache: KVCache | None
+        self, i: int, get: Weights, x: torch.Tensor, cache: KVCache | None
     ) -> torch.Tensor:
-        cfg, Bn, T = self.cfg, x.shape[0], x.shape[1]
+        cfg, Bn, T, w = self.cfg, x.shape[0], x.shape[1], self._w(get, f"model.layers.{i}.")
         H, Hkv, Dh, eps = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.dh, cfg.rms_norm_eps
         q, k, v = (self._proj(x, w, n) for n in "qkv")  # [B, T, H*Dh], [B, T, Hkv*Dh] x2
         if cfg.qk_norm == "full":
@@ -335,27 +317,17 @@ class Model(blocks.PreNormModel):
         y = blocks.linear(x, w(f"self_attn.{n}_proj.weight"))
         return y + w(f"self_attn.{n}_proj.bias") if self.cfg.attention_bias else y
 
-    def mlp_block(
-        self,
-        i: int,
-        get: Weights,
-        x: torch.Tensor,
-        experts: ExpertSource | None = None,
-        observer: Observer | None = None,
+    def _moe(
+        self, i: int, get: Weights, x: torch.Tensor, experts: ExpertSource, observer
     ) -> torch.Tensor:
-        """Dense SwiGLU MLP or the routed experts of layer i: x [B, T, D] -> [B, T, D]."""
-        cfg = self.cfg
-        if not cfg.is_moe(i):
-            w = self._w(get, f"model.layers.{i}.mlp.")
-            return blocks.silu_glu(x, *(w(f"{n}_proj.weight") for n in ("gate", "up", "down")))
-        w = self._w(get, f"model.layers.{i}.{cfg.names.moe}")
-        flat = x.reshape(-1, x.shape[-1])  # [N, D]
+        """The routed experts of layer i: x [N, D] -> [N, D] fp32."""
+        cfg, w = self.cfg, self._w(get, f"model.layers.{i}.{self.cfg.names.moe}")
         ids, weights, probs = blocks.softmax_topk(
-            blocks.linear(flat, w("gate.weight")), cfg.num_experts_per_tok, cfg.norm_topk_prob
+            blocks.linear(x, w("gate.weight")), cfg.num_experts_per_tok, cfg.norm_topk_prob
         )
-        source = experts or default_experts(get, cfg.names)
-        y = blocks.model_width_experts(flat, ids, weights, probs, i, source, self._expert, observer)
-        return y.to(x.dtype).reshape(x.shape)
+        return blocks.model_width_experts(
+            x, ids, weights, probs, i, experts, self._expert, observer
+        )
 
     def _expert(self, x: torch.Tensor, t) -> torch.Tensor:
         """One routed expert on its tokens: x [M, D] -> [M, D]."""
