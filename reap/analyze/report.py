@@ -159,18 +159,7 @@ def _community_tables(r: AnalysisResult) -> dict:
                 for e, g in enumerate(c.labels)
             ]
         ),
-        "community_summary": pd.DataFrame(
-            [
-                {
-                    "layer": c.layer,
-                    "n_communities": c.n_communities,
-                    "modularity": c.modularity,
-                    "null_modularity_mean": c.null_mean,
-                    "null_modularity_max": c.null_max,
-                }
-                for c in r.communities
-            ]
-        ),
+        "community_summary": pd.DataFrame([_community_summary(c) for c in r.communities]),
         "community_composition": pd.DataFrame(
             [
                 {"layer": c.layer, "community": g, "corpus": n, "share": c.share[g, j]}
@@ -179,6 +168,17 @@ def _community_tables(r: AnalysisResult) -> dict:
                 for j, n in enumerate(names)
             ]
         ),
+    }
+
+
+def _community_summary(c) -> dict:
+    """One layer's community result: its size, modularity and the null's."""
+    return {
+        "layer": c.layer,
+        "n_communities": c.n_communities,
+        "modularity": c.modularity,
+        "null_modularity_mean": c.null_mean,
+        "null_modularity_max": c.null_max,
     }
 
 
@@ -234,16 +234,7 @@ def summary(r: AnalysisResult, files: ReportFiles | None = None) -> dict:
                 "centroids": ec.centroids,
                 "corpora": ec.corpora,
             },
-            "communities": [
-                {
-                    "layer": c.layer,
-                    "n_communities": c.n_communities,
-                    "modularity": c.modularity,
-                    "null_modularity_mean": c.null_mean,
-                    "null_modularity_max": c.null_max,
-                }
-                for c in r.communities
-            ],
+            "communities": [_community_summary(c) for c in r.communities],
             "notes": r.notes,
             "files": files,
         }

@@ -47,13 +47,8 @@ def routed_stats(
         raise ValueError("top_k exceeds n_experts")
     gen = torch.Generator().manual_seed(seed)
     logp = torch.from_numpy(np.log(np.clip(probs, 1e-300, None)))  # [S, L, E]
-    gumbel = -torch.log(
-        -torch.log(
-            torch.rand((S, L, tokens_per_seq, E), generator=gen, dtype=torch.float64).clamp_min(
-                1e-300
-            )
-        )
-    )
+    uniform = torch.rand((S, L, tokens_per_seq, E), generator=gen, dtype=torch.float64)
+    gumbel = -torch.log(-torch.log(uniform.clamp_min(1e-300)))
     idx = (logp[:, :, None, :] + gumbel).topk(top_k, dim=-1).indices  # [S, L, T, K]
     chosen_p = torch.gather(
         torch.from_numpy(probs)[:, :, None, :].expand(-1, -1, tokens_per_seq, -1), -1, idx
@@ -62,17 +57,8 @@ def routed_stats(
     scale = _expert_scales(model, L, E)  # [L, E]
     lscale = scale[torch.arange(L)[None, :, None, None], idx]  # [S, L, T, K]
     norm = lscale * torch.exp(0.25 * torch.randn(idx.shape, generator=gen, dtype=torch.float64))
-    return _assemble(
-        probs,
-        idx,
-        gate,
-        norm,
-        E,
-        top_k,
-        tokens_per_seq,
-        {"corpus": corpus, "model": model, "synthetic": True, "seed": seed},
-        with_seq_count,
-    )
+    meta = {"corpus": corpus, "model": model, "synthetic": True, "seed": seed}
+    return _assemble(probs, idx, gate, norm, E, top_k, tokens_per_seq, meta, with_seq_count)
 
 
 def _expert_scales(model: str, L: int, E: int) -> torch.Tensor:
@@ -150,18 +136,15 @@ def planted_profiles(
         raise ValueError("too few experts for the families")
     homes = {f: np.zeros((n_layers, n_experts), bool) for f in families}
     base = np.zeros((n_layers, n_experts))
-    base_by_family = {}
     for layer in range(n_layers):
         perm = rng.permutation(n_experts)
         base[layer, perm[:generalists]] = generalist_boost
         for i, f in enumerate(families):
             homes[f][layer, perm[generalists + i * block : generalists + (i + 1) * block]] = True
-    for f in families:
-        base_by_family[f] = base + home_boost * homes[f]
     profiles = {}
     for f, members in families.items():
         for c in members:
-            logits = base_by_family[f] + corpus_noise * rng.standard_normal(base.shape)
+            logits = base + home_boost * homes[f] + corpus_noise * rng.standard_normal(base.shape)
             p = np.exp(logits - logits.max(-1, keepdims=True))
             profiles[c] = p / p.sum(-1, keepdims=True)
     return profiles, homes

@@ -129,27 +129,26 @@ def check_request(engine, r: Request) -> None:
         )
 
 
-def _prefill(engine, seqs, requests, metrics: RunMetrics) -> list[torch.Tensor]:
-    """Feed every prompt in chunks of the plan's prefill size; returns last-position logits."""
-    chunk = engine.plan.prefill_chunk
-    last: list = [None] * len(seqs)
-    pos = [0] * len(seqs)
+def _prefill(
+    engine, seqs, requests, metrics: RunMetrics, all_positions: bool = False
+) -> list[list[torch.Tensor]]:
+    """Feed every prompt in chunks of the plan's prefill size; returns each sequence's logits per
+    chunk: [V] at its last position, or [T_c, V] at every position with `all_positions` (teacher
+    forcing, where no decode step follows the last chunk)."""
+    chunk, pos = engine.plan.prefill_chunk, [0] * len(seqs)
+    out: list[list[torch.Tensor]] = [[] for _ in seqs]
     t0, c0 = time.perf_counter(), engine.counters()
     while any(p < len(r.ids) for p, r in zip(pos, requests)):
         live = [k for k, r in enumerate(requests) if pos[k] < len(r.ids)]
         chunks = [requests[k].ids[pos[k] : pos[k] + chunk] for k in live]
-        outs = engine.step([seqs[k] for k in live], chunks, more=True)
+        more = not all_positions or any(pos[k] + chunk < len(requests[k].ids) for k in live)
+        outs = engine.step([seqs[k] for k in live], chunks, all_positions, more)
         for k, c, o in zip(live, chunks, outs):
             pos[k] += len(c)
-            last[k] = o
-    metrics.add(
-        "prefill",
-        sum(len(r.ids) for r in requests),
-        time.perf_counter() - t0,
-        c0,
-        engine.counters(),
-    )
-    return last
+            out[k].append(o)
+    tokens = sum(len(r.ids) for r in requests)
+    metrics.add("prefill", tokens, time.perf_counter() - t0, c0, engine.counters())
+    return out
 
 
 def _events(
@@ -164,7 +163,7 @@ def _events(
     decode = engine.tokenizer.decode if engine.tokenizer is not None else None
     stops = [StopMatcher(decode, r.stop) for r in requests]
     eos = engine.tokenizer.eos_id if engine.tokenizer is not None else None
-    logits = _prefill(engine, seqs, requests, metrics)
+    logits = [o[-1] for o in _prefill(engine, seqs, requests, metrics)]
     live = list(range(len(requests)))
     t0, c0, n = time.perf_counter(), engine.counters(), 0
     try:
@@ -268,19 +267,7 @@ def teacher_forced_logits(engine, sequences) -> tuple[list[torch.Tensor], RunMet
     reqs = requests_from(engine, sequences, 1, 0.0, 1.0, 0, ())
     for r in reqs:
         check_request(engine, Request(r.ids, 1))
-    seqs = [engine.new_sequence() for _ in reqs]
-    out: list[list[torch.Tensor]] = [[] for _ in reqs]
-    chunk, pos = engine.plan.prefill_chunk, [0] * len(reqs)
-    metrics, t0, c0 = RunMetrics(), time.perf_counter(), engine.counters()
-    while any(p < len(r.ids) for p, r in zip(pos, reqs)):
-        live = [k for k, r in enumerate(reqs) if pos[k] < len(r.ids)]
-        chunks = [reqs[k].ids[pos[k] : pos[k] + chunk] for k in live]
-        more = any(pos[k] + chunk < len(reqs[k].ids) for k in live)
-        for k, c, o in zip(live, chunks, engine.step([seqs[k] for k in live], chunks, True, more)):
-            pos[k] += len(c)
-            out[k].append(o)
-    metrics.add(
-        "prefill", sum(len(r.ids) for r in reqs), time.perf_counter() - t0, c0, engine.counters()
-    )
+    seqs, metrics = [engine.new_sequence() for _ in reqs], RunMetrics()
+    out = _prefill(engine, seqs, reqs, metrics, all_positions=True)
     _finish(engine, metrics, reqs, [])
     return [torch.cat(o) for o in out], metrics

@@ -141,6 +141,15 @@ def ungrouped(config_dict: dict) -> int:
     return 1
 
 
+def hf_top_k(cfg) -> int:
+    """`top_k` of a family whose config uses the Hugging Face name `num_experts_per_tok`."""
+    return cfg.num_experts_per_tok
+
+
+def own_template(config_dict: dict) -> None:
+    """`chat_format` of a family whose checkpoints ship their own chat template: None."""
+
+
 def residual_widths(cfg, n_layers: int) -> ActivationWidths:
     """`calibration_widths` of a plain residual stream (no snapshots) from the Hugging Face
     names `hidden_size`, `num_attention_heads` and `intermediate_size`."""

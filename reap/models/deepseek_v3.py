@@ -246,9 +246,7 @@ def expert_groups(config_dict: dict) -> int:
 calibration_widths = base.residual_widths
 
 
-def top_k(cfg: Config) -> int:
-    """Experts each token is routed to (`num_experts_per_tok`)."""
-    return cfg.num_experts_per_tok
+top_k = base.hf_top_k
 
 
 def state_bytes(cfg: Config, act_bytes: int) -> tuple[int, int, int, int]:
@@ -262,8 +260,7 @@ def state_bytes(cfg: Config, act_bytes: int) -> tuple[int, int, int, int]:
     return per_pos, 0, act, 4 * 3 * H
 
 
-def chat_format(config_dict: dict) -> None:
-    """None (no built-in chat format): DeepSeek-V3/Kimi K2 checkpoints ship their own template."""
+chat_format = base.own_template  # the checkpoints ship their chat template
 
 
 # -- the model ---------------------------------------------------------------------------------

@@ -211,9 +211,7 @@ expert_groups = base.ungrouped  # softmax over the top-k logits of all experts
 calibration_widths = base.residual_widths
 
 
-def top_k(cfg: Config) -> int:
-    """Experts each token is routed to (`num_experts_per_tok`)."""
-    return cfg.num_experts_per_tok
+top_k = base.hf_top_k
 
 
 def state_bytes(cfg: Config, act_bytes: int) -> tuple[int, int, int, int]:
@@ -226,8 +224,7 @@ def state_bytes(cfg: Config, act_bytes: int) -> tuple[int, int, int, int]:
     return per_pos, 0, act, 4 * 3 * H
 
 
-def chat_format(config_dict: dict) -> None:
-    """None (no built-in chat format): GPT-OSS checkpoints ship their own chat template."""
+chat_format = base.own_template  # the checkpoints ship their chat template
 
 
 # -- experts -----------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ import torch
 
 from reap.checkpoint import TensorSpec
 from reap.errors import ReapError
-from reap.models import attention, blocks, kimi_k3
+from reap.models import attention, base, blocks, kimi_k3
 from reap.models.base import ExpertSource, Observer, Weights, decoder_specs, dtype_code
 from reap.quant.matrix import stored_matrices as expert_matrices  # noqa: F401 - family hook
 
@@ -219,8 +219,7 @@ def expert_groups(config_dict: dict) -> int:
     return int(config_dict.get("text_config", config_dict).get("num_expert_group") or 1)
 
 
-def chat_format(config_dict: dict) -> None:
-    """None (no built-in chat format): Kimi Linear checkpoints ship their own chat template."""
+chat_format = base.own_template  # the checkpoints ship their chat template
 
 
 # -- the model ---------------------------------------------------------------------------------

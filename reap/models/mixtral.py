@@ -21,6 +21,7 @@ from reap.models.qwen3_moe import (  # noqa: F401 - family API
     Model,
     Naming,
     calibration_widths,
+    chat_format,
     expert_groups,
     expert_matrices,
     expert_tensor_names,
@@ -82,7 +83,3 @@ def expert_key(name: str) -> tuple[int, int] | None:
 def with_experts(config_dict: dict, n_experts: int | dict[int, int]) -> dict:
     """The config with `n_experts` routed experts per layer (see `qwen3_moe.set_experts`)."""
     return qwen3_moe.set_experts(config_dict, n_experts, NAMES.expert_count_key)
-
-
-def chat_format(config_dict: dict) -> None:
-    """None (no built-in chat format): Mixtral checkpoints ship their own chat template."""

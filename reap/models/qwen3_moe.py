@@ -265,13 +265,9 @@ def with_experts(config_dict: dict, n_experts: int | dict[int, int]) -> dict:
     return set_experts(config_dict, n_experts, NAMES.expert_count_key)
 
 
-def top_k(cfg: Config) -> int:
-    """Experts each token is routed to (`num_experts_per_tok`)."""
-    return cfg.num_experts_per_tok
+top_k = base.hf_top_k
 
-
-def chat_format(config_dict: dict) -> None:
-    """None (no built-in chat format): Qwen3-MoE/OLMoE checkpoints ship their own chat template."""
+chat_format = base.own_template  # the checkpoints ship their chat template
 
 
 # -- the model ---------------------------------------------------------------------------------
