@@ -265,27 +265,9 @@ def compare_sets(
         p = chance.jaccard_p(n, na, nb, k)
         j = float(chance.jaccard_of(k, na, nb))
         z = (j - null.mean) / null.sd if null.sd > 0 else np.nan
-        rows.append(
-            SetOverlap(
-                a.name,
-                b.name,
-                criterion,
-                m,
-                layer,
-                na,
-                nb,
-                k,
-                j,
-                null.mean,
-                null.sd,
-                null.lo,
-                null.hi,
-                float(z),
-                p.less,
-                p.greater,
-                p.two_sided,
-            )
-        )
+        band = (null.mean, null.sd, null.lo, null.hi, float(z))  # chance, as SetOverlap orders it
+        tests = (p.less, p.greater, p.two_sided)
+        rows.append(SetOverlap(a.name, b.name, criterion, m, layer, na, nb, k, j, *band, *tests))
         sizes.append((n, na, nb))
         inter_total += k
     q = chance.fdr_bh(np.array([r.p_value for r in rows]))
@@ -305,25 +287,14 @@ def _overall(rows: list[SetOverlap], sizes, inter_total: int, alpha: float) -> S
     p = chance.total_intersection_p(sizes, inter_total)
     sig = [r for r in rows if r.q_value < alpha]
     r0 = rows[0]
-    return SetOverlapOverall(
-        r0.corpus_a,
-        r0.corpus_b,
-        r0.criterion,
-        r0.m,
-        L,
-        mean_j,
-        mean_e,
-        mean_e - zc * sd,
-        mean_e + zc * sd,
-        (mean_j - mean_e) / sd if sd > 0 else float("nan"),
-        inter_total,
-        float(sum(a * b / n for n, a, b in sizes)),
-        p.less,
-        p.greater,
-        p.two_sided,
-        sum(r.jaccard > r.expected for r in sig),
-        sum(r.jaccard < r.expected for r in sig),
-    )
+    pair = (r0.corpus_a, r0.corpus_b, r0.criterion, r0.m, L)
+    z = (mean_j - mean_e) / sd if sd > 0 else float("nan")
+    band = (mean_j, mean_e, mean_e - zc * sd, mean_e + zc * sd, z)
+    expected = float(sum(a * b / n for n, a, b in sizes))
+    above = sum(r.jaccard > r.expected for r in sig)
+    below = sum(r.jaccard < r.expected for r in sig)
+    tests = (inter_total, expected, p.less, p.greater, p.two_sided, above, below)
+    return SetOverlapOverall(*pair, *band, *tests)
 
 
 def compare_usage(a: CorpusUsage, b: CorpusUsage) -> list[UsageSimilarity]:

@@ -214,10 +214,6 @@ class ExpertCache:
         self._pending.clear()
         self._in_use.clear()
 
-    @property
-    def resident_bytes(self) -> int:
-        return len(self.tensors) * self.slot_bytes
-
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True)

@@ -48,6 +48,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import os
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import ModuleType
@@ -139,6 +140,18 @@ class Family(Protocol):
 def ungrouped(config_dict: dict) -> int:
     """`expert_groups` of a family whose router picks among all experts at once."""
     return 1
+
+
+def expert_key_by(pattern: str) -> Callable[[str], tuple[int, int] | None]:
+    """An `expert_key` hook: (layer, expert) from the two groups of regex `pattern` searched in a
+    tensor name (prefix optional), else None."""
+    regex = re.compile(pattern)
+
+    def expert_key(name: str) -> tuple[int, int] | None:
+        m = regex.search(name)
+        return (int(m.group(1)), int(m.group(2))) if m else None
+
+    return expert_key
 
 
 def hf_top_k(cfg) -> int:

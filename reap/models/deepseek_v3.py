@@ -37,7 +37,6 @@ Tensor = torch.Tensor
 EXPERT_TENSORS = ("down_proj.weight", "gate_proj.weight", "up_proj.weight")
 FP8_EXPERT_TENSORS = tuple(n + s for n in EXPERT_TENSORS for s in ("", "_scale_inv"))
 _FP8_RE = re.compile(r"^model\.layers\.\d+\..*_proj(_with_mqa)?\.weight$")  # quantized weights
-_EXPERT_RE = re.compile(r"(?:^|\.)model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.")
 _ROLES = {**base.HF_ROLES, "e_score_correction_bias": "router_bias"}  # TensorSpec.role by suffix
 _KEEP_F32 = {"gate.weight", "gate.e_score_correction_bias"}  # the router runs in fp32
 GLU = ("gate", "up", "down")  # the SwiGLU projections, as called
@@ -199,10 +198,8 @@ def _layer_specs(cfg: Config, i: int, fdt: str) -> list[TensorSpec]:
     return out
 
 
-def expert_key(name: str) -> tuple[int, int] | None:
-    """(layer, expert) of a routed-expert tensor name (prefix optional), else None."""
-    m = _EXPERT_RE.search(name)
-    return (int(m.group(1)), int(m.group(2))) if m else None
+# (layer, expert) of a routed-expert tensor name
+expert_key = base.expert_key_by(r"(?:^|\.)model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.")
 
 
 def expert_tensor_names(cfg: Config, layer: int, expert: int) -> list[str]:

@@ -21,7 +21,6 @@ D hidden, V vocab, H heads, Hkv kv heads, Dh head width, E n_experts, K top_k, F
 from __future__ import annotations
 
 import copy
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 
@@ -44,7 +43,6 @@ MXFP4_TENSORS = (
     "down_proj_scales",
     "down_proj_bias",
 )
-_EXPERT_RE = re.compile(r"(?:^|\.)model\.layers\.(\d+)\.mlp\.experts\.\w+\[(\d+)\]$")
 
 
 @dataclass
@@ -171,11 +169,8 @@ def _expert_names(short: tuple[str, ...], layer: int, expert: int) -> list[str]:
     return [view_name(f"model.layers.{layer}.mlp.experts.{s}", expert) for s in short]
 
 
-def expert_key(name: str) -> tuple[int, int] | None:
-    """(layer, expert) of a routed-expert view name `...experts.X[e]`, else None (the stored
-    fused tensors themselves hold every expert of their layer)."""
-    m = _EXPERT_RE.search(name)
-    return (int(m.group(1)), int(m.group(2))) if m else None
+# (layer, expert) of a routed-expert view `...experts.X[e]` (the fused tensors hold all experts)
+expert_key = base.expert_key_by(r"(?:^|\.)model\.layers\.(\d+)\.mlp\.experts\.\w+\[(\d+)\]$")
 
 
 def expert_tensor_names(cfg: Config, layer: int, expert: int) -> list[str]:

@@ -9,7 +9,6 @@ D hidden, V vocab, E n_experts, K top_k."""
 from __future__ import annotations
 
 import copy
-import re
 from dataclasses import dataclass, field, fields, replace
 
 import torch
@@ -29,7 +28,6 @@ from reap.models.vision import standin_specs
 
 # the six tensors of a routed expert, file order: w1 gate, w2 down, w3 up; E2M1 pairs, E8M0 scales
 EXPERT_TENSORS = tuple(f"w{i}.weight_{k}" for i in (1, 2, 3) for k in ("packed", "scale"))
-_EXPERT_RE = re.compile(r"(?:^|\.)model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.")
 # K3's tensor roles by name suffix (TensorSpec.role): KDA's decay and convolutions, router bias
 ROLES = base.HF_ROLES | {"A_log": "decay_log", "dt_bias": "decay_bias", "conv1d.weight": "conv"}
 ROLES |= {"f_b_proj.weight": "decay_proj", "e_score_correction_bias": "router_bias"}
@@ -233,10 +231,8 @@ def expert_specs(cfg: Config, layer: int, expert: int) -> list[TensorSpec]:
     return out
 
 
-def expert_key(name: str) -> tuple[int, int] | None:
-    """(layer, expert) of a routed-expert tensor name (prefix optional), else None."""
-    m = _EXPERT_RE.search(name)
-    return (int(m.group(1)), int(m.group(2))) if m else None
+# (layer, expert) of a routed-expert tensor name
+expert_key = base.expert_key_by(r"(?:^|\.)model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.")
 
 
 def expert_tensor_names(cfg: Config | None, layer: int, expert: int) -> list[str]:

@@ -70,14 +70,12 @@ class Config(qwen3_moe.Config):
         return self.num_experts > 0
 
 
+expert_key = NAMES.expert_key  # (layer, expert) of a routed-expert tensor name, else None
+
+
 def layout(config_dict: dict) -> list[TensorSpec]:
     """Every tensor of the checkpoint (names as Hugging Face saves them)."""
     return qwen3_moe.layout_of(Config.from_dict(config_dict))
-
-
-def expert_key(name: str) -> tuple[int, int] | None:
-    """(layer, expert) of a routed-expert tensor name (prefix optional), else None."""
-    return NAMES.expert_key(name)
 
 
 def with_experts(config_dict: dict, n_experts: int | dict[int, int]) -> dict:

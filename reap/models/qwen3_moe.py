@@ -240,14 +240,12 @@ expert_groups = base.ungrouped  # softmax top-k over all experts
 calibration_widths = base.residual_widths
 
 
+expert_key = NAMES.expert_key  # (layer, expert) of a routed-expert tensor name, else None
+
+
 def layout(config_dict: dict) -> list[TensorSpec]:
     """Every tensor of the checkpoint (names as Hugging Face saves them)."""
     return layout_of(Config.from_dict(config_dict))
-
-
-def expert_key(name: str) -> tuple[int, int] | None:
-    """(layer, expert) of a routed-expert tensor name (prefix optional), else None."""
-    return NAMES.expert_key(name)
 
 
 def expert_tensor_names(cfg: Config, layer: int, expert: int) -> list[str]:
