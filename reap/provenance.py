@@ -4,12 +4,14 @@
 that determine the artifact (an edit there, committed or not, changes it; unrelated modules do
 not). Artifacts record it next to the model fingerprint, corpus sha256 and arguments. Each
 stage names its parts once, beside the artifact it writes (e.g. `reap.prune.plan_file.PRUNE_CODE`).
+`sha256_file(path)` is the digest artifacts record of an input file.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import os
 from pathlib import Path
 
 from reap import __version__
@@ -28,3 +30,12 @@ def code_version(parts: tuple[str, ...] = (".",)) -> str:
             if f.exists():
                 h.update(f.relative_to(_ROOT).as_posix().encode() + b"\0" + f.read_bytes())
     return f"reap {__version__} src {h.hexdigest()[:16]}"
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    """The sha256 hex digest of a file's bytes, read in 4 MiB blocks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()

@@ -12,6 +12,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+# the counters of a phase that add up as they are (besides tokens, seconds and bytes)
+COUNTERS = ("reads", "io_seconds", "wait_seconds", "expert_hits", "expert_misses")
+
 
 @dataclass
 class PhaseMetrics:
@@ -55,6 +58,15 @@ class PhaseMetrics:
     def io_share(self) -> float:
         return min(1.0, self.wait_seconds / self.seconds) if self.seconds > 0 else 0.0
 
+    def accumulate(self, tokens: int, seconds: float, nbytes: dict, counts: dict) -> None:
+        """Add more work: its tokens, seconds, bytes by kind and `COUNTERS` values."""
+        self.tokens += tokens
+        self.seconds += seconds
+        for k, v in nbytes.items():
+            self.bytes[k] = self.bytes.get(k, 0) + v
+        for name in COUNTERS:
+            setattr(self, name, getattr(self, name) + counts[name])
+
     def as_dict(self) -> dict:
         d = asdict(self)
         d.update(
@@ -85,40 +97,23 @@ class RunMetrics:
 
     def add(self, phase: str, tokens: int, seconds: float, before: dict, after: dict) -> None:
         """Add one stretch of work to `phase`; before/after are `Engine.counters()` snapshots."""
-        p: PhaseMetrics = getattr(self, phase)
-        p.tokens += tokens
-        p.seconds += seconds
-        for k, v in after["bytes"].items():
-            p.bytes[k] = p.bytes.get(k, 0) + v - before["bytes"].get(k, 0)
-        for name in ("reads", "io_seconds", "wait_seconds", "expert_hits", "expert_misses"):
-            setattr(p, name, getattr(p, name) + after[name] - before[name])
+        moved = {k: v - before["bytes"].get(k, 0) for k, v in after["bytes"].items()}
+        counts = {name: after[name] - before[name] for name in COUNTERS}
+        getattr(self, phase).accumulate(tokens, seconds, moved, counts)
 
     def merge(self, other: RunMetrics) -> None:
         """Accumulate another run into this one (peak RSS: the maximum)."""
         for phase in ("prefill", "decode"):
-            a, b = getattr(self, phase), getattr(other, phase)
-            a.tokens += b.tokens
-            a.seconds += b.seconds
-            for k, v in b.bytes.items():
-                a.bytes[k] = a.bytes.get(k, 0) + v
-            for name in ("reads", "io_seconds", "wait_seconds", "expert_hits", "expert_misses"):
-                setattr(a, name, getattr(a, name) + getattr(b, name))
+            b = getattr(other, phase)
+            counts = {name: getattr(b, name) for name in COUNTERS}
+            getattr(self, phase).accumulate(b.tokens, b.seconds, b.bytes, counts)
         self.sequences += other.sequences
         self.generated_tokens += other.generated_tokens
         self.expert_failures += other.expert_failures
         self.peak_rss = max(self.peak_rss, other.peak_rss)
 
     def as_dict(self) -> dict:
-        return {
-            "prefill": self.prefill.as_dict(),
-            "decode": self.decode.as_dict(),
-            "sequences": self.sequences,
-            "generated_tokens": self.generated_tokens,
-            "expert_failures": self.expert_failures,
-            "peak_rss": self.peak_rss,
-            "open_seconds": self.open_seconds,
-            "pinned_read_bytes": self.pinned_read_bytes,
-        }
+        return {**asdict(self), "prefill": self.prefill.as_dict(), "decode": self.decode.as_dict()}
 
     def describe(self) -> str:
         """A few human-readable lines."""

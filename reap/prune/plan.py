@@ -11,14 +11,13 @@ protected by default (`criteria.PROTECT_RULE`). The result is a `reap.prune.plan
 
 from __future__ import annotations
 
-import hashlib
 import os
 
 import torch
 
 from reap.errors import ReapError
 from reap.models import family
-from reap.provenance import code_version
+from reap.provenance import code_version, sha256_file
 from reap.prune import budget, criteria
 from reap.prune.plan_file import PRUNE_CODE, Plan
 
@@ -217,18 +216,10 @@ def _stats_model(loaded) -> str | None:
 def _provenance(loaded, model, arguments) -> dict:
     return {
         "stats": [
-            {"corpus": n, "path": os.path.abspath(p), "sha256": _sha256_file(p), "meta": s.meta}
+            {"corpus": n, "path": os.path.abspath(p), "sha256": sha256_file(p), "meta": s.meta}
             for n, p, s in loaded
         ],
         "model": model,
         "arguments": arguments or {},
         "code_version": code_version(PRUNE_CODE),
     }
-
-
-def _sha256_file(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()

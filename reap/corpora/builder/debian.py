@@ -5,7 +5,6 @@ directory, then a pure-Python reader of the .deb (an `ar` archive holding `contr
 
 from __future__ import annotations
 
-import hashlib
 import io
 import re
 import shutil
@@ -15,6 +14,7 @@ from pathlib import Path
 
 from reap.errors import ReapError
 from reap.fileio import replace_dir
+from reap.provenance import sha256_file
 
 
 def _ar_members(deb: Path) -> dict[str, bytes]:
@@ -76,14 +76,6 @@ def extract_deb(deb: Path, dest: Path) -> Path:
     (tmp / ".done").write_text(sha256_file(deb))
     replace_dir(tmp, dest)
     return dest
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def download_deb(package: str, cache: Path, log=print) -> Path:

@@ -7,16 +7,12 @@ every shipped file; the packages' Debian copyright files are kept (xz-compressed
 
 from __future__ import annotations
 
-import hashlib
 import lzma
 from pathlib import Path
 
 from reap.corpora.store import SPLITS, read_corpus_json
 from reap.fileio import write_atomic
-
-
-def _sha(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+from reap.provenance import sha256_file
 
 
 def _copy_copyright(src: dict, cache: Path, out: Path) -> str:
@@ -51,7 +47,7 @@ def write_notice(out: Path, cache: Path) -> Path:
         for split in SPLITS:
             f = manifest_path.parent / f"{split}.jsonl.xz"
             if f.exists():
-                lines.append(f"| {name}/{f.name} | `{_sha(f)}` |")
+                lines.append(f"| {name}/{f.name} | `{sha256_file(f)}` |")
         lines.append("")
     path = out / "NOTICE.md"
     write_atomic(path, "\n".join(lines).encode())

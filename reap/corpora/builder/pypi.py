@@ -12,8 +12,8 @@ import tarfile
 import zipfile
 from pathlib import Path
 
-from reap.corpora.builder.debian import sha256_file
 from reap.errors import ReapError
+from reap.provenance import sha256_file
 
 
 def download_sdist(requirement: str, cache: Path, log=print) -> Path:
