@@ -23,13 +23,18 @@ def peak_rss() -> int:
 
 def _status_bytes(key: str) -> int:
     try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1]) * 1024
+        return _proc_bytes("/proc/self/status", key) or 0
     except (OSError, IndexError, ValueError):
-        pass
-    return 0
+        return 0
+
+
+def _proc_bytes(path: str, key: str) -> int | None:
+    """The `key: N kB` line of a /proc file, in bytes (None when the file has no such line)."""
+    with open(path) as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    return None
 
 
 @functools.lru_cache(maxsize=1)
@@ -60,11 +65,10 @@ def available_memory() -> tuple[int, str]:
 
 
 def _meminfo(key: str) -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    raise ReapError(f"/proc/meminfo has no {key}")
+    found = _proc_bytes("/proc/meminfo", key)
+    if found is None:
+        raise ReapError(f"/proc/meminfo has no {key}")
+    return found
 
 
 def _cgroup_headroom() -> int | None:
@@ -98,11 +102,7 @@ def _cgroup_files() -> list[tuple[str, str]]:
         elif "memory" in controllers.split(","):
             base = f"/sys/fs/cgroup/memory{path}"
             out.append((f"{base}/memory.limit_in_bytes", f"{base}/memory.usage_in_bytes"))
-            out.append(
-                (
-                    "/sys/fs/cgroup/memory/memory.limit_in_bytes",
-                    "/sys/fs/cgroup/memory/memory.usage_in_bytes",
-                )
-            )
+            root = "/sys/fs/cgroup/memory/memory."
+            out.append((root + "limit_in_bytes", root + "usage_in_bytes"))
     out.append(("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"))
     return out
