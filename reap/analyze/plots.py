@@ -45,14 +45,8 @@ def overlap_vs_chance(rows: list[SetOverlap], title: str = ""):
     for ax, (crit, m) in zip(axes, keys):
         rs = sorted((r for r in rows if (r.criterion, r.m) == (crit, m)), key=lambda r: r.layer)
         x = np.array([r.layer for r in rs])
-        ax.fill_between(
-            x,
-            [r.null_lo for r in rs],
-            [r.null_hi for r in rs],
-            color="0.85",
-            step="mid",
-            label="chance 95% band",
-        )
+        band = ([r.null_lo for r in rs], [r.null_hi for r in rs])
+        ax.fill_between(x, *band, color="0.85", step="mid", label="chance 95% band")
         ax.plot(x, [r.expected for r in rs], "--", color="0.4", label="chance mean")
         j = np.array([r.jaccard for r in rs])
         lo, hi = np.array([r.ci_lo for r in rs]), np.array([r.ci_hi for r in rs])
@@ -101,15 +95,9 @@ def overlap_heatmaps(
     for i in range(C):
         for j in range(C):
             if i != j and np.isfinite(dev[i, j]):
-                ax1.text(
-                    j,
-                    i,
-                    f"{dev[i, j]:+.2f}" + ("*" if stars[i, j] else ""),
-                    ha="center",
-                    va="center",
-                    fontsize=7,
-                    color="white" if abs(dev[i, j]) > 0.6 * lim else "black",
-                )
+                text = f"{dev[i, j]:+.2f}" + ("*" if stars[i, j] else "")
+                color = "white" if abs(dev[i, j]) > 0.6 * lim else "black"
+                ax1.text(j, i, text, ha="center", va="center", fontsize=7, color=color)
     im2 = ax2.imshow(js, cmap="viridis_r", vmin=0)
     fig.colorbar(im2, ax=ax2, shrink=0.8, label="mean JSD (bits)")
     for ax, t in ((ax1, f"top-{m} by {criterion}: overlap vs chance"), (ax2, "routing divergence")):
@@ -140,11 +128,8 @@ def expert_profile_map(ec: ExpertClustering):
     xy = PCA(2).fit_transform(pts) if pts.shape[1] >= 2 else np.c_[pts[:, 0], 0 * pts[:, 0]]
     labels = ec.labels[ec.labels >= 0]
     ax1.scatter(xy[:, 0], xy[:, 1], c=labels, cmap="tab10", s=6, alpha=0.7, vmin=0, vmax=9)
-    ax1.set(
-        xlabel="PC1",
-        ylabel="PC2",
-        title=f"experts by corpus share (k={ec.k}, silhouette {ec.silhouette[ec.k]:.2f})",
-    )
+    title = f"experts by corpus share (k={ec.k}, silhouette {ec.silhouette[ec.k]:.2f})"
+    ax1.set(xlabel="PC1", ylabel="PC2", title=title)
     im = ax2.imshow(ec.centroids, cmap="magma", vmin=0, vmax=1, aspect="auto")
     fig.colorbar(im, ax=ax2, label="share of use")
     ax2.set_xticks(range(len(ec.corpora)), ec.corpora, rotation=45, ha="right", fontsize=8)
@@ -161,22 +146,13 @@ def specialist_counts(profiles: ExpertProfiles, null: SpecialistNull | None = No
     counts = profiles.specialist_counts()  # [L, C]
     x = profiles.layers
     for c, name in enumerate(profiles.corpora):
-        (line,) = ax.plot(
-            x,
-            counts[:, c],
-            "osv^<>Dph*"[c % 10] + "-",
-            ms=4,
-            alpha=0.8,
-            label=f"{name} specialists",
-        )
+        style = "osv^<>Dph*"[c % 10] + "-"  # a marker per corpus, joined by lines
+        (line,) = ax.plot(x, counts[:, c], style, ms=4, alpha=0.8, label=f"{name} specialists")
         if null is not None:
             ax.axhline(null.mean[c] / len(x), ls=":", color=line.get_color(), lw=1)
     ax.plot(x, profiles.generalist.sum(-1), "k--", label="generalists (all corpora)")
-    ax.set(
-        xlabel="layer",
-        ylabel="experts",
-        title=f"specialists (≥{profiles.ratio:g}x any other corpus) by layer",
-    )
+    title = f"specialists (≥{profiles.ratio:g}x any other corpus) by layer"
+    ax.set(xlabel="layer", ylabel="experts", title=title)
     _layer_axis(ax)
     ax.legend(fontsize=7, ncol=2, loc="upper left", bbox_to_anchor=(1.01, 1))
     return fig
@@ -188,14 +164,8 @@ def community_modularity(comms: list[Communities]):
     ax = fig.subplots()
     x = [c.layer for c in comms]
     ax.plot(x, [c.modularity for c in comms], "o-", ms=3, label="observed")
-    ax.plot(
-        x,
-        [c.null_mean for c in comms],
-        "s--",
-        ms=3,
-        color="0.5",
-        label="random graph, same expected co-occurrence",
-    )
+    null = [c.null_mean for c in comms]
+    ax.plot(x, null, "s--", ms=3, color="0.5", label="random graph, same expected co-occurrence")
     ax2 = ax.twinx()
     ax2.step(x, [c.n_communities for c in comms], where="mid", color="C2", alpha=0.6)
     ax2.set_ylabel("communities", color="C2")
