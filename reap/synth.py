@@ -76,13 +76,8 @@ def synth(
     writer = CheckpointWriter(out, specs, max_shard_bytes, prefix=prefix, overwrite=overwrite)
     from tqdm import tqdm
 
-    bar = tqdm(
-        total=sum(s.nbytes for s in specs),
-        unit="B",
-        unit_scale=True,
-        disable=not progress,
-        desc="synth",
-    )
+    total = sum(s.nbytes for s in specs)
+    bar = tqdm(total=total, unit="B", unit_scale=True, disable=not progress, desc="synth")
     i = 0
     while i < len(specs):
         group = [specs[i]] if specs[i].expert is None else _expert_group(specs, i)
@@ -142,9 +137,8 @@ def _direct_codes(
 def _float_tensor(s: TensorSpec, g: torch.Generator) -> torch.Tensor:
     """A plausible random value for a non-expert tensor, chosen by its declared role."""
     dtype = _TORCH[s.dtype]
-    if (
-        s.role == "decay_log"
-    ):  # decay rates exp(A) in [1, 16] for the real heads, zero padding after
+    # decay rates exp(A) in [1, 16] for the real heads, zero padding after
+    if s.role == "decay_log":
         return torch.log(1 + 15 * torch.rand(s.shape, generator=g)).to(dtype)
     if s.role == "decay_bias":  # with A in [1, 16]: per-step decays from ~0.01 to ~0.999
         return (-0.5 + 0.3 * torch.randn(s.shape, generator=g)).to(dtype)

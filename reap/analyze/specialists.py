@@ -85,17 +85,9 @@ def _profiles_from_freq(freq, corpora, ratio, min_load) -> ExpertProfiles:
     with np.errstate(invalid="ignore", divide="ignore"):
         share = np.where(total > 0, freq / np.where(total > 0, total, 1), np.nan)
     spec, gen = classify(freq, corpora[0].stats.top_k, ratio, min_load)
-    return ExpertProfiles(
-        [c.name for c in corpora],
-        list(corpora[0].stats.layers),
-        freq,
-        share,
-        share * len(corpora),
-        spec,
-        gen,
-        ratio,
-        min_load,
-    )
+    names, layers = [c.name for c in corpora], list(corpora[0].stats.layers)
+    lift = share * len(corpora)
+    return ExpertProfiles(names, layers, freq, share, lift, spec, gen, ratio, min_load)
 
 
 @dataclass
@@ -157,11 +149,6 @@ def specialist_null(profiles: ExpertProfiles, shuffled: Shuffled | None) -> Spec
         counts[p] = np.bincount(spec[spec >= 0], minlength=C)
     observed = profiles.specialist_counts().sum(0)  # [C]
     tot = counts.sum(1)
-    return SpecialistNull(
-        P,
-        counts.mean(0),
-        np.percentile(counts, 95, axis=0),
-        float(tot.mean()),
-        float(np.percentile(tot, 95)),
-        (1 + (counts >= observed).sum(0)) / (1 + P),
-    )
+    per_corpus = (counts.mean(0), np.percentile(counts, 95, axis=0))
+    total = (float(tot.mean()), float(np.percentile(tot, 95)))
+    return SpecialistNull(P, *per_corpus, *total, (1 + (counts >= observed).sum(0)) / (1 + P))

@@ -198,15 +198,9 @@ class MLADims:
     def from_config(cls, c) -> MLADims:
         """From a DeepSeek-style config object (num_attention_heads, qk_nope_head_dim, ...;
         no `mla_use_output_gate` field: no output gate)."""
-        return cls(
-            c.num_attention_heads,
-            c.qk_nope_head_dim,
-            c.qk_rope_head_dim,
-            c.v_head_dim,
-            c.kv_lora_rank,
-            c.q_lora_rank,
-            getattr(c, "mla_use_output_gate", False),
-        )
+        widths = (c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim)
+        gate = getattr(c, "mla_use_output_gate", False)
+        return cls(c.num_attention_heads, *widths, c.kv_lora_rank, c.q_lora_rank, gate)
 
     def specs(self, t: Callable, hidden: int) -> list:
         """The layout of one MLA block in file order, each tensor as `t(name, shape, "mla")`

@@ -77,17 +77,10 @@ class MoEDims:
     @classmethod
     def from_config(cls, cfg) -> MoEDims:
         """The settings of a Kimi K3 config (`reap.models.kimi_k3.Config`)."""
-        return cls(
-            cfg.num_experts_per_token,
-            cfg.routed_scaling_factor,
-            cfg.moe_renormalize,
-            cfg.routed_expert_hidden_size is not None,
-            cfg.latent_moe_use_norm,
-            cfg.num_shared_experts > 0,
-            cfg.rms_norm_eps,
-            cfg.activation_situ_beta or 1.0,
-            cfg.activation_situ_linear_beta,
-        )
+        routing = (cfg.num_experts_per_token, cfg.routed_scaling_factor, cfg.moe_renormalize)
+        latent = (cfg.routed_expert_hidden_size is not None, cfg.latent_moe_use_norm)
+        act = (cfg.activation_situ_beta or 1.0, cfg.activation_situ_linear_beta)
+        return cls(*routing, *latent, cfg.num_shared_experts > 0, cfg.rms_norm_eps, *act)
 
 
 def latent_moe(

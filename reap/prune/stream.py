@@ -56,13 +56,8 @@ def stream_items(ck, fam, writer, items: list[Item], progress: bool, new_ids: di
 
     hasher, cfg = _Hasher(), fam.Config.from_dict(ck.config)
     resumed = 0
-    bar = tqdm(
-        total=sum(it.spec.nbytes for it in items),
-        unit="B",
-        unit_scale=True,
-        disable=not progress,
-        desc="prune",
-    )
+    total = sum(it.spec.nbytes for it in items)
+    bar = tqdm(total=total, unit="B", unit_scale=True, disable=not progress, desc="prune")
     i = 0
     while i < len(items):
         it = items[i]

@@ -100,16 +100,9 @@ def prune(
         }
         path = writer.close(config, extra)
         resume.release(path)
-    files = [p for p in Path(path).iterdir() if p.suffix == ".safetensors"]
-    return PruneResult(
-        path,
-        len(items),
-        sum(p.stat().st_size for p in files),
-        plan.predicted_bytes,
-        sum(len(v) for v in plan.keep.values()),
-        resumed,
-        time.perf_counter() - t0,
-    )
+    written = sum(p.stat().st_size for p in Path(path).iterdir() if p.suffix == ".safetensors")
+    kept, seconds = sum(len(v) for v in plan.keep.values()), time.perf_counter() - t0
+    return PruneResult(path, len(items), written, plan.predicted_bytes, kept, resumed, seconds)
 
 
 def _is_int(x) -> bool:
