@@ -7,6 +7,7 @@ baseline, p-value and interval, and says "not significant" where a result is not
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -86,14 +87,11 @@ def _corpus_distance(r: AnalysisResult):
     import pandas as pd
 
     cc = r.corpus_clusters
-    return pd.DataFrame(
-        [
-            {"corpus_a": a, "corpus_b": b, "js_distance": cc.distance[i, j]}
-            for i, a in enumerate(cc.corpora)
-            for j, b in enumerate(cc.corpora)
-            if i < j
-        ]
-    )
+    rows = [
+        {"corpus_a": a, "corpus_b": b, "js_distance": cc.distance[i, j]}
+        for (i, a), (j, b) in itertools.combinations(enumerate(cc.corpora), 2)
+    ]
+    return pd.DataFrame(rows)
 
 
 def _expert_tables(r: AnalysisResult) -> dict:
@@ -198,6 +196,10 @@ def _jsonable(x):
     return x
 
 
+# what summary.json keeps of an ExpertClustering (not the per-expert points and labels)
+_CLUSTER_FIELDS = "k silhouette null_silhouette dispersion null_dispersion centroids corpora".split()
+
+
 def summary(r: AnalysisResult, files: ReportFiles | None = None) -> dict:
     """The JSON summary: provenance, settings, overall results, clusters, notes, files."""
     p = r.profiles
@@ -223,17 +225,7 @@ def summary(r: AnalysisResult, files: ReportFiles | None = None) -> dict:
                 "min_load": p.min_load,
                 "chance": r.specialist_null,
             },
-            "expert_clusters": None
-            if ec is None
-            else {
-                "k": ec.k,
-                "silhouette": ec.silhouette,
-                "null_silhouette": ec.null_silhouette,
-                "dispersion": ec.dispersion,
-                "null_dispersion": ec.null_dispersion,
-                "centroids": ec.centroids,
-                "corpora": ec.corpora,
-            },
+            "expert_clusters": None if ec is None else {k: getattr(ec, k) for k in _CLUSTER_FIELDS},
             "communities": [_community_summary(c) for c in r.communities],
             "notes": r.notes,
             "files": files,

@@ -154,15 +154,7 @@ def summarize_generations(
         for k in ("kana", "distinct_1", "distinct_3")
         if any(m.get(k) is not None for m in ms)
     }
-    return GenerationSummary(
-        prompts=len(gens),
-        tokens=_mean(m["tokens"] for m in ms) or 0.0,
-        chars=_mean(m["chars"] for m in ms) or 0.0,
-        distinct_2=_mean(m["distinct_2"] for m in ms) or 0.0,
-        longest_repeat=_mean(m["longest_repeat"] for m in ms) or 0.0,
-        looping=_mean(m["looping"] for m in ms) or 0.0,
-        script=_mean(m["script"] for m in ms),
-        python_valid=_mean(m["python_valid"] for m in ms),
-        same_as_reference=same,
-        extra=extra,
-    )
+    always = ("tokens", "chars", "distinct_2", "longest_repeat", "looping")
+    means = {k: _mean(m[k] for m in ms) or 0.0 for k in always}
+    checks = {k: _mean(m[k] for m in ms) for k in ("script", "python_valid")}  # None: unchecked
+    return GenerationSummary(len(gens), **means, **checks, same_as_reference=same, extra=extra)
