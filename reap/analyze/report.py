@@ -197,7 +197,8 @@ def _jsonable(x):
 
 
 # what summary.json keeps of an ExpertClustering (not the per-expert points and labels)
-_CLUSTER_FIELDS = "k silhouette null_silhouette dispersion null_dispersion centroids corpora".split()
+_CLUSTER_FIELDS = ("k", "silhouette", "null_silhouette", "dispersion", "null_dispersion")
+_CLUSTER_FIELDS += ("centroids", "corpora")
 
 
 def summary(r: AnalysisResult, files: ReportFiles | None = None) -> dict:
