@@ -22,14 +22,8 @@ def _byte_chars() -> list[str]:
     """The printable character standing for each byte in byte-level BPE (GPT-2's mapping):
     printable Latin-1 bytes stand for themselves, the others for code points from 256 up."""
     keep = set(range(ord("!"), ord("~") + 1)) | set(range(0xA1, 0xAD)) | set(range(0xAE, 0x100))
-    out, extra = [], 0
-    for b in range(256):
-        if b in keep:
-            out.append(chr(b))
-        else:
-            out.append(chr(256 + extra))
-            extra += 1
-    return out
+    others = iter(range(256, 512))  # the next free code point for each non-printable byte
+    return [chr(b) if b in keep else chr(next(others)) for b in range(256)]
 
 
 def byte_tokenizer_files() -> dict[str, str]:
@@ -83,14 +77,11 @@ def encode_prompt(text: str, encode: Callable[[str], list[int]],
         return encode(text)
     pattern = "|".join(re.escape(s) for s in sorted(specials, key=len, reverse=True))
     ids: list[int] = []
-    at = 0
-    for m in re.finditer(pattern, text):
-        if m.start() > at:
-            ids += encode(text[at:m.start()])
-        ids.append(specials[m.group()])
-        at = m.end()
-    if at < len(text):
-        ids += encode(text[at:])
+    for i, part in enumerate(re.split(f"({pattern})", text)):  # text, special, text, ...
+        if i % 2:
+            ids.append(specials[part])
+        elif part:
+            ids += encode(part)
     return ids
 
 
