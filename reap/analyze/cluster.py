@@ -143,10 +143,16 @@ def cluster_experts(
     )  # fmt: skip
 
 
-def modularity(w: np.ndarray, labels: np.ndarray) -> float:
-    """Newman modularity of a partition of a weighted undirected graph (diagonal ignored)."""
+def _without_self_loops(w: np.ndarray) -> np.ndarray:
+    """A float64 copy of the graph's weights [E, E] with the diagonal zeroed."""
     w = np.array(w, dtype=np.float64)
     np.fill_diagonal(w, 0.0)
+    return w
+
+
+def modularity(w: np.ndarray, labels: np.ndarray) -> float:
+    """Newman modularity of a partition of a weighted undirected graph (diagonal ignored)."""
+    w = _without_self_loops(w)
     total = w.sum()
     if total <= 0:
         return 0.0
@@ -162,8 +168,7 @@ def greedy_modularity(w: np.ndarray) -> tuple[np.ndarray, float]:
     communities whose merge raises modularity most, until no merge helps. Returns (labels [E],
     numbered by decreasing community size, modularity).
     """
-    w = np.array(w, dtype=np.float64)
-    np.fill_diagonal(w, 0.0)
+    w = _without_self_loops(w)
     n, total = len(w), w.sum()
     if total <= 0:
         return np.arange(n), 0.0
@@ -225,8 +230,7 @@ class Communities:
 
 def expected_coact_graph(w: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     """A random graph with each edge Poisson at its configuration-model rate d_i d_j / 2W."""
-    w = np.array(w, dtype=np.float64)
-    np.fill_diagonal(w, 0.0)
+    w = _without_self_loops(w)
     deg = w.sum(1)
     rate = np.outer(deg, deg) / max(deg.sum(), 1e-300)  # [E, E]
     g = np.triu(rng.poisson(rate).astype(np.float64), 1)

@@ -91,12 +91,9 @@ class TrunkStore:
 
     def _prefetch_after(self, i: int, wrap: bool) -> None:
         nxt = self._next_streamed(i)
-        if (
-            nxt is not None
-            and (wrap or nxt > i)
-            and nxt not in self._slot_of
-            and self._pool is not None
-        ):
+        if nxt is None or nxt in self._slot_of or self._pool is None:
+            return
+        if wrap or nxt > i:
             self._start(nxt)
 
     def _start(self, i: int) -> None:

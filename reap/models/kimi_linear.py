@@ -248,9 +248,8 @@ def sparse_moe(
     y = blocks.model_width_experts(x, ids, weights, probs, layer, experts, _expert, observer)
     y = y.to(x.dtype)
     if cfg.num_shared_experts:
-        y = y + blocks.silu_glu(
-            x, *(w(f"shared_experts.{n}_proj.weight") for n in ("gate", "up", "down"))
-        )
+        shared = (w(f"shared_experts.{n}_proj.weight") for n in ("gate", "up", "down"))
+        y = y + blocks.silu_glu(x, *shared)
     return y
 
 

@@ -183,9 +183,7 @@ def _check_fused(new, old, name: str, n_kept: int) -> None:
 
 
 def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return torch.equal(
-        a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)
-    )
+    return _bytes(a) == _bytes(b)
 
 
 def _check_expert(new, old, fam, cfg, layer: int, j: int, e: int, sha: str) -> int:
