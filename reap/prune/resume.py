@@ -43,10 +43,8 @@ def identity(ck, plan_bytes: bytes, max_shard_bytes: int, code: str) -> dict:
     """What decides the bytes of a pruned checkpoint: the plan file, the source checkpoint
     (fingerprint, and each shard's name, size and modification time, since the fingerprint
     does not hash tensor bytes), the shard size limit and the code version."""
-    files = []
-    for f in ck.files:
-        st = os.stat(f)
-        files.append([os.path.basename(f), st.st_size, st.st_mtime_ns])
+    stats = [(os.path.basename(f), os.stat(f)) for f in ck.files]
+    files = [[name, st.st_size, st.st_mtime_ns] for name, st in stats]
     return {
         "format": FORMAT,
         "plan_sha256": hashlib.sha256(plan_bytes).hexdigest(),
@@ -94,9 +92,7 @@ def record(out: str | os.PathLike, inputs: dict) -> None:
 def release(path: str | os.PathLike) -> None:
     """Remove the record from a finished checkpoint (it was moved there with the directory)."""
     try:
-        (Path(path) / INPUTS).unlink()
-    except FileNotFoundError:
-        pass
+        (Path(path) / INPUTS).unlink(missing_ok=True)
     except OSError as e:
         raise WriteError(f"{path}/{INPUTS}: cannot remove ({e.strerror})") from None
 

@@ -61,14 +61,10 @@ def plan_items(
         comp = "vision" if ck.prefix and not info.key.startswith(ck.prefix) else "other"
         key = fam.expert_key(info.name)
         if info.name in fused:
-            rows = plan.keep[fused[info.name]]
-            spec = TensorSpec(
-                info.name,
-                info.dtype,
-                (len(rows), *info.shape[1:]),
-                "routed_experts",
-                fused[info.name],
-            )
+            layer = fused[info.name]
+            rows = plan.keep[layer]
+            shape = (len(rows), *info.shape[1:])
+            spec = TensorSpec(info.name, info.dtype, shape, "routed_experts", layer)
             items.append(Item(info.name, spec, "fused", 0, rows))
         elif key is None and info.name in routers:
             axis, rows = routers.pop(info.name)
@@ -76,9 +72,8 @@ def plan_items(
             spec = TensorSpec(info.name, info.dtype, shape, "router", None, None)
             items.append(Item(info.name, spec, "router", axis, rows))
         elif key is None:
-            items.append(
-                Item(info.name, TensorSpec(info.name, info.dtype, info.shape, comp), "copy")
-            )
+            spec = TensorSpec(info.name, info.dtype, info.shape, comp)
+            items.append(Item(info.name, spec, "copy"))
         elif key in seen or key[1] not in new_ids.get(key[0], {}):
             continue  # a dropped expert, or one already emitted with its first tensor
         else:
