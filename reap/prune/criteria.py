@@ -74,11 +74,7 @@ def combine(per_corpus: dict[str, torch.Tensor], weights: dict[str, float]) -> t
     total = sum(weights[c] for c in per_corpus)
     if total <= 0:
         raise ReapError("corpus weights must have a positive sum")
-    out = None
-    for c, s in per_corpus.items():
-        part = shares(s) * (weights[c] / total)
-        out = part if out is None else out + part
-    return out
+    return sum(shares(s) * (weights[c] / total) for c, s in per_corpus.items())
 
 
 def parse_weights(text: str | None, corpora: list[str]) -> dict[str, float]:
