@@ -84,12 +84,12 @@ def check(plan: Plan, where: str = "plan", shape: tuple[list[int], int, int] | N
     unknown), the plan must be of that model: the same layers, expert count and top_k (a plan
     never changes how many experts a token is routed to)."""
     E, top_k = plan.n_experts, plan.top_k
-    if not _is_int(E) or E < 1:
+    if not is_int(E) or E < 1:
         raise ReapError(f"{where}: n_experts: {E!r} is not a positive integer")
-    if not _is_int(top_k) or not 1 <= top_k <= E:
+    if not is_int(top_k) or not 1 <= top_k <= E:
         raise ReapError(f"{where}: top_k: {top_k!r} is not an integer in [1, n_experts {E}]")
     layers = plan.layers
-    if not isinstance(layers, list) or not all(_is_int(la) and la >= 0 for la in layers):
+    if not isinstance(layers, list) or not all(is_int(la) and la >= 0 for la in layers):
         raise ReapError(f"{where}: layers: {layers!r} is not a list of layer numbers")
     if len(set(layers)) != len(layers) or not layers:
         raise ReapError(f"{where}: layers: {layers} is empty or names a layer twice")
@@ -100,7 +100,7 @@ def check(plan: Plan, where: str = "plan", shape: tuple[list[int], int, int] | N
         raise ReapError(f"{where}: counts: not one count for each of the layers {layers}")
     for layer in layers:
         n = counts[layer]
-        if not _is_int(n) or not top_k <= n <= E:
+        if not is_int(n) or not top_k <= n <= E:
             raise ReapError(
                 f"{where}: counts: layer {layer} keeps {n!r} experts, not an integer in "
                 f"[top_k {top_k}, n_experts {E}]"
@@ -133,7 +133,7 @@ def _check_keep(plan: Plan, where: str) -> None:
     for layer in plan.layers:
         ids = keep[layer]
         problem = None
-        if not isinstance(ids, list) or not all(_is_int(e) for e in ids):
+        if not isinstance(ids, list) or not all(is_int(e) for e in ids):
             problem = "ids must be integers"
         elif ids != sorted(set(ids)):
             problem = "ids must be unique and ascending"
@@ -145,5 +145,6 @@ def _check_keep(plan: Plan, where: str) -> None:
             raise ReapError(f"{where}: keep: layer {layer}: invalid kept expert list ({problem})")
 
 
-def _is_int(x) -> bool:
+def is_int(x) -> bool:
+    """An int that is not a bool (JSON true/false must not pass as a count or an id)."""
     return isinstance(x, int) and not isinstance(x, bool)

@@ -28,7 +28,7 @@ from reap.errors import ReapError
 from reap.fileio import overlap
 from reap.provenance import code_version
 from reap.prune import resume
-from reap.prune.plan_file import PRUNE_CODE, Plan, check
+from reap.prune.plan_file import PRUNE_CODE, Plan, check, is_int
 from reap.prune.stream import stream_items
 from reap.prune.tensor_map import plan_items, unused_tensors
 
@@ -75,7 +75,7 @@ def prune(
     t0 = time.perf_counter()
     plan_path = os.fspath(plan) if isinstance(plan, (str, os.PathLike)) else None
     plan = Plan.load(plan_path) if plan_path else plan
-    if max_shard_bytes is not None and not (_is_int(max_shard_bytes) and max_shard_bytes > 0):
+    if max_shard_bytes is not None and not (is_int(max_shard_bytes) and max_shard_bytes > 0):
         raise ReapError(f"max_shard_bytes {max_shard_bytes!r} is not a positive byte count")
     with Checkpoint.open(model) as ck:
         fam = _check_inputs(ck, plan, plan_path or "plan")
@@ -103,10 +103,6 @@ def prune(
     written = sum(p.stat().st_size for p in Path(path).iterdir() if p.suffix == ".safetensors")
     kept, seconds = sum(len(v) for v in plan.keep.values()), time.perf_counter() - t0
     return PruneResult(path, len(items), written, plan.predicted_bytes, kept, resumed, seconds)
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _check_inputs(ck, plan: Plan, where: str):
