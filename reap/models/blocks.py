@@ -338,11 +338,12 @@ def report_moe(
 class PreNormModel(LayerModel):
     """A LayerModel with the Llama-style pieces: embedding `model.embed_tokens.weight`; layers of
     `input_layernorm`, the family's `_attention`, residual, `post_attention_layernorm`, then a
-    dense SwiGLU `mlp.` or the family's `_moe`; final RMSNorm `model.norm.weight` and head
-    `lm_head.weight` (or the tied table). Needs `cfg` with `num_hidden_layers`, `rms_norm_eps`,
-    `tie_word_embeddings` and `is_moe(layer)` (or override `is_moe`), and the family's `expert_tensor_names(cfg, layer,
-    expert)` as a static method; `_w` casts every weight to the compute dtype (override it to
-    keep some in fp32 or to dequantize)."""
+    dense SwiGLU `mlp.` or the family's `_moe` (x [N, D], the default ExpertSource reading the
+    family's `expert_tensor_names`, set as a static method); final RMSNorm `model.norm.weight`
+    and head `lm_head.weight` (or the tied table). Needs `cfg` with `num_hidden_layers`,
+    `rms_norm_eps`, `tie_word_embeddings` and `is_moe(layer)` (or an `is_moe` override); `_w`
+    casts every weight to the compute dtype (override it to keep some in fp32 or to
+    dequantize)."""
 
     expert_tensor_names: Callable[..., list[str]]
 

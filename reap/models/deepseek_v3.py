@@ -241,9 +241,8 @@ def expert_groups(config_dict: dict) -> int:
 
 
 calibration_widths = base.residual_widths
-
-
 top_k = base.hf_top_k
+chat_format = base.own_template  # the checkpoints ship their chat template
 
 
 def state_bytes(cfg: Config, act_bytes: int) -> tuple[int, int, int, int]:
@@ -255,9 +254,6 @@ def state_bytes(cfg: Config, act_bytes: int) -> tuple[int, int, int, int]:
     widest = max(cfg.intermediate_size, cfg.moe_intermediate_size * moe, attn)
     act = 4 * (cfg.hidden_size * 9 + 4 * widest + (cfg.n_routed_experts or 0))
     return per_pos, 0, act, 4 * 3 * H
-
-
-chat_format = base.own_template  # the checkpoints ship their chat template
 
 
 # -- the model ---------------------------------------------------------------------------------

@@ -204,9 +204,8 @@ def with_experts(config_dict: dict, n_experts: int | dict[int, int]) -> dict:
 
 expert_groups = base.ungrouped  # softmax over the top-k logits of all experts
 calibration_widths = base.residual_widths
-
-
 top_k = base.hf_top_k
+chat_format = base.own_template  # the checkpoints ship their chat template
 
 
 def state_bytes(cfg: Config, act_bytes: int) -> tuple[int, int, int, int]:
@@ -217,9 +216,6 @@ def state_bytes(cfg: Config, act_bytes: int) -> tuple[int, int, int, int]:
     widest = max((H + 2 * Hkv) * Dh, 2 * cfg.intermediate_size, cfg.num_local_experts)
     act = 4 * (cfg.hidden_size * 8 + 4 * widest)
     return per_pos, 0, act, 4 * 3 * H
-
-
-chat_format = base.own_template  # the checkpoints ship their chat template
 
 
 # -- experts -----------------------------------------------------------------------------------

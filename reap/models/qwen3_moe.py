@@ -238,8 +238,8 @@ def state_bytes(cfg: Config, act_bytes: int) -> tuple[int, int, int, int]:
 # -- the family API ----------------------------------------------------------------------------
 expert_groups = base.ungrouped  # softmax top-k over all experts
 calibration_widths = base.residual_widths
-
-
+top_k = base.hf_top_k
+chat_format = base.own_template  # the checkpoints ship their chat template
 expert_key = NAMES.expert_key  # (layer, expert) of a routed-expert tensor name, else None
 
 
@@ -261,11 +261,6 @@ def router_tensors(cfg: Config, layer: int) -> dict[str, int]:
 def with_experts(config_dict: dict, n_experts: int | dict[int, int]) -> dict:
     """The config with `n_experts` routed experts per layer (see `set_experts`)."""
     return set_experts(config_dict, n_experts, NAMES.expert_count_key)
-
-
-top_k = base.hf_top_k
-
-chat_format = base.own_template  # the checkpoints ship their chat template
 
 
 # -- the model ---------------------------------------------------------------------------------
