@@ -56,13 +56,8 @@ def distinct_n(u: list[str], n: int) -> float:
 
 
 def _has_repeat(u: list[str], n: int) -> bool:
-    seen: set[tuple[str, ...]] = set()
-    for i in range(len(u) - n + 1):
-        g = tuple(u[i : i + n])
-        if g in seen:
-            return True
-        seen.add(g)
-    return False
+    grams = [tuple(u[i : i + n]) for i in range(len(u) - n + 1)]
+    return len(set(grams)) < len(grams)
 
 
 def longest_repeated_ngram(u: list[str]) -> int:
