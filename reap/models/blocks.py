@@ -346,10 +346,15 @@ class PreNormModel(LayerModel):
     dequantize)."""
 
     expert_tensor_names: Callable[..., list[str]]
+    cache_type: type  # the per-layer decode cache (`new_caches`)
 
     def __init__(self, cfg, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
         self.cfg, self.device, self.dtype = cfg, torch.device(device), dtype
         self.n_layers = cfg.num_hidden_layers
+
+    def new_caches(self) -> list:
+        """Empty per-layer decode caches."""
+        return [self.cache_type() for _ in range(self.n_layers)]
 
     def _w(self, get: Weights, prefix: str) -> WeightFn:
         def w(name: str) -> Tensor:

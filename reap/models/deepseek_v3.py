@@ -263,6 +263,7 @@ class Model(blocks.PreNormModel):
     Compute runs in `dtype` on `device`; norms, the router and the softmax are fp32."""
 
     expert_tensor_names = staticmethod(expert_tensor_names)
+    cache_type = attention.MLACache
 
     def __init__(
         self, cfg: Config, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
@@ -285,10 +286,6 @@ class Model(blocks.PreNormModel):
             return t.to(self.device, dtype)
 
         return w
-
-    def new_caches(self) -> list[attention.MLACache]:
-        """Empty per-layer latent KV caches."""
-        return [attention.MLACache() for _ in range(self.n_layers)]
 
     def _attention(self, i: int, get: Weights, x: Tensor, cache) -> Tensor:
         """The MLA of layer i: x [B, T, D] -> [B, T, D]."""

@@ -270,16 +270,13 @@ class Model(blocks.PreNormModel):
     norms and attention softmax in fp32."""
 
     expert_tensor_names = staticmethod(expert_tensor_names)
+    cache_type = KVCache
 
     def __init__(
         self, cfg: Config, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
     ):
         super().__init__(cfg, device, dtype)
         self.rope = Rope.create(cfg.dh, cfg.rope_theta, cfg.rope_scaling)
-
-    def new_caches(self) -> list[KVCache]:
-        """Empty per-layer KV caches."""
-        return [KVCache() for _ in range(self.n_layers)]
 
     def _attention(
         self, i: int, get: Weights, x: torch.Tensor, cache: KVCache | None
