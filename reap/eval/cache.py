@@ -18,6 +18,7 @@ from pathlib import Path
 
 from reap.errors import ReapError
 from reap.fileio import write_atomic
+from reap.provenance import sha256_file
 
 
 def build_identity(path: str) -> dict:
@@ -26,20 +27,14 @@ def build_identity(path: str) -> dict:
 
     if is_url(str(path)):
         return {"fingerprint": open_checkpoint(str(path)).fingerprint(), "url": str(path)}
-    ck = Checkpoint.open(path)
-    try:
-        fp = ck.fingerprint()
-        files = sorted({t.file for t in ck.tensors.values()})
-    finally:
-        ck.close()
+    with Checkpoint.open(path) as ck:
+        fp, files = ck.fingerprint(), sorted({t.file for t in ck.tensors.values()})
     root = Path(path) if Path(path).is_dir() else Path(path).parent
-    stats = []
-    for f in files:
-        st = os.stat(f)
-        stats.append([os.path.relpath(f, root), st.st_size, st.st_mtime_ns])
+    stats = [(os.path.relpath(f, root), os.stat(f)) for f in files]
+    files = [[name, st.st_size, st.st_mtime_ns] for name, st in stats]
     tok = root / "tokenizer.json"
-    tok_sha = hashlib.sha256(tok.read_bytes()).hexdigest() if tok.is_file() else None
-    return {"fingerprint": fp, "files": stats, "tokenizer": tok_sha}
+    tok_sha = sha256_file(tok) if tok.is_file() else None
+    return {"fingerprint": fp, "files": files, "tokenizer": tok_sha}
 
 
 def key_of(fields: dict) -> str:
