@@ -18,7 +18,7 @@ import re
 from pathlib import Path
 
 from reap.corpora.builder import debian
-from reap.corpora.builder.recipes import Recipe, Source, load_recipe, source_documents
+from reap.corpora.builder.recipes import Recipe, Source, capped, load_recipe, source_documents
 from reap.corpora.builder.text import count_words
 from reap.corpora.store import (
     SPLITS,
@@ -45,14 +45,7 @@ def split_documents(docs: list[Document]) -> dict[str, list[Document]]:
 def cap_train(docs: list[Document], cap_mb: float) -> list[Document]:
     """The shipped part of the train split: documents in sha256("train:" + id) order until
     `cap_mb` MB, returned sorted by id."""
-    order = sorted(docs, key=lambda d: hashlib.sha256(f"train:{d.id}".encode()).digest())
-    kept, total = [], 0
-    for d in order:
-        n = len(d.text.encode())
-        if total + n <= cap_mb * 1_000_000:
-            kept.append(d)
-            total += n
-    return sorted(kept, key=lambda d: d.id)
+    return capped(docs, cap_mb, "train:")
 
 
 def split_stats(docs: list[Document]) -> dict:

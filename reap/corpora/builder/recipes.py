@@ -108,25 +108,18 @@ def _decode(rel: str, data: bytes) -> str:
     return data.decode("utf-8", errors="replace")
 
 
+# extractor `format` -> file text -> document text ("text" keeps it verbatim, as code does)
+_TEXT_OF = {"man": roff.man_to_text, "html": extract.html_to_text, "rst": extract.rst_to_text,
+            "code": extract.code_text, "fortune": lambda t: "\n\n".join(extract.fortunes(t)),
+            "tagged": extract.tagged_text, "text": extract.code_text}
+
+
 def _extract(root: Path, rel: str, data: bytes, fmt: str) -> list[tuple[str, str]]:
     """One file -> [(key suffix, text)]; the suffix is "" for a single-document file."""
     if fmt == "sword":
         return [(f"#{cid}", text) for book in extract.sword_books(root / rel)
                 for cid, text in extract.osis_chapters(book)]
-    text = _decode(rel, data)
-    if fmt == "man":
-        return [("", roff.man_to_text(text))]
-    if fmt == "html":
-        return [("", extract.html_to_text(text))]
-    if fmt == "rst":
-        return [("", extract.rst_to_text(text))]
-    if fmt == "code":
-        return [("", extract.code_text(text))]
-    if fmt == "fortune":
-        return [("", "\n\n".join(extract.fortunes(text)))]
-    if fmt == "tagged":
-        return [("", extract.tagged_text(text))]
-    return [("", extract.code_text(text))]  # text: verbatim
+    return [("", _TEXT_OF.get(fmt, extract.code_text)(_decode(rel, data)))]
 
 
 def source_key(src: Source, rel: str) -> str:
@@ -156,14 +149,13 @@ def source_documents(src: Source, root: Path, log=print) -> list[Document]:
         chunks = chunk_text(text, CHUNK_BYTES, sep)
         for i, chunk in enumerate(chunks):
             docs.append(Document(key if len(chunks) == 1 else f"{key}#{i}", chunk, src.package))
-    return _cap(docs, src.max_mb)
+    return docs if src.max_mb is None else capped(docs, src.max_mb, "cap:")
 
 
-def _cap(docs: list[Document], max_mb: float | None) -> list[Document]:
-    """Keep documents in sha256("cap:" + id) order until `max_mb` MB of text (all if None)."""
-    if max_mb is None:
-        return docs
-    order = sorted(docs, key=lambda d: hashlib.sha256(f"cap:{d.id}".encode()).digest())
+def capped(docs: list[Document], max_mb: float, salt: str) -> list[Document]:
+    """The documents, taken in sha256(salt + id) order, that fit in `max_mb` MB of text (a
+    document that does not fit is skipped, later smaller ones may still fit), sorted by id."""
+    order = sorted(docs, key=lambda d: hashlib.sha256(f"{salt}{d.id}".encode()).digest())
     kept, total, limit = [], 0, int(max_mb * 1_000_000)
     for d in order:
         n = len(d.text.encode())
