@@ -42,12 +42,6 @@ def split_documents(docs: list[Document]) -> dict[str, list[Document]]:
     return out
 
 
-def cap_train(docs: list[Document], cap_mb: float) -> list[Document]:
-    """The shipped part of the train split: documents in sha256("train:" + id) order until
-    `cap_mb` MB, returned sorted by id."""
-    return capped(docs, cap_mb, "train:")
-
-
 def split_stats(docs: list[Document]) -> dict:
     """Counts and sha256 of one split's canonical content."""
     return {
@@ -114,7 +108,7 @@ def build_corpus(name: str, *, out: Path, cache: Path | None = None,
     _warn_versions(out / name / "manifest.json", sources, log)
     parts = split_documents(docs)
     full = {s: split_stats(parts[s]) for s in SPLITS}
-    parts["train"] = cap_train(parts["train"], recipe.train_cap_mb)
+    parts["train"] = capped(parts["train"], recipe.train_cap_mb, "train:")  # the shipped part
     splits = {}
     for s in SPLITS:
         content = split_bytes(parts[s])
