@@ -172,11 +172,8 @@ def _layer_specs(cfg: Config, i: int, fdt: str) -> list[TensorSpec]:
 
 
 def _mlp_specs(t, p: str, D: int, F: int, comp: str) -> list[TensorSpec]:
-    return [
-        t(p + "gate_proj.weight", (F, D), comp),
-        t(p + "up_proj.weight", (F, D), comp),
-        t(p + "down_proj.weight", (D, F), comp),
-    ]
+    shapes = {"gate": (F, D), "up": (F, D), "down": (D, F)}  # [out, in], layout order
+    return [t(f"{p}{n}_proj.weight", s, comp) for n, s in shapes.items()]
 
 
 def _kda_specs(cfg: Config, t) -> list[TensorSpec]:

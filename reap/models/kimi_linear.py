@@ -120,12 +120,8 @@ def layout(config_dict: dict) -> list[TensorSpec]:
     """Every tensor of the checkpoint in file order (names without any prefix); dtypes as
     transformers saves them: the config's dtype, fp32 for dt_bias and the router."""
     cfg = Config.from_dict(config_dict)
-    fdt = _dtype(cfg)
+    fdt = dtype_code(cfg.torch_dtype)
     return decoder_specs(cfg, fdt, lambda i: _layer_specs(cfg, i, fdt), kimi_k3.ROLES)
-
-
-def _dtype(cfg: Config) -> str:
-    return dtype_code(cfg.torch_dtype)
 
 
 def _layer_specs(cfg: Config, i: int, fdt: str) -> list[TensorSpec]:
@@ -179,7 +175,7 @@ def expert_specs(cfg: Config, layer: int, expert: int) -> list[TensorSpec]:
     shapes = ((F, D), (D, F), (F, D))  # [out, in]
     names = expert_tensor_names(cfg, layer, expert)
     return [
-        TensorSpec(n, _dtype(cfg), s, "routed_experts", layer, expert)
+        TensorSpec(n, dtype_code(cfg.torch_dtype), s, "routed_experts", layer, expert)
         for n, s in zip(names, shapes)
     ]
 
