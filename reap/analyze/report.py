@@ -114,15 +114,13 @@ def _expert_tables(r: AnalysisResult) -> dict:
         }
     )
     counts = p.specialist_counts()  # [L, C]
-    spec = pd.DataFrame(
-        [
-            {"layer": layer, "corpus": c, "n_specialists": int(counts[i, j])}
-            for i, layer in enumerate(p.layers)
-            for j, c in enumerate(p.corpora)
-        ]
-    )
+    spec = [
+        {"layer": layer, "corpus": c, "n_specialists": int(counts[i, j])}
+        for i, layer in enumerate(p.layers)
+        for j, c in enumerate(p.corpora)
+    ]
     gen = pd.DataFrame({"layer": p.layers, "n_generalists": p.generalist.sum(-1)})
-    out = {"expert_usage": usage, "specialist_counts": spec, "generalist_counts": gen}
+    out = {"expert_usage": usage, "specialist_counts": pd.DataFrame(spec), "generalist_counts": gen}
     ec = r.expert_clusters
     if ec is not None:
         lab = np.argwhere(ec.labels >= 0)  # [n, 2] (layer row, expert)
@@ -133,13 +131,12 @@ def _expert_tables(r: AnalysisResult) -> dict:
                 "cluster": ec.labels[ec.labels >= 0],
             }
         )
-        out["expert_cluster_centroids"] = pd.DataFrame(
-            [
-                {"cluster": k, "corpus": c, "share": ec.centroids[k, j]}
-                for k in range(ec.k)
-                for j, c in enumerate(ec.corpora)
-            ]
-        )
+        centroids = [
+            {"cluster": k, "corpus": c, "share": ec.centroids[k, j]}
+            for k in range(ec.k)
+            for j, c in enumerate(ec.corpora)
+        ]
+        out["expert_cluster_centroids"] = pd.DataFrame(centroids)
     return out
 
 
@@ -148,24 +145,21 @@ def _community_tables(r: AnalysisResult) -> dict:
 
     if not r.communities:
         return {}
-    names = r.profiles.corpora
+    members = [
+        {"layer": c.layer, "expert": e, "community": int(g)}
+        for c in r.communities
+        for e, g in enumerate(c.labels)
+    ]
+    composition = [
+        {"layer": c.layer, "community": g, "corpus": n, "share": c.share[g, j]}
+        for c in r.communities
+        for g in range(c.n_communities)
+        for j, n in enumerate(r.profiles.corpora)
+    ]
     return {
-        "communities": pd.DataFrame(
-            [
-                {"layer": c.layer, "expert": e, "community": int(g)}
-                for c in r.communities
-                for e, g in enumerate(c.labels)
-            ]
-        ),
+        "communities": pd.DataFrame(members),
         "community_summary": pd.DataFrame([_community_summary(c) for c in r.communities]),
-        "community_composition": pd.DataFrame(
-            [
-                {"layer": c.layer, "community": g, "corpus": n, "share": c.share[g, j]}
-                for c in r.communities
-                for g in range(c.n_communities)
-                for j, n in enumerate(names)
-            ]
-        ),
+        "community_composition": pd.DataFrame(composition),
     }
 
 
