@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import torch
 
@@ -49,12 +49,7 @@ class Generation:
     finish_reason: str = "length"
 
     def as_dict(self) -> dict:
-        return {
-            "prompt_ids": self.prompt_ids,
-            "ids": self.ids,
-            "text": self.text,
-            "finish_reason": self.finish_reason,
-        }
+        return asdict(self)
 
 
 def sample(
