@@ -135,15 +135,12 @@ def markdown_report(results: dict, plots: list[str]) -> str:
         rows = [[name, *cells] for name, cells in domain_rows(results, dom)]
         out += [f"## {dom}", "", *_md_table(["", *results["columns"]], rows)]
     if results["corpora"]:
+        head = ["corpus", "documents", "tokens", "sha256"]
         rows = [
             [c, str(v["docs"]), str(v["tokens"]), v["sha256"][:16]]
             for c, v in results["corpora"].items()
         ]
-        out += [
-            "## Corpora (eval split)",
-            "",
-            *_md_table(["corpus", "documents", "tokens", "sha256"], rows),
-        ]
+        out += ["## Corpora (eval split)", "", *_md_table(head, rows)]
     if plots:
         out += ["## Plots", ""] + [f"![{p}](plots/{p}.png)" for p in plots] + [""]
     if results["generations"]:

@@ -120,6 +120,12 @@ def rst_to_text(source: str) -> str:
     """reStructuredText -> prose: directives, comments, literal blocks, tables and heading
     underlines dropped; inline roles reduced to their text; paragraphs joined CJK-aware."""
     lines, para, skip_indent = [], [], None
+
+    def end_paragraph() -> None:
+        if para:
+            lines.append(join_lines(para))
+            para.clear()
+
     for raw in source.replace("\r\n", "\n").split("\n"):
         indent = len(raw) - len(raw.lstrip())
         if skip_indent is not None:
@@ -129,14 +135,10 @@ def rst_to_text(source: str) -> str:
                 continue
         s = raw.strip()
         if not s or re.fullmatch(r"([=\-~^\"'`#*+:._])\1{2,}", s) or s.startswith(("+-", "+=", "|")):
-            if para:
-                lines.append(join_lines(para))
-                para = []
+            end_paragraph()
             continue
         if s.startswith(".. ") or s == ".." or s.endswith("::"):
-            if para:
-                lines.append(join_lines(para))
-                para = []
+            end_paragraph()
             skip_indent = indent
             if s.endswith("::") and not s.startswith("..") and s[:-2].strip():
                 lines.append(join_lines([s[:-1]]))  # "Example::" introduces a literal block
@@ -144,8 +146,7 @@ def rst_to_text(source: str) -> str:
         s = re.sub(r":[a-z:]+:`([^`<]*?)(?:\s*<[^>]*>)?`", r"\1", s)
         s = re.sub(r"`([^`<]*?)(?:\s*<[^>]*>)?`_{0,2}", r"\1", s)
         para.append(s.replace("``", "").replace("**", ""))
-    if para:
-        lines.append(join_lines(para))
+    end_paragraph()
     return "\n".join(ln for ln in lines if ln.strip(" :"))
 
 
