@@ -158,15 +158,13 @@ def _specialists(r: AnalysisResult) -> list[str]:
         "",
     ]
     for c, name in enumerate(p.corpora):
-        base = (
-            "no chance baseline (needs seq_count)"
-            if n is None
-            else (
+        base = "no chance baseline (needs seq_count)"
+        if n is not None:
+            significance = "" if n.p_value[c] < r.settings.alpha else ", not significant"
+            base = (
                 f"chance {n.mean[c]:.1f} (95th percentile {n.hi[c]:.0f}) with sequences shuffled "
-                f"between corpora, p = {fmt_p(n.p_value[c])}"
-                + ("" if n.p_value[c] < r.settings.alpha else ", not significant")
+                f"between corpora, p = {fmt_p(n.p_value[c])}{significance}"
             )
-        )
         lines.append(f"- {name}: {int(counts[c])} specialists; {base}.")
     gen = p.generalist.sum(-1)
     lines += [f"- generalists: {int(gen.sum())} in all, {gen.min()}–{gen.max()} per layer.", ""]
@@ -240,15 +238,13 @@ def _communities(r: AnalysisResult) -> list[str]:
     above = sum(c.modularity > c.null_max for c in r.communities)
     nc = np.array([c.n_communities for c in r.communities])
     n_null = len(r.communities[0].null)
-    chance = (
-        (
+    chance = "no random-graph baseline was computed: do not read structure into Q alone"
+    if n_null:
+        chance = (
             f"the same search on random graphs with the expected co-occurrences (Poisson, "
             f"{n_null} per layer) finds Q = {np.nanmean(q0):.3f} on average; observed Q is "
             f"above every random graph in {above}/{len(q)} layers"
         )
-        if n_null
-        else "no random-graph baseline was computed: do not read structure into Q alone"
-    )
     return [
         "## Co-activation communities",
         "",
