@@ -209,10 +209,7 @@ def summary(r: AnalysisResult, files: ReportFiles | None = None) -> dict:
             "settings": r.settings,
             "set_overlap_overall": r.set_overall,
             "usage_similarity_overall": [u for u in r.usage if u.layer == -1],
-            "corpus_clusters": {
-                "order": r.corpus_clusters.order,
-                "distance": r.corpus_clusters.distance,
-            },
+            "corpus_clusters": {k: getattr(r.corpus_clusters, k) for k in ("order", "distance")},
             "specialists": {
                 "per_corpus": dict(zip(p.corpora, p.specialist_counts().sum(0))),
                 "generalists": int(p.generalist.sum()),

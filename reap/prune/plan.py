@@ -68,6 +68,10 @@ def make_plan(
         family(config).with_experts(config, dict(zip(layers, counts)))
     kept = _select(layers, counts, combined, prot, per_corpus if quota else None, wts, groups)
     cmap = dict(zip(layers, counts))
+    rule = "per-layer shares: score / layer total; weighted mean"  # how corpora were combined
+    scores = None
+    if combined is not None:
+        scores = {layer: combined[li].tolist() for li, layer in enumerate(layers)}
     return Plan(
         n_experts=E,
         top_k=top_k,
@@ -77,16 +81,10 @@ def make_plan(
         criterion=criterion if combined is not None else None,
         scope=scope,
         budget=budget.budget_record(keep, ratio, target_size, floor_),
-        combine={
-            "mode": "quota" if quota else "weighted",
-            "weights": wts,
-            "normalization": "per-layer shares: score / layer total; weighted mean",
-        },
+        combine={"mode": "quota" if quota else "weighted", "weights": wts, "normalization": rule},
         protected=[{"layer": e.layer, "expert": e.expert, "max_act": e.max_act} for e in sup],
         protect_rule=criteria.PROTECT_RULE if (protect and loaded) else None,
-        scores={layer: combined[li].tolist() for li, layer in enumerate(layers)}
-        if combined is not None
-        else None,
+        scores=scores,
         predicted_bytes=size.predict_bytes(cmap) if size else None,
         predicted_params=size.predict_params(cmap) if size else None,
         source_bytes=size.predict_bytes() if size else None,
