@@ -38,6 +38,7 @@ def results_document(
         c: {"sha256": w.corpus_sha[c], "docs": len(d), "tokens": sum(len(x.ids) - 1 for x in d)}
         for c, d in w.docs.items()
     }
+    digest = prompts_digest(w.prompts) if w.prompts else None
     return {
         "format": FORMAT,
         "reference": _describe(w.ref),
@@ -45,11 +46,7 @@ def results_document(
         "columns": labels,
         "arguments": args,
         "corpora": corpora,
-        "prompts": {
-            "source": prompts_src or "shipped",
-            "count": len(w.prompts),
-            "sha256": prompts_digest(w.prompts) if w.prompts else None,
-        },
+        "prompts": {"source": prompts_src or "shipped", "count": len(w.prompts), "sha256": digest},
         "quality": quality,
         **_generation_results(labels, gens, w.prompts),
         "cache": {"hits": cache.hits, "misses": cache.misses, "dir": str(cache.dir)},
@@ -58,12 +55,8 @@ def results_document(
 
 
 def _describe(b: Build) -> dict:
-    return {
-        "label": b.label,
-        "path": b.path,
-        "fingerprint": b.identity.get("fingerprint"),
-        "identity_sha256": b.key,
-    }
+    fingerprint = b.identity.get("fingerprint")
+    return {"label": b.label, "path": b.path, "fingerprint": fingerprint, "identity_sha256": b.key}
 
 
 def _generation_results(labels: list[str], gens: dict, plist) -> dict:
