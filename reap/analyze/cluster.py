@@ -19,6 +19,7 @@ Dimension letters: C corpora, L layers, E experts.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -45,9 +46,8 @@ def cluster_corpora(corpora: list[CorpusUsage]) -> CorpusClustering:
     u = np.stack([c.usage() for c in corpora])  # [C, L, E]
     C = len(corpora)
     d = np.zeros((C, C))
-    for i in range(C):
-        for j in range(i + 1, C):
-            d[i, j] = d[j, i] = float(np.sqrt(jsd(u[i], u[j])).mean())
+    for i, j in itertools.combinations(range(C), 2):
+        d[i, j] = d[j, i] = float(np.sqrt(jsd(u[i], u[j])).mean())
     z = linkage(squareform(d, checks=False), method="average")
     names = [c.name for c in corpora]
     return CorpusClustering(names, d, z, [names[i] for i in leaves_list(z)])

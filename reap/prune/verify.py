@@ -64,10 +64,9 @@ def verify(*, pruned: str, source: str) -> VerifyResult:
             elif kind != "expert":
                 nbytes += _compare(new, old, name, src, rows)
         for layer, ids in original.items():
+            shas = man["experts"][str(layer)]["sha256"]  # indexed, not zipped: none may be skipped
             for j, e in enumerate(ids):
-                nbytes += _check_expert(
-                    new, old, fam, cfg, layer, j, e, man["experts"][str(layer)]["sha256"][j]
-                )
+                nbytes += _check_expert(new, old, fam, cfg, layer, j, e, shas[j])
     n_stored = sum(1 for n in expected if split_view(n)[1] is None)  # views are not tensors
     return VerifyResult(n_stored, nbytes, sum(len(v) for v in original.values()))
 
@@ -140,9 +139,8 @@ def _expected(old, fam, original: dict) -> dict[str, tuple[str, str, list | None
             out[name] = ("router", name, routers[name]) if name in routers else ("copy", name, None)
     for layer, ids in original.items():
         for j, e in enumerate(ids):
-            for new, src in zip(
-                fam.expert_tensor_names(cfg, layer, j), fam.expert_tensor_names(cfg, layer, e)
-            ):
+            names = fam.expert_tensor_names
+            for new, src in zip(names(cfg, layer, j), names(cfg, layer, e)):
                 out[new] = ("expert", src, None)
     return out
 
