@@ -65,15 +65,10 @@ def bootstrap_pairs(
     }
     pairs = [(a, b) for i, a in enumerate(have) for b in have[i + 1 :]]
     L = len(corpora[0].stats.layers)
-    out = {
-        (a.name, b.name): PairBootstrap(
-            a.name,
-            b.name,
-            {m: np.empty((n_boot, L)) for m in ms},
-            *(np.empty((n_boot, L)) for _ in range(3)),
-        )
-        for a, b in pairs
-    }
+    out = {}
+    for a, b in pairs:
+        jaccard = {m: np.empty((n_boot, L)) for m in ms}  # m -> [N, L]
+        out[a.name, b.name] = PairBootstrap(a.name, b.name, jaccard, *np.empty((3, n_boot, L)))
     for li in tqdm(range(L), desc="bootstrap layers", disable=not progress or not pairs):
         counts = {
             c.name: weights[c.name] @ c.stats.seq_count[:, li, :].double().numpy() for c in have
@@ -81,11 +76,8 @@ def bootstrap_pairs(
         sets = {(name, m): important_set(x, m) for name, x in counts.items() for m in ms}
         for a, b in pairs:
             pb, ca, cb = out[(a.name, b.name)], counts[a.name], counts[b.name]
-            pb.jsd[:, li], pb.cosine[:, li], pb.sum_min[:, li] = (
-                jsd(ca, cb),
-                cosine(ca, cb),
-                sum_min(ca, cb),
-            )
+            metrics = (jsd(ca, cb), cosine(ca, cb), sum_min(ca, cb))  # [N] each
+            pb.jsd[:, li], pb.cosine[:, li], pb.sum_min[:, li] = metrics
             for m in ms:
                 sa, sb = sets[(a.name, m)], sets[(b.name, m)]  # [N, E]
                 pb.jaccard[m][:, li] = jaccard_of((sa & sb).sum(-1), sa.sum(-1), sb.sum(-1))
