@@ -7,6 +7,8 @@ Modules are imported only when their subcommand runs, so `reap --help` stays fas
 optional stage cannot break the others. Errors a user can cause are `reap.errors.ReapError`:
 printed as one line, exit code from the error. Exit codes: 0 ok, 1 runtime failure, 2 bad input
 or arguments, 3 result not written, 4 a routed expert failed to load, 5 interrupted.
+Integer arguments are checked here for every subcommand: seeds lie in [0, 2^32) (what every
+generator reap seeds accepts) and no integer exceeds 64 bits.
 """
 
 from __future__ import annotations
@@ -19,6 +21,9 @@ import sys
 
 from reap import __version__
 from reap.errors import EXIT_FAILURE, EXIT_INTERRUPTED, ReapError
+
+SEED_LIMIT = 2**32  # numpy's legacy RandomState and scikit-learn take seeds below this
+INT_LIMIT = 2**63  # torch, numpy and C sizes: larger integers overflow
 
 # name -> (module, or module:NAME, and a one-line help). Order is the order `reap --help` lists.
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -76,6 +81,18 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def check_integers(args: argparse.Namespace) -> None:
+    """Bad input, before any work: a seed outside [0, 2^32) or an integer beyond 64 bits."""
+    for name, value in vars(args).items():
+        if not isinstance(value, int) or isinstance(value, bool):
+            continue
+        flag = "--" + name.replace("_", "-")
+        if name == "seed" and not 0 <= value < SEED_LIMIT:
+            raise ReapError(f"{flag} {value}: need an integer in [0, 2^32)")
+        if abs(value) >= INT_LIMIT:
+            raise ReapError(f"{flag} {value}: out of range (beyond 64 bits)")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `reap` console script; returns the exit code."""
     argv = sys.argv[1:] if argv is None else argv
@@ -86,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         if not getattr(args, "_run", None):
             parser.print_help()
             return 0 if not argv else 2
+        check_integers(args)
         return int(args._run(args) or 0)
     except ReapError as e:
         print(f"reap: error: {e}", file=sys.stderr)

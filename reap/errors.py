@@ -38,3 +38,13 @@ class ExpertLoadError(ReapError):
     """A routed expert could not be read: tokens computed without it are untrustworthy."""
 
     exit_code = EXIT_EXPERT_LOAD
+
+
+def first_difference(a: list, b: list, what: str = "layers") -> str:
+    """Where two lists first differ, for a message: 'layers differ at position 3: 7 vs 9 (5 and 4
+    layers)'. Messages show this instead of truncated lists that stop before the difference."""
+    a, b = list(a), list(b)
+    i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    left = repr(a[i]) if i < len(a) else "(end)"
+    right = repr(b[i]) if i < len(b) else "(end)"
+    return f"{what} differ at position {i}: {left} vs {right} ({len(a)} and {len(b)} {what})"

@@ -5,6 +5,9 @@ place in reap is here.
 file is renamed into place, otherwise the temporary file is removed. Failures become
 `WriteError` (exit code 3) naming the file. `replace_dir` moves a finished directory into place;
 `overlap` tells whether an output path is, holds or lies inside an input (never to be replaced).
+`check_out_dir` / `check_out_file` vet an `--out` before any work: a path unusable as given (a
+file where a directory is needed, a directory where a file is) is bad input (exit 2), a
+directory that cannot be created is a write failure (exit 3).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import os
 import shutil
 from collections.abc import Iterator
 
-from reap.errors import WriteError
+from reap.errors import ReapError, WriteError
 
 
 @contextlib.contextmanager
@@ -76,3 +79,39 @@ def overlap(path: str | os.PathLike, sources) -> tuple[str, str] | None:
         if out.startswith(real.rstrip(os.sep) + os.sep):
             return "is inside", os.fspath(src)
     return None
+
+
+def _blocking_file(path: str) -> str | None:
+    """The first existing ancestor of `path` that is not a directory, or None."""
+    parent = os.path.dirname(os.path.abspath(path))
+    while parent and not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    return parent if parent and not os.path.isdir(parent) else None
+
+
+def check_out_dir(path: str | os.PathLike, flag: str = "--out") -> str:
+    """Vet (and create) an output directory; returns the path. ReapError (exit 2) when it is a
+    file or lies under one, WriteError (exit 3) when it cannot be created."""
+    path = os.fspath(path)
+    blocker = _blocking_file(path)
+    if blocker is not None:
+        raise ReapError(f"{flag} {path}: {blocker} is a file, not a directory")
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ReapError(f"{flag} {path}: exists and is not a directory")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise WriteError(f"{flag} {path}: cannot create the directory: {e.strerror or e}") from e
+    return path
+
+
+def check_out_file(path: str | os.PathLike, flag: str = "--out") -> str:
+    """Vet an output file path before the work that produces it; returns the path. ReapError
+    (exit 2) when it is a directory or lies under a file; writing itself reports WriteError."""
+    path = os.fspath(path)
+    blocker = _blocking_file(path)
+    if blocker is not None:
+        raise ReapError(f"{flag} {path}: {blocker} is a file, not a directory")
+    if os.path.isdir(path):
+        raise ReapError(f"{flag} {path}: is a directory, a file name is needed")
+    return path

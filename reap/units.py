@@ -20,7 +20,10 @@ def parse_bytes(text: str) -> int:
         raise ReapError(f"cannot read size {text!r}: cannot parse it (use e.g. 8GB, 512MiB, 1.5TB)")
     value, prefix, binary = float(match.group(1)), match.group(2).upper(), bool(match.group(3))
     power = "KMGT".find(prefix) + 1 if prefix else 0
-    return int(value * (1024 if binary else 1000) ** power)
+    size = int(value * (1024 if binary else 1000) ** power)
+    if size >= 2**63:  # beyond any machine, and beyond the 64-bit sizes torch and the OS use
+        raise ReapError(f"cannot read size {text!r}: larger than 2^63 bytes")
+    return size
 
 
 def format_bytes(n: float, digits: int = 3) -> str:

@@ -9,9 +9,15 @@ writes tables, summary.json, PNG figures and report.md under --out.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 from reap.errors import ReapError
+
+
+# replicate and graph counts above these take days and memory no machine has
+MAX_REPLICATES = 100_000
+MAX_NULLS = 1_000
 
 
 def _m(s: str) -> float:
@@ -19,9 +25,24 @@ def _m(s: str) -> float:
         v = float(s)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a number: {s!r}") from None
-    if v <= 0:
-        raise argparse.ArgumentTypeError("must be positive")
+    if not math.isfinite(v) or v <= 0:
+        raise argparse.ArgumentTypeError("must be a positive finite number")
     return v
+
+
+def _check(args: argparse.Namespace) -> None:
+    """Bad numbers in the arguments are exit 2 before any statistics file is read."""
+    for flag, v, top in (("--bootstrap", args.bootstrap, MAX_REPLICATES),
+                         ("--permutations", args.permutations, MAX_REPLICATES),
+                         ("--community-nulls", args.community_nulls, MAX_NULLS)):
+        if not 0 <= v <= top:
+            raise ReapError(f"{flag} {v}: need an integer in [0, {top}]")
+    if not 0 < args.alpha < 1:
+        raise ReapError("--alpha must be in (0, 1)")
+    if not (math.isfinite(args.specialist_ratio) and args.specialist_ratio > 0):
+        raise ReapError(f"--specialist-ratio {args.specialist_ratio}: need a positive finite number")
+    if not (math.isfinite(args.min_load) and args.min_load >= 0):
+        raise ReapError(f"--min-load {args.min_load}: need a finite number >= 0")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -99,11 +120,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from reap.analyze.pipeline import analyze
     from reap.analyze.report import write_report
+    from reap.fileio import check_out_dir
 
-    if min(args.bootstrap, args.permutations, args.community_nulls) < 0:
-        raise ReapError("--bootstrap, --permutations and --community-nulls must be >= 0")
-    if not 0 < args.alpha < 1:
-        raise ReapError("--alpha must be in (0, 1)")
+    _check(args)
+    check_out_dir(args.out)
     result = analyze(
         args.stats,
         top_m=args.top_m,

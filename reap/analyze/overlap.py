@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from reap.analyze import chance
-from reap.errors import ReapError
+from reap.errors import ReapError, first_difference
 from reap.stats import ExpertStats, expand_paths
 
 CRITERIA = ("count", "reap_mass")
@@ -118,19 +118,41 @@ def check_compatible(corpora: list[CorpusUsage]) -> None:
     seen = set()
     for c in corpora:
         s, f = c.stats, first.stats
-        if (s.layers, s.n_experts, s.top_k) != (f.layers, f.n_experts, f.top_k):
+        here, there = c.path or c.name, first.path or first.name
+        if s.meta.get("model") != f.meta.get("model"):  # before names: a clash would hide it
             raise ReapError(
-                f"{c.path or c.name}: layers/n_experts/top_k differ from {first.path or first.name}"
+                f"{here} and {there} are statistics of different models (fingerprints "
+                f"{s.meta.get('model')} and {f.meta.get('model')})"
             )
-        if s.meta.get("model") != f.meta.get("model"):
+        if s.layers != f.layers:
+            raise ReapError(f"{here}: layers differ from {there}: "
+                            f"{first_difference(f.layers, s.layers)}")
+        if (s.n_experts, s.top_k) != (f.n_experts, f.top_k):
             raise ReapError(
-                f"{c.path or c.name}: model fingerprint differs from {first.path or first.name}"
+                f"{here}: n_experts/top_k {s.n_experts}/{s.top_k} differ from {there} "
+                f"({f.n_experts}/{f.top_k})"
             )
         if c.name in seen:
+            other = next(o for o in corpora if o.name == c.name)
+            _check_same_checkpoint(other, c)
             raise ReapError(
                 f"corpus {c.name!r} given twice (shards of one run: `reap stats merge`)"
             )
         seen.add(c.name)
+
+
+def _check_same_checkpoint(a: CorpusUsage, b: CorpusUsage) -> None:
+    """Two statistics of one corpus from different checkpoints are a model mismatch, not a
+    repeated corpus: the fingerprint hashes names, shapes and config, not weights, so two
+    checkpoints of one architecture share it and only the recorded model path tells them apart."""
+    args = [c.stats.meta.get("arguments") for c in (a, b)]
+    paths = [x.get("model") if isinstance(x, dict) else None for x in args]
+    if paths[0] != paths[1]:
+        raise ReapError(
+            f"{a.path or a.name} and {b.path or b.name} are statistics of different models: "
+            f"{paths[0]} and {paths[1]} (fingerprint {a.stats.meta.get('model')} for both: "
+            "same architecture and config, weights not compared)"
+        )
 
 
 def resolve_m(m: float, n_experts: int) -> int:

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from reap.checkpoint import encode_header
+from reap.errors import ReapError
 from reap.fileio import atomic_path, write_atomic
 from reap.stats import ExpertStats, ExpertSums, merge
 
@@ -36,12 +37,19 @@ def write_json(path: str, obj: dict) -> str:
 
 
 def read_json(path: str) -> dict | None:
-    """The JSON object in `path`, or None if the file does not exist."""
+    """The JSON object in `path`, or None if the file does not exist; ReapError (exit 2) when
+    it is not a JSON object (corrupt, nested too deeply, or not an object)."""
     try:
         with open(path) as f:
-            return json.load(f)
+            obj = json.load(f)
     except FileNotFoundError:
         return None
+    except (ValueError, RecursionError) as e:
+        raise ReapError(f"{path}: not valid JSON ({str(e) or 'nested too deeply'}); delete it "
+                        "to start over") from None
+    if not isinstance(obj, dict):
+        raise ReapError(f"{path}: not a JSON object; delete it to start over")
+    return obj
 
 
 def safe_name(corpus: str) -> str:

@@ -53,8 +53,14 @@ def _shard(text: str) -> tuple[int, int]:
 
 def run(args: argparse.Namespace) -> int:
     from reap.calibrate.pipeline import calibrate
+    from reap.fileio import check_out_dir
     from reap.units import format_bytes, parse_bytes
 
+    if args.batch is not None and args.batch < 1:
+        raise ReapError(f"--batch must be at least 1, got {args.batch}")
+    if args.tokens < 1:
+        raise ReapError(f"--tokens must be positive, got {args.tokens}")
+    check_out_dir(args.out)
     res = calibrate(
         model=args.model, corpus=args.corpus, tokens=args.tokens, seq_len=args.seq_len,
         out=args.out, budget=parse_bytes(args.budget), device=args.device, dtype=args.dtype,

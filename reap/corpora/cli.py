@@ -66,9 +66,11 @@ def cmd_show(args) -> int:
 
 def cmd_build(args) -> int:
     from reap.corpora.builder.pipeline import build
+    from reap.fileio import check_out_dir
     out = args.out or (local_root() if args.local_only_sources else corpora_root())
     for name in args.names:
         corpus_info(name)  # unknown name -> ReapError before any download
+    check_out_dir(out)
     paths = build(args.names or None, out=out, cache=args.cache,
                   local_only=args.local_only_sources, log=lambda m: print(m, flush=True))
     print(f"wrote {len(paths)} manifests under {out}")

@@ -16,7 +16,9 @@ import sys
 
 from reap.engine.memory import PRESET_HELP, PRESETS
 from reap.errors import EXIT_EXPERT_LOAD, ReapError
-from reap.fileio import write_atomic
+from reap.fileio import check_out_file, write_atomic
+
+MAX_THREADS = 4096  # torch takes a C int; more threads than this is a typo
 
 EXIT_CODES = """exit codes:
   0  success
@@ -153,8 +155,8 @@ def _lines(path: str):
 def _line(path: str, i: int, line: str) -> tuple:
     try:
         d = json.loads(line)
-    except ValueError as e:
-        raise ReapError(f"{path}:{i}: invalid JSON ({e})") from None
+    except (ValueError, RecursionError) as e:
+        raise ReapError(f"{path}:{i}: invalid JSON ({str(e) or 'nested too deeply'})") from None
     if not isinstance(d, dict) or ("prompt" in d) == ("ids" in d):
         raise ReapError(f"{path}:{i}: need an object with exactly one of 'prompt' or 'ids'")
     prompt = d.pop("prompt", None)
@@ -162,9 +164,33 @@ def _line(path: str, i: int, line: str) -> tuple:
     unknown = set(d) - {"max_tokens", "temperature", "top_p", "seed", "stop"}
     if unknown:
         raise ReapError(f"{path}:{i}: unknown field(s) {', '.join(sorted(unknown))}")
-    if not isinstance(prompt, (str, list)):
+    if not isinstance(prompt, (str, list)) or (
+        isinstance(prompt, list) and not all(_is_int(t) for t in prompt)
+    ):
         raise ReapError(f"{path}:{i}: 'prompt' must be text and 'ids' a list of token ids")
+    _check_options(path, i, d)
     return prompt, d
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_options(path: str, i: int, d: dict) -> None:
+    """Types of a prompt line's options: JSON floats or booleans are not silently truncated."""
+    for name in ("max_tokens", "seed"):
+        if name in d and not _is_int(d[name]):
+            raise ReapError(f"{path}:{i}: field {name}: {d[name]!r} is not an integer")
+    if "seed" in d and not 0 <= d["seed"] < 2**32:
+        raise ReapError(f"{path}:{i}: field seed: {d['seed']} is outside [0, 2^32)")
+    for name in ("temperature", "top_p"):
+        if name in d and (isinstance(d[name], bool) or not isinstance(d[name], (int, float))):
+            raise ReapError(f"{path}:{i}: field {name}: {d[name]!r} is not a number")
+    stop = d.get("stop", "")
+    if not isinstance(stop, str) and not (
+        isinstance(stop, list) and all(isinstance(x, str) for x in stop)
+    ):
+        raise ReapError(f"{path}:{i}: field stop: need a string or a list of strings")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -173,9 +199,11 @@ def run(args: argparse.Namespace) -> int:
     from reap.engine.generate import generate
 
     batch = len(_lines(args.prompts)) if args.prompts else 1
+    if args.out:
+        check_out_file(args.out)
     if args.threads is not None:
-        if args.threads < 1:
-            raise ReapError("--threads must be at least 1")
+        if not 1 <= args.threads <= MAX_THREADS:
+            raise ReapError(f"--threads {args.threads}: need an integer in [1, {MAX_THREADS}]")
         import torch
 
         torch.set_num_threads(args.threads)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 
+from reap.engine.cli import MAX_THREADS
 from reap.engine.memory import PRESETS
 from reap.errors import ReapError
 
@@ -114,11 +115,15 @@ def _list(text: str | None) -> list[str] | None:
 def run(args: argparse.Namespace) -> int:
     """Run the evaluation and print where the report is; returns the exit code."""
     from reap.eval.pipeline import evaluate
+    from reap.fileio import check_out_dir
 
     for name in ("max_docs", "max_tokens_per_doc", "batch", "gen_batch", "threads"):
         _positive("--" + name.replace("_", "-"), getattr(args, name))
     for name in ("gen_tokens", "bootstrap"):
         _positive("--" + name.replace("_", "-"), getattr(args, name), zero_ok=True)
+    if args.threads is not None and args.threads > MAX_THREADS:
+        raise ReapError(f"--threads {args.threads}: need an integer in [1, {MAX_THREADS}]")
+    check_out_dir(args.out)
     if args.threads is not None:
         import torch
 

@@ -21,8 +21,9 @@ from dataclasses import MISSING, Field, dataclass, field, fields
 
 import torch
 
-from reap.errors import ReapError
+from reap.errors import ReapError, WriteError, first_difference
 from reap.fileio import atomic_path
+from reap.stats.check import check_header, check_shapes
 
 FORMAT = "reap.expert_stats/1"
 
@@ -118,9 +119,14 @@ class ExpertStats(ExpertSums):
         """Write atomically (temp file, then rename); returns the path."""
         from safetensors.torch import save_file
 
+        from safetensors import SafetensorError
+
         tensors = {k: v.contiguous() for k, v in self.tensors().items()}
         with atomic_path(path) as tmp:
-            save_file(tensors, tmp, metadata={"reap": json.dumps(self.header())})
+            try:
+                save_file(tensors, tmp, metadata={"reap": json.dumps(self.header())})
+            except SafetensorError as e:  # its I/O errors are not OSError
+                raise WriteError(f"cannot write {os.fspath(path)}: {e}") from e
         return os.fspath(path)
 
     @classmethod
@@ -135,11 +141,14 @@ class ExpertStats(ExpertSums):
                 tensors = {k: f.get_tensor(k) for k in f.keys()}
         except Exception as e:  # safetensors raises its own error type for non-safetensors
             raise ReapError(f"{path}: not a reap statistics file ({type(e).__name__}: {e})") from e
-        if head.get("format") != FORMAT:
-            raise ReapError(f"{path}: unknown statistics format {head.get('format')!r}")
+        if not isinstance(head, dict) or head.get("format") != FORMAT:
+            fmt = head.get("format") if isinstance(head, dict) else head
+            raise ReapError(f"{path}: unknown statistics format {fmt!r}")
         missing = [f.name for f in sum_fields() if f.default is MISSING and f.name not in tensors]
         if missing:
             raise ReapError(f"{path}: statistics file lacks {', '.join(missing)}")
+        check_header(path, head)
+        check_shapes(path, head, tensors)
         return cls(head["layers"], head["n_experts"], head["top_k"], head["tokens"],
                    meta=head.get("meta", {}), **tensors)
 
@@ -179,10 +188,15 @@ def merge(parts: list[ExpertStats], meta: dict | None = None) -> ExpertStats:
         raise ReapError("nothing to merge")
     a = parts[0]
     for b in parts[1:]:
-        if (b.layers, b.n_experts, b.top_k) != (a.layers, a.n_experts, a.top_k):
-            raise ReapError("cannot merge statistics of different models or layer sets")
         if b.meta.get("model") != a.meta.get("model"):
-            raise ReapError("cannot merge statistics of different model fingerprints")
+            raise ReapError("cannot merge statistics of different models (fingerprints "
+                            f"{a.meta.get('model')} and {b.meta.get('model')})")
+        if b.layers != a.layers:
+            raise ReapError(f"cannot merge statistics of different layer sets: "
+                            f"{first_difference(a.layers, b.layers)}")
+        if (b.n_experts, b.top_k) != (a.n_experts, a.top_k):
+            raise ReapError(f"cannot merge statistics of different models: n_experts/top_k "
+                            f"{a.n_experts}/{a.top_k} vs {b.n_experts}/{b.top_k}")
     out = {}
     for f in sum_fields():
         name, rule = f.name, f.metadata["merge"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from reap.fileio import check_out_file
 from reap.stats import ExpertStats, merge
 
 
@@ -20,6 +21,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.action == "merge":
+        check_out_file(args.out)
         merged = merge([ExpertStats.load(p) for p in args.paths])
         print(merged.save(args.out))
         return 0

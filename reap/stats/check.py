@@ -1,0 +1,63 @@
+"""Validation of a statistics file's header and tensors before an `ExpertStats` is built from
+them: every field the header declares has the JSON type it must have (no float, bool or negative
+counts), and every tensor has the shape and dtype the header implies. Failures are `ReapError`
+(exit 2) naming the file and the field."""
+
+from __future__ import annotations
+
+import torch
+
+from reap.errors import ReapError
+
+# the largest counts a header may declare: more experts or layers than any model has
+MAX_EXPERTS = 1 << 20
+MAX_LAYERS = 1 << 16
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _int_field(path: str, head: dict, name: str, low: int, high: int | None = None) -> int:
+    v = head.get(name)
+    if not _is_int(v) or v < low or (high is not None and v > high):
+        bound = f"[{low}, {high}]" if high is not None else f">= {low}"
+        raise ReapError(f"{path}: field {name}: {v!r} is not an integer {bound}")
+    return v
+
+
+def check_header(path: str, head: dict) -> None:
+    """The header's layers, n_experts, top_k, tokens and meta have valid types and ranges."""
+    layers = head.get("layers")
+    if (not isinstance(layers, list) or not layers or len(layers) > MAX_LAYERS
+            or not all(_is_int(x) and 0 <= x < MAX_LAYERS for x in layers)):
+        raise ReapError(f"{path}: field layers: not a non-empty list of layer numbers")
+    if len(set(layers)) != len(layers):
+        raise ReapError(f"{path}: field layers: a layer is listed twice")
+    n_experts = _int_field(path, head, "n_experts", 1, MAX_EXPERTS)
+    _int_field(path, head, "top_k", 1, n_experts)
+    _int_field(path, head, "tokens", 0, 2**63 - 1)
+    if not isinstance(head.get("meta", {}), dict):
+        raise ReapError(f"{path}: field meta: not a JSON object")
+
+
+def check_shapes(path: str, head: dict, tensors: dict[str, torch.Tensor]) -> None:
+    """Each statistics tensor is [L, E] ([L, E, E] for coact, [S, L, E] for seq_count), integer
+    where its declared dtype is, and no count is negative."""
+    from reap.stats import sum_fields
+
+    L, E = len(head["layers"]), head["n_experts"]
+    for f in sum_fields():
+        t = tensors.get(f.name)
+        if t is None:
+            continue
+        want = {"coact": (L, E, E), "seq_count": (t.shape[0] if t.dim() else -1, L, E)}
+        shape = want.get(f.name, (L, E))
+        if tuple(t.shape) != shape:
+            raise ReapError(f"{path}: tensor {f.name}: shape {list(t.shape)}, the header "
+                            f"implies {list(shape)}")
+        if t.is_floating_point() != f.metadata["dtype"].is_floating_point:
+            raise ReapError(f"{path}: tensor {f.name}: dtype {t.dtype}, expected "
+                            f"{f.metadata['dtype']}")
+        if not t.is_floating_point() and t.numel() and int(t.min()) < 0:
+            raise ReapError(f"{path}: tensor {f.name}: negative counts")
