@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from reap.errors import ReapError
 from reap.fileio import check_out_file
 from reap.stats import ExpertStats, merge
 
@@ -19,10 +20,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     mg.add_argument("--out", required=True, help="output .safetensors path")
 
 
+def _check_same_model(paths: list[str], parts: list[ExpertStats]) -> None:
+    """Name the two files whose model fingerprints differ (`merge` sees no file names)."""
+    first = parts[0].meta.get("model")
+    for path, part in zip(paths[1:], parts[1:]):
+        if part.meta.get("model") != first:
+            raise ReapError(f"{paths[0]} and {path} are statistics of different models "
+                            f"(fingerprints {first} and {part.meta.get('model')})")
+
+
 def run(args: argparse.Namespace) -> int:
     if args.action == "merge":
         check_out_file(args.out)
-        merged = merge([ExpertStats.load(p) for p in args.paths])
+        parts = [ExpertStats.load(p) for p in args.paths]
+        _check_same_model(args.paths, parts)
+        merged = merge(parts)
         print(merged.save(args.out))
         return 0
     s = ExpertStats.load(args.path)
