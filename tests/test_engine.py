@@ -416,7 +416,12 @@ def test_run_exit_3_when_the_result_cannot_be_written(tiny, tmp_path, capsys):
         str(blocker / "out.json"),
         capsys=capsys,
     )
-    assert code == 3 and "cannot write" in err and out  # printed, then not written
+    # unusable as given (a file where a directory is needed): exit 2 before any work
+    assert code == 2 and f"{blocker} is a file" in err and not out
+    if os.path.isdir("/proc/self"):  # not writable: exit 3 after the work
+        code, out, err = _run(tiny, "--prompt", "hi", "--max-tokens", "2",
+                              "--out", "/proc/reap-test/out.json", capsys=capsys)
+        assert code == 3 and "cannot write" in err and out  # printed, then not written
     ok = tmp_path / "ok.json"
     assert (
         _run(tiny, "--prompt", "hi", "--max-tokens", "2", "--out", str(ok), capsys=capsys)[0] == 0
