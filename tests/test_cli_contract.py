@@ -90,11 +90,12 @@ def test_run_threads_out_of_range_is_exit_2(env, capsys, extra):
     _one_line(err, "--threads")
 
 
-@pytest.mark.parametrize("batch", ["0", "-1"])
-def test_calibrate_batch_below_one_is_exit_2(env, capsys, tmp_path, batch):
-    rc, err = _reap(capsys, *_calibrate(env, tmp_path / "cal", "--batch", batch))
+@pytest.mark.parametrize("extra", [("--batch", "0"), ("--batch", "-1"),
+                                   ("--shard", f"{BIG}/{BIG}")])
+def test_calibrate_numbers_out_of_range_are_exit_2(env, capsys, tmp_path, extra):
+    rc, err = _reap(capsys, *_calibrate(env, tmp_path / "cal", *extra))
     assert rc == 2, err
-    _one_line(err, "--batch")
+    _one_line(err, extra[0])
 
 
 @pytest.mark.parametrize("extra, flag", [

@@ -10,6 +10,8 @@ import sys
 
 from reap.errors import ReapError
 
+MAX_SHARDS = 1 << 20  # more parts than any corpus has sequences
+
 EPILOG_MEMORY = """memory: --budget bounds peak RSS: the interpreter and torch (measured at start),
 one layer's weights (the largest; one routed expert at a time), one attention batch and one MLP
 pass. Hidden states of all sequences live in a disk-backed spill under OUT/.work, never in RAM.
@@ -48,6 +50,8 @@ def _shard(text: str) -> tuple[int, int]:
         k, n = (int(v) for v in text.split("/"))
     except ValueError:
         raise ReapError(f"--shard must look like K/N, got {text!r}") from None
+    if not 1 <= k <= n <= MAX_SHARDS:
+        raise ReapError(f"--shard {text}: need 1 <= K <= N <= {MAX_SHARDS}")
     return k, n
 
 
