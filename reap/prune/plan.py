@@ -15,7 +15,7 @@ import os
 
 import torch
 
-from reap.errors import ReapError
+from reap.errors import ReapError, first_difference
 from reap.models import family
 from reap.provenance import code_version, sha256_file
 from reap.prune import budget, criteria
@@ -125,10 +125,11 @@ def _shape(loaded, size) -> tuple[list[int], int, int]:
         s = loaded[0][2]
         shape = (list(s.layers), s.n_experts, s.top_k)
         if size and shape != (size.moe_layers, size.n_experts, size.top_k):
+            same = shape[0] == list(size.moe_layers)
+            layers = "" if same else f"; MoE {first_difference(shape[0], size.moe_layers)}"
             raise ReapError(
-                f"{loaded[0][1]}: statistics (layers {s.layers[:3]}..., "
-                f"{s.n_experts} experts, top-{s.top_k}) do not match the model "
-                f"config ({size.n_experts} experts, top-{size.top_k})"
+                f"{loaded[0][1]}: statistics ({s.n_experts} experts, top-{s.top_k}) do not "
+                f"match the model config ({size.n_experts} experts, top-{size.top_k}{layers})"
             )
         return shape
     if size is None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from reap.errors import ReapError
+from reap.errors import ReapError, first_difference
 from reap.prune.plan_file import Plan
 
 
@@ -116,8 +116,8 @@ def _experts_found(
     layers = sorted({layer for layer, _ in found})
     if layers != sorted(plan.layers):
         raise ReapError(
-            f"{ck.path}: routed experts in layers {layers[:4]}..., the plan has "
-            f"layers {plan.layers[:4]}..."
+            f"{ck.path}: the checkpoint's routed-expert layers and the plan's disagree "
+            f"({first_difference(layers, sorted(plan.layers))})"
         )
     for layer in layers:
         n = 1 + max(e for la, e in found if la == layer)
