@@ -12,8 +12,11 @@ from reap.units import format_bytes
 
 
 def info(model: str, layers: int | None = None) -> dict:
-    """Census of a checkpoint or built-in config as a JSON-able dict."""
+    """Census of a checkpoint or built-in config as a JSON-able dict. A checkpoint is checked as
+    the other commands check it first (config values, every shard header and the index, the
+    tensors against the family layout), so `info` refuses what they refuse."""
     config, path = resolve_config(model, layers)
+    on_disk = _check_checkpoint(path, config) if path is not None else None
     m = SizeModel.from_config(config)
     first = m.moe_layers[0] if m.moe_layers else None
     out = {
@@ -31,13 +34,21 @@ def info(model: str, layers: int | None = None) -> dict:
         "checkpoint_bytes": m.predict_bytes(),
         "tensors": m.n_tensors,
     }
-    if path is not None:
-        from reap.checkpoint import Checkpoint
-
-        with Checkpoint.open(path) as ck:
-            out["bytes_on_disk"] = sum(os.path.getsize(f) for f in ck.files)
-            out["tensors_on_disk"] = len(ck.tensors)
+    if on_disk is not None:
+        out["bytes_on_disk"], out["tensors_on_disk"] = on_disk
     return out
+
+
+def _check_checkpoint(path: str, config: dict) -> tuple[int, int]:
+    """(bytes, tensors) on disk of a checkpoint that passes the checks every command makes."""
+    from reap.checkpoint import Checkpoint
+    from reap.models import family
+    from reap.models.checks import check_binding
+
+    with Checkpoint.open(path) as ck:
+        ck.validate()
+        check_binding(ck.tensors, family(config), config, path)
+        return sum(os.path.getsize(f) for f in ck.files), len(ck.tensors)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

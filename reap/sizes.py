@@ -191,8 +191,10 @@ def fmt_params(n: float) -> str:
 
 
 def resolve_config(model: str, layers: int | None = None) -> tuple[dict, str | None]:
-    """A built-in config name or a checkpoint path -> (config.json dict, checkpoint path)."""
+    """A built-in config name or a checkpoint path -> (config.json dict, checkpoint path); the
+    config is validated as every command validates it (`reap.models.validate.load_config`)."""
     from reap.models import builtin_config
+    from reap.models.validate import config_source, load_config
 
     if os.path.exists(model):
         from reap.checkpoint import Checkpoint
@@ -200,5 +202,6 @@ def resolve_config(model: str, layers: int | None = None) -> tuple[dict, str | N
         with Checkpoint.open(model) as ck:
             if not ck.config:
                 raise ReapError(f"{model}: no config.json")
+            load_config(ck.config, config_source(model))
             return ck.config, model
     return builtin_config(model, layers=layers), None

@@ -102,17 +102,16 @@ def _sequences(corpus: str, path: str, tokens: int, seq_len: int, seed: int,
 
 def _setup(ckpt, path: str, tokens: int, seq_len: int, device: str, dtype: str) -> dict:
     """Family, model, layout and size facts of the checkpoint (bad input -> ReapError)."""
-    from reap.models import family
+    from reap.models.checks import FiniteGuard, check_binding
+    from reap.models.validate import config_source, load_config
     from reap.sizes import SizeModel
 
     if not ckpt.config:
         raise ReapError(f"{path}: no config.json: not a model checkpoint")
+    fam, cfg = load_config(ckpt.config, config_source(path))  # the checks `reap run` makes
     runner.check_lengths(ckpt.config, tokens, seq_len)
-    fam = family(ckpt.config)
+    check_binding(ckpt.tensors, fam, ckpt.config, path)
     specs = fam.layout(ckpt.config)
-    missing = [s.name for s in specs if s.name not in ckpt.tensors]
-    if missing:
-        raise ReapError(f"{path}: tensor {missing[0]} is missing ({len(missing)} missing in all)")
     size = SizeModel.from_layout(specs, fam, ckpt.config)
     if not size.moe_layers:
         raise ReapError(f"{path}: the model has no MoE layers to calibrate")
@@ -120,10 +119,11 @@ def _setup(ckpt, path: str, tokens: int, seq_len: int, device: str, dtype: str) 
         raise ReapError("--device cuda: no CUDA device is available")
     if dtype not in ("float32", "bfloat16"):
         raise ReapError(f"--dtype must be float32 or bfloat16, got {dtype!r}")
-    tdtype, cfg = getattr(torch, dtype), fam.Config.from_dict(ckpt.config)
+    tdtype = getattr(torch, dtype)
     model = fam.Model(cfg, device=device, dtype=tdtype)
     return {"fam": fam, "cfg": cfg, "specs": specs, "size": size, "model": model,
-            "dtype": tdtype, "device": torch.device(device)}
+            "dtype": tdtype, "device": torch.device(device),
+            "guard": FiniteGuard(fam, cfg, specs, path)}
 
 
 def _make_run(ckpt, setup, ids, seq_corpus, n_corpora, identity, out, budget, batch, seq_counts,
@@ -156,8 +156,9 @@ def _make_run(ckpt, setup, ids, seq_corpus, n_corpora, identity, out, budget, ba
     acc = StatsAccumulator(size.n_experts, size.top_k, seq_corpus, T, n_corpora, seq_counts)
     run = runner.Run(ckpt=ckpt, model=setup["model"], moe_layers=size.moe_layers, ids=ids,
                      plan=plan, store=store, acc=acc,
-                     weights=runner.LayerWeights(ckpt, setup["device"]),
-                     experts=runner.StoreExperts(ckpt, expert_names, setup["device"]),
+                     weights=runner.LayerWeights(ckpt, setup["device"], setup["guard"]),
+                     experts=runner.StoreExperts(ckpt, expert_names, setup["device"],
+                                                 fam.expert_matrices),
                      work=work, identity=identity, device=setup["device"])
     run.done = -1 if prog is None else prog["done"]
     if prog is not None:

@@ -32,6 +32,7 @@ from reap.checkpoint import Checkpoint
 from reap.errors import CheckpointError, ExpertLoadError, ReapError
 from reap.memstat import release_memory
 from reap.models.base import expert_short_names
+from reap.quant.matrix import check_matrices
 
 
 @dataclass
@@ -62,13 +63,16 @@ class LayerWeights:
     """Weight getter over the store that caches what the current layer asked for (`clear` at
     the end of each layer), so a layer's trunk tensors are read once whatever the batching."""
 
-    def __init__(self, ckpt: Checkpoint, device: torch.device):
+    def __init__(self, ckpt: Checkpoint, device: torch.device, guard=None):
         self.ckpt, self.device, self.cache = ckpt, device, {}
+        self.guard = guard or (lambda name, tensor: None)  # a reap.models.checks.FiniteGuard
 
     def __call__(self, name: str) -> torch.Tensor:
         t = self.cache.get(name)
         if t is None:
-            t = self.cache[name] = self.ckpt.read(name, self.device)
+            t = self.ckpt.read(name, self.device)
+            self.guard(name, t)  # NaN/Inf in a norm or router: exit 2 before any statistic
+            self.cache[name] = t
         return t
 
     def clear(self) -> None:
@@ -81,8 +85,9 @@ class StoreExperts:
     per (layer, expert) within the current pass; `names(layer, expert)` lists an expert's
     tensors (the family's `expert_tensor_names` for this config)."""
 
-    def __init__(self, ckpt: Checkpoint, names, device: torch.device):
+    def __init__(self, ckpt: Checkpoint, names, device: torch.device, matrices_of=None):
         self.ckpt, self.names, self.device = ckpt, names, device
+        self.matrices_of = matrices_of  # the family's expert_matrices: codecs check their bytes
         self.pass_reads: dict[tuple[int, int], int] = {}
         self.max_reads = 0
         self.total = 0
@@ -99,7 +104,13 @@ class StoreExperts:
             raise ExpertLoadError(f"layer {layer} expert {expert} failed to load: {e}") from e
         n = self.pass_reads[(layer, expert)] = self.pass_reads.get((layer, expert), 0) + 1
         self.max_reads, self.total = max(self.max_reads, n), self.total + 1
-        return dict(zip(expert_short_names(names), (got[n] for n in names)))
+        tensors = dict(zip(expert_short_names(names), (got[n] for n in names)))
+        if self.matrices_of is not None:
+            try:  # as the engine's expert cache does: corrupt bytes are a failed load (exit 4)
+                check_matrices(self.matrices_of(tensors))
+            except ReapError as e:
+                raise ExpertLoadError(f"layer {layer} expert {expert} failed to load: {e}") from e
+        return tensors
 
 
 @dataclass

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
-from reap.checkpoint import DTYPE_CODES, split_view
-from reap.checkpoint.spec import UNUSED_COMPONENTS
+from reap.checkpoint import DTYPE_CODES
 from reap.engine import memory
+from reap.models.checks import FiniteGuard, check_binding
 from reap.errors import EXIT_FAILURE, ReapError
 
 
@@ -35,32 +35,16 @@ class Binding:
     n_experts: int
     first_expert: dict[int, list[str]]
     expert_weights: int
+    guard: FiniteGuard | None = None  # checks norm and router tensors once, when first read
 
 
 def bind(tensors: dict, fam, config: dict, path: str) -> Binding:
     """Match the checkpoint's tensors to the family layout, strictly: a missing tensor, a wrong
-    shape or dtype, or a tensor the layout does not use is a binding failure (exit 1). The vision
-    tower and components the text model never reads (UNUSED_COMPONENTS) are listed, not bound."""
-    skip, layout = {"vision", *UNUSED_COMPONENTS}, fam.layout(config)
-    specs = [s for s in layout if s.component not in skip]
-    known = {split_view(s.name)[0] for s in layout}  # fused views: stored name
-    for s in specs:
-        t = tensors.get(s.name)
-        if t is None:
-            raise ReapError(f"{path}: tensor binding failed: {s.name} is missing", EXIT_FAILURE)
-        if tuple(t.shape) != tuple(s.shape) or t.dtype != s.dtype:
-            raise ReapError(
-                f"{path}: tensor binding failed: {s.name} is {t.dtype} "
-                f"{list(t.shape)}, the layout wants {s.dtype} {list(s.shape)}",
-                EXIT_FAILURE,
-            )
-    unused = sorted(n for n in tensors if n not in known)
-    if unused:
-        raise ReapError(
-            f"{path}: tensor binding failed: {unused[0]} is not used by the model "
-            f"({len(unused)} unused tensors)",
-            EXIT_FAILURE,
-        )
+    shape or dtype, or a tensor the layout does not use is a binding failure (exit 1; the check
+    calibration makes too, `reap.models.checks.check_binding`). The vision tower and components
+    the text model never reads (UNUSED_COMPONENTS) are listed, not bound."""
+    specs = check_binding(tensors, fam, config, path)
+    guard = FiniteGuard(fam, fam.Config.from_dict(config), specs, path)
     n_layers = 1 + max((s.layer for s in specs if s.layer is not None), default=-1)
     units: list[list[str]] = [[] for _ in range(n_layers + 1)]
     embed_specs = [s for s in specs if s.component == "embed_head" and s.layer is None]
@@ -79,7 +63,9 @@ def bind(tensors: dict, fam, config: dict, path: str) -> Binding:
     n_experts = 1 + max((s.expert for s in specs if s.expert is not None), default=-1)
     names = [f"layer {i}" for i in range(n_layers)] + ["head"]
     weights = sum(s.weights for s in first if s.layer == first[0].layer) if first else 0
-    return Binding(names, units, embed, sorted(first_expert), n_experts, first_expert, weights)
+    return Binding(
+        names, units, embed, sorted(first_expert), n_experts, first_expert, weights, guard
+    )
 
 
 def state_costs(fam, cfg, act_bytes: int) -> tuple[int, int, int, int]:

@@ -116,13 +116,12 @@ class Engine:
         The budget covers the whole process: `baseline` (default: this process's RSS now, so a
         second engine in the same process sees the first one's memory as already used) plus
         everything the engine holds. `dtype` None/"auto": the checkpoint's (float32 or bf16)."""
-        from reap.models import family
+        from reap.models.validate import config_source, load_config
 
         t0 = time.perf_counter()
         _check_device(device)
         ckpt, model = _open_checkpoint(model)
-        fam = family(ckpt.config)
-        cfg = fam.Config.from_dict(ckpt.config)
+        fam, cfg = load_config(ckpt.config, config_source(str(model)))
         torch_dtype = _compute_dtype(dtype, cfg)
         b = bind(ckpt.tensors, fam, ckpt.config, str(model))
         costs = state_costs(fam, cfg, torch.finfo(torch_dtype).bits // 8)
@@ -312,7 +311,8 @@ def _stores(ckpt, fam, cfg, b: Binding, plan: memory.MemoryPlan, direct: bool, d
     reader = BufferReader(ckpt, direct=direct, kinds=IO_KINDS)
     try:
         trunk = TrunkStore(
-            reader, b.units, plan.pinned, plan.ring_slots, plan.slot_bytes, device=device
+            reader, b.units, plan.pinned, plan.ring_slots, plan.slot_bytes, device=device,
+            check=b.guard.check_all if b.guard else None,
         )
     except ReapError:
         reader.close()

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -40,13 +40,16 @@ class TrunkStore:
         slots: int = 2,
         slot_bytes: int = 0,
         device: str = "cpu",
+        check: Callable[[dict[str, torch.Tensor]], None] | None = None,
     ):
         self.reader, self.units, self.device = reader, units, device
+        self.check = check or (lambda tensors: None)  # e.g. Binding.guard.check_all
         self.stall = 0.0
         self.pinned: dict[int, dict[str, torch.Tensor]] = {}
         self.streamed = [i for i in range(len(units)) if i not in set(pinned)]
         for i in pinned:
             self.pinned[i] = _to(reader.read(units[i], "trunk"), device)
+            self.check(self.pinned[i])
         self._infos = [[reader.info(n) for n in names] for names in units]
         need = max((reader.span(self._infos[i]) for i in self.streamed), default=0)
         self.slots = [
@@ -111,6 +114,7 @@ class TrunkStore:
     def _load(self, i: int, slot: int) -> None:
         try:
             tensors = self.reader.read_into(self._infos[i], self.slots[slot], "trunk")
+            self.check(tensors)  # once per guarded tensor: later passes return at once
             self._result[i] = _to(tensors, self.device)
         except Exception as e:  # noqa: BLE001  (re-raised in the compute thread by get())
             self._result[i] = e

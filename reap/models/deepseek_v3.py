@@ -26,7 +26,7 @@ import torch
 
 from reap.checkpoint import TensorSpec
 from reap.errors import ReapError
-from reap.models import attention, base, blocks
+from reap.models import attention, base, blocks, validate
 from reap.models.base import ExpertSource, Weights, decoder_specs, dtype_code
 from reap.quant import fp8
 from reap.quant.matrix import stored_matrices as expert_matrices  # noqa: F401 - family hook
@@ -40,6 +40,15 @@ _FP8_RE = re.compile(r"^model\.layers\.\d+\..*_proj(_with_mqa)?\.weight$")  # qu
 _ROLES = {**base.HF_ROLES, "e_score_correction_bias": "router_bias"}  # TensorSpec.role by suffix
 _KEEP_F32 = {"gate.weight", "gate.e_score_correction_bias"}  # the router runs in fp32
 GLU = ("gate", "up", "down")  # the SwiGLU projections, as called
+
+
+_DERIVED = ("router_f32", "fp8_block", "mtp_layers")  # Config fields not read from config.json
+_WIDTHS = ("moe_intermediate_size", "kv_lora_rank", "qk_rope_head_dim", "v_head_dim")
+_WIDTHS += ("qk_nope_head_dim", "q_lora_rank")
+
+
+def _positive(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 @dataclass
@@ -87,8 +96,9 @@ class Config:
     @classmethod
     def from_dict(cls, d: dict) -> Config:
         """From a config.json dict (or one with a `text_config`); unknown keys ignored."""
-        text = d.get("text_config", d)
-        names = {f.name for f in fields(cls)} - {"router_f32", "fp8_block", "mtp_layers"}
+        text = validate.text_of(d)
+        cls.validate(text)
+        names = {f.name for f in fields(cls)} - set(_DERIVED)
         cfg = cls(**{k: v for k, v in text.items() if k in names})
         # transformers >= 5 writes `dtype` (not `torch_dtype`), the router in fp32, no MTP layer
         cfg.router_f32 = "dtype" in text and "torch_dtype" not in text
@@ -99,6 +109,24 @@ class Config:
         cfg.fp8_block = tuple(q.get("weight_block_size") or (128, 128)) if q else None
         cfg._check()
         return cfg
+
+    @classmethod
+    def validate(cls, text: dict) -> None:
+        """Types, required keys and ranges of a config (ConfigError, exit 2)."""
+        required = (*validate.HF_REQUIRED, "n_routed_experts", "num_experts_per_tok")
+        validate.check_fields(cls, {k: v for k, v in text.items() if k not in _DERIVED}, required)
+        validate.need_hf(text, "n_routed_experts", "num_experts_per_tok", _WIDTHS)
+        for name in ("n_group", "topk_group", "moe_layer_freq"):
+            validate.need_int(text, name, 1, validate.MAX_LAYERS)
+        for name in ("first_k_dense_replace", "num_nextn_predict_layers"):
+            validate.need_int(text, name, 0, validate.MAX_LAYERS)
+        block = (text.get("quantization_config") or {}).get("weight_block_size")
+        if block is not None and not (
+            isinstance(block, list) and len(block) == 2 and all(_positive(b) for b in block)
+        ):
+            raise validate.ConfigError(
+                "quantization_config.weight_block_size", f"must be two ints >= 1 (got {block!r})"
+            )
 
     def _check(self) -> None:
         bad, q, E = [], self.quantization_config or {}, self.n_routed_experts or 0

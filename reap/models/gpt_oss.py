@@ -28,7 +28,7 @@ import torch
 
 from reap.checkpoint import TensorSpec, view_name
 from reap.errors import ReapError
-from reap.models import base, blocks
+from reap.models import base, blocks, validate
 from reap.models.attention import KVCache, Rope, gqa_attention, rope_settings
 from reap.models.base import ExpertSource, Weights, decoder_specs, dtype_code
 from reap.quant import mxfp4
@@ -73,15 +73,25 @@ class Config:
     @classmethod
     def from_dict(cls, d: dict) -> Config:
         """From a config.json dict; unknown keys ignored."""
+        cls.validate(validate.text_of(d))
         names = {f.name for f in fields(cls)} - {"rope"}
         cfg = cls(**{k: v for k, v in d.items() if k in names})
         cfg.torch_dtype = cfg.torch_dtype or cfg.dtype  # transformers 5 writes `dtype`
         cfg.rope = rope_settings(d) if ("rope_parameters" in d or "rope_theta" in d) else cfg.rope
         if not cfg.attention_bias:
             raise ReapError("gpt_oss config: attention_bias false is not supported")
-        if cfg.layer_types is not None and len(cfg.layer_types) != cfg.num_hidden_layers:
-            raise ReapError("gpt_oss config: layer_types must list every layer")
         return cfg
+
+    @classmethod
+    def validate(cls, d: dict) -> None:
+        """Types, required keys and ranges of a config (ConfigError, exit 2)."""
+        required = (*validate.HF_REQUIRED, "num_local_experts", "num_experts_per_tok")
+        validate.check_fields(cls, {k: v for k, v in d.items() if k != "rope"}, required)
+        validate.need_hf(d, "num_local_experts", "num_experts_per_tok", ("head_dim",))
+        validate.need_int(d, "sliding_window", 1, validate.MAX_INT)
+        validate.need_float(d, "swiglu_limit", 0.0, validate.MAX_SCALE, above_lo=True)
+        kinds = ("sliding_attention", "full_attention")
+        validate.need_str_list(d, "layer_types", kinds, d["num_hidden_layers"])
 
     def is_moe(self, layer: int) -> bool:
         """Every GPT-OSS layer is an MoE layer."""

@@ -15,7 +15,7 @@ import torch
 
 from reap.checkpoint import TensorSpec
 from reap.errors import ReapError
-from reap.models import attention, base, blocks
+from reap.models import attention, base, blocks, kimi_k3_config, validate
 from reap.models.base import ExpertSource, State, Weights, dtype_code
 from reap.models.kimi_k3_blocks import (
     MoEDims,
@@ -78,11 +78,18 @@ class Config:
     @classmethod
     def from_dict(cls, d: dict) -> Config:
         """From a full config.json (with `text_config`) or a bare text config; unknown keys ignored."""
-        text = d.get("text_config", d)
+        text = validate.text_of(d)
+        cls.validate(text)
         names = {f.name for f in fields(cls)}
         cfg = cls(**{k: v for k, v in text.items() if k in names})
         cfg._check()
         return cfg
+
+    @classmethod
+    def validate(cls, text: dict) -> None:
+        """Types, required keys and ranges of a text config (ConfigError, exit 2)."""
+        validate.check_fields(cls, text, kimi_k3_config.REQUIRED)
+        kimi_k3_config.check_text(text)
 
     def _check(self) -> None:
         unsupported = []
@@ -104,11 +111,8 @@ class Config:
 
     def is_moe(self, layer: int) -> bool:
         """Whether decoder layer `layer` is a LatentMoE layer (else the dense MLP)."""
-        return (
-            self.num_experts > 0
-            and layer >= self.first_k_dense_replace
-            and layer % self.moe_layer_freq == 0
-        )
+        first, freq = self.first_k_dense_replace, self.moe_layer_freq
+        return self.num_experts > 0 and layer >= first and layer % freq == 0
 
     def experts_in(self, layer: int) -> int:
         """Routed experts of MoE layer `layer` (per-layer counts after a global-scope prune)."""

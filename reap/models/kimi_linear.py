@@ -22,7 +22,7 @@ import torch
 
 from reap.checkpoint import TensorSpec
 from reap.errors import ReapError
-from reap.models import attention, base, blocks, kimi_k3
+from reap.models import attention, base, blocks, kimi_k3, validate
 from reap.models.base import ExpertSource, Observer, Weights, decoder_specs, dtype_code
 from reap.quant.matrix import stored_matrices as expert_matrices  # noqa: F401 - family hook
 
@@ -52,7 +52,9 @@ class Config(kimi_k3.Config):
     @classmethod
     def from_dict(cls, d: dict) -> Config:
         """From a released or a transformers-written config.json; unknown keys ignored."""
-        return super().from_dict(_normalize(d.get("text_config", d)))
+        text = validate.text_of(d)
+        cls.validate(text)  # before normalizing: its layer lists are sized by the config
+        return super().from_dict(_normalize(text))
 
     def _check(self) -> None:
         unsupported = []

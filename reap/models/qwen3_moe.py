@@ -24,7 +24,7 @@ import torch
 
 from reap.checkpoint import TensorSpec
 from reap.errors import ReapError
-from reap.models import base, blocks
+from reap.models import base, blocks, validate
 from reap.models.attention import KVCache, Rope, gqa_attention, rope_settings
 from reap.models.base import ExpertSource, Weights, decoder_specs, dtype_code
 from reap.quant.matrix import stored_matrices as expert_matrices  # noqa: F401 - family hook
@@ -92,8 +92,8 @@ class Config:
     @classmethod
     def from_dict(cls, d: dict) -> Config:
         """From a config.json dict (or one with a `text_config`); unknown keys ignored."""
-        text = dict(d.get("text_config", d))
-        text = cls._aliases(text)
+        text = cls._aliases(dict(validate.text_of(d)))
+        cls.validate(text)
         names = {f.name for f in fields(cls)}
         cfg = cls(**{k: v for k, v in text.items() if k in names and v is not None})
         cfg.rope_theta, cfg.rope_scaling = rope_settings(text)
@@ -111,6 +111,18 @@ class Config:
     def _window(text: dict) -> int | None:
         # transformers drops Qwen3-MoE's window unless use_sliding_window is set
         return text.get("sliding_window") if text.get("use_sliding_window") else None
+
+    @classmethod
+    def validate(cls, text: dict) -> None:
+        """Types, required keys and ranges of a config (after `_aliases`; ConfigError, exit 2)."""
+        if text.get("num_experts") is None:  # written under either name
+            raise validate.ConfigError(cls.names.expert_count_key, "is missing (required)")
+        required = (*validate.HF_REQUIRED, "num_experts_per_tok")
+        validate.check_fields(cls, text, required, none_is_default=True)
+        validate.need_hf(text, "num_experts", "num_experts_per_tok", ("head_dim",))
+        validate.need_int(text, "decoder_sparse_step", 1, validate.MAX_LAYERS)
+        n = text["num_hidden_layers"]
+        validate.need_int_list(text, "mlp_only_layers", 0, n - 1, "num_hidden_layers - 1")
 
     def _check(self) -> None:
         if self.hidden_act != "silu":

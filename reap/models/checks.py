@@ -1,0 +1,89 @@
+"""Checks of a checkpoint's weights against its family, shared by every stage that reads them
+(`reap run`, `reap calibrate`, `reap info`), so they refuse the same checkpoints:
+
+    specs = check_binding(ckpt.tensors, fam, config, path)   # names, shapes, dtypes: exit 1
+    guard = FiniteGuard(fam, cfg, specs, path)
+    guard(name, tensor)                                       # NaN/Inf in a norm or router: exit 2
+
+`check_binding` matches the checkpoint to the family layout strictly (a missing tensor, a wrong
+shape or dtype, a tensor the layout does not use). `FiniteGuard` checks, once per tensor when it
+is first read, that the small tensors feeding routing and normalization (norm weights, router
+weights and biases) hold no NaN or Inf: such a value does not fail loudly later, it turns every
+routing decision or logit into NaN (then token 0). The large matrices are never scanned.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from reap.checkpoint import split_view
+from reap.checkpoint.spec import UNUSED_COMPONENTS
+from reap.errors import EXIT_FAILURE, CheckpointError, ReapError
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# roles (TensorSpec.role) of the tensors feeding normalization and routing
+GUARDED_ROLES = frozenset({"norm", "router_bias"})
+
+
+def check_binding(tensors: Mapping, fam, config: dict, path: str) -> list:
+    """The layout's TensorSpecs the text model reads, after checking that `tensors` (name ->
+    anything with `.shape` and `.dtype`) holds each with its shape and dtype and nothing the
+    layout does not name; else ReapError (exit 1, "tensor binding failed"). The vision tower
+    and components the text model never reads (UNUSED_COMPONENTS) are allowed, not returned."""
+    skip, layout = {"vision", *UNUSED_COMPONENTS}, fam.layout(config)
+    specs = [s for s in layout if s.component not in skip]
+    known = {split_view(s.name)[0] for s in layout}  # fused views: stored name
+    for s in specs:
+        t = tensors.get(s.name)
+        if t is None:
+            raise ReapError(f"{path}: tensor binding failed: {s.name} is missing", EXIT_FAILURE)
+        if tuple(t.shape) != tuple(s.shape) or t.dtype != s.dtype:
+            raise ReapError(
+                f"{path}: tensor binding failed: {s.name} is {t.dtype} "
+                f"{list(t.shape)}, the layout wants {s.dtype} {list(s.shape)}",
+                EXIT_FAILURE,
+            )
+    unused = sorted(n for n in tensors if n not in known)
+    if unused:
+        raise ReapError(
+            f"{path}: tensor binding failed: {unused[0]} is not used by the model "
+            f"({len(unused)} unused tensors)",
+            EXIT_FAILURE,
+        )
+    return specs
+
+
+def guarded_names(fam, cfg, specs: list) -> set[str]:
+    """Names of the tensors `FiniteGuard` checks: norms and router biases (by layout role) and
+    every MoE layer's router tensors (`fam.router_tensors`)."""
+    names = {s.name for s in specs if s.role in GUARDED_ROLES}
+    for layer in sorted({s.layer for s in specs if s.component == "routed_experts"}):
+        names.update(fam.router_tensors(cfg, layer))
+    known = {s.name for s in specs}
+    return names & known
+
+
+class FiniteGuard:
+    """Callable `(name, tensor)` raising CheckpointError (exit 2) the first time a guarded
+    tensor holding NaN or Inf is seen; each guarded tensor is checked once (the first read),
+    others pass untouched. Thread-safe enough for a reader thread: a tensor checked twice by a
+    race is only a wasted scan."""
+
+    def __init__(self, fam, cfg, specs: list, path: str):
+        self.pending, self.path = guarded_names(fam, cfg, specs), path
+
+    def __call__(self, name: str, tensor: torch.Tensor) -> None:
+        if name not in self.pending or tensor.dtype not in _FLOATS:
+            return
+        if not bool(torch.isfinite(tensor).all()):
+            raise CheckpointError(
+                f"{self.path}: {name}: holds NaN or Inf (a norm or router weight): corrupt weights"
+            )
+        self.pending.discard(name)
+
+    def check_all(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Check each guarded tensor of a name -> tensor mapping (e.g. a layer just read)."""
+        for name, tensor in tensors.items():
+            self(name, tensor)

@@ -1,0 +1,79 @@
+"""The value rules of a Kimi K3 / Kimi Linear text config (types come from the `Config`
+dataclass through `reap.models.validate.check_fields`; these are the ranges and the keys with
+no safe default). Called by `kimi_k3.Config.from_dict` before any field is used."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from reap.models.validate import (
+    MAX_EXPERTS,
+    MAX_LAYERS,
+    MAX_SCALE,
+    ConfigError,
+    need_experts,
+    need_float,
+    need_int,
+    need_int_list,
+    need_sizes,
+    need_str_list,
+)
+
+# no safe default: the released configs all carry these, and the references' defaults differ
+REQUIRED = (
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_experts",
+    "num_experts_per_token",
+)
+_WIDTHS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "kv_lora_rank")
+_WIDTHS += ("qk_nope_head_dim", "v_head_dim", "intermediate_size")
+
+
+def check_text(text: Mapping) -> None:
+    """Raise ConfigError for the first out-of-range value of a K3 / Kimi Linear text config
+    (after `check_fields` has checked the types)."""
+    need_sizes(text, _WIDTHS)
+    n = text.get("num_hidden_layers") or 1
+    need_experts(text, "num_experts", "num_experts_per_token", n)
+    need_float(text, "rms_norm_eps", 0.0, 1.0, above_lo=True)
+    need_float(text, "routed_scaling_factor", 0.0, MAX_SCALE, above_lo=True)
+    need_int(text, "moe_layer_freq", 1, MAX_LAYERS)
+    need_int(text, "first_k_dense_replace", 0, MAX_LAYERS)
+    need_int(text, "attn_res_block_size", 1, MAX_LAYERS)
+    need_int(text, "num_expert_group", 1, MAX_EXPERTS)
+    need_int(text, "topk_group", 1, MAX_EXPERTS)
+    need_int(text, "num_shared_experts", 0, MAX_EXPERTS)
+    for name in ("layer_types", "mlp_layer_types"):
+        choices = ("linear_attention", "full_attention") if name == "layer_types" else ()
+        need_str_list(text, name, choices or ("dense", "sparse"), n)
+    _check_per_layer(text, n)
+    lac = text.get("linear_attn_config") or {}
+    for key in ("num_heads", "head_dim", "short_conv_kernel_size"):
+        _nested(need_int, lac, key, 1, 1 << 16)
+    for key in ("kda_layers", "full_attn_layers"):
+        _nested(need_int_list, lac, key, 1, n, "num_hidden_layers")
+
+
+def _nested(check, lac: Mapping, key: str, *args) -> None:
+    try:
+        check(lac, key, *args)
+    except ConfigError as e:
+        raise ConfigError(f"linear_attn_config.{key}", e.detail) from None
+
+
+def _check_per_layer(text: Mapping, n_layers: int) -> None:
+    """`num_experts_per_layer` (reap's extension): {"layer": count}, layers in range, each
+    count in top_k..num_experts."""
+    counts = text.get("num_experts_per_layer")
+    if not counts:
+        return
+    name, k, most = "num_experts_per_layer", text["num_experts_per_token"], text["num_experts"]
+    if len(counts) > n_layers:
+        raise ConfigError(name, f"lists {len(counts)} layers, the model has {n_layers}")
+    for layer, count in counts.items():
+        if not (layer.isdigit() and int(layer) < n_layers):
+            raise ConfigError(name, f"keys must be layers 0..{n_layers - 1} (got {layer!r})")
+        need_int({name: count}, name, k, most)
