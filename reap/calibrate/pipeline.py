@@ -119,11 +119,14 @@ def _setup(ckpt, path: str, tokens: int, seq_len: int, device: str, dtype: str) 
         raise ReapError("--device cuda: no CUDA device is available")
     if dtype not in ("float32", "bfloat16"):
         raise ReapError(f"--dtype must be float32 or bfloat16, got {dtype!r}")
-    tdtype = getattr(torch, dtype)
+    tdtype, guard = getattr(torch, dtype), FiniteGuard(fam, cfg, specs, path)
+    last = max(size.moe_layers)
+    for s in specs:  # norms calibration never reads (after the last MoE layer): as `run` does
+        if s.name in guard.pending and (s.layer is None or s.layer > last):
+            guard(s.name, ckpt.read(s.name))
     model = fam.Model(cfg, device=device, dtype=tdtype)
     return {"fam": fam, "cfg": cfg, "specs": specs, "size": size, "model": model,
-            "dtype": tdtype, "device": torch.device(device),
-            "guard": FiniteGuard(fam, cfg, specs, path)}
+            "dtype": tdtype, "device": torch.device(device), "guard": guard}
 
 
 def _make_run(ckpt, setup, ids, seq_corpus, n_corpora, identity, out, budget, batch, seq_counts,

@@ -7,7 +7,9 @@ arguments. Stages ask the family; none reads its config fields or tensor names (
 test checks this outside `models/`, `checkpoint/` and `quant/`):
 
 - `Config`: a dataclass whose field names are the `config.json` names, `Config.from_dict(d)`,
-  with at least `torch_dtype` (the checkpoint's dtype name, e.g. "bfloat16");
+  with at least `torch_dtype` (the checkpoint's dtype name, e.g. "bfloat16"); `from_dict` is
+  where a config is validated, once for every command: types by the field annotations, keys
+  with no safe default, the family's ranges (`reap.models.validate`; ConfigError, exit 2);
 - `Model(cfg, device, dtype)`: a `LayerModel` holding no weights (the driving protocol below);
 - `layout(config_dict) -> list[TensorSpec]`: every tensor of the released layout, in file order,
   names without any `language_model.` prefix, tagged with component, layer, expert and role (what
