@@ -53,8 +53,20 @@ def _run(capsys, model) -> tuple[int, str]:
 
 
 def _calibrate(capsys, model, corpus, out) -> tuple[int, str]:
-    return _cli(capsys, "calibrate", model, "--corpus", corpus, "--tokens", "32", "--seq-len",
-                "16", "--out", out, "--no-progress")
+    return _cli(
+        capsys,
+        "calibrate",
+        model,
+        "--corpus",
+        corpus,
+        "--tokens",
+        "32",
+        "--seq-len",
+        "16",
+        "--out",
+        out,
+        "--no-progress",
+    )
 
 
 def _with_config(tiny, tmp_path, edit) -> str:
@@ -76,8 +88,11 @@ def _with_tensors(tiny, tmp_path, edit) -> str:
     stored = load_file(d / "model.safetensors")
     tensors = {k.removeprefix(TEXT): v for k, v in stored.items()}
     edit(tensors)
-    save_file({TEXT + k: v for k, v in tensors.items()}, d / "model.safetensors",
-              metadata={"format": "pt"})
+    save_file(
+        {TEXT + k: v for k, v in tensors.items()},
+        d / "model.safetensors",
+        metadata={"format": "pt"},
+    )
     return str(d)
 
 
@@ -129,6 +144,7 @@ def test_info_refuses_a_bad_config_value_with_exit_2_naming_file_and_field(
 def test_routed_experts_over_all_layers_are_bounded(tiny, tmp_path, capsys):
     """Each count below its own limit, their product far above any model: refused at once
     (`info` lists every tensor; it must not grow with a typo)."""
+
     def edit(text):
         text["num_experts"], text["num_hidden_layers"] = 60000, 4000
 
@@ -136,9 +152,14 @@ def test_routed_experts_over_all_layers_are_bounded(tiny, tmp_path, capsys):
     assert code == 2 and "num_experts: 60000 experts x 4000 layers exceeds" in err
 
 
-@pytest.mark.parametrize(("field", "value"), [("num_experts_per_token", _DELETE),
-                                              ("num_experts_per_token", 0),
-                                              ("rms_norm_eps", float("nan"))])
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("num_experts_per_token", _DELETE),
+        ("num_experts_per_token", 0),
+        ("rms_norm_eps", float("nan")),
+    ],
+)
 def test_run_and_calibrate_refuse_the_same_config_values(
     tiny, corpus, tmp_path, capsys, field, value
 ):
@@ -160,15 +181,26 @@ def test_hf_families_refuse_missing_top_k_and_bad_ranges():
         "gpt_oss": ("num_local_experts", "num_experts_per_tok"),
     }
     for model_type, (experts, top_k) in configs.items():
-        good = {"model_type": model_type, "vocab_size": 300, "hidden_size": 64,
-                "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-                experts: 8, top_k: 2}
+        good = {
+            "model_type": model_type,
+            "vocab_size": 300,
+            "hidden_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            experts: 8,
+            top_k: 2,
+        }
         fam = family(good)
         fam.Config.from_dict(good)
-        for bad, words in (({top_k: None}, "is missing"), ({top_k: 0}, "1.."),
-                           ({top_k: 9}, "1.."), ({"rms_norm_eps": -1.0}, "> 0"),
-                           ({"hidden_size": 64.5}, "must be an int"),
-                           ({"num_hidden_layers": 10**12}, "got 1000000000000")):
+        for bad, words in (
+            ({top_k: None}, "is missing"),
+            ({top_k: 0}, "1.."),
+            ({top_k: 9}, "1.."),
+            ({"rms_norm_eps": -1.0}, "> 0"),
+            ({"hidden_size": 64.5}, "must be an int"),
+            ({"num_hidden_layers": 10**12}, "got 1000000000000"),
+        ):
             config = {k: v for k, v in {**good, **bad}.items() if v is not None}
             with pytest.raises(ConfigError, match=words) as refused:
                 fam.Config.from_dict(config)
@@ -191,7 +223,7 @@ def test_info_refuses_a_checkpoint_that_run_refuses(tiny, tmp_path, capsys):
 
     d = _with_tensors(tiny, tmp_path, drop)
     (tmp_path / "weights" / "model.safetensors.index.json").unlink()
-    run_code, run_err = _run(capsys, d)
+    run_code = _run(capsys, d)[0]
     code, err = _cli(capsys, "info", d)
     assert run_code == code == 1
     assert "post_attention_layernorm.weight is missing" in err

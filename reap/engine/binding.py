@@ -17,8 +17,8 @@ import torch
 
 from reap.checkpoint import DTYPE_CODES
 from reap.engine import memory
-from reap.models.checks import FiniteGuard, check_binding
 from reap.errors import EXIT_FAILURE, ReapError
+from reap.models.checks import FiniteGuard, check_binding
 
 
 @dataclass

@@ -173,8 +173,12 @@ def need_float(
         raise ConfigError(name, f"must be {what or 'a finite number'} {span} (got {_show(value)})")
 
 
-def need_sizes(text: Mapping, widths: tuple[str, ...] = (), vocab: str = "vocab_size",
-               layers: str = "num_hidden_layers") -> None:
+def need_sizes(
+    text: Mapping,
+    widths: tuple[str, ...] = (),
+    vocab: str = "vocab_size",
+    layers: str = "num_hidden_layers",
+) -> None:
     """The common size fields: `vocab` in 1..MAX_VOCAB, `layers` in 1..MAX_LAYERS, each of
     `widths` in 1..MAX_WIDTH."""
     need_int(text, vocab, 1, MAX_VOCAB)
@@ -217,7 +221,9 @@ def need_str_list(text: Mapping, name: str, choices: tuple[str, ...], length: in
         raise ConfigError(name, f"must list one entry per layer ({length}) (got {_show(values)})")
     bad = [v for v in values if v not in choices]
     if bad:
-        raise ConfigError(name, f"entries must be one of {', '.join(choices)} (got {_show(bad[0])})")
+        raise ConfigError(
+            name, f"entries must be one of {', '.join(choices)} (got {_show(bad[0])})"
+        )
 
 
 HF_REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
