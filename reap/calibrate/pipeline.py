@@ -120,10 +120,11 @@ def _setup(ckpt, path: str, tokens: int, seq_len: int, device: str, dtype: str) 
     if dtype not in ("float32", "bfloat16"):
         raise ReapError(f"--dtype must be float32 or bfloat16, got {dtype!r}")
     tdtype, guard = getattr(torch, dtype), FiniteGuard(fam, cfg, specs, path)
-    last = max(size.moe_layers)
+    last, counted = max(size.moe_layers), (ckpt.bytes_read, ckpt.reads)
     for s in specs:  # norms calibration never reads (after the last MoE layer): as `run` does
         if s.name in guard.pending and (s.layer is None or s.layer > last):
             guard(s.name, ckpt.read(s.name))
+    ckpt.bytes_read, ckpt.reads = counted  # a check, not calibration's reads (resume-stable)
     model = fam.Model(cfg, device=device, dtype=tdtype)
     return {"fam": fam, "cfg": cfg, "specs": specs, "size": size, "model": model,
             "dtype": tdtype, "device": torch.device(device), "guard": guard}
