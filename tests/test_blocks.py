@@ -9,14 +9,14 @@ import torch
 
 from reap.models import attention as A
 from reap.models import blocks as B
-from reap.models import kimi_k3_blocks
+from reap.models import kda, kimi_k3_blocks
 from reap.quant import mxfp4
 
 
 def _qkv(Bn, T, H, Dk, Dv, seed=0, lower_bound=-5.0):
     g = torch.Generator().manual_seed(seed)
-    q = B.l2_normalize(torch.randn(Bn, T, H, Dk, generator=g)) * Dk**-0.5
-    k = B.l2_normalize(torch.randn(Bn, T, H, Dk, generator=g))
+    q = kda.l2_normalize(torch.randn(Bn, T, H, Dk, generator=g)) * Dk**-0.5
+    k = kda.l2_normalize(torch.randn(Bn, T, H, Dk, generator=g))
     v = torch.randn(Bn, T, H, Dv, generator=g)
     # decays spanning the whole allowed range, down to exp(lower_bound) per step
     log_g = lower_bound * torch.sigmoid(4 * torch.randn(Bn, T, H, Dk, generator=g))
@@ -29,8 +29,8 @@ def _qkv(Bn, T, H, Dk, Dv, seed=0, lower_bound=-5.0):
 @pytest.mark.parametrize("chunk", [8, 16])
 def test_kda_chunked_matches_recurrence(T, chunk):
     args = _qkv(2, T, 3, 32, 16, seed=T)
-    o_ref, s_ref = B.kda_recurrent(*args)
-    o, s = B.kda_chunked(*args, chunk=chunk)
+    o_ref, s_ref = kda.kda_recurrent(*args)
+    o, s = kda.kda_chunked(*args, chunk=chunk)
     assert o.shape == o_ref.shape and s.shape == s_ref.shape
     torch.testing.assert_close(o, o_ref, atol=2e-5, rtol=1e-4)
     torch.testing.assert_close(s, s_ref, atol=2e-5, rtol=1e-4)
@@ -42,7 +42,7 @@ def test_kda_recurrence_is_the_delta_rule():
     S = state[0, 0] * log_g[0, 0, 0].exp()[None, :]
     kk, vv, qq, b = k[0, 0, 0], v[0, 0, 0], q[0, 0, 0], beta[0, 0, 0]
     S = S + b * torch.outer(vv - S @ kk, kk)
-    o, s = B.kda_recurrent(q, k, v, log_g, beta, state)
+    o, s = kda.kda_recurrent(q, k, v, log_g, beta, state)
     torch.testing.assert_close(s[0, 0], S)
     torch.testing.assert_close(o[0, 0, 0], S @ qq)
 
@@ -50,14 +50,14 @@ def test_kda_recurrence_is_the_delta_rule():
 def test_short_conv_streamed_equals_whole_and_naive():
     g = torch.Generator().manual_seed(1)
     x, w = torch.randn(2, 9, 6, generator=g), torch.randn(6, 1, 4, generator=g)
-    y, _ = B.short_conv(x, w, None)
+    y, _ = kda.short_conv(x, w, None)
     xp = torch.cat([torch.zeros(2, 3, 6), x], 1)
     naive = torch.stack([(xp[:, t : t + 4] * w[:, 0].T).sum(1) for t in range(9)], 1)
     torch.testing.assert_close(y, torch.nn.functional.silu(naive))
-    y1, tail = B.short_conv(x[:, :5], w, None)
+    y1, tail = kda.short_conv(x[:, :5], w, None)
     parts = [y1]
     for t in range(5, 9):
-        yt, tail = B.short_conv(x[:, t : t + 1], w, tail)
+        yt, tail = kda.short_conv(x[:, t : t + 1], w, tail)
         parts.append(yt)
     torch.testing.assert_close(torch.cat(parts, 1), y)
 

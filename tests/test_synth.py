@@ -14,7 +14,7 @@ from reap import synth
 from reap.checkpoint import Checkpoint
 from reap.cli import main
 from reap.errors import CheckpointError
-from reap.models import builtin_config, kimi_k3
+from reap.models import builtin_config, kda, kimi_k3
 from reap.quant import mxfp4
 from reap.tokenizer import load_tokenizer
 
@@ -86,7 +86,7 @@ def test_values_keep_activations_order_one(tiny):
         ck.read(p + "f_b_proj.weight").float(),
     ).reshape(500, cfg.kda_heads, cfg.kda_head_dim)
     dt = ck.read(p + "dt_bias").reshape(cfg.kda_heads, -1)
-    g = kimi_k3.blocks.kda_log_decay(a, ck.read(p + "A_log")[: cfg.kda_heads], dt, -5.0).exp()
+    g = kda.kda_log_decay(a, ck.read(p + "A_log")[: cfg.kda_heads], dt, -5.0).exp()
     assert g.min() >= math.exp(-5) * (1 - 1e-6) and g.max() <= 1
     assert (g < 0.5).float().mean() > 0.05 and (g > 0.9).float().mean() > 0.05
 

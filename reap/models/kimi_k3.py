@@ -15,7 +15,7 @@ import torch
 
 from reap.checkpoint import TensorSpec
 from reap.errors import ReapError
-from reap.models import attention, base, blocks, kimi_k3_config, validate
+from reap.models import attention, base, blocks, kda, kimi_k3_config, validate
 from reap.models.base import ExpertSource, State, Weights, dtype_code
 from reap.models.kimi_k3_blocks import (
     MoEDims,
@@ -279,11 +279,13 @@ def state_bytes(cfg: Config, act_bytes: int) -> tuple[int, int, int, int]:
     bytes per (query, key) pair) for the engine's memory plan: MLA caches latent + rope key per
     position; KDA keeps an fp32 [H, Dk, Dk] state and a (kernel-1)-step q/k/v conv tail."""
     n = cfg.num_hidden_layers
-    kda = [i for i in range(n) if cfg.is_kda(i)]
-    per_pos = (n - len(kda)) * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * act_bytes
-    P = cfg.kda_heads * cfg.kda_head_dim if kda else 0
+    kda_layers = [i for i in range(n) if cfg.is_kda(i)]
+    per_pos = (n - len(kda_layers)) * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * act_bytes
+    P = cfg.kda_heads * cfg.kda_head_dim if kda_layers else 0
     k = cfg.linear_attn_config.get("short_conv_kernel_size", 4)
-    per_seq = len(kda) * (cfg.kda_heads * cfg.kda_head_dim**2 * 4 + (k - 1) * 3 * P * act_bytes)
+    per_seq = len(kda_layers) * (
+        cfg.kda_heads * cfg.kda_head_dim**2 * 4 + (k - 1) * 3 * P * act_bytes
+    )
     n_blocks = -(-n // (cfg.attn_res_block_size or n))
     mla = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + 2 * cfg.v_head_dim
     widest = max(cfg.intermediate_size, 3 * P, cfg.num_attention_heads * mla)
@@ -317,10 +319,12 @@ class Model(blocks.PreNormModel):
 
         return w
 
-    def new_caches(self) -> list[blocks.KDACache | attention.MLACache]:
+    def new_caches(self) -> list[kda.KDACache | attention.MLACache]:
         """Empty per-layer decode caches (KDA conv/recurrent state or MLA latent KV)."""
-        kda, mla = blocks.KDACache, attention.MLACache
-        return [kda() if self.cfg.is_kda(i) else mla() for i in range(self.n_layers)]
+        return [
+            kda.KDACache() if self.cfg.is_kda(i) else attention.MLACache()
+            for i in range(self.n_layers)
+        ]
 
     def embed(self, get: Weights, ids: torch.Tensor) -> State:
         """ids [B, T] int -> State with hidden [B, T, D]."""
@@ -341,7 +345,7 @@ class Model(blocks.PreNormModel):
         sub = self._w(get, f"model.layers.{i}.self_attn.")
         if cfg.is_kda(i):
             bound = cfg.linear_attn_config.get("gate_lower_bound")
-            a = blocks.kda_attention(x, sub, cfg.kda_heads, cfg.kda_head_dim, bound, eps, cache)
+            a = kda.kda_attention(x, sub, cfg.kda_heads, cfg.kda_head_dim, bound, eps, cache)
         else:
             a = attention.mla_attention(x, sub, self.mla, cache)
         partial = a if partial is None else partial + a

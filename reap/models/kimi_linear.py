@@ -22,7 +22,7 @@ import torch
 
 from reap.checkpoint import TensorSpec
 from reap.errors import ReapError
-from reap.models import attention, base, blocks, kimi_k3, validate
+from reap.models import attention, base, blocks, kda, kimi_k3, validate
 from reap.models.base import ExpertSource, Observer, Weights, decoder_specs, dtype_code
 from reap.quant.matrix import stored_matrices as expert_matrices  # noqa: F401 - family hook
 
@@ -271,7 +271,7 @@ class Model(kimi_k3.Model):
         cfg, sub = self.cfg, self._w(get, f"model.layers.{i}.self_attn.")
         if cfg.is_kda(i):
             H, Dk, eps = cfg.kda_heads, cfg.kda_head_dim, cfg.rms_norm_eps
-            return blocks.kda_attention(x, sub, H, Dk, None, eps, cache, low_rank_gate=True)
+            return kda.kda_attention(x, sub, H, Dk, None, eps, cache, low_rank_gate=True)
         return attention.mla_attention(x, sub, self.mla, cache)
 
     def _dense_mlp(self, i: int, get: Weights, x: torch.Tensor) -> torch.Tensor:
