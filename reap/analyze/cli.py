@@ -14,7 +14,6 @@ import sys
 
 from reap.errors import ReapError
 
-
 # replicate and graph counts above these take days and memory no machine has
 MAX_REPLICATES = 100_000
 MAX_NULLS = 1_000

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from reap.eval.cache import Cache, key_of
 from reap.eval.builds import Build, Engines
+from reap.eval.cache import Cache, key_of
 from reap.eval.generations import generate_all, prompts_digest
 from reap.eval.quality import score_documents
 from reap.eval.workload import Workload

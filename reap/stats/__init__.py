@@ -117,9 +117,8 @@ class ExpertStats(ExpertSums):
 
     def save(self, path: str | os.PathLike) -> str:
         """Write atomically (temp file, then rename); returns the path."""
-        from safetensors.torch import save_file
-
         from safetensors import SafetensorError
+        from safetensors.torch import save_file
 
         tensors = {k: v.contiguous() for k, v in self.tensors().items()}
         with atomic_path(path) as tmp:
