@@ -1,0 +1,223 @@
+"""kill -9 at seeded random points of `calibrate`, `prune` and `corpora build`, then resume.
+
+    OMP_NUM_THREADS=1 nice -n 10 python -m experiments.fuzz_kill --seed 0 --kills 6
+
+For each job, two uninterrupted runs give the reference bytes (a file that differs between them,
+e.g. a timing record, is listed and left out of the comparison). Each trial starts the same
+`python -m reap.cli` command, SIGKILLs its process group at a random moment between the first
+write under the output's parent and the reference wall time (sometimes twice), checks that no
+file visible at a final output path differs from the reference (no half-written result), reruns
+to completion and compares every file byte for byte. `prune-plan-swap` kills a prune of plan A
+and resumes into the same --out with plan B: it must refuse or produce exactly plan B's build.
+`corpora build` runs offline from the .deb files of code-py found in /var/cache/apt/archives
+(skipped, with the reason, where they are absent). Writes reports/reliability-kill.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from experiments.fuzz_common import REPO, MEM_CAP, Run, _limit, child_env, classify, run_isolated
+
+TIMEOUT = 300.0
+
+
+def _start(argv: list[str]) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "reap.cli", *argv], cwd=REPO, env=child_env(),
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, preexec_fn=_limit(MEM_CAP))
+
+
+def _tree(d: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+def _first_write(out: Path, proc: subprocess.Popen) -> tuple[float, float]:
+    """(seconds to the first new entry next to `out`, total seconds) of a run being watched."""
+    start, first = time.monotonic(), None
+    before = set(os.listdir(out.parent))
+    while proc.poll() is None:
+        if first is None and set(os.listdir(out.parent)) - before:
+            first = time.monotonic() - start
+        time.sleep(0.01)
+    total = time.monotonic() - start
+    return (first if first is not None else 0.0), total
+
+
+class Job:
+    """One command whose output directory `out` is compared; `prepare` resets its inputs."""
+
+    def __init__(self, name: str, argv, out_arg: str = "--out", prepare=None):
+        self.name, self._argv, self.out_arg, self._prepare = name, argv, out_arg, prepare
+
+    def argv(self, out: Path, variant: str = "") -> list[str]:
+        return [str(a) for a in self._argv(out, variant)]
+
+    def prepare(self, trial_dir: Path) -> None:
+        if self._prepare:
+            self._prepare(trial_dir)
+
+
+def reference(job: Job, root: Path, variant: str = "") -> dict:
+    """Two uninterrupted runs: bytes, the files that differ between them, and timings."""
+    trees, times = [], []
+    for i in range(2):
+        d = root / f"ref-{job.name}{variant}-{i}"
+        d.mkdir(parents=True)
+        job.prepare(d)
+        out = d / "out"
+        proc = _start(job.argv(out, variant))
+        first, total = _first_write(out, proc)
+        if proc.returncode != 0:
+            raise RuntimeError(f"reference run of {job.name} failed: exit {proc.returncode}")
+        trees.append(_tree(out))
+        times.append((first, total))
+    unstable = sorted(k for k in set(trees[0]) | set(trees[1]) if trees[0].get(k) != trees[1].get(k))
+    return {"tree": trees[0], "unstable": unstable, "first_write": min(t[0] for t in times),
+            "seconds": max(t[1] for t in times)}
+
+
+def _visible_partial(out: Path, ref: dict) -> list[str]:
+    """Files present at the final output path after a kill that differ from the reference."""
+    if not out.is_dir():
+        return []
+    return [k for k, v in _tree(out).items()
+            if k not in ref["unstable"] and k in ref["tree"] and ref["tree"][k] != v]
+
+
+def trial(job: Job, ref: dict, d: Path, rng: random.Random, resume_variant: str = "",
+          resume_ref: dict | None = None) -> dict:
+    """Kill, check what is visible, resume (with `resume_variant`), compare with the reference."""
+    d.mkdir(parents=True)
+    job.prepare(d)
+    out = d / "out"
+    kills = []
+    for _ in range(2 if rng.random() < 0.3 else 1):
+        at = rng.uniform(max(0.0, ref["first_write"] * 0.9), ref["seconds"])
+        proc = _start(job.argv(out, ""))
+        time.sleep(at)
+        finished = proc.poll() is not None
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        kills.append({"at_s": round(at, 2), "finished_before_kill": finished})
+    partial = _visible_partial(out, ref)
+    target = resume_ref or ref
+    run = Run(f"{job.name}{resume_variant}", job.argv(out, resume_variant), "any")
+    result = run_isolated(run, TIMEOUT)
+    rec = {"job": job.name + (f"->{resume_variant}" if resume_variant else ""), "kills": kills,
+           "rc": result.rc, "line": result.line(), "visible_partial": partial}
+    v = classify(run, result)
+    if result.rc == 0:
+        got = _tree(out)
+        diff = sorted(k for k in set(got) | set(target["tree"])
+                      if k not in target["unstable"] and got.get(k) != target["tree"].get(k))
+        rec["differs"] = diff
+        v = "silent" if diff else v
+    if partial:
+        v = "silent"
+    rec["verdict"] = v
+    return rec
+
+
+def jobs(root: Path, seed: int) -> tuple[list[Job], dict, list[str]]:
+    """The jobs over a k3-small (3 layers) model, its plans A and B; and skipped jobs with why."""
+    model, stats = root / "model", root / "stats"
+    plans = {"": root / "planA.json", "B": root / "planB.json"}
+    setup = [
+        ["synth", "k3-small", "--layers", "3", "--out", model, "--seed", seed, "--shard-gb", "0.03"],
+        ["calibrate", model, "--corpus", "en", "--tokens", "512", "--seq-len", "128", "--out", stats,
+         "--no-progress"],
+        ["plan", stats / "en.safetensors", "--model", model, "--keep", "16", "--out", plans[""]],
+        ["plan", stats / "en.safetensors", "--model", model, "--keep", "24", "--criterion",
+         "frequency", "--out", plans["B"]],
+    ]
+    for argv in setup:
+        r = run_isolated(Run("setup", [str(a) for a in argv]), TIMEOUT)
+        if r.rc != 0:
+            raise RuntimeError(f"setup {argv[0]} failed: {r.line()}")
+    out = [
+        Job("calibrate", lambda o, v: ["calibrate", model, "--corpus", "en+code", "--tokens", "2048",
+                                       "--seq-len", "128", "--out", o, "--no-progress"]),
+        Job("prune", lambda o, v: ["prune", model, "--plan", plans[v], "--out", o,
+                                   "--max-shard-size", "20MB", "--no-progress"]),
+    ]
+    skipped = []
+    debs = [p for pkg in ("libpython3.11-stdlib", "libpython3.11-minimal")
+            for p in glob.glob(f"/var/cache/apt/archives/{pkg}_*.deb")]
+    if len(debs) == 2:
+        def prepare(d: Path) -> None:
+            (d / "cache" / "debs").mkdir(parents=True)
+            for p in debs:
+                shutil.copy(p, d / "cache" / "debs")
+        out.append(Job("corpora-build", lambda o, v: ["corpora", "build", "code-py", "--cache",
+                                                      o.parent / "cache", "--out", o], prepare=prepare))
+    else:
+        skipped.append("corpora build: the code-py .deb files are not in /var/cache/apt/archives "
+                       "and apt-get download needs the network")
+    return out, plans, skipped
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--kills", type=int, default=6, help="trials per job")
+    ap.add_argument("--swaps", type=int, default=4, help="plan-A-killed, plan-B-resumed trials")
+    ap.add_argument("--max-seconds", type=float, default=1800, help="stop starting trials after")
+    ap.add_argument("--out", default=str(REPO / "reports" / "reliability-kill.json"))
+    args = ap.parse_args(argv)
+    rng = random.Random(args.seed)
+    start = time.monotonic()
+    records = []
+    with tempfile.TemporaryDirectory(prefix="reap-kill-") as tmp:
+        root = Path(tmp)
+        job_list, plans, skipped = jobs(root, args.seed)
+        refs = {}
+        for job in job_list:
+            refs[job.name] = reference(job, root)
+            print(f"{job.name}: reference {refs[job.name]['seconds']:.1f} s, first write at "
+                  f"{refs[job.name]['first_write']:.1f} s, unstable files {refs[job.name]['unstable']}",
+                  flush=True)
+        prune = next(j for j in job_list if j.name == "prune")
+        ref_b = reference(prune, root, "B")
+        plan = [(job, i, "") for i in range(args.kills) for job in job_list]
+        plan += [(prune, i, "B") for i in range(args.swaps)]
+        for job, i, variant in plan:
+            if time.monotonic() - start > args.max_seconds:
+                skipped.append(f"time limit: {job.name}{variant} trial {i} and later not run")
+                break
+            d = root / f"trial-{job.name}{variant}-{i}"
+            rec = trial(job, refs[job.name], d, rng, variant, ref_b if variant else None)
+            shutil.rmtree(d, ignore_errors=True)
+            records.append(rec)
+            print(f"{rec['verdict']:8} {rec['job']:22} kills {rec['kills']} rc={rec['rc']} "
+                  f"{rec['line'][:120]}", flush=True)
+        unstable = {j: refs[j]["unstable"] for j in refs}
+    summary = {}
+    for rec in records:
+        s = summary.setdefault(rec["job"], {"tried": 0})
+        s["tried"] += 1
+        s[rec["verdict"]] = s.get(rec["verdict"], 0) + 1
+    report = {"seed": args.seed, "command": f"OMP_NUM_THREADS=1 python -m experiments.fuzz_kill "
+              f"--seed {args.seed} --kills {args.kills} --swaps {args.swaps}",
+              "seconds": round(time.monotonic() - start, 1), "summary": summary,
+              "unstable_files_excluded": unstable, "skipped": skipped, "trials": records}
+    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    print(json.dumps(summary, indent=1))
+    for s in skipped:
+        print("skipped:", s)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
