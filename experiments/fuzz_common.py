@@ -18,7 +18,6 @@ import contextlib
 import io
 import json
 import os
-import resource
 import signal
 import struct
 import subprocess
@@ -43,7 +42,8 @@ class Run:
     expect: str = "reject"  # "reject": the input is invalid; "any": exit 0 allowed
     category: str = ""
     command: str = ""
-    check: str = ""  # an extra post-check name for exit 0 results (see fuzz_inputs.POST_CHECKS)
+    check: str = ""  # a post-check of fuzz_inputs.verdict
+    timeout: float | None = None  # seconds, overriding the batch's
 
 
 @dataclass
@@ -72,13 +72,16 @@ def child_env() -> dict[str, str]:
     return env
 
 
-def _limit(mem_cap: int):
-    def apply():
-        os.setsid()
-        if mem_cap:
-            resource.setrlimit(resource.RLIMIT_AS, (mem_cap, mem_cap))
-        os.nice(10)
-    return apply
+# `python -m MODULE ARGS...` after capping the address space and lowering the priority; done in
+# the child itself (not with preexec_fn, which is unsafe when the parent runs threads).
+BOOT = ("import os, resource, runpy, sys; cap = int(sys.argv.pop(1)); "
+        "cap and resource.setrlimit(resource.RLIMIT_AS, (cap, cap)); os.nice(10); "
+        "runpy.run_module(sys.argv.pop(1), run_name='__main__', alter_sys=True)")
+
+
+def python_m(module: str, args: list[str], mem_cap: int = MEM_CAP) -> list[str]:
+    """The argv of `python -m MODULE ARGS` with the address-space cap applied first."""
+    return [sys.executable, "-c", BOOT, str(mem_cap), module, *args]
 
 
 def _kill(proc: subprocess.Popen) -> None:
@@ -91,9 +94,9 @@ def _kill(proc: subprocess.Popen) -> None:
 def run_isolated(run: Run, timeout: float, mem_cap: int = MEM_CAP, cwd: str | None = None) -> Result:
     """`python -m reap.cli ARGV` in a fresh process with a timeout and an address-space cap."""
     start = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-m", "reap.cli", *run.argv], cwd=cwd or REPO,
+    proc = subprocess.Popen(python_m("reap.cli", run.argv, mem_cap), cwd=cwd or REPO,
                             env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            stdin=subprocess.DEVNULL, preexec_fn=_limit(mem_cap), text=True,
+                            stdin=subprocess.DEVNULL, start_new_session=True, text=True,
                             errors="replace")
     try:
         out, err = proc.communicate(timeout=timeout)
@@ -152,11 +155,10 @@ def run_batch(runs: list[Run], timeout: float, mem_cap: int = MEM_CAP, log=None,
 
 def _drive(jobs, res, pending, timeout, mem_cap, log, results, on_result) -> int:
     """One driver process over `pending`; returns how many runs it finished (or killed)."""
-    cmd = [sys.executable, "-c", "import sys; from experiments.fuzz_common import _driver_main; "
-           "_driver_main(sys.argv[1], sys.argv[2])", str(jobs), str(res)]
+    cmd = python_m("experiments.fuzz_common", ["--driver", str(jobs), str(res)], mem_cap)
     proc = subprocess.Popen(cmd, cwd=REPO, env=child_env(), stdin=subprocess.DEVNULL,
                             stdout=log or subprocess.DEVNULL, stderr=log or subprocess.DEVNULL,
-                            preexec_fn=_limit(mem_cap))
+                            start_new_session=True)
     done, started, offset, buf = 0, None, 0, ""
     try:
         while True:
@@ -178,9 +180,10 @@ def _drive(jobs, res, pending, timeout, mem_cap, log, results, on_result) -> int
                 started = None
             if done == len(pending):
                 return done
-            if started is not None and time.monotonic() - started > timeout:
+            limit = pending[done].timeout or timeout if done < len(pending) else timeout
+            if started is not None and time.monotonic() - started > limit:
                 _kill(proc)
-                _finish(Result(pending[done].key, None, seconds=timeout), pending[done], results,
+                _finish(Result(pending[done].key, None, seconds=limit), pending[done], results,
                         on_result)
                 return done + 1
             if exited:
@@ -277,3 +280,7 @@ def count_table(records: list[dict], by: str) -> list[list[str]]:
     total = {c: sum(g[c] for g in groups.values()) for c in CLASSES}
     rows.append(["total", sum(total.values()), *(total[c] for c in CLASSES)])
     return rows
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["--driver"]:
+    _driver_main(sys.argv[2], sys.argv[3])

@@ -15,6 +15,7 @@ exit 0 is a *silent* result, except where a command legitimately does not read w
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -25,12 +26,23 @@ import sys
 import tempfile
 import time
 from array import array
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
-from experiments.fuzz_common import (REPO, Run, classify, count_table, data_bytes, encode_header,
-                                     read_header, run_batch, run_isolated, write_file, write_table)
+from experiments.fuzz_common import (
+    REPO,
+    Run,
+    classify,
+    count_table,
+    data_bytes,
+    encode_header,
+    read_header,
+    run_batch,
+    run_isolated,
+    write_file,
+    write_table,
+)
 
 CHECKPOINT_COMMANDS = ("info", "run", "calibrate", "prune", "verify")
 NORM = "language_model.model.layers.2.input_layernorm.weight"
@@ -178,7 +190,7 @@ def _set(field_: str, fn: Callable) -> Callable:
 def _overlap(d: Path, rng: random.Random) -> None:
     def edit(header):
         names = _tensors(header)
-        pairs = [(a, b) for a, b in zip(names, names[1:])
+        pairs = [(a, b) for a, b in itertools.pairwise(names)
                  if _size(header[a]) == _size(header[b]) and _size(header[a]) > 0]
         a, b = rng.choice(pairs)
         header[b]["data_offsets"] = list(header[a]["data_offsets"])
@@ -230,7 +242,7 @@ def _flip(d: Path, rng: random.Random) -> None:
 
 
 def header_cases(n_flips: int) -> list[Case]:
-    mk = lambda name, fn: checkpoint_case("header/" + name, fn)  # noqa: E731
+    mk = lambda name, fn: checkpoint_case("header/" + name, fn)
     cases = [
         mk("len_minus1", lambda d, rng: _raw(d, rng, _len(-1))),
         mk("len_plus1", lambda d, rng: _raw(d, rng, _len(+1))),
@@ -312,7 +324,7 @@ def _fifo(d: Path, rng: random.Random) -> None:
 
 
 def index_cases() -> list[Case]:
-    mk = lambda name, fn: checkpoint_case("index/" + name, fn)  # noqa: E731
+    mk = lambda name, fn: checkpoint_case("index/" + name, fn)
     return [
         mk("missing_shard", lambda d, rng: _shards(d)[1].unlink()),
         mk("wrong_shard", _wrong_shard),
@@ -324,7 +336,7 @@ def index_cases() -> list[Case]:
         mk("weight_map_list", lambda d, rng: _edit_index(d, lambda i: i.__setitem__("weight_map", list(i["weight_map"])))),
         mk("weight_map_value_int", lambda d, rng: _edit_index(d, lambda i: i["weight_map"].__setitem__(NORM, 1))),
         mk("names_absent_tensor", lambda d, rng: _edit_index(d, lambda i: i["weight_map"].__setitem__(
-            "language_model.model.layers.2.zz_absent.weight", sorted(set(i["weight_map"].values()))[0]))),
+            "language_model.model.layers.2.zz_absent.weight", min(i["weight_map"].values())))),
         mk("omits_present_tensor", lambda d, rng: _edit_index(d, lambda i: i["weight_map"].pop(NORM))),
         mk("fifo_shard", _fifo),
     ]
@@ -398,7 +410,7 @@ def _e8m0(d: Path, rng: random.Random) -> None:
 
 def weight_cases() -> list[Case]:
     exp = WEIGHTS["reject_compute"]
-    mk = lambda name, fn: checkpoint_case("weights/" + name, fn, expect=exp, check="stats_finite")  # noqa: E731
+    mk = lambda name, fn: checkpoint_case("weights/" + name, fn, expect=exp, check="stats_finite")
     return [
         mk("nan_norm", _weight(NORM, BF16_NAN)),
         mk("nan_norm_all", _weight(NORM, BF16_NAN, every=2)),
@@ -488,7 +500,7 @@ def stats_case(name: str, fn: Callable[[Path], None]) -> Case:
 
 
 def stats_cases() -> list[Case]:
-    meta = lambda name, fn: stats_case(name, lambda p: _rewrite(p, _stats_meta(fn)))  # noqa: E731
+    meta = lambda name, fn: stats_case(name, lambda p: _rewrite(p, _stats_meta(fn)))
     return [
         meta("top_k_changed", lambda m: m.__setitem__("top_k", 2)),
         meta("top_k_bool", lambda m: m.__setitem__("top_k", True)),
@@ -552,7 +564,7 @@ def _source_copy(b: Base, d: Path, inside: bool = False) -> Path:
 
 
 def args_cases() -> list[Case]:
-    proc = lambda b, d: "/proc/reap-fuzz-x"  # noqa: E731
+    proc = lambda b, d: "/proc/reap-fuzz-x"
     cases = [
         ("run_budget_1KB", _run("--budget", "1KB")),
         ("run_budget_nan", _run("--budget", "nanGB")),
@@ -653,7 +665,7 @@ def case_runs(case: Case, base: Base, work: Path, seed: int) -> list[Run]:
 
 
 def _finite(path: Path) -> bool:
-    header, n = read_header(path)
+    header, _ = read_header(path)
     data = data_bytes(path)
     for k, v in header.items():
         if k != "__metadata__" and v["dtype"] in ("F32", "F64"):
@@ -688,9 +700,10 @@ def verdict(run: Run, result, base: Base) -> tuple[str, str]:
 
 def execute(cases: list[Case], work: Path, seed: int, timeout: float, jobs: int = 1,
             isolate: bool = False, log=None, progress=None,
-            keys: set[str] | None = None) -> tuple[Base, list[dict]]:
+            keys: set[str] | None = None,
+            timeouts: dict[str, float] | None = None) -> tuple[Base, list[dict]]:
     """Build the base inputs, then every case's input, run them all (only `keys`, "case/command",
-    when given); returns one result record per run."""
+    when given; `timeouts` overrides the timeout of some); returns one result record per run."""
     base = Base(work / "base")
     setup = run_batch(setup_runs(base, seed), timeout=300, log=log)
     failed = [k for k, r in setup.items() if r.rc != 0]
@@ -702,6 +715,8 @@ def execute(cases: list[Case], work: Path, seed: int, timeout: float, jobs: int 
         cases = [c for c in cases if any(k.startswith(c.name + "/") for k in keys)]
     runs = [r for c in cases for r in case_runs(c, base, work / "cases", seed)]
     runs = [r for r in runs if keys is None or r.key in keys]
+    for r in runs:
+        r.timeout = (timeouts or {}).get(r.key)
     by_key = {r.key: r for r in runs}
     records = []
 
@@ -709,7 +724,8 @@ def execute(cases: list[Case], work: Path, seed: int, timeout: float, jobs: int 
         v, note = verdict(run, result, base)
         rec = {"key": run.key, "case": run.key.rsplit("/", 1)[0], "category": run.category,
                "command": run.command, "expect": run.expect, "rc": result.rc, "verdict": v,
-               "line": result.line() if result.rc is not None else f"(no exit within {timeout:.0f} s)",
+               "line": result.line() if result.rc is not None
+               else f"(no exit within {run.timeout or timeout:.0f} s)",
                "note": note, "seconds": round(result.seconds, 2),
                "argv": [a.replace(str(work), "$WORK") for a in run.argv]}
         records.append(rec)

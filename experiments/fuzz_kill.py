@@ -3,19 +3,22 @@
     OMP_NUM_THREADS=1 nice -n 10 python -m experiments.fuzz_kill --seed 0 --kills 6
 
 For each job, two uninterrupted runs give the reference bytes (a file that differs between them,
-e.g. a timing record, is listed and left out of the comparison). Each trial starts the same
-`python -m reap.cli` command, SIGKILLs its process group at a random moment between the first
-write under the output's parent and the reference wall time (sometimes twice), checks that no
-file visible at a final output path differs from the reference (no half-written result), reruns
-to completion and compares every file byte for byte. `prune-plan-swap` kills a prune of plan A
-and resumes into the same --out with plan B: it must refuse or produce exactly plan B's build.
-`corpora build` runs offline from the .deb files of code-py found in /var/cache/apt/archives
-(skipped, with the reason, where they are absent). Writes reports/reliability-kill.json.
+e.g. a timing record, is listed and left out of the comparison); every run writes the same path,
+so files that record their own path compare equal. Each trial starts the same `python -m reap.cli`
+command and SIGKILLs its process group at a random moment after its first write (sometimes twice),
+checks that no file visible at a final output path differs from the reference (no half-written
+result), reruns the same command to completion and compares every file byte for byte. Verdicts:
+clean (identical), silent (exit 0 with different bytes, or a half-written file visible),
+no-resume (the rerun refuses or fails), internal, hang. `prune->B` kills a prune of plan A and
+reruns into the same --out with plan B: it must refuse cleanly or produce exactly plan B's build.
+`corpora build` runs offline from the code-py .deb files in /var/cache/apt/archives (skipped,
+with the reason, where they are absent). Writes reports/reliability-kill.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
 import json
 import os
@@ -28,15 +31,15 @@ import tempfile
 import time
 from pathlib import Path
 
-from experiments.fuzz_common import REPO, MEM_CAP, Run, _limit, child_env, classify, run_isolated
+from experiments.fuzz_common import REPO, Result, Run, child_env, classify, python_m, run_isolated
 
 TIMEOUT = 300.0
 
 
 def _start(argv: list[str]) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "reap.cli", *argv], cwd=REPO, env=child_env(),
+    return subprocess.Popen(python_m("reap.cli", argv), cwd=REPO, env=child_env(),
                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, preexec_fn=_limit(MEM_CAP))
+                            stderr=subprocess.DEVNULL, start_new_session=True)
 
 
 def _tree(d: Path) -> dict[str, bytes]:
@@ -58,8 +61,9 @@ def _first_write(out: Path, proc: subprocess.Popen) -> tuple[float, float]:
 class Job:
     """One command whose output directory `out` is compared; `prepare` resets its inputs."""
 
-    def __init__(self, name: str, argv, out_arg: str = "--out", prepare=None):
-        self.name, self._argv, self.out_arg, self._prepare = name, argv, out_arg, prepare
+    def __init__(self, name: str, argv, prepare=None, early: float | None = None):
+        self.name, self._argv, self._prepare = name, argv, prepare
+        self.early = early  # kill from this fraction of the run on (work before the first write)
 
     def argv(self, out: Path, variant: str = "") -> list[str]:
         return [str(a) for a in self._argv(out, variant)]
@@ -72,11 +76,8 @@ class Job:
 def reference(job: Job, root: Path, variant: str = "") -> dict:
     """Two uninterrupted runs: bytes, the files that differ between them, and timings."""
     trees, times = [], []
-    for i in range(2):
-        d = root / f"ref-{job.name}{variant}-{i}"
-        d.mkdir(parents=True)
-        job.prepare(d)
-        out = d / "out"
+    for _ in range(2):
+        out = _slot(job, root)
         proc = _start(job.argv(out, variant))
         first, total = _first_write(out, proc)
         if proc.returncode != 0:
@@ -88,6 +89,16 @@ def reference(job: Job, root: Path, variant: str = "") -> dict:
             "seconds": max(t[1] for t in times)}
 
 
+def _slot(job: Job, root: Path) -> Path:
+    """A fresh root/slot with the job's inputs; every run writes the same path slot/out, so that
+    files recording their own path compare equal."""
+    slot = root / "slot"
+    shutil.rmtree(slot, ignore_errors=True)
+    slot.mkdir()
+    job.prepare(slot)
+    return slot / "out"
+
+
 def _visible_partial(out: Path, ref: dict) -> list[str]:
     """Files present at the final output path after a kill that differ from the reference."""
     if not out.is_dir():
@@ -96,28 +107,46 @@ def _visible_partial(out: Path, ref: dict) -> list[str]:
             if k not in ref["unstable"] and k in ref["tree"] and ref["tree"][k] != v]
 
 
-def trial(job: Job, ref: dict, d: Path, rng: random.Random, resume_variant: str = "",
+def _kill_once(job: Job, ref: dict, out: Path, rng: random.Random) -> dict:
+    """Start the job, SIGKILL it at a random moment of its work; returns when and whether it had
+    already finished. The moment is drawn after the run's own first write (so that load on the
+    machine does not push every kill into the interpreter's start-up), or from `job.early`."""
+    before = set(os.listdir(out.parent))
+    proc = _start(job.argv(out, ""))
+    start = time.monotonic()
+    if job.early is None:
+        while proc.poll() is None and not set(os.listdir(out.parent)) - before:
+            time.sleep(0.01)
+        delay = rng.uniform(0, max(0.05, ref["seconds"] - ref["first_write"]))
+    else:
+        delay = rng.uniform(job.early * ref["seconds"], ref["seconds"])
+    time.sleep(delay)
+    finished = proc.poll() is not None
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    return {"at_s": round(time.monotonic() - start, 2), "finished_before_kill": finished}
+
+
+def trial(job: Job, ref: dict, root: Path, rng: random.Random, resume_variant: str = "",
           resume_ref: dict | None = None) -> dict:
     """Kill, check what is visible, resume (with `resume_variant`), compare with the reference."""
-    d.mkdir(parents=True)
-    job.prepare(d)
-    out = d / "out"
-    kills = []
-    for _ in range(2 if rng.random() < 0.3 else 1):
-        at = rng.uniform(max(0.0, ref["first_write"] * 0.9), ref["seconds"])
-        proc = _start(job.argv(out, ""))
-        time.sleep(at)
-        finished = proc.poll() is not None
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        kills.append({"at_s": round(at, 2), "finished_before_kill": finished})
+    out = _slot(job, root)
+    kills = [_kill_once(job, ref, out, rng) for _ in range(2 if rng.random() < 0.3 else 1)]
     partial = _visible_partial(out, ref)
     target = resume_ref or ref
     run = Run(f"{job.name}{resume_variant}", job.argv(out, resume_variant), "any")
-    result = run_isolated(run, TIMEOUT)
     rec = {"job": job.name + (f"->{resume_variant}" if resume_variant else ""), "kills": kills,
-           "rc": result.rc, "line": result.line(), "visible_partial": partial}
+           "visible_partial": partial}
+    if kills[-1]["finished_before_kill"] and not resume_variant:
+        # the run ended before the kill: its output is complete, a rerun would refuse to replace it
+        result = Result(run.key, 0, stderr="(finished before the kill: output compared as is)")
+    else:
+        result = run_isolated(run, TIMEOUT)
+    rec.update(rc=result.rc, line=result.line())
     v = classify(run, result)
+    if result.rc != 0 and v == "clean" and not resume_variant:
+        v = "no-resume"  # the same command after a kill must finish the work, not refuse it
     if result.rc == 0:
         got = _tree(out)
         diff = sorted(k for k in set(got) | set(target["tree"])
@@ -131,11 +160,11 @@ def trial(job: Job, ref: dict, d: Path, rng: random.Random, resume_variant: str 
 
 
 def jobs(root: Path, seed: int) -> tuple[list[Job], dict, list[str]]:
-    """The jobs over a k3-small (3 layers) model, its plans A and B; and skipped jobs with why."""
+    """The jobs over a k3-small (6 layers) model, its plans A and B; and skipped jobs with why."""
     model, stats = root / "model", root / "stats"
     plans = {"": root / "planA.json", "B": root / "planB.json"}
     setup = [
-        ["synth", "k3-small", "--layers", "3", "--out", model, "--seed", seed, "--shard-gb", "0.03"],
+        ["synth", "k3-small", "--layers", "6", "--out", model, "--seed", seed, "--shard-gb", "0.03"],
         ["calibrate", model, "--corpus", "en", "--tokens", "512", "--seq-len", "128", "--out", stats,
          "--no-progress"],
         ["plan", stats / "en.safetensors", "--model", model, "--keep", "16", "--out", plans[""]],
@@ -161,7 +190,8 @@ def jobs(root: Path, seed: int) -> tuple[list[Job], dict, list[str]]:
             for p in debs:
                 shutil.copy(p, d / "cache" / "debs")
         out.append(Job("corpora-build", lambda o, v: ["corpora", "build", "code-py", "--cache",
-                                                      o.parent / "cache", "--out", o], prepare=prepare))
+                                                      o.parent / "cache", "--out", o],
+                       prepare=prepare, early=0.3))  # unpacking into the cache comes first
     else:
         skipped.append("corpora build: the code-py .deb files are not in /var/cache/apt/archives "
                        "and apt-get download needs the network")
@@ -181,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     records = []
     with tempfile.TemporaryDirectory(prefix="reap-kill-") as tmp:
         root = Path(tmp)
-        job_list, plans, skipped = jobs(root, args.seed)
+        job_list, _, skipped = jobs(root, args.seed)
         refs = {}
         for job in job_list:
             refs[job.name] = reference(job, root)
@@ -196,9 +226,7 @@ def main(argv: list[str] | None = None) -> int:
             if time.monotonic() - start > args.max_seconds:
                 skipped.append(f"time limit: {job.name}{variant} trial {i} and later not run")
                 break
-            d = root / f"trial-{job.name}{variant}-{i}"
-            rec = trial(job, refs[job.name], d, rng, variant, ref_b if variant else None)
-            shutil.rmtree(d, ignore_errors=True)
+            rec = trial(job, refs[job.name], root, rng, variant, ref_b if variant else None)
             records.append(rec)
             print(f"{rec['verdict']:8} {rec['job']:22} kills {rec['kills']} rc={rec['rc']} "
                   f"{rec['line'][:120]}", flush=True)
