@@ -61,9 +61,11 @@ def _first_write(out: Path, proc: subprocess.Popen) -> tuple[float, float]:
 class Job:
     """One command whose output directory `out` is compared; `prepare` resets its inputs."""
 
-    def __init__(self, name: str, argv, prepare=None, early: float | None = None):
+    def __init__(self, name: str, argv, prepare=None, early: float | None = None,
+                 atomic_dir: bool = False):
         self.name, self._argv, self._prepare = name, argv, prepare
         self.early = early  # kill from this fraction of the run on (work before the first write)
+        self.atomic_dir = atomic_dir  # `out` appears only when complete (renamed into place)
 
     def argv(self, out: Path, variant: str = "") -> list[str]:
         return [str(a) for a in self._argv(out, variant)]
@@ -107,40 +109,66 @@ def _visible_partial(out: Path, ref: dict) -> list[str]:
             if k not in ref["unstable"] and k in ref["tree"] and ref["tree"][k] != v]
 
 
-def _kill_once(job: Job, ref: dict, out: Path, rng: random.Random) -> dict:
-    """Start the job, SIGKILL it at a random moment of its work; returns when and whether it had
-    already finished. The moment is drawn after the run's own first write (so that load on the
-    machine does not push every kill into the interpreter's start-up), or from `job.early`."""
+def _kill_once(job: Job, out: Path, rng: random.Random, window: tuple[float, float],
+               from_start: bool = False) -> dict:
+    """Start the job and SIGKILL it `uniform(*window)` seconds after its first write (after its
+    start with `job.early`), so that load on the machine does not push every kill into the
+    interpreter's start-up; `from_start`: after its start (a resumed run's files already exist).
+    Returns when, whether it had already ended, and the seconds from the origin to the kill."""
     before = set(os.listdir(out.parent))
     proc = _start(job.argv(out, ""))
     start = time.monotonic()
-    if job.early is None:
+    if job.early is None and not from_start:
         while proc.poll() is None and not set(os.listdir(out.parent)) - before:
             time.sleep(0.01)
-        delay = rng.uniform(0, max(0.05, ref["seconds"] - ref["first_write"]))
-    else:
-        delay = rng.uniform(job.early * ref["seconds"], ref["seconds"])
-    time.sleep(delay)
+    origin = time.monotonic()
+    deadline = origin + rng.uniform(*window)
+    while time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.01)
+    worked = time.monotonic() - origin
     finished = proc.poll() is not None
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    return {"at_s": round(time.monotonic() - start, 2), "finished_before_kill": finished}
+    return {"at_s": round(time.monotonic() - start, 2), "finished_before_kill": finished,
+            "work_s": worked}
+
+
+def _first_kill(job: Job, ref: dict, root: Path, rng: random.Random) -> tuple[Path, dict]:
+    """A kill that lands before the end of the work: the window shrinks to the work time seen
+    when a run ended first (the reference may have been timed on a busier machine)."""
+    if job.early is None:
+        window = (0.0, max(0.05, ref["seconds"] - ref["first_write"]))
+    else:
+        window = (job.early * ref["seconds"], ref["seconds"])
+    for _ in range(4):
+        out = _slot(job, root)
+        kill = _kill_once(job, out, rng, window)
+        if not kill["finished_before_kill"]:
+            break
+        window = (min(window[0], 0.5 * kill["work_s"]), 0.9 * kill["work_s"])
+    return out, kill
 
 
 def trial(job: Job, ref: dict, root: Path, rng: random.Random, resume_variant: str = "",
           resume_ref: dict | None = None) -> dict:
     """Kill, check what is visible, resume (with `resume_variant`), compare with the reference."""
-    out = _slot(job, root)
-    kills = [_kill_once(job, ref, out, rng) for _ in range(2 if rng.random() < 0.3 else 1)]
+    out, kill = _first_kill(job, ref, root, rng)
+    kills = [kill]
+    if rng.random() < 0.3:  # a second kill during the resumed run
+        window = (0.0, ref["first_write"] + kill["work_s"])
+        kills.append(_kill_once(job, out, rng, window, from_start=True))
+    for k in kills:
+        k["work_s"] = round(k["work_s"], 2)
     partial = _visible_partial(out, ref)
     target = resume_ref or ref
     run = Run(f"{job.name}{resume_variant}", job.argv(out, resume_variant), "any")
     rec = {"job": job.name + (f"->{resume_variant}" if resume_variant else ""), "kills": kills,
            "visible_partial": partial}
-    if kills[-1]["finished_before_kill"] and not resume_variant:
-        # the run ended before the kill: its output is complete, a rerun would refuse to replace it
-        result = Result(run.key, 0, stderr="(finished before the kill: output compared as is)")
+    done = kills[-1]["finished_before_kill"] or (job.atomic_dir and out.is_dir())
+    if done and not resume_variant:
+        # the run had committed its output before the kill: a rerun would refuse to replace it
+        result = Result(run.key, 0, stderr="(output committed before the kill: compared as is)")
     else:
         result = run_isolated(run, TIMEOUT)
     rec.update(rc=result.rc, line=result.line())
@@ -179,7 +207,7 @@ def jobs(root: Path, seed: int) -> tuple[list[Job], dict, list[str]]:
         Job("calibrate", lambda o, v: ["calibrate", model, "--corpus", "en+code", "--tokens", "2048",
                                        "--seq-len", "128", "--out", o, "--no-progress"]),
         Job("prune", lambda o, v: ["prune", model, "--plan", plans[v], "--out", o,
-                                   "--max-shard-size", "20MB", "--no-progress"]),
+                                   "--max-shard-size", "20MB", "--no-progress"], atomic_dir=True),
     ]
     skipped = []
     debs = [p for pkg in ("libpython3.11-stdlib", "libpython3.11-minimal")
