@@ -267,6 +267,13 @@ def write_table(rows: list[list[str]], out=sys.stdout) -> None:
             print("  ".join("-" * w for w in widths), file=out)
 
 
+def markdown_table(rows: list[list]) -> str:
+    """The rows of `count_table` as a markdown table."""
+    lines = ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    lines.insert(1, "|" + "---|" * len(rows[0]))
+    return "\n".join(lines)
+
+
 def count_table(records: list[dict], by: str) -> list[list[str]]:
     """Rows `by | tried | clean | internal | hang | memory | silent` over result records."""
     groups: dict[str, dict[str, int]] = {}

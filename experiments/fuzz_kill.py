@@ -62,10 +62,11 @@ class Job:
     """One command whose output directory `out` is compared; `prepare` resets its inputs."""
 
     def __init__(self, name: str, argv, prepare=None, early: float | None = None,
-                 atomic_dir: bool = False):
+                 committed=None):
         self.name, self._argv, self._prepare = name, argv, prepare
         self.early = early  # kill from this fraction of the run on (work before the first write)
-        self.atomic_dir = atomic_dir  # `out` appears only when complete (renamed into place)
+        # committed(out): the output is final (a rerun refuses to redo it, rightly)
+        self.committed = committed or (lambda out: False)
 
     def argv(self, out: Path, variant: str = "") -> list[str]:
         return [str(a) for a in self._argv(out, variant)]
@@ -135,8 +136,9 @@ def _kill_once(job: Job, out: Path, rng: random.Random, window: tuple[float, flo
 
 
 def _first_kill(job: Job, ref: dict, root: Path, rng: random.Random) -> tuple[Path, dict]:
-    """A kill that lands before the end of the work: the window shrinks to the work time seen
-    when a run ended first (the reference may have been timed on a busier machine)."""
+    """A kill that lands before the end of the work (or the commit of an atomic output): the
+    window shrinks to the work time seen when a run got there first (the reference may have been
+    timed on a busier machine)."""
     if job.early is None:
         window = (0.0, max(0.05, ref["seconds"] - ref["first_write"]))
     else:
@@ -144,8 +146,8 @@ def _first_kill(job: Job, ref: dict, root: Path, rng: random.Random) -> tuple[Pa
     for _ in range(4):
         out = _slot(job, root)
         kill = _kill_once(job, out, rng, window)
-        if not kill["finished_before_kill"]:
-            break
+        if not kill["finished_before_kill"] and not job.committed(out):
+            break  # the kill landed mid-work (not after the end, nor after the commit)
         window = (min(window[0], 0.5 * kill["work_s"]), 0.9 * kill["work_s"])
     return out, kill
 
@@ -165,7 +167,7 @@ def trial(job: Job, ref: dict, root: Path, rng: random.Random, resume_variant: s
     run = Run(f"{job.name}{resume_variant}", job.argv(out, resume_variant), "any")
     rec = {"job": job.name + (f"->{resume_variant}" if resume_variant else ""), "kills": kills,
            "visible_partial": partial}
-    done = kills[-1]["finished_before_kill"] or (job.atomic_dir and out.is_dir())
+    done = kills[-1]["finished_before_kill"] or job.committed(out)
     if done and not resume_variant:
         # the run had committed its output before the kill: a rerun would refuse to replace it
         result = Result(run.key, 0, stderr="(output committed before the kill: compared as is)")
@@ -205,9 +207,12 @@ def jobs(root: Path, seed: int) -> tuple[list[Job], dict, list[str]]:
             raise RuntimeError(f"setup {argv[0]} failed: {r.line()}")
     out = [
         Job("calibrate", lambda o, v: ["calibrate", model, "--corpus", "en+code", "--tokens", "2048",
-                                       "--seq-len", "128", "--out", o, "--no-progress"]),
+                                       "--seq-len", "128", "--out", o, "--no-progress"],
+            committed=lambda o: (o / "all.safetensors").is_file()  # and no work left to resume
+            and not (o / ".work" / "progress.json").exists()),
         Job("prune", lambda o, v: ["prune", model, "--plan", plans[v], "--out", o,
-                                   "--max-shard-size", "20MB", "--no-progress"], atomic_dir=True),
+                                   "--max-shard-size", "20MB", "--no-progress"],
+            committed=lambda o: o.is_dir()),  # renamed into place when complete
     ]
     skipped = []
     debs = [p for pkg in ("libpython3.11-stdlib", "libpython3.11-minimal")

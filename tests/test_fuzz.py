@@ -125,7 +125,7 @@ CASES: dict[str, str | None] = {
         'internal: ValueError: Overflow when unpacking long long',
     "args/calibrate_budget_1KB/calibrate": None,
     "args/calibrate_out_is_file/calibrate":
-        "internal: NotADirectoryError: [Errno 20] Not a directory: 'CASE",
+        "internal: NotADirectoryError: [Errno 20] Not a directory: 'CASE'",
     "args/calibrate_out_proc/calibrate":
         "internal: FileNotFoundError: [Errno 2] No such file or directory: '/proc/reap-fuzz-x'",
     "args/plan_target_size_inf/plan": None,
