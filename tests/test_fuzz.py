@@ -25,57 +25,40 @@ CASES: dict[str, str | None] = {
     "control/unchanged/verify": None,
     "header/len_minus1/info":
         'silent: exit 0 on an invalid input',
-    "header/len_minus1/run":
-        'silent: exit 0 on an invalid input',
-    "header/len_minus1/calibrate":
-        'silent: exit 0 on an invalid input',
-    "header/len_minus1/prune":
-        'silent: exit 0 on an invalid input',
+    "header/len_minus1/run": None,
+    "header/len_minus1/calibrate": None,
+    "header/len_minus1/prune": None,
     "header/len_minus1/verify": None,
     "header/len_plus1/run": None,
     "header/truncated_1_byte/verify": None,
     "header/bad_json/info": None,
     "header/deeply_nested/info":
         'silent: exit 0 on an invalid input',
-    "header/deeply_nested/run":
-        'internal: RecursionError: maximum recursion depth exceeded while decoding a JSON array from a unicode string',
-    "header/float_offsets_integral/run":
-        'internal: TypeError: slice indices must be integers or None or have an __index__ method',
-    "header/bool_offset/run":
-        'silent: exit 0 on an invalid input',
-    "header/bool_offset/verify":
-        'silent: exit 0 on an invalid input',
-    "header/bool_shape/calibrate":
-        "internal: TypeError: reshape(): argument 'shape' (position 1) must be tuple of ints, but found element of type bool at pos 0",
+    "header/deeply_nested/run": None,
+    "header/float_offsets_integral/run": None,
+    "header/bool_offset/run": None,
+    "header/bool_offset/verify": None,
+    "header/bool_shape/calibrate": None,
     "header/negative_shape_same_numel/run": None,
     "header/overlapping_entries/verify": None,
-    "header/gap_in_middle/run":
-        'silent: exit 0 on an invalid input',
-    "header/gap_at_end/verify":
-        'silent: exit 0 on an invalid input',
+    "header/gap_in_middle/run": None,
+    "header/gap_at_end/verify": None,
     "header/dtype_unknown/run": None,
     "header/dtype_relabel_same_size/calibrate":
         'silent: exit 0 on an invalid input',
-    "header/metadata_not_strings/run":
-        'silent: exit 0 on an invalid input',
-    "header/random_flip_0/info":
-        'silent: exit 0 on an invalid input',
+    "header/metadata_not_strings/run": None,
+    "header/random_flip_0/info": None,
     "header/random_flip_1/calibrate": None,
     "index/missing_shard/verify": None,
-    "index/wrong_shard/run":
-        'silent: exit 0 on an invalid input',
+    "index/wrong_shard/run": None,
     "index/wrong_shard/verify": None,
-    "index/dotdot_path/run":
-        'silent: exit 0 on an invalid input',
+    "index/dotdot_path/run": None,
     "index/dotdot_path/verify": None,
     "index/absolute_path/verify": None,
-    "index/swapped_shards/run":
-        'silent: exit 0 on an invalid input',
+    "index/swapped_shards/run": None,
     "index/swapped_shards/verify": None,
-    "index/weight_map_value_int/info":
-        "internal: TypeError: '<' not supported between instances of 'str' and 'int'",
-    "index/fifo_shard/info":
-        'hang: (no exit within 8 s)',
+    "index/weight_map_value_int/info": None,
+    "index/fifo_shard/info": None,
     "config/num_experts_per_token=missing/run":
         'silent: exit 0 on an invalid input',
     "config/num_experts_per_token=0/run":
@@ -95,8 +78,7 @@ CASES: dict[str, str | None] = {
     "config/moe_layer_freq=0/info":
         'internal: ZeroDivisionError: integer modulo by zero',
     "config/not_json/info": None,
-    "config/deeply_nested/verify":
-        'internal: RecursionError: maximum recursion depth exceeded while decoding a JSON array from a unicode string',
+    "config/deeply_nested/verify": None,
     "weights/nan_norm/run":
         'silent: exit 0 on an invalid input',
     "weights/nan_norm/calibrate":
