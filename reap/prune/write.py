@@ -106,12 +106,15 @@ def prune(
 
 
 def _check_inputs(ck, plan: Plan, where: str):
-    """The source's family, once the plan is checked (`plan_file.check`) against the source."""
+    """The source's family, once the source binds like `run` binds it (names, shapes, dtypes:
+    a relabelled tensor is refused, not copied) and the plan is checked (`plan_file.check`)."""
     from reap.models import family
+    from reap.models.checks import check_binding
 
     if not ck.config:
         raise ReapError(f"{ck.path}: no config.json next to the weights")
     fam = family(ck.config)
+    check_binding(ck.tensors, fam, ck.config, str(ck.path))
     _check_model(ck, plan)
     check(plan, where, _model_shape(ck.config))
     if plan.keep is None:

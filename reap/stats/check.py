@@ -43,7 +43,7 @@ def check_header(path: str, head: dict) -> None:
 
 def check_shapes(path: str, head: dict, tensors: dict[str, torch.Tensor]) -> None:
     """Each statistics tensor is [L, E] ([L, E, E] for coact, [S, L, E] for seq_count), integer
-    where its declared dtype is, and no count is negative."""
+    where its declared dtype is, no count negative and no sum NaN or infinite."""
     from reap.stats import sum_fields
 
     L, E = len(head["layers"]), head["n_experts"]
@@ -61,3 +61,5 @@ def check_shapes(path: str, head: dict, tensors: dict[str, torch.Tensor]) -> Non
                             f"{f.metadata['dtype']}")
         if not t.is_floating_point() and t.numel() and int(t.min()) < 0:
             raise ReapError(f"{path}: tensor {f.name}: negative counts")
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise ReapError(f"{path}: tensor {f.name}: NaN or infinite values")
