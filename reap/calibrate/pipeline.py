@@ -110,8 +110,8 @@ def _setup(ckpt, path: str, tokens: int, seq_len: int, device: str, dtype: str) 
         raise ReapError(f"{path}: no config.json: not a model checkpoint")
     fam, cfg = load_config(ckpt.config, config_source(path))  # the checks `reap run` makes
     runner.check_lengths(ckpt.config, tokens, seq_len)
-    check_binding(ckpt.tensors, fam, ckpt.config, path)
     specs = fam.layout(ckpt.config)
+    check_binding(ckpt.tensors, fam, ckpt.config, path, specs)
     size = SizeModel.from_layout(specs, fam, ckpt.config)
     if not size.moe_layers:
         raise ReapError(f"{path}: the model has no MoE layers to calibrate")

@@ -27,12 +27,14 @@ _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 GUARDED_ROLES = frozenset({"norm", "router_bias"})
 
 
-def check_binding(tensors: Mapping, fam, config: dict, path: str) -> list:
+def check_binding(tensors: Mapping, fam, config: dict, path: str, layout=None) -> list:
     """The layout's TensorSpecs the text model reads, after checking that `tensors` (name ->
     anything with `.shape` and `.dtype`) holds each with its shape and dtype and nothing the
     layout does not name; else ReapError (exit 1, "tensor binding failed"). The vision tower
-    and components the text model never reads (UNUSED_COMPONENTS) are allowed, not returned."""
-    skip, layout = {"vision", *UNUSED_COMPONENTS}, fam.layout(config)
+    and components the text model never reads (UNUSED_COMPONENTS) are allowed, not returned.
+    `layout`: `fam.layout(config)` when the caller has built it already (seconds at K3 size)."""
+    skip = {"vision", *UNUSED_COMPONENTS}
+    layout = fam.layout(config) if layout is None else layout
     specs = [s for s in layout if s.component not in skip]
     known = {split_view(s.name)[0] for s in layout}  # fused views: stored name
     for s in specs:

@@ -114,9 +114,10 @@ def _check_inputs(ck, plan: Plan, where: str):
     if not ck.config:
         raise ReapError(f"{ck.path}: no config.json next to the weights")
     fam = family(ck.config)
-    check_binding(ck.tensors, fam, ck.config, str(ck.path))
+    layout = fam.layout(ck.config)  # built once: binding check and size model
+    check_binding(ck.tensors, fam, ck.config, str(ck.path), layout)
     _check_model(ck, plan)
-    check(plan, where, _model_shape(ck.config))
+    check(plan, where, _model_shape(layout, fam, ck.config))
     if plan.keep is None:
         raise ReapError(
             f"{where}: keep: the plan holds counts only (no kept experts): make it from statistics"
@@ -124,11 +125,11 @@ def _check_inputs(ck, plan: Plan, where: str):
     return fam
 
 
-def _model_shape(config: dict) -> tuple[list[int], int, int]:
+def _model_shape(layout: list, fam, config: dict) -> tuple[list[int], int, int]:
     """(MoE layers, n_experts, top_k) of the source model, as the size model reads them."""
     from reap.sizes import SizeModel
 
-    size = SizeModel.from_config(config)
+    size = SizeModel.from_layout(layout, fam, config)
     return list(size.moe_layers), size.n_experts, size.top_k
 
 
