@@ -1,21 +1,61 @@
-"""Tokenizers shipped with checkpoints: loading any `tokenizer.json`, the byte-level one that
+"""Tokenizers shipped with checkpoints: loading any `tokenizer.json`, Kimi's tiktoken format
+(`tiktoken.model` + `tokenizer_config.json`, no `tokenizer.json`), the byte-level one that
 `reap synth` writes (token id = UTF-8 byte value, 256 = end of text), and encoding text in which
 special tokens (chat markers) are spelled out.
 
 The byte-level tokenizer is an ordinary Hugging Face `tokenizers` byte-level BPE with no merges,
 so a trained BPE tokenizer saved the same way loads through the same `load_tokenizer`.
+
+Kimi releases (K2, K2-Thinking, Kimi-Linear, K3) ship BPE ranks (`tiktoken.model`: one
+`base64(token bytes) rank` line per token) and name their special tokens in
+`tokenizer_config.json`'s `added_tokens_decoder`. `KimiTokenizer` reads them natively with the
+`tiktoken` package the way the release's `tokenization_kimi.py` does: the release's split
+pattern, and special ids from the base vocabulary size up (258 of them: the named ones, the rest
+`<|reserved_token_{id}|>`). Text is always encoded as text (`encode` never yields a special id),
+as the release encodes it with `allow_special_tokens=False`.
+
+A chat prompt is rendered as text with its markers spelled out; `encode_prompt` maps the markers
+to their ids. Message content that spells a marker must stay text: `protect` marks each spelled
+marker in content (a noncharacter after its first character) before rendering, and
+`encode_prompt` encodes marked spellings as text and removes the marks.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from reap.errors import CheckpointError
 
 EOS_TOKEN = "<|endoftext|>"
+KIMI_RANKS = "tiktoken.model"  # the Kimi releases' BPE rank file
+# Kimi's split pattern (the release's `pat_str`): runs of Han characters; words with an optional
+# leading non-letter, split at case changes, with English contractions; 1-3 digits; punctuation
+# runs; newlines; other whitespace (as in cl100k).
+_LETTERS_UP = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]"
+_LETTERS_LOW = r"[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]"
+_CONTRACTION = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+_WORD_LEAD = r"[^\r\n\p{L}\p{N}]?"
+KIMI_PATTERN = "|".join([
+    r"[\p{Han}]+",
+    _WORD_LEAD + _LETTERS_UP + "*" + _LETTERS_LOW + "+" + _CONTRACTION,
+    _WORD_LEAD + _LETTERS_UP + "+" + _LETTERS_LOW + "*" + _CONTRACTION,
+    r"\p{N}{1,3}",
+    r" ?[^\s\p{L}\p{N}]+[\r\n]*",
+    r"\s*[\r\n]+",
+    r"\s+(?!\S)",
+    r"\s+",
+])
+KIMI_SPECIAL_SLOTS = 258  # special ids after the base vocabulary (256 reserved + 2)
+# tiktoken's Rust core panics on very long pieces; the release cuts text as below first, which
+# changes ids only for runs this long (so the cut must be the same to give the same ids)
+_MAX_CHUNK_CHARS = 400_000
+_MAX_RUN_CHARS = 25_000
+MARK = "\ufdd0"  # a noncharacter: never in real text, marks spelled markers in message content
 
 
 def _byte_chars() -> list[str]:
@@ -64,51 +104,201 @@ class Tokenizer:
         return self._tok.decode(list(ids), skip_special_tokens=True)
 
     def special_tokens(self) -> dict[str, int]:
-        """Special tokens (text -> id): the chat markers and controls `encode` treats as text."""
-        added = self._tok.get_added_tokens_decoder()
-        return {t.content: i for i, t in added.items() if t.special}
+        """Added tokens (text -> id): the chat markers and controls `encode` treats as text and
+        `encode_prompt` maps to their ids (markers not flagged special, such as Qwen3's
+        `<think>`, included)."""
+        return {t.content: i for i, t in self._tok.get_added_tokens_decoder().items()}
+
+
+class KimiTokenizer:
+    """Kimi's tiktoken tokenizer (see the module docstring); the same interface as `Tokenizer`.
+
+    `ranks`: token bytes -> rank (= id); `named`: id -> (text, special flag) from
+    `added_tokens_decoder`."""
+
+    def __init__(self, ranks: dict[bytes, int], named: dict[int, tuple[str, bool]],
+                 eos_id: int | None, name: str = KIMI_RANKS):
+        import tiktoken
+
+        base = len(ranks)
+        self.specials = {named.get(i, (f"<|reserved_token_{i}|>", True))[0]: i
+                         for i in range(base, base + KIMI_SPECIAL_SLOTS)}
+        self._enc = tiktoken.Encoding(name=name, pat_str=KIMI_PATTERN, mergeable_ranks=ranks,
+                                      special_tokens=self.specials)
+        # decode drops the special-flagged and reserved ids, keeps named markers (as HF does)
+        self._dropped = {i for i in self.specials.values() if named.get(i, ("", True))[1]}
+        self.eos_id, self.vocab_size = eos_id, self._enc.n_vocab
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`, all of it as text (spelled special tokens included)."""
+        ids: list[int] = []
+        for piece in _kimi_pieces(text):
+            ids += self._enc.encode_ordinary(piece)
+        return ids
+
+    def decode(self, ids: list[int]) -> str:
+        """Text of `ids` (special-flagged and reserved ids dropped; invalid UTF-8 -> U+FFFD)."""
+        return self._enc.decode([i for i in ids if i not in self._dropped])
+
+    def special_tokens(self) -> dict[str, int]:
+        """The special ids' texts (text -> id), markers not flagged special included."""
+        return dict(self.specials)
+
+
+def _kimi_pieces(text: str) -> Iterator[str]:
+    """`text` cut as the release cuts it before BPE: chunks of at most 400,000 characters, each
+    cut so no run of whitespace or of non-whitespace exceeds 25,000 characters."""
+    for at in range(0, len(text), _MAX_CHUNK_CHARS):
+        chunk = text[at:at + _MAX_CHUNK_CHARS]
+        if all(len(r) <= _MAX_RUN_CHARS for r in _RUNS.findall(chunk)):
+            yield chunk  # the usual case: nothing to cut (re's \s is str.isspace)
+        else:
+            yield from _cut_runs(chunk)
+
+
+_RUNS = re.compile(r"\s+|\S+")
+
+
+def _cut_runs(chunk: str) -> Iterator[str]:
+    start, run, space = 0, 0, chunk[:1].isspace()
+    for i, ch in enumerate(chunk):
+        if ch.isspace() != space:
+            run, space = 1, ch.isspace()
+            continue
+        run += 1
+        if run > _MAX_RUN_CHARS:
+            yield chunk[start:i]
+            start, run = i, 1
+    yield chunk[start:]
 
 
 def encode_prompt(text: str, encode: Callable[[str], list[int]],
-                  specials: dict[str, int]) -> list[int]:
+                  specials: dict[str, int], protected: bool = False) -> list[int]:
     """Token ids of a rendered prompt: special tokens spelled in it map to their ids, the text
-    between them goes through `encode` (which treats everything as plain text)."""
+    between them goes through `encode` (which treats everything as plain text). With
+    `protected`, the text was rendered from content passed through `protect`: the spellings it
+    marked are encoded as text and the marks removed."""
     if not specials:
-        return encode(text)
+        return encode(_unmark(text) if protected else text)
     pattern = "|".join(re.escape(s) for s in sorted(specials, key=len, reverse=True))
     ids: list[int] = []
     for i, part in enumerate(re.split(f"({pattern})", text)):  # text, special, text, ...
         if i % 2:
             ids.append(specials[part])
         elif part:
-            ids += encode(part)
+            ids += encode(_unmark(part) if protected else part)
     return ids
 
 
-def load_tokenizer(checkpoint_dir: str | Path) -> Tokenizer:
-    """The tokenizer of a checkpoint directory (`tokenizer.json`; end-of-text token from
-    `tokenizer_config.json`, else `eos_token_id` in config.json)."""
+def protect(content: str, specials: dict[str, int] | list[str]) -> str:
+    """Message content with every spelled special token marked (`MARK` after its first
+    character) so that `encode_prompt(..., protected=True)` encodes it as text; a `MARK`
+    already in the content is doubled."""
+    content = content.replace(MARK, MARK + MARK)
+    if not specials or not content:
+        return content
+    pattern = re.compile("|".join(re.escape(s) for s in sorted(specials, key=len, reverse=True)
+                                  if s))
+    while pattern.search(content):  # again: marking one spelling may leave an overlapping one
+        content = pattern.sub(lambda m: m[0][0] + MARK + m[0][1:], content)
+    return content
+
+
+def _unmark(text: str) -> str:
+    return re.sub(MARK + f"({MARK})?", lambda m: m[1] or "", text)
+
+
+def has_tokenizer(checkpoint_dir: str | Path) -> bool:
+    """Whether a checkpoint directory ships a tokenizer `load_tokenizer` reads."""
+    d = Path(checkpoint_dir)
+    return (d / "tokenizer.json").is_file() or (d / KIMI_RANKS).is_file()
+
+
+def load_tokenizer(checkpoint_dir: str | Path) -> Tokenizer | KimiTokenizer:
+    """The tokenizer of a checkpoint directory: `tokenizer.json` (end-of-text token from
+    `tokenizer_config.json`, else `eos_token_id` in config.json), else Kimi's
+    `tiktoken.model` + `tokenizer_config.json`."""
     from tokenizers import Tokenizer as HFTokenizer
 
     d = Path(checkpoint_dir)
     path = d / "tokenizer.json"
+    if not path.is_file() and (d / KIMI_RANKS).is_file():
+        return load_kimi_tokenizer(d)
     if not path.is_file():
-        raise CheckpointError(f"{path}: no tokenizer.json in the checkpoint")
+        raise CheckpointError(f"{path}: no tokenizer.json (nor {KIMI_RANKS}) in the checkpoint")
     try:
         tok = HFTokenizer.from_file(str(path))
     except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception on bad JSON
         raise CheckpointError(f"{path}: cannot load tokenizer ({str(e).splitlines()[0]})") from None
-    return Tokenizer(tok, _eos_id(d, tok))
+    return Tokenizer(tok, _eos_id(d, tok.token_to_id))
 
 
-def _eos_id(d: Path, tok) -> int | None:
+def load_kimi_tokenizer(d: Path) -> KimiTokenizer:
+    """Kimi's tokenizer from `d/tiktoken.model` and `d/tokenizer_config.json`."""
+    from reap.checkpoint.header import load_json
+    from reap.checkpoint.spec import MAX_TOKENIZER_BYTES
+
+    cfg_path = d / "tokenizer_config.json"
+    if not cfg_path.is_file():
+        raise CheckpointError(f"{cfg_path}: missing (a {KIMI_RANKS} tokenizer names its "
+                              "special tokens there)")
+    named = _named_tokens(load_json(cfg_path, "tokenizer config"), cfg_path)
+    ranks = read_ranks(d / KIMI_RANKS, MAX_TOKENIZER_BYTES)
+    base = len(ranks)
+    outside = sorted(i for i in named if not base <= i < base + KIMI_SPECIAL_SLOTS)
+    if outside:
+        raise CheckpointError(f"{cfg_path}: added_tokens_decoder id {outside[0]} is outside the "
+                              f"special ids {base}..{base + KIMI_SPECIAL_SLOTS - 1} of "
+                              f"{KIMI_RANKS}")
+    tok = KimiTokenizer(ranks, named, None, name=KIMI_RANKS)
+    tok.eos_id = _eos_id(d, tok.specials.get)
+    return tok
+
+
+def read_ranks(path: Path, limit: int) -> dict[bytes, int]:
+    """A tiktoken rank file (`base64(token) rank` per line) as token bytes -> rank; the ranks
+    must be 0..n-1 (ids), each once (CheckpointError naming the file and line otherwise)."""
+    from reap.checkpoint.files import read_regular
+
+    ranks: dict[bytes, int] = {}
+    for n, line in enumerate(read_regular(path, KIMI_RANKS, limit).splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            token, rank = line.split()
+            ranks[base64.b64decode(token, validate=True)] = int(rank)
+        except (ValueError, binascii.Error):
+            raise CheckpointError(f"{path}: line {n} is not 'base64-token rank'") from None
+    if sorted(ranks.values()) != list(range(len(ranks))):
+        raise CheckpointError(f"{path}: ranks are not the ids 0..{len(ranks) - 1}, each once "
+                              "(a duplicate token or rank, or a gap)")
+    return ranks
+
+
+def _named_tokens(cfg: dict, path: Path) -> dict[int, tuple[str, bool]]:
+    """id -> (text, special flag) of `added_tokens_decoder`."""
+    added = cfg.get("added_tokens_decoder", {})
+    if not isinstance(added, dict):
+        raise CheckpointError(f"{path}: added_tokens_decoder is not an object")
+    named = {}
+    for key, entry in added.items():
+        text = token_text(entry)
+        if not key.isdigit() or text is None:
+            raise CheckpointError(f"{path}: added_tokens_decoder[{key!r}] is not an id with a "
+                                  "'content' string")
+        flag = entry.get("special", True) if isinstance(entry, dict) else True
+        named[int(key)] = (text, bool(flag))
+    return named
+
+
+def _eos_id(d: Path, token_to_id: Callable[[str], int | None]) -> int | None:
     from reap.checkpoint.header import load_json  # the checkpoint layer imports torch
 
     for name in ("tokenizer_config.json", "config.json"):
         cfg = load_json(d / name, name) if (d / name).is_file() else {}
         eos = token_text(cfg.get("eos_token"))
-        if eos is not None and tok.token_to_id(eos) is not None:
-            return tok.token_to_id(eos)
+        if eos is not None and token_to_id(eos) is not None:
+            return token_to_id(eos)
         eid = cfg.get("eos_token_id", cfg.get("text_config", {}).get("eos_token_id"))
         if isinstance(eid, list):
             eid = eid[0] if eid else None

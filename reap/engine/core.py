@@ -364,11 +364,9 @@ def _make_plan(
 
 
 def _tokenizer(path):
-    if not (Path(path) / "tokenizer.json").is_file():
-        return None
-    from reap.tokenizer import load_tokenizer
+    from reap.tokenizer import has_tokenizer, load_tokenizer
 
-    return load_tokenizer(path)
+    return load_tokenizer(path) if has_tokenizer(path) else None
 
 
 def _getter(tensors: dict[str, torch.Tensor], where: str):

@@ -32,8 +32,9 @@ def build_identity(path: str) -> dict:
     root = Path(path) if Path(path).is_dir() else Path(path).parent
     stats = [(os.path.relpath(f, root), os.stat(f)) for f in files]
     files = [[name, st.st_size, st.st_mtime_ns] for name, st in stats]
-    tok = root / "tokenizer.json"
-    tok_sha = sha256_file(tok) if tok.is_file() else None
+    tok = next((root / n for n in ("tokenizer.json", "tiktoken.model") if (root / n).is_file()),
+               None)  # Kimi releases ship tiktoken.model instead
+    tok_sha = sha256_file(tok) if tok is not None else None
     return {"fingerprint": fp, "files": files, "tokenizer": tok_sha}
 
 

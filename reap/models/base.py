@@ -305,7 +305,12 @@ class ChatFormat:
     """A family's built-in chat format, for checkpoints that ship no chat template: the marker
     opening each role's turn, the one closing every turn, and the reasoning-block delimiters
     (rendered by `reap.serve.chat.render_markers`). A family module's `chat_format(config_dict)`
-    returns one, or None when the checkpoint's own tokenizer chat template must be used."""
+    returns one, or None when the checkpoint's own tokenizer chat template must be used.
+
+    Optional: `answer_open`/`answer_close` wrap the answer after the reasoning block; `stop`
+    lists strings that end a reply besides `end`; `keep_reasoning` keeps the reasoning of every
+    assistant turn (not only those after the last user turn); `bare_answer` omits the reasoning
+    block entirely when thinking is off (instead of an empty one)."""
 
     system: str
     user: str
@@ -313,3 +318,8 @@ class ChatFormat:
     end: str
     think_open: str
     think_close: str
+    answer_open: str = ""
+    answer_close: str = ""
+    stop: tuple[str, ...] = ()
+    keep_reasoning: bool = False
+    bare_answer: bool = False

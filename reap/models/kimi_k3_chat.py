@@ -1,23 +1,46 @@
 """Kimi K3's built-in chat format: the markers `reap.serve` renders chat requests with when a K3
-checkpoint ships no chat template (the family hook `kimi_k3.chat_format`).
+checkpoint ships no chat template (the family hook `kimi_k3.chat_format`), and by which it
+splits a K3 reply into reasoning and answer (also when the checkpoint's own template renders).
 
-ASSUMPTION: the K3 release's tokenizer_config is not available offline. These are the markers
-published for Kimi K2.5/K2.6 (a turn is `<|im_user|>user<|im_middle|>{text}<|im_end|>`, the
-reply opens with `<think>`), which K3 is assumed to keep. A checkpoint that ships its own
-template overrides them, so a differing K3 release only needs its own files.
+The K3 release's template (tests/fixtures/releases/kimi-k3) wraps each message as
+`<|open|>message role="user"<|sep|>...<|close|>message<|sep|><|end_of_msg|>`; an assistant
+message holds a think block `<|open|>think<|sep|>...<|close|>think<|sep|>` (only when thinking
+is on; reasoning of every turn kept) and a response block `<|open|>response<|sep|>...
+<|close|>response<|sep|>`. The generation prompt opens the assistant message and its think
+block (thinking on) or its response block (off). The release template also declares tools and,
+with thinking on, a `thinking_effort` system message: the built-in format renders neither, so
+a checkpoint without the release's template gets the same message segments without those
+(tests/test_chat_release.py checks this against the release's template).
 """
 
 from __future__ import annotations
 
 from reap.models.base import ChatFormat
 
+
+def _open(tag: str, role: str | None = None) -> str:
+    attrs = f' role="{role}"' if role else ""
+    return f"<|open|>{tag}{attrs}<|sep|>"
+
+
+def _close(tag: str) -> str:
+    return f"<|close|>{tag}<|sep|>"
+
+
+END_OF_MESSAGE = "<|end_of_msg|>"
+
 CHAT_FORMAT = ChatFormat(
-    system="<|im_system|>system<|im_middle|>",
-    user="<|im_user|>user<|im_middle|>",
-    assistant="<|im_assistant|>assistant<|im_middle|>",
-    end="<|im_end|>",
-    think_open="<think>",
-    think_close="</think>",
+    system=_open("message", "system"),
+    user=_open("message", "user"),
+    assistant=_open("message", "assistant"),
+    end=_close("message") + END_OF_MESSAGE,
+    think_open=_open("think"),
+    think_close=_close("think"),
+    answer_open=_open("response"),
+    answer_close=_close("response"),
+    stop=(_close("response"), END_OF_MESSAGE),
+    keep_reasoning=True,
+    bare_answer=True,
 )
 
 

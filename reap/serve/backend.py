@@ -17,7 +17,7 @@ class EngineBackend:
     def __init__(self, engine, model_id: str, template_dir: str | os.PathLike):
         tok = engine.tokenizer
         if tok is None:
-            raise ReapError(f"{engine.path}: no tokenizer.json; the server needs a tokenizer")
+            raise ReapError(f"{engine.path}: no tokenizer (tokenizer.json or tiktoken.model); the server needs one")
         self.engine, self.model_id, self.context = engine, model_id, engine.context
         self.encode, self.decode, self.eos_id = tok.encode, tok.decode, tok.eos_id
         self.special = tok.special_tokens()

@@ -2,8 +2,11 @@
 
 `ChatTemplate` renders with, in order of preference:
 - the checkpoint's own template (`chat_template.jinja`, or `chat_template` in
-  `tokenizer_config.json`), in a sandboxed Jinja environment with `add_generation_prompt=True`
-  and the thinking switch passed as `thinking` (Kimi's spelling) and `enable_thinking` (Qwen's);
+  `tokenizer_config.json`), in a sandboxed Jinja environment set up as Hugging Face sets it up
+  for templates (`raise_exception`, `strftime_now`, a `tojson` taking `ensure_ascii`/`indent`/
+  `sort_keys`, the tokenizer config's special tokens such as `bos_token`), with
+  `add_generation_prompt=True`, reasoning passed as `reasoning_content` and `thinking`, and the
+  thinking switch as `thinking` (Kimi's spelling) and `enable_thinking` (Qwen's);
 - else the built-in `ChatFormat` its model family declares (`chat_format` of the family module,
   see `reap.models.base`), rendered by `render_markers`:
 
@@ -15,11 +18,20 @@
   No default system message is inserted; assistant turns before the last user turn lose their
   reasoning (an empty thinking block);
 - with neither, chat requests are refused (plain completions still work).
+
+Message content that spells a special token stays text: with `protected` special tokens set,
+`render` marks them in content (`reap.tokenizer.protect`) and the prompt must be encoded with
+`encode_prompt(..., protected=True)`.
+
+A family's format also says where generated text is reasoning (`think_open` .. `think_close`)
+and which strings end a turn besides the end-of-text token (`stop`).
 """
 
 from __future__ import annotations
 
+import json
 import os
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +39,11 @@ from reap.checkpoint.header import load_json
 from reap.models.base import ChatFormat
 from reap.serve.params import Message, RequestError
 from reap.serve.stream import REASONING_MARKERS
-from reap.tokenizer import token_text
+from reap.tokenizer import protect, token_text
+
+# tokenizer_config keys naming special tokens that Hugging Face passes to templates
+SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token",
+                "mask_token")
 
 
 def render_markers(fmt: ChatFormat, messages: list[Message], thinking: bool = True) -> str:
@@ -39,10 +55,18 @@ def render_markers(fmt: ChatFormat, messages: list[Message], thinking: bool = Tr
         if m.role != "assistant":
             out.append(f"{header[m.role]}{m.content}{fmt.end}")
             continue
-        reasoning = m.reasoning if i > last_user else ""
-        out.append(f"{fmt.assistant}{fmt.think_open}{reasoning}{fmt.think_close}"
-                   f"{m.content}{fmt.end}")
-    out.append(fmt.assistant + fmt.think_open + ("" if thinking else fmt.think_close))
+        keep = fmt.keep_reasoning or i > last_user
+        reasoning = m.reasoning if keep and m.reasoning.strip() else ""
+        block = "" if fmt.bare_answer and not thinking else \
+            f"{fmt.think_open}{reasoning}{fmt.think_close}"
+        out.append(f"{fmt.assistant}{block}{fmt.answer_open}{m.content}{fmt.answer_close}"
+                   f"{fmt.end}")
+    if thinking:
+        out.append(fmt.assistant + fmt.think_open)
+    elif fmt.bare_answer:
+        out.append(fmt.assistant + fmt.answer_open)
+    else:
+        out.append(fmt.assistant + fmt.think_open + fmt.think_close + fmt.answer_open)
     return "".join(out)
 
 
@@ -62,9 +86,14 @@ class ChatTemplate:
             end = self.special.get("eos_token")
         else:
             end = builtin.end if builtin else None
-        self.stop: tuple[str, ...] = (end,) if end else ()
-        markers = (builtin.think_open, builtin.think_close) if builtin else REASONING_MARKERS
+        extra = builtin.stop if builtin else ()
+        self.stop: tuple[str, ...] = tuple(dict.fromkeys(s for s in (end, *extra) if s))
+        # the reasoning ends where the answer begins (K3: its think block closes, its response
+        # block opens)
+        markers = (builtin.think_open, builtin.think_close + builtin.answer_open) if builtin \
+            else REASONING_MARKERS
         self.think_open, self.think_close = markers
+        self.protected: tuple[str, ...] = ()  # special tokens kept as text in message content
         self._compiled = None
 
     @classmethod
@@ -72,7 +101,7 @@ class ChatTemplate:
         """The template of a checkpoint directory (`builtin` when it ships none)."""
         config_path = Path(path, "tokenizer_config.json")
         config = load_json(config_path, "tokenizer config") if config_path.is_file() else {}
-        special = {k: token_text(config.get(k)) for k in ("bos_token", "eos_token")}
+        special = {k: token_text(config.get(k)) for k in SPECIAL_KEYS}
         special = {k: v for k, v in special.items() if v}
         jinja_path = os.path.join(path, "chat_template.jinja")
         if os.path.isfile(jinja_path):
@@ -87,17 +116,23 @@ class ChatTemplate:
             if self.builtin is None:
                 raise RequestError("this checkpoint ships no chat template and its model family "
                                    "has no built-in chat format: use /v1/completions")
-            return render_markers(self.builtin, messages, thinking)
+            return render_markers(self.builtin, self._guard(messages), thinking)
         env_kwargs = dict(self.special)
         env_kwargs.update(extra or {})
-        env_kwargs.update(thinking=thinking, enable_thinking=thinking,
-                          add_generation_prompt=True, messages=[_as_dict(m) for m in messages])
+        env_kwargs.update(thinking=thinking, enable_thinking=thinking, add_generation_prompt=True,
+                          messages=[_as_dict(m) for m in self._guard(messages)])
         try:
             return self._template().render(**env_kwargs)
         except RequestError:
             raise
         except Exception as e:  # noqa: BLE001 - any Jinja error: the template's or the request's
             raise RequestError(f"chat template failed: {type(e).__name__}: {e}") from None
+
+    def _guard(self, messages: list[Message]) -> list[Message]:
+        if not self.protected:
+            return messages
+        return [Message(m.role, protect(m.content, self.protected),
+                        protect(m.reasoning, self.protected)) for m in messages]
 
     def opens_thinking(self, prompt: str) -> bool:
         """Whether generation starts inside the reasoning channel (the prompt ends opening it)."""
@@ -117,22 +152,35 @@ def _compile(source: str):
         raise RequestError("this checkpoint ships a chat template: install jinja2 to use it"
                            ) from None
 
-    def raise_exception(message: str):
-        raise RequestError(f"chat template refused the request: {message}")
-
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                         extensions=["jinja2.ext.loopcontrols"])
-    env.globals["raise_exception"] = raise_exception
+    env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now)
+    env.filters["tojson"] = _tojson
     try:
         return env.from_string(source)
     except TemplateError as e:
         raise RequestError(f"chat template does not compile: {e}") from None
 
 
+def _raise_exception(message: str):
+    raise RequestError(f"chat template refused the request: {message}")
+
+
+def _strftime_now(fmt: str) -> str:
+    """The local time now in `fmt` (templates such as gpt-oss's date their system message)."""
+    return datetime.now().strftime(fmt)
+
+
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    """JSON without Jinja's HTML escaping, with the options templates pass."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
 def _as_dict(m: Message) -> dict[str, str]:
     d = {"role": m.role, "content": m.content}
-    if m.reasoning:
-        d["reasoning_content"] = m.reasoning
+    if m.reasoning:  # under both names templates read it by (K2/K3/Qwen3, gpt-oss)
+        d.update(reasoning_content=m.reasoning, thinking=m.reasoning)
     return d
 
 
