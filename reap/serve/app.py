@@ -172,7 +172,8 @@ class App:
                                    self.max_prompt_chars, "messages")
                 prompt = b.template.render(messages, thinking_option(body), template_kwargs(body))
                 check_prompt_chars(len(prompt), self.max_prompt_chars, "messages")
-                ids = encode_prompt(prompt, b.encode, b.special)
+                ids = encode_prompt(prompt, b.encode, b.special,
+                                    protected=bool(b.template.protected))
                 stop, thinking = b.template.stop, b.template.opens_thinking(prompt)
             context = getattr(b, "context", None)
             room = self.limit if context is None else min(self.limit, context - len(ids))

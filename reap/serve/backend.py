@@ -23,6 +23,7 @@ class EngineBackend:
         self.special = tok.special_tokens()
         builtin = family(engine.config).chat_format(engine.config)
         self.template = ChatTemplate.from_dir(template_dir, builtin)
+        self.template.protected = tuple(self.special)  # spelled in content, they stay text
 
     def tokens(self, ids, *, max_tokens, temperature, top_p, seed) -> Iterator[int]:
         return self.engine.stream(ids, max_tokens=max_tokens, temperature=temperature,
