@@ -20,6 +20,7 @@ import pytest
 
 from reap.errors import ReapError
 from reap.models import FAMILIES, builtin_config, family
+from reap.models.base import ChatFormat
 from reap.serve.chat import ChatTemplate, render_markers
 from reap.serve.hosts import check_host
 from reap.serve.http import Server
@@ -32,7 +33,11 @@ openai = pytest.importorskip("openai")
 
 ALPHABET = "ab cdé中🙂\n"
 K3_CONFIG = builtin_config("k3-tiny")
-K3 = family(K3_CONFIG).chat_format(K3_CONFIG)  # the K3 family's built-in chat format
+# a marker chat format for the server tests (Kimi K2.5's markers); K3's own format and the
+# release templates are tested in tests/test_chat_release.py
+K3 = ChatFormat(system="<|im_system|>system<|im_middle|>", user="<|im_user|>user<|im_middle|>",
+                assistant="<|im_assistant|>assistant<|im_middle|>", end="<|im_end|>",
+                think_open="<think>", think_close="</think>")
 
 
 def render_k3(messages, thinking: bool = True) -> str:
@@ -670,11 +675,13 @@ def test_real_engine_end_to_end(tiny, served):
     """k3-tiny behind the server: every answer equals the engine's own generate()."""
     from reap.serve.backend import open_backend
 
-    backend = open_backend(tiny, "k3-tiny", context=96)
+    backend = open_backend(tiny, "k3-tiny", context=192)
     eng = backend.engine
     ids = encode_prompt("The cat", backend.encode, backend.special)
     msgs = [{"role": "user", "content": "Hi"}]
-    chat_ids = encode_prompt(render_k3(parse_messages(msgs)), backend.encode, backend.special)
+    k3 = family(K3_CONFIG).chat_format(K3_CONFIG)  # what the server renders for a K3 model
+    chat_ids = encode_prompt(render_markers(k3, parse_messages(msgs)), backend.encode,
+                             backend.special)
     greedy = eng.generate([ids], max_tokens=6, temperature=0)[0]
     sampled = eng.generate([ids], max_tokens=6, temperature=0.9, seed=11)[0]
     chat_ref = eng.generate([chat_ids], max_tokens=5, temperature=0)[0]
