@@ -117,7 +117,7 @@ class ChatTemplate:
                 raise RequestError("this checkpoint ships no chat template and its model family "
                                    "has no built-in chat format: use /v1/completions")
             return render_markers(self.builtin, self._guard(messages), thinking)
-        env_kwargs = dict(self.special)
+        env_kwargs: dict[str, Any] = dict(self.special, tools=None, documents=None)  # as HF
         env_kwargs.update(extra or {})
         env_kwargs.update(thinking=thinking, enable_thinking=thinking, add_generation_prompt=True,
                           messages=[_as_dict(m) for m in self._guard(messages)])
