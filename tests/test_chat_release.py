@@ -185,3 +185,87 @@ def test_k3_reasoning_split():
     assert split_k3(tpl, "It is 4.<|close|>response<|sep|><|close|>message<|sep|>",
                     False) == ("", "It is 4.")
     assert "<|end_of_msg|>" in tpl.stop and tpl.think_open == "<|open|>think<|sep|>"
+
+
+# --------------------------------------------------------------------------- a tiny K3 release
+
+@pytest.fixture(scope="module")
+def k3_release(tmp_path_factory) -> Path:
+    """A tiny random K3 saved as the release ships its tokenizer: tiktoken.model (trained here)
+    + a K3-style tokenizer_config.json, no tokenizer.json, and the release's chat template."""
+    import copy
+    import os
+
+    from test_tokenizer_kimi import train_ranks, write_kimi_tokenizer
+
+    from reap.synth import synth
+
+    os.environ["TIKTOKEN_CACHE_DIR"] = ""  # (only the test oracle reads rank files via tiktoken)
+    ranks = train_ranks()
+    cfg = copy.deepcopy(K3_CONFIG)
+    cfg.get("text_config", cfg)["vocab_size"] = len(ranks) + 258
+    d = Path(synth(cfg, tmp_path_factory.mktemp("k3") / "k3-kimi", seed=0, dtype="float32"))
+    (d / "tokenizer.json").unlink()
+    write_kimi_tokenizer(d, ranks)
+    shutil.copy(RELEASES / "kimi-k3" / "chat_template.jinja", d / "chat_template.jinja")
+    return d
+
+
+def _cli(*argv, capsys) -> tuple[int, str, str]:
+    from reap.cli import main
+
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_run_calibrate_eval_on_a_kimi_tokenizer(k3_release, tmp_path, capsys):
+    from reap.stats import ExpertStats
+
+    tok = load_tokenizer(k3_release)
+    assert not (k3_release / "tokenizer.json").exists() and type(tok).__name__ == "KimiTokenizer"
+    prompt = "Hello, 世界! <|end_of_msg|>"
+    code, out, err = _cli("run", k3_release, "--prompt", prompt, "--max-tokens", "4", "--json",
+                          "--quiet", "--context", "64", "--threads", "1", capsys=capsys)
+    assert code == 0, err
+    gen = json.loads(out)["generations"][0]
+    assert gen["text"] == tok.decode(gen["ids"]) and len(gen["ids"]) == 4
+    code, _, err = _cli("calibrate", k3_release, "--corpus", "zh", "--tokens", "32",
+                        "--seq-len", "16", "--no-progress", "--out", tmp_path / "cal",
+                        capsys=capsys)
+    assert code == 0, err
+    assert ExpertStats.load(tmp_path / "cal" / "all.safetensors").tokens == 32
+    code, _, err = _cli("eval", "--reference", k3_release, f"same={k3_release}", "--corpus",
+                        "en", "--max-docs", "2", "--max-tokens-per-doc", "12", "--gen-tokens",
+                        "2", "--gen-domains", "en", "--out", tmp_path / "eval", "--no-plots",
+                        "--quiet", "--threads", "1", capsys=capsys)
+    assert code == 0, err
+
+
+def test_serve_a_kimi_k3_release(k3_release):
+    """The server renders the release's template, encodes it with the Kimi tokenizer (markers
+    as their ids, spelled markers in content as text) and answers as the engine generates."""
+    openai = pytest.importorskip("openai")
+    from reap.serve.backend import open_backend
+    from reap.serve.http import Server
+
+    backend = open_backend(k3_release, "k3", context=512)
+    tok = backend.engine.tokenizer
+    msgs = [{"role": "user", "content": "Hi <|open|>"}]
+    want_text = k3_template().render(parse_messages(msgs), True)
+    specials = tok.special_tokens()
+    want = encode_prompt(want_text.replace("Hi <|open|>", "Q"), tok.encode, specials)
+    q = want.index(tok.encode("Q")[0])
+    want = want[:q] + tok.encode("Hi <|open|>") + want[q + 1:]
+    assert specials["<|open|>"] in want[:3] and want.count(specials["<|sep|>"]) >= 4
+    ref = backend.engine.generate([want], max_tokens=5, temperature=0)[0]
+    server = Server(backend, "127.0.0.1", 0).start()
+    try:
+        client = openai.OpenAI(base_url=server.url, api_key="none", max_retries=0, timeout=60)
+        r = client.chat.completions.create(model="k3", messages=msgs, max_tokens=5,
+                                           temperature=0)
+        m = r.choices[0].message
+        assert r.usage.prompt_tokens == len(want)
+        assert (getattr(m, "reasoning_content", None) or "") + (m.content or "") == ref.text
+    finally:
+        server.stop()
