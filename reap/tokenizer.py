@@ -94,14 +94,19 @@ class Tokenizer:
         self._tok, self.eos_id = tok, eos_id
         tok.encode_special_tokens = True  # text spelling "<|endoftext|>" is text, not a control
         self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
+        self._special = {i for i, t in tok.get_added_tokens_decoder().items() if t.special}
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text` (no special tokens added or recognized in the text)."""
         return self._tok.encode(text, add_special_tokens=False).ids
 
-    def decode(self, ids: list[int]) -> str:
-        """Text of `ids` (special tokens dropped; invalid UTF-8 becomes U+FFFD)."""
-        return self._tok.decode(list(ids), skip_special_tokens=True)
+    def decode(self, ids: list[int], keep: frozenset[int] = frozenset()) -> str:
+        """Text of `ids` (special tokens dropped but those in `keep`, such as the markers of a
+        chat format's reasoning channel; invalid UTF-8 becomes U+FFFD)."""
+        if not keep:
+            return self._tok.decode(list(ids), skip_special_tokens=True)
+        ids = [i for i in ids if i in keep or i not in self._special]
+        return self._tok.decode(ids, skip_special_tokens=False)
 
     def special_tokens(self) -> dict[str, int]:
         """Added tokens (text -> id): the chat markers and controls `encode` treats as text and
@@ -136,9 +141,10 @@ class KimiTokenizer:
             ids += self._enc.encode_ordinary(piece)
         return ids
 
-    def decode(self, ids: list[int]) -> str:
-        """Text of `ids` (special-flagged and reserved ids dropped; invalid UTF-8 -> U+FFFD)."""
-        return self._enc.decode([i for i in ids if i not in self._dropped])
+    def decode(self, ids: list[int], keep: frozenset[int] = frozenset()) -> str:
+        """Text of `ids` (special-flagged and reserved ids dropped but those in `keep`;
+        invalid UTF-8 -> U+FFFD)."""
+        return self._enc.decode([i for i in ids if i in keep or i not in self._dropped])
 
     def special_tokens(self) -> dict[str, int]:
         """The special ids' texts (text -> id), markers not flagged special included."""

@@ -168,23 +168,56 @@ def test_k3_builtin_format_renders_the_release_segments(thinking):
             assert effort.count("<|open|>message") == 1 and "thinking_effort=max" in effort
 
 
-def split_k3(tpl: ChatTemplate, generated: str, thinking: bool) -> tuple[str, str]:
-    """(reasoning, answer) of a K3 reply as the server splits it: cut at the first stop
-    string, then split at the end of the think block."""
-    cut = min([generated.find(s) for s in tpl.stop if s in generated] + [len(generated)])
-    s = ReasoningSplitter(thinking, tpl.think_close)
-    parts = [s.feed(generated[:cut]), s.flush()]
-    return "".join(p[0] for p in parts), "".join(p[1] for p in parts)
+def reply_of(d: Path, model_type: str, generated: str, thinking: bool) -> tuple[str, str]:
+    """(reasoning, answer) of a generated reply as the server makes them: the backend over a
+    checkpoint directory `d` (tokenizer, template, its family's markers), the reply's ids
+    decoded by its text stream (cut at stop strings) and split by its `Reply`."""
+    from types import SimpleNamespace
+
+    from reap.serve.backend import EngineBackend
+    from reap.serve.stream import Reply, TextStream
+
+    engine = SimpleNamespace(tokenizer=load_tokenizer(d), path=str(d), context=None,
+                             config={"model_type": model_type})
+    b = EngineBackend(engine, "m", d)
+    prompt = b.template.render(parse_messages(CONVERSATIONS[0]), thinking)
+    ids = encode_prompt(generated, b.encode, b.special)
+    stream, text = TextStream(b.decode, b.template.stop), ""
+    for i in ids:  # as the server: until a stop string
+        text += stream.feed(i)
+        if stream.done:
+            break
+    text += stream.flush()
+    reply = Reply("m", 1, True, b.template.opens_thinking(prompt), b.template.think_close,
+                  b.template.think_open)
+    message = reply.whole(text, "stop", len(ids))["choices"][0]["message"]
+    return message.get("reasoning_content", ""), message["content"]
 
 
-def test_k3_reasoning_split():
-    tpl = k3_template()
+def test_k3_reasoning_split(tmp_path):
+    d = release_dir(tmp_path, "kimi-k3")
     reply = ("Let me think.<|close|>think<|sep|><|open|>response<|sep|>It is 4."
-             "<|close|>response<|sep|><|close|>message<|sep|>")
-    assert split_k3(tpl, reply, True) == ("Let me think.", "It is 4.")
-    assert split_k3(tpl, "It is 4.<|close|>response<|sep|><|close|>message<|sep|>",
+             "<|close|>response<|sep|><|close|>message<|sep|><|end_of_msg|>")
+    assert reply_of(d, "kimi_k3", reply, True) == ("Let me think.", "It is 4.")
+    assert reply_of(d, "kimi_k3", "It is 4.<|close|>response<|sep|><|close|>message<|sep|>",
                     False) == ("", "It is 4.")
+    tpl = k3_template()
     assert "<|end_of_msg|>" in tpl.stop and tpl.think_open == "<|open|>think<|sep|>"
+
+
+def test_models_that_open_their_reasoning_block_themselves(tmp_path):
+    """Qwen3 (thinking on: the prompt leaves `<think>` to the model) and gpt-oss (harmony: the
+    model writes its analysis channel, then the final one; the markers are special tokens)."""
+    qwen = release_dir(tmp_path, "qwen3-30b-a3b")
+    assert reply_of(qwen, "qwen3_moe", "<think>\nHmm.\n</think>\n\nIt is 4.",
+                    True) == ("\nHmm.\n", "\n\nIt is 4.")
+    assert reply_of(qwen, "qwen3_moe", "It is 4.<|im_end|>", False) == ("", "It is 4.")
+    oss = release_dir(tmp_path, "gpt-oss-20b")
+    harmony = ("<|channel|>analysis<|message|>User asks 2+2.<|end|><|start|>assistant"
+               "<|channel|>final<|message|>4<|return|>")
+    assert reply_of(oss, "gpt_oss", harmony, True) == ("User asks 2+2.", "4")
+    assert reply_of(oss, "gpt_oss", "<|channel|>final<|message|>4<|return|>", True) == (
+        "", "<|channel|>final<|message|>4")  # no analysis channel: all of it is the answer
 
 
 # --------------------------------------------------------------------------- a tiny K3 release

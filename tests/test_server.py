@@ -201,7 +201,9 @@ def test_chat_format_comes_from_the_family():
     with neither a template nor a built-in format, chat requests are refused, not guessed."""
     for model_type in FAMILIES:
         config = {"model_type": model_type}
-        assert (family(config).chat_format(config) is None) == (model_type != "kimi_k3")
+        fmt = family(config).chat_format(config)  # K3: its format; gpt-oss: harmony markers
+        assert (fmt is None) == (model_type not in ("kimi_k3", "gpt_oss"))
+        assert fmt is None or fmt.renders == (model_type == "kimi_k3")
     msgs = parse_messages([{"role": "user", "content": "x"}])
     with pytest.raises(ReapError, match="no chat template"):
         ChatTemplate().render(msgs)

@@ -21,18 +21,17 @@ import lzma
 from pathlib import Path
 
 import pytest
+import tiktoken
 
-tiktoken = pytest.importorskip("tiktoken")
-
-from reap.errors import CheckpointError  # noqa: E402
-from reap.tokenizer import encode_prompt, load_tokenizer, protect  # noqa: E402
+from reap.errors import CheckpointError
+from reap.tokenizer import encode_prompt, load_tokenizer, protect
 
 CORPORA = Path(__file__).resolve().parents[1] / "corpora"
 # the release's pat_str, as tokenization_kimi.py writes it
-RELEASE_PAT = "|".join([
+RELEASE_PAT = "|".join([  # noqa: FLY002 - spelled as the release spells it
     r"""[\p{Han}]+""",
-    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",  # noqa: E501
-    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",  # noqa: E501
+    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
     r"""\p{N}{1,3}""",
     r""" ?[^\s\p{L}\p{N}]+[\r\n]*""",
     r"""\s*[\r\n]+""",
@@ -170,7 +169,7 @@ def test_special_ids_and_names(kimi_dir):
     specials = tok.special_tokens()
     assert specials == {enc.decode_single_token_bytes(i).decode(): i
                         for i in range(base, base + 258)}
-    assert specials["<|open|>"] == base + 3 and specials["<|reserved_token_%d|>" % (base + 6)]
+    assert specials["<|open|>"] == base + 3 and specials[f"<|reserved_token_{base + 6}|>"]
     assert tok.eos_id == base + 2  # eos_token "<|end_of_msg|>" of tokenizer_config.json
     # decode drops special-flagged and reserved ids, keeps named markers (not flagged special)
     ids = [base, *tok.encode("hi"), base + 3, base + 7, base + 2]

@@ -310,7 +310,9 @@ class ChatFormat:
     Optional: `answer_open`/`answer_close` wrap the answer after the reasoning block; `stop`
     lists strings that end a reply besides `end`; `keep_reasoning` keeps the reasoning of every
     assistant turn (not only those after the last user turn); `bare_answer` omits the reasoning
-    block entirely when thinking is off (instead of an empty one)."""
+    block entirely when thinking is off (instead of an empty one); `renders=False` declares
+    the markers only (to split replies), for families whose checkpoints must bring their own
+    template."""
 
     system: str
     user: str
@@ -323,3 +325,4 @@ class ChatFormat:
     stop: tuple[str, ...] = ()
     keep_reasoning: bool = False
     bare_answer: bool = False
+    renders: bool = True

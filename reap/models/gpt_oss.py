@@ -215,7 +215,18 @@ def with_experts(config_dict: dict, n_experts: int | dict[int, int]) -> dict:
 expert_groups = base.ungrouped  # softmax over the top-k logits of all experts
 calibration_widths = base.residual_widths
 top_k = base.hf_top_k
-chat_format = base.own_template  # the checkpoints ship their chat template
+# harmony: the checkpoints ship their chat template; these markers only split replies (the
+# model opens its analysis channel itself; the final channel follows it)
+HARMONY = base.ChatFormat(
+    system="<|start|>system<|message|>", user="<|start|>user<|message|>",
+    assistant="<|start|>assistant", end="<|end|>",
+    think_open="<|channel|>analysis<|message|>",
+    think_close="<|end|><|start|>assistant<|channel|>final<|message|>", renders=False)
+
+
+def chat_format(config_dict: dict) -> base.ChatFormat:
+    """gpt-oss's harmony reasoning markers (rendering needs the checkpoint's template)."""
+    return HARMONY
 
 
 def state_bytes(cfg: Config, act_bytes: int) -> tuple[int, int, int, int]:

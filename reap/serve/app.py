@@ -186,5 +186,6 @@ class App:
         except RequestError as e:
             raise ApiError(400, str(e), param=e.param, code=e.code) from None
         stop_ids = {b.special[s] for s in stop if s in b.special} | {b.eos_id}
-        reply = Reply(b.model_id, len(ids), is_chat, thinking, b.template.think_close)
+        reply = Reply(b.model_id, len(ids), is_chat, thinking, b.template.think_close,
+                      b.template.think_open)
         return Job(ids, sampling, stop, stop_ids), reply

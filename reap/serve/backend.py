@@ -3,12 +3,14 @@ one `reap.engine.Engine`, with the chat format its model family declares."""
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Iterator
 
 from reap.errors import ReapError
 from reap.models import family
 from reap.serve.chat import ChatTemplate
+from reap.tokenizer import encode_prompt
 
 
 class EngineBackend:
@@ -17,13 +19,18 @@ class EngineBackend:
     def __init__(self, engine, model_id: str, template_dir: str | os.PathLike):
         tok = engine.tokenizer
         if tok is None:
-            raise ReapError(f"{engine.path}: no tokenizer (tokenizer.json or tiktoken.model); the server needs one")
+            raise ReapError(f"{engine.path}: no tokenizer (tokenizer.json or tiktoken.model); "
+                            "the server needs one")
         self.engine, self.model_id, self.context = engine, model_id, engine.context
         self.encode, self.decode, self.eos_id = tok.encode, tok.decode, tok.eos_id
         self.special = tok.special_tokens()
         builtin = family(engine.config).chat_format(engine.config)
         self.template = ChatTemplate.from_dir(template_dir, builtin)
         self.template.protected = tuple(self.special)  # spelled in content, they stay text
+        # generated text keeps the special tokens that delimit reasoning or end a turn
+        marks = (self.template.think_open, self.template.think_close, *self.template.stop)
+        keep = frozenset(i for m in marks for i in encode_prompt(m, lambda s: [], self.special))
+        self.decode = functools.partial(tok.decode, keep=keep)
 
     def tokens(self, ids, *, max_tokens, temperature, top_p, seed) -> Iterator[int]:
         return self.engine.stream(ids, max_tokens=max_tokens, temperature=temperature,

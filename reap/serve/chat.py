@@ -113,7 +113,7 @@ class ChatTemplate:
                extra: dict[str, Any] | None = None) -> str:
         """Prompt text for `messages` plus the generation prompt; `extra` reaches the template."""
         if self.source is None:
-            if self.builtin is None:
+            if self.builtin is None or not self.builtin.renders:
                 raise RequestError("this checkpoint ships no chat template and its model family "
                                    "has no built-in chat format: use /v1/completions")
             return render_markers(self.builtin, self._guard(messages), thinking)

@@ -70,16 +70,24 @@ class ReasoningSplitter:
     """Splits generated text into (reasoning, content) at the first `close` marker.
 
     Feed pieces as they are generated; a piece that might be the start of `close` is held back
-    until the next piece decides it. With `thinking=False` everything is content.
+    until the next piece decides it. With `thinking=False` everything is content, unless the
+    text itself opens with `open` (after whitespace): models whose prompt does not open the
+    reasoning block (Qwen3, Kimi K2-Thinking, gpt-oss's analysis channel) open it themselves.
     """
 
-    def __init__(self, thinking: bool, close: str = REASONING_MARKERS[1]):
+    def __init__(self, thinking: bool, close: str = REASONING_MARKERS[1],
+                 open: str | None = None):
         self.in_reasoning = thinking
-        self.close = close
+        self.close, self.open = close, open
+        self._undecided = not thinking and bool(open)  # may the text still open reasoning?
         self._held = ""
 
     def feed(self, text: str) -> tuple[str, str]:
         """(reasoning delta, content delta) for the next piece of generated text."""
+        if self._undecided:
+            text = self._decide(self._held + text)
+            if self._undecided:
+                return "", ""
         if not self.in_reasoning:
             return "", text
         buf = self._held + text
@@ -91,9 +99,24 @@ class ReasoningSplitter:
         self._held = buf[len(buf) - keep:] if keep else ""
         return buf[: len(buf) - keep], ""
 
+    def _decide(self, buf: str) -> str:
+        """Whether `buf` opens the reasoning block; the text left to feed (all held if open)."""
+        head = buf.lstrip()
+        if head.startswith(self.open):
+            self._undecided, self.in_reasoning, self._held = False, True, ""
+            return head[len(self.open):]
+        if self.open.startswith(head):  # too short to tell
+            self._held = buf
+            return ""
+        self._undecided, self._held = False, ""
+        return buf
+
     def flush(self) -> tuple[str, str]:
         """Whatever is held back at the end of generation (it was reasoning after all)."""
         held, self._held = self._held, ""
+        if self._undecided:
+            self._undecided = False
+            return "", held
         return (held, "") if self.in_reasoning else ("", held)
 
 
@@ -114,14 +137,15 @@ def _partial_suffix(buf: str, marker: str) -> int:
 
 class Reply:
     """Formats one job's text as an OpenAI completion or (`is_chat`) chat completion; a chat
-    reply that opens in the reasoning channel (`thinking`) is split at `think_close`."""
+    reply that opens in the reasoning channel (`thinking`, or its text starts with
+    `think_open`) is split at `think_close`."""
 
     def __init__(self, model: str, prompt_tokens: int, is_chat: bool, thinking: bool = False,
-                 think_close: str = REASONING_MARKERS[1]):
+                 think_close: str = REASONING_MARKERS[1], think_open: str | None = None):
         self.model, self.prompt_tokens, self.chat = model, prompt_tokens, is_chat
         self.id = ("chatcmpl-" if is_chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
-        self.splitter = ReasoningSplitter(thinking, think_close) if is_chat else None
+        self.splitter = ReasoningSplitter(thinking, think_close, think_open) if is_chat else None
 
     def _head(self, stream: bool) -> dict:
         kind = "chat.completion" + (".chunk" if stream else "") if self.chat else "text_completion"
