@@ -22,7 +22,6 @@ import pytest
 from reap.models import builtin_config, family
 from reap.serve.chat import ChatTemplate, render_markers
 from reap.serve.params import RequestError, parse_messages
-from reap.serve.stream import ReasoningSplitter
 from reap.tokenizer import byte_tokenizer_files, encode_prompt, load_tokenizer
 
 transformers = pytest.importorskip("transformers")
