@@ -211,6 +211,12 @@ def test_models_that_open_their_reasoning_block_themselves(tmp_path):
     assert reply_of(qwen, "qwen3_moe", "<think>\nHmm.\n</think>\n\nIt is 4.",
                     True) == ("\nHmm.\n", "\n\nIt is 4.")
     assert reply_of(qwen, "qwen3_moe", "It is 4.<|im_end|>", False) == ("", "It is 4.")
+    k2 = release_dir(tmp_path, "kimi-k2-thinking")  # model_type kimi_k2: the DeepSeek family
+    assert reply_of(k2, "kimi_k2", "<think>Hmm.</think>It is 4.<|im_end|>", True) == (
+        "Hmm.", "It is 4.")
+    ds = release_dir(tmp_path, "deepseek-v3.1")  # its prompt opens <think> when thinking
+    assert reply_of(ds, "deepseek_v3", "Hmm.</think>It is 4.", True) == ("Hmm.", "It is 4.")
+    assert reply_of(ds, "deepseek_v3", "It is 4.", False) == ("", "It is 4.")
     oss = release_dir(tmp_path, "gpt-oss-20b")
     harmony = ("<|channel|>analysis<|message|>User asks 2+2.<|end|><|start|>assistant"
                "<|channel|>final<|message|>4<|return|>")
