@@ -257,7 +257,7 @@ def _cli(*argv, capsys) -> tuple[int, str, str]:
     return code, out, err
 
 
-def test_run_calibrate_eval_on_a_kimi_tokenizer(k3_release, tmp_path, capsys):
+def test_run_calibrate_prune_eval_on_a_kimi_tokenizer(k3_release, tmp_path, capsys):
     from reap.stats import ExpertStats
 
     tok = load_tokenizer(k3_release)
@@ -273,7 +273,16 @@ def test_run_calibrate_eval_on_a_kimi_tokenizer(k3_release, tmp_path, capsys):
                         capsys=capsys)
     assert code == 0, err
     assert ExpertStats.load(tmp_path / "cal" / "all.safetensors").tokens == 32
-    code, _, err = _cli("eval", "--reference", k3_release, f"same={k3_release}", "--corpus",
+    plan, build = tmp_path / "plan.json", tmp_path / "pruned"
+    code, _, err = _cli("plan", tmp_path / "cal" / "all.safetensors", "--model", k3_release,
+                        "--ratio", "0.5", "--out", plan, capsys=capsys)
+    assert code == 0, err
+    code, _, err = _cli("prune", k3_release, "--plan", plan, "--out", build, "--no-progress",
+                        capsys=capsys)
+    assert code == 0, err
+    for name in ("tiktoken.model", "tokenizer_config.json", "chat_template.jinja"):
+        assert (build / name).read_bytes() == (k3_release / name).read_bytes()
+    code, _, err = _cli("eval", "--reference", k3_release, f"pruned={build}", "--corpus",
                         "en", "--max-docs", "2", "--max-tokens-per-doc", "12", "--gen-tokens",
                         "2", "--gen-domains", "en", "--out", tmp_path / "eval", "--no-plots",
                         "--quiet", "--threads", "1", capsys=capsys)
