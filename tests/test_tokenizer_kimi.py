@@ -16,6 +16,7 @@ names (the release's own file is not public); its ids start at this rank file's 
 from __future__ import annotations
 
 import base64
+import functools
 import json
 import lzma
 from pathlib import Path
@@ -75,6 +76,7 @@ def write_kimi_tokenizer(d: Path, ranks: dict[bytes, int], names=K3_NAMES,
     return cfg
 
 
+@functools.cache  # one training per test session (tests/test_chat_release.py uses it too)
 def train_ranks() -> dict[bytes, int]:
     """A small BPE trained by tiktoken's own trainer on a sample of every shipped corpus."""
     from tiktoken._educational import bpe_train
@@ -89,7 +91,7 @@ def train_ranks() -> dict[bytes, int]:
 @pytest.fixture(scope="module")
 def kimi_dir(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("kimi")
-    write_kimi_tokenizer(d, train_ranks())
+    write_kimi_tokenizer(d, dict(train_ranks()))
     return d
 
 
