@@ -87,18 +87,31 @@ BUILTIN = {
     name: {k: widths[i] for k, widths in _K3_WIDTHS.items()}
     for i, name in enumerate(("k3-tiny", "k3-small", "k3-full"))
 }
-# the released vision tower as a size stand-in (see reap.models.vision): 168 tensors, 400.8 M params
+# the released K3 vision_config (tests/fixtures/releases/kimi-k3/config.json), the keys
+# `reap.models.vision` reads: MoonViT-V2, 165 tower + 3 projector tensors, 401.2 M + 46.1 M params
 _VISION = {
-    "model_type": "moonvit_standin",
-    "hidden_size": 1152,
-    "intermediate_size": 10112,
-    "num_hidden_layers": 14,
+    "attn_bias": False,
+    "init_pos_emb_height": 64,
+    "init_pos_emb_width": 64,
+    "linear_bias": False,
+    "merge_kernel_size": [2, 2],
+    "mm_hidden_size": 1024,
+    "mm_projector_type": "patchmergerv2",
+    "norm_type": "rmsnorm",
+    "patch_embed_proj_bias": False,
+    "patch_size": 14,
+    "qkv_hidden_size": 1536,
+    "text_hidden_size": 7168,
+    "vt_hidden_size": 1024,
+    "vt_intermediate_size": 4096,
+    "vt_num_attention_heads": 12,
+    "vt_num_hidden_layers": 27,
 }
 
 
 def builtin_config(name: str, layers: int | None = None) -> dict:
     """The full config.json dict of built-in config `name`; `layers=N` keeps the first N layers
-    (the vision stand-in is only listed for the complete k3-full)."""
+    (the release's vision tower is only listed for the complete k3-full)."""
     if name not in BUILTIN:
         raise ReapError(f"unknown built-in config {name!r} (known: {', '.join(BUILTIN)})")
     text = _text_config(BUILTIN[name])

@@ -24,7 +24,8 @@ from reap.models.kimi_k3_blocks import (
     latent_moe,
 )
 from reap.models.kimi_k3_chat import chat_format  # noqa: F401 - family hook (chat markers)
-from reap.models.vision import standin_specs
+from reap.models.vision import check as check_vision
+from reap.models.vision import vision_specs
 
 # the six tensors of a routed expert, file order: w1 gate, w2 down, w3 up; E2M1 pairs, E8M0 scales
 EXPERT_TENSORS = tuple(f"w{i}.weight_{k}" for i in (1, 2, 3) for k in ("packed", "scale"))
@@ -80,6 +81,8 @@ class Config:
         """From a full config.json (with `text_config`) or a bare text config; unknown keys ignored."""
         text = validate.text_of(d)
         cls.validate(text)
+        if text is not d and d.get("vision_config") is not None:
+            check_vision(d["vision_config"])
         names = {f.name for f in fields(cls)}
         cfg = cls(**{k: v for k, v in text.items() if k in names})
         cfg._check()
@@ -135,7 +138,8 @@ class Config:
 def layout(config_dict: dict) -> list[TensorSpec]:
     """Every tensor of the released layout in file order (names without `language_model.`).
 
-    A `vision_config` in the config adds the vision tower's size stand-in (`reap.models.vision`)."""
+    A `vision_config` adds the vision tower and projector (`reap.models.vision`): stored in
+    the release, never read by the text model, copied verbatim by prune."""
     cfg = Config.from_dict(config_dict)
     fdt = dtype_code(cfg.torch_dtype)
     D, V = cfg.hidden_size, cfg.vocab_size
@@ -151,7 +155,8 @@ def layout(config_dict: dict) -> list[TensorSpec]:
     if not cfg.tie_word_embeddings:
         specs.append(TensorSpec("lm_head.weight", fdt, (V, D), "embed_head"))
     vision = config_dict.get("vision_config")
-    return base.tag_roles(specs, ROLES) + (standin_specs(vision, fdt) if vision else [])
+    specs = base.tag_roles(specs, ROLES)
+    return specs + (vision_specs(vision, fdt, D) if vision is not None else [])
 
 
 def _layer_specs(cfg: Config, i: int, fdt: str) -> list[TensorSpec]:
