@@ -62,16 +62,24 @@ def synth(
     overwrite: bool = False,
     max_shard_bytes: int = 5_000_000_000,
     progress: bool = False,
+    vision: bool = False,
 ) -> str:
     """Write a random checkpoint (shards, index, config.json, byte-level tokenizer) to `out`.
-    dtype: "bfloat16" or "float32" for the non-expert tensors. Returns the directory."""
+    dtype: "bfloat16" or "float32" for the non-expert tensors; `vision`: add a small vision
+    tower in the release's layout (`reap.models.vision.with_tiny_vision`) to a config without
+    one. Returns the directory."""
+    from reap.models.vision import with_tiny_vision
+
     if dtype not in ("bfloat16", "float32"):
         raise ReapError(f"--dtype must be bfloat16 or float32, got {dtype!r}")
     cfgd = json.loads(json.dumps(load_config(config, layers)))
+    cfgd = with_tiny_vision(cfgd) if vision else cfgd
     text = cfgd.get("text_config", cfgd)
     text.update(torch_dtype=dtype, **({"dtype": dtype} if "dtype" in text else {}))
     fam = family(cfgd)
     specs = fam.layout(cfgd)
+    if vision and not any(s.component == "vision" for s in specs):
+        raise ReapError(f"--vision: model_type {cfgd.get('model_type')!r} has no vision tower")
     prefix = TEXT_PREFIX if "text_config" in cfgd else ""  # multimodal releases prefix text
     writer = CheckpointWriter(out, specs, max_shard_bytes, prefix=prefix, overwrite=overwrite)
     from tqdm import tqdm
@@ -185,6 +193,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--shard-gb", type=float, default=5.0, help="max shard size in GB (default 5)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    p.add_argument(
+        "--vision",
+        action="store_true",
+        help="add a small vision tower and projector in the release's layout (K3, K2.5)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -198,6 +211,7 @@ def run(args: argparse.Namespace) -> int:
         overwrite=args.overwrite,
         max_shard_bytes=int(args.shard_gb * 1e9),
         progress=True,
+        vision=args.vision,
     )
     print(path)
     return 0

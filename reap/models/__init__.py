@@ -27,6 +27,7 @@ FAMILIES = {
     "kimi_linear": "reap.models.kimi_linear",
     "deepseek_v3": "reap.models.deepseek_v3",
     "kimi_k2": "reap.models.deepseek_v3",
+    "kimi_k25": "reap.models.kimi_k25",  # DeepSeek-V3 text model + MoonViT (K2.5-style)
     "qwen3_moe": "reap.models.qwen3_moe",
     "mixtral": "reap.models.mixtral",
     "olmoe": "reap.models.qwen3_moe",  # named like Qwen3-MoE (mlp.experts.E.*_proj)

@@ -23,25 +23,31 @@ from reap.checkpoint.spec import UNUSED_COMPONENTS
 from reap.errors import EXIT_FAILURE, CheckpointError, ReapError
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# components the text model never reads: listed by layouts, recognised by binding, not bound
+NOT_READ = frozenset({"vision", "buffers", *UNUSED_COMPONENTS})
 # roles (TensorSpec.role) of the tensors feeding normalization and routing
 GUARDED_ROLES = frozenset({"norm", "router_bias"})
 
 
 def check_binding(tensors: Mapping, fam, config: dict, path: str, layout=None) -> list:
     """The layout's TensorSpecs the text model reads, after checking that `tensors` (name ->
-    anything with `.shape` and `.dtype`) holds each with its shape and dtype and nothing the
-    layout does not name; else ReapError (exit 1, "tensor binding failed"). The vision tower
-    and components the text model never reads (UNUSED_COMPONENTS) are allowed, not returned.
-    `layout`: `fam.layout(config)` when the caller has built it already (seconds at K3 size)."""
-    skip = {"vision", *UNUSED_COMPONENTS}
+    anything with `.shape` and `.dtype`) holds each with its shape and a dtype the family reads
+    (`read_dtypes`) and nothing the layout does not name; else ReapError (exit 1, "tensor
+    binding failed"). Tensors the text model never reads (`NOT_READ`: the vision tower, unused
+    buffers such as K2's `rotary_emb.inv_freq`, UNUSED_COMPONENTS) are recognised, checked the
+    same way when present, and not returned. `layout`: `fam.layout(config)` when the caller has
+    built it already (seconds at K3 size)."""
     layout = fam.layout(config) if layout is None else layout
-    specs = [s for s in layout if s.component not in skip]
+    specs = [s for s in layout if s.component not in NOT_READ]
     known = {split_view(s.name)[0] for s in layout}  # fused views: stored name
-    for s in specs:
+    for s in layout:
         t = tensors.get(s.name)
+        if t is None and s.component in NOT_READ:
+            continue  # a release may leave them out; the text model does not need them
         if t is None:
             raise ReapError(f"{path}: tensor binding failed: {s.name} is missing", EXIT_FAILURE)
-        if tuple(t.shape) != tuple(s.shape) or t.dtype != s.dtype:
+        bad_dtype = t.dtype != s.dtype and t.dtype not in read_dtypes(fam, s)
+        if tuple(t.shape) != tuple(s.shape) or bad_dtype:
             raise ReapError(
                 f"{path}: tensor binding failed: {s.name} is {t.dtype} "
                 f"{list(t.shape)}, the layout wants {s.dtype} {list(s.shape)}",
@@ -55,6 +61,16 @@ def check_binding(tensors: Mapping, fam, config: dict, path: str, layout=None) -
             EXIT_FAILURE,
         )
     return specs
+
+
+def read_dtypes(fam, spec) -> frozenset[str]:
+    """The stored dtypes binding accepts for `spec`: its own, plus those the family lists in an
+    optional `READ_DTYPES` {name suffix: dtype codes} for tensors released in more than one
+    dtype (the family's code casts them when read)."""
+    extra = getattr(fam, "READ_DTYPES", {})
+    return frozenset({spec.dtype}).union(
+        *(codes for suffix, codes in extra.items() if spec.name.endswith(suffix))
+    )
 
 
 def guarded_names(fam, cfg, specs: list) -> set[str]:

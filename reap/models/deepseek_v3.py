@@ -13,7 +13,15 @@ num_nextn_predict_layers; DeepSeek-V3/R1 store one) are listed, tagged "mtp", an
 transformers and mlx-lm (`reap.checkpoint.spec.UNUSED_COMPONENTS`). Pruning drops them and writes
 `num_nextn_predict_layers: 0`: an MTP layer with uncalibrated, unpruned experts would disagree
 with the pruned model, and speculative decoding is not our use. transformers writes the key
-(default 1) but saves no MTP layer, so a config it wrote (`dtype`, not `torch_dtype`) lists none."""
+(default 1) but saves no MTP layer, so a config it wrote (`dtype`, not `torch_dtype`) lists none.
+
+Kimi K2 releases (`model_type` kimi_k2) also store each layer's `self_attn.rotary_emb.inv_freq`
+buffer, [(hidden / heads) / 2] in the checkpoint's dtype (the release's own rotary module's):
+listed as component "buffers", never read (RoPE frequencies are computed from the config, as
+every loader does: transformers drops checkpoint keys that name model buffers, vLLM and mlx-lm
+skip `rotary_emb.inv_freq` by name), optional for binding, and kept verbatim by prune like any
+other non-expert tensor, so a pruned K2 holds what the release holds and loads wherever the
+release loads."""
 
 from __future__ import annotations
 
@@ -42,7 +50,8 @@ _KEEP_F32 = {"gate.weight", "gate.e_score_correction_bias"}  # the router runs i
 GLU = ("gate", "up", "down")  # the SwiGLU projections, as called
 
 
-_DERIVED = ("router_f32", "fp8_block", "mtp_layers")  # Config fields not read from config.json
+# Config fields not read from config.json
+_DERIVED = ("router_f32", "fp8_block", "mtp_layers", "rope_buffers")
 _WIDTHS = ("moe_intermediate_size", "kv_lora_rank", "qk_rope_head_dim", "v_head_dim")
 _WIDTHS += ("qk_nope_head_dim", "q_lora_rank")
 
@@ -92,6 +101,7 @@ class Config:
     router_f32: bool = False  # router weight stored in fp32 (transformers >= 5 writes it so)
     fp8_block: tuple[int, int] | None = None  # (rows, cols) of an FP8 scale block
     mtp_layers: int = 0  # MTP layers stored after the decoder layers (see the module docstring)
+    rope_buffers: bool = False  # Kimi K2 releases store rotary_emb.inv_freq (module docstring)
 
     @classmethod
     def from_dict(cls, d: dict) -> Config:
@@ -103,6 +113,7 @@ class Config:
         # transformers >= 5 writes `dtype` (not `torch_dtype`), the router in fp32, no MTP layer
         cfg.router_f32 = "dtype" in text and "torch_dtype" not in text
         cfg.mtp_layers = 0 if cfg.router_f32 else int(cfg.num_nextn_predict_layers or 0)
+        cfg.rope_buffers = d.get("model_type") == "kimi_k2" and not cfg.router_f32
         cfg.torch_dtype = str(text.get("torch_dtype") or text.get("dtype") or cfg.torch_dtype)
         cfg.n_group, cfg.topk_group = cfg.n_group or 1, cfg.topk_group or 1
         q = cfg.quantization_config
@@ -213,6 +224,9 @@ def _layer_specs(cfg: Config, i: int, fdt: str) -> list[TensorSpec]:
 
     norm = [t(f"{n}_layernorm.weight", (D,), "norms") for n in ("input", "post_attention")]
     out = [norm[0], *attention.MLADims.from_config(cfg).specs(t, D), norm[1]]
+    if cfg.rope_buffers:  # [(D // H) // 2], as the K2 release stores it (module docstring)
+        half = cfg.hidden_size // cfg.num_attention_heads // 2
+        out.insert(-1, t("self_attn.rotary_emb.inv_freq", (half,), "buffers"))
     if not cfg.is_moe(i):
         return out + glu("mlp.", cfg.intermediate_size, "dense_mlp")
     out += [

@@ -34,10 +34,16 @@ state_bytes = kimi_k3.state_bytes  # MLA latent KV, KDA state + conv tail; no At
 calibration_widths = kimi_k3.calibration_widths  # no AttnRes: no snapshots
 
 EXPERT_TENSORS = ("w1.weight", "w2.weight", "w3.weight")  # gate, down, up: file order
-# used in fp32 whatever the compute dtype (transformers keeps the router in fp32 too)
+_TRANSFORMERS_F32 = ("dt_bias", "gate.weight", "gate.e_score_correction_bias")
+# used in fp32 whatever the compute dtype or the stored one (transformers keeps the router in
+# fp32 too): cast to fp32 when read
 _KEEP_F32 = {"A_log", "dt_bias", "gate.weight", "gate.e_score_correction_bias"}
-# stored fp32 in a bf16 checkpoint written by transformers (its keep-in-fp32 modules)
-_STORED_F32 = ("dt_bias", "gate.weight", "gate.e_score_correction_bias")
+# stored fp32 in a bf16 checkpoint: the release keeps the KDA decay in fp32 (its router, bias,
+# convolutions and norms in the checkpoint's dtype); transformers 5 writes its keep-in-fp32
+# modules (dt_bias and the router) in fp32 and A_log in the checkpoint's dtype
+_STORED_F32 = {"release": ("A_log", "dt_bias"), "transformers": _TRANSFORMERS_F32}
+# binding accepts either dtype for these (both layouts exist; `_w` casts them to fp32)
+READ_DTYPES = {n: frozenset({"BF16", "F16", "F32"}) for n in ("A_log", *_TRANSFORMERS_F32)}
 
 
 @dataclass
@@ -119,18 +125,21 @@ def sanitize(name: str, t: torch.Tensor) -> torch.Tensor:
 
 # -- layout ------------------------------------------------------------------------------------
 def layout(config_dict: dict) -> list[TensorSpec]:
-    """Every tensor of the checkpoint in file order (names without any prefix); dtypes as
-    transformers saves them: the config's dtype, fp32 for dt_bias and the router."""
+    """Every tensor of the checkpoint in file order (names without any prefix); dtypes as the
+    writer of its config stores them (`_STORED_F32`): a released config (no `mlp_layer_types`)
+    the release's, one transformers 5 wrote transformers'. Binding also accepts the other
+    writer's dtype for those tensors (`READ_DTYPES`)."""
     cfg = Config.from_dict(config_dict)
     fdt = dtype_code(cfg.torch_dtype)
-    return decoder_specs(cfg, fdt, lambda i: _layer_specs(cfg, i, fdt), kimi_k3.ROLES)
+    f32 = _STORED_F32["release" if cfg.mlp_layer_types is None else "transformers"]
+    return decoder_specs(cfg, fdt, lambda i: _layer_specs(cfg, i, fdt, f32), kimi_k3.ROLES)
 
 
-def _layer_specs(cfg: Config, i: int, fdt: str) -> list[TensorSpec]:
+def _layer_specs(cfg: Config, i: int, fdt: str, f32: tuple[str, ...]) -> list[TensorSpec]:
     D, p = cfg.hidden_size, f"model.layers.{i}."
 
     def t(name, shape, comp, dtype=None):
-        dtype = dtype or ("F32" if name.endswith(_STORED_F32) else fdt)
+        dtype = dtype or ("F32" if name.endswith(f32) else fdt)
         return TensorSpec(p + name, dtype, tuple(shape), comp, i)
 
     out = [t("input_layernorm.weight", (D,), "norms")]
@@ -258,8 +267,9 @@ class Model(kimi_k3.Model):
     def _w(self, get: Weights, prefix: str) -> blocks.WeightFn:
         def w(name: str) -> torch.Tensor:
             t = sanitize(name, get(prefix + name))
-            keep = name in _KEEP_F32 or not t.is_floating_point()
-            return t.to(self.device) if keep else t.to(self.device, self.dtype)
+            if not t.is_floating_point():
+                return t.to(self.device)
+            return t.to(self.device, torch.float32 if name in _KEEP_F32 else self.dtype)
 
         return w
 

@@ -45,7 +45,8 @@ def check(vision: object) -> None:
     kind = vision.get("mm_projector_type", "patchmerger")
     if kind not in PROJECTORS:
         raise ConfigError(
-            "vision_config.mm_projector_type", f"must be one of {', '.join(PROJECTORS)} (got {kind!r})"
+            "vision_config.mm_projector_type",
+            f"must be one of {', '.join(PROJECTORS)} (got {kind!r})",
         )
     kernel = vision.get("merge_kernel_size", [2, 2])
     if not (
@@ -53,7 +54,9 @@ def check(vision: object) -> None:
         and len(kernel) == 2
         and all(isinstance(k, int) and not isinstance(k, bool) and 1 <= k <= 64 for k in kernel)
     ):
-        raise ConfigError("vision_config.merge_kernel_size", f"must be two ints 1..64 (got {kernel!r})")
+        raise ConfigError(
+            "vision_config.merge_kernel_size", f"must be two ints 1..64 (got {kernel!r})"
+        )
 
 
 def vision_specs(vision: Mapping, dtype: str, text_hidden: int | None = None) -> list[TensorSpec]:
@@ -104,3 +107,36 @@ def _linear(name: str, shape: tuple[int, ...], bias: bool) -> list[tuple[str, tu
 
 def _norm(name: str, width: int, rms: bool) -> list[tuple[str, tuple]]:
     return [(name + ".weight", (width,))] + ([] if rms else [(name + ".bias", (width,))])
+
+
+def tiny_config(text_hidden: int, projector: str = "patchmergerv2") -> dict:
+    """A small `vision_config` in the release's keys (K3's MoonViT-V2 settings, or K2.5's with
+    `projector="patchmerger"`) for tiny test checkpoints (`reap synth --vision`)."""
+    v2 = projector == "patchmergerv2"
+    out = {
+        "init_pos_emb_height": 4,
+        "init_pos_emb_width": 4,
+        "merge_kernel_size": [2, 2],
+        "mm_hidden_size": 16,
+        "mm_projector_type": projector,
+        "patch_size": 2,
+        "text_hidden_size": text_hidden,
+        "vt_hidden_size": 16,
+        "vt_intermediate_size": 32,
+        "vt_num_attention_heads": 2,
+        "vt_num_hidden_layers": 2,
+    }
+    if v2:
+        out.update(attn_bias=False, linear_bias=False, norm_type="rmsnorm", qkv_hidden_size=24)
+        out.update(patch_embed_proj_bias=False)
+    return out
+
+
+def with_tiny_vision(config: dict) -> dict:
+    """`config` with a `tiny_config` vision tower added when it has none: K2.5's projector for
+    a kimi_k25 config, K3's otherwise (a family without a vision tower ignores it)."""
+    if config.get("vision_config") is not None:
+        return config
+    text = config.get("text_config", config)
+    kind = "patchmerger" if config.get("model_type") == "kimi_k25" else "patchmergerv2"
+    return {**config, "vision_config": tiny_config(text["hidden_size"], kind)}
