@@ -10,6 +10,7 @@ inv_freq buffers as the release loaders do), and byte comparison of what prune c
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 from pathlib import Path
@@ -60,7 +61,7 @@ def test_layout_equals_the_release_tensor_list(name, request):
 def test_k3_release_config_reads_and_counts_its_vision_tower(k3_release):
     """The released K3 config loads (its vision_config in the release's keys); its layout holds
     the release's 1,503,647,073,024 stored elements in 497,220 tensors, the 401 M-parameter
-    MoonViT-V2 tower among them, counted in the total but not in the active parameters;
+    MoonViT-V2 tower among them (the size model's census of it: the tiny K3 below);
     routed_scaling_factor is the release's 1.0 (the built-in configs use 2.827)."""
     config, specs = k3_release
     cfg = kimi_k3.Config.from_dict(config)
@@ -69,9 +70,6 @@ def test_k3_release_config_reads_and_counts_its_vision_tower(k3_release):
     tower = sum(s.numel for s in specs if s.name.startswith("vision_tower."))
     projector = sum(s.numel for s in specs if s.name.startswith("mm_projector."))
     assert (tower, projector) == (401_214_464, 46_144_512)
-    size = SizeModel.from_layout(specs, kimi_k3, config)
-    assert size.census["vision"]["params"] == tower + projector
-    assert size.total_params - size.active_params > tower + projector
 
 
 def test_k25_release_trunk_and_vision_equal_its_tensor_list():
@@ -128,12 +126,32 @@ def _carried(src, out, names) -> None:
 
 
 def test_k3_with_its_vision_tower_runs_prunes_and_keeps_the_tower(tmp_path, corpus):
+    """k3-tiny with a tower and projector in the release's layout and the release's
+    routed_scaling_factor 1.0: our logits == mlx-lm's kimi_k3 on the same files (it drops the
+    vision tensors when loading, as the release's text path does), and every stage runs."""
+    from dataclasses import replace
+
+    from reap.models import builtin_config
     from reap.synth import synth
 
-    path = synth("k3-tiny", tmp_path / "k3", vision=True, dtype="float32")
+    config = builtin_config("k3-tiny")
+    config["text_config"]["routed_scaling_factor"] = 1.0
+    path = synth(config, tmp_path / "k3", vision=True, dtype="float32")
+    assert R.check_mlx(path, PROMPT, steps=4) < R.ATOL
+    _, cfg, model, get = R.load_ours(path)
+    assert cfg.routed_scaling_factor == 1.0  # and it matters: the built-in 2.827 differs
+    other = kimi_k3.Model(replace(cfg, routed_scaling_factor=2.827))
+    ids = torch.tensor([PROMPT])
+    # (the routed experts are a small part of these logits, still 10x the tolerance above)
+    assert (model.forward(get, ids) - other.forward(get, ids)).abs().max() > 10 * R.ATOL
     with Checkpoint.open(path) as ck:
         vision = [n for n, t in ck.tensors.items() if not t.key.startswith("language_model.")]
         assert ck.prefix == "language_model." and len(vision) == 2 * 6 + 3 + 3
+        size = SizeModel.from_config(ck.config)
+    # the tower counts in the total, not in the active parameters
+    tower = sum(math.prod(ck.tensors[n].shape) for n in vision)
+    assert size.census["vision"]["params"] == tower
+    assert size.total_params - size.active_params > tower
     out = _stages(path, corpus, tmp_path, keep=8)
     _carried(path, out, vision)
     # the pruned build is still the released vision-language layout
@@ -322,4 +340,4 @@ def test_bad_release_config_is_one_line_naming_file_and_key(tmp_path, capsys, ed
         assert _cli(*command) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and key in err and "Traceback" not in err, err
-        assert "config.json" in err or "model_type" in err, err
+        assert f"{path}/config.json: " in err, err

@@ -179,14 +179,15 @@ def _text_config(b: dict) -> dict:
 def family(config_dict: dict) -> ModuleType:
     """The family module implementing this config.json (dispatch on `model_type`; a kimi_linear
     text config with K3-only fields, as a bare K3 `text_config` is, goes to kimi_k3)."""
-    from reap.models.validate import text_of
+    from reap.models.validate import ConfigError, text_of
 
     text = text_of(config_dict)  # ConfigError unless JSON objects
     mt = config_dict.get("model_type") or text.get("model_type")
     if mt == "kimi_linear" and _is_k3_text(text):
         mt = "kimi_k3"
     if not isinstance(mt, str) or mt not in FAMILIES:
-        raise ReapError(f"unsupported model_type {mt!r} (supported: {', '.join(sorted(FAMILIES))})")
+        known = ", ".join(sorted(FAMILIES))
+        raise ConfigError("model_type", f"unsupported model_type {mt!r} (supported: {known})")
     return load_family(FAMILIES[mt])
 
 
