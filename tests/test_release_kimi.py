@@ -125,7 +125,7 @@ def _carried(src, out, names) -> None:
             assert (a.tensors[n].key, a.read_raw(n)) == (b.tensors[n].key, b.read_raw(n)), n
 
 
-def test_k3_with_its_vision_tower_runs_prunes_and_keeps_the_tower(tmp_path, corpus):
+def test_k3_with_its_vision_tower_runs_prunes_and_keeps_the_tower(tmp_path, corpus, capsys):
     """k3-tiny with a tower and projector in the release's layout and the release's
     routed_scaling_factor 1.0: our logits == mlx-lm's kimi_k3 on the same files (it drops the
     vision tensors when loading, as the release's text path does), and every stage runs."""
@@ -159,15 +159,30 @@ def test_k3_with_its_vision_tower_runs_prunes_and_keeps_the_tower(tmp_path, corp
         assert _specs(kimi_k3.layout(ck.config)) == {
             n: (t.shape, t.dtype) for n, t in ck.tensors.items()
         }
-    # verify notices a changed vision tensor
-    bad = tmp_path / "bad"
-    shutil.copytree(out, bad)
-    shard = next(bad.glob("*.safetensors"))
+    # verify notices a changed vision tensor, and one stored under the text prefix
+    capsys.readouterr()
+    for change, says in (("value", "differs from the source"), ("key", "is stored as")):
+        bad = _edit_vision_tensor(out, tmp_path / f"bad-{change}", change)
+        assert _cli("verify", bad, "--source", path) == 2
+        assert says in capsys.readouterr().err
+
+
+def _edit_vision_tensor(src: Path, out: Path, change: str) -> Path:
+    """A copy of checkpoint `src` with one vision tensor's value changed, or its key given the
+    text prefix (the index updated to match)."""
+    shutil.copytree(src, out)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    key = next(k for k in index["weight_map"] if k.startswith("vision_tower."))
+    shard = out / index["weight_map"][key]
     t = load_file(shard)
-    name = next(k for k in t if k.startswith("vision_tower."))
-    t[name] = t[name] + 1
+    if change == "value":
+        t[key] = t[key] + 1
+    else:
+        t["language_model." + key] = t.pop(key)
+        index["weight_map"]["language_model." + key] = index["weight_map"].pop(key)
+        (out / "model.safetensors.index.json").write_text(json.dumps(index))
     save_file(t, shard, metadata={"format": "pt"})
-    assert _cli("verify", bad, "--source", path) == 2
+    return out
 
 
 def _k2_release(path: str, out: Path) -> str:

@@ -157,8 +157,10 @@ def _check_names(new, expected: dict, pruned: str) -> None:
 def _compare(new, old, name: str, src: str, rows) -> int:
     """Byte compare one trunk or router tensor; returns the bytes compared."""
     a, b = new.tensors[name], old.tensors[src]
-    if rows is None:
-        if (a.dtype, a.shape) != (b.dtype, b.shape) or new.read_raw(name) != old.read_raw(src):
+    if rows is None:  # stored under the same key too: a vision tensor never takes the prefix
+        if (a.key, a.dtype, a.shape) != (b.key, b.dtype, b.shape):
+            raise VerifyError(f"tensor {name} is stored as {a.key}, not as the source's {b.key}")
+        if new.read_raw(name) != old.read_raw(src):
             raise VerifyError(f"tensor {name} differs from the source")
         return a.nbytes
     axis, ids = rows
