@@ -18,10 +18,10 @@ with the pruned model, and speculative decoding is not our use. transformers wri
 Kimi K2 releases (`model_type` kimi_k2) also store each layer's `self_attn.rotary_emb.inv_freq`
 buffer, [(hidden / heads) / 2] in the checkpoint's dtype (the release's own rotary module's):
 listed as component "buffers", never read (RoPE frequencies are computed from the config, as
-every loader does: transformers drops checkpoint keys that name model buffers, vLLM and mlx-lm
-skip `rotary_emb.inv_freq` by name), optional for binding, and kept verbatim by prune like any
-other non-expert tensor, so a pruned K2 holds what the release holds and loads wherever the
-release loads."""
+every loader does: transformers ignores checkpoint `rotary_emb.inv_freq` keys, mlx-lm's sanitize
+and the inference engines' DeepSeek weight loaders skip them by name), optional for binding
+(K2.5-style releases have none), and kept verbatim by prune like any other non-expert tensor,
+so a pruned K2 holds what the release holds and loads wherever the release loads."""
 
 from __future__ import annotations
 
