@@ -30,8 +30,8 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 PROMPT = [3, 100, 7, 200, 55, 9, 1, 250, 17, 42, 11, 30]
 
 
-def _release(name: str, config: str = "config.json") -> dict:
-    return json.loads((RELEASES / name / config).read_text())
+def _release(name: str) -> dict:
+    return json.loads((RELEASES / name / "config.json").read_text())
 
 
 def _table(name: str, names: set[str]) -> dict:
@@ -76,7 +76,7 @@ def test_k25_release_trunk_and_vision_equal_its_tensor_list():
     """kimi_k25: the DeepSeek-V3 trunk (`language_model.` prefix stripped) and the MoonViT tower
     with K2.5's biased LayerNorm projector equal the release table; its routed experts are INT4
     compressed-tensors, compared here by name and count only (their codec is another module's)."""
-    config = _release("kimi-k2.5", "config.rendered.json")
+    config = _release("kimi-k2.5")
     assert family(config) is kimi_k25
     plain = json.loads(json.dumps(config))
     plain["text_config"].pop("quantization_config")  # the trunk's layout does not depend on it
