@@ -22,7 +22,7 @@ import torch
 from reap.checkpoint import TEXT_PREFIX, CheckpointWriter, TensorSpec
 from reap.errors import ReapError
 from reap.models import BUILTIN, builtin_config, family
-from reap.quant import mxfp4
+from reap.quant import int4, mxfp4
 from reap.tokenizer import byte_tokenizer_files
 
 SIZES = (
@@ -113,6 +113,8 @@ def _gen(seed: int, name: str) -> torch.Generator:
 
 
 def _draw(group: list[TensorSpec], seed: int) -> list[torch.Tensor]:
+    if group[0].role == "int4.packed":
+        return _int4_expert(group, seed)
     if group[0].role != "mxfp4.blocks":  # a tensor, or an expert in floats
         return [_float_tensor(s, _gen(seed, s.name)) for s in group]
     out = []
@@ -123,6 +125,20 @@ def _draw(group: list[TensorSpec], seed: int) -> list[torch.Tensor]:
             out += _direct_codes(packed, scale, cols, g)
         else:
             out += list(mxfp4.quantize(torch.randn(rows, cols, generator=g) / math.sqrt(cols)))
+    return out
+
+
+def _int4_expert(group: list[TensorSpec], seed: int) -> list[torch.Tensor]:
+    """An expert stored compressed-tensors INT4 (`reap.quant.int4`), as (packed, scales, shape)
+    triples: each matrix [O, I] drawn ~N(0, 1/I) and quantized in groups of I / (scale columns)
+    with scales in the scale spec's dtype."""
+    out = []
+    for packed, scale, _shape in zip(group[0::3], group[1::3], group[2::3]):
+        rows, cols = packed.shape[0], packed.shape[1] * int4.PER_WORD
+        g = _gen(seed, packed.name)
+        w = torch.randn(rows, cols, generator=g) / math.sqrt(cols)
+        words, scales = int4.quantize(w, cols // scale.shape[1], _TORCH[scale.dtype])
+        out += [words, scales, torch.tensor([rows, cols], dtype=torch.int32)]
     return out
 
 

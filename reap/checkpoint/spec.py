@@ -105,9 +105,12 @@ UNUSED_COMPONENTS = frozenset({"mtp"})
 # "weight" (matrix, bias, sink), or one synth draws its own way: "embedding", "norm", "conv",
 # "router_bias", KDA's "decay_log"/"decay_bias"/"decay_proj" (A_log, dt_bias, f_b_proj).
 # Quantized "codec.part": "mxfp4.blocks" (two E2M1 codes a byte: `weight_packed`, `_blocks`) with
-# "mxfp4.scales" (E8M0); "fp8.weight" (F8_E4M3) with "fp8.scales" (F32 `weight_scale_inv`).
+# "mxfp4.scales" (E8M0); "fp8.weight" (F8_E4M3) with "fp8.scales" (F32 `weight_scale_inv`);
+# compressed-tensors INT4 (`reap.quant.int4`): "int4.packed" (eight 4-bit codes an I32 word:
+# `weight_packed`) with "int4.scales" (`weight_scale`) and "int4.shape" (`weight_shape`).
 _ONE_EACH = "weight embedding norm conv router_bias decay_log decay_bias decay_proj fp8.weight"
 _QUANTIZED = {"mxfp4.blocks": 2, "mxfp4.scales": 0, "fp8.scales": 0}
+_QUANTIZED |= {"int4.packed": 8, "int4.scales": 0, "int4.shape": 0}
 ROLE_WEIGHTS = dict.fromkeys(_ONE_EACH.split(), 1) | _QUANTIZED
 
 
@@ -133,7 +136,8 @@ class TensorSpec:
 
     @property
     def weights(self) -> int:
-        """Weights the tensor holds: two per MXFP4 block byte, none in a scale (ROLE_WEIGHTS)."""
+        """Weights the tensor holds: two per MXFP4 block byte, eight per INT4 word, none in a
+        scale (ROLE_WEIGHTS)."""
         return self.numel * ROLE_WEIGHTS[self.role]
 
     @property

@@ -4,9 +4,11 @@ torch model driven layer by layer through the protocol of `reap.models.base`.
 As transformers' `DeepseekV3ForCausalLM` and mlx-lm's `deepseek_v3`: MLA with (YaRN) RoPE on the
 rope part, dense first layers, then MoE: sigmoid router, `e_score_correction_bias` for selection
 only, limited to the `topk_group` best of `n_group` groups; SiLU GLU experts stored per expert, and
-shared experts. FP8 releases (F8_E4M3 projections with F32 block scales `weight_scale_inv`) are
-read in place, dequantized as pulled. Shapes: B batch, T tokens, N = B*T, D hidden, V vocab,
-E n_experts, G n_group, K top_k, O/I a weight's output/input width.
+shared experts. Quantized releases are read in place (`reap.models.deepseek_quant`): FP8
+(F8_E4M3 projections with F32 block scales `weight_scale_inv`) dequantized as pulled, and
+compressed-tensors INT4 (Kimi-K2-Thinking's routed experts) applied as `INT4Matrix` records.
+Shapes: B batch, T tokens, N = B*T, D hidden, V vocab, E n_experts, G n_group, K top_k, O/I a
+weight's output/input width.
 
 Multi-token-prediction (MTP) layers `model.layers.{L + j}` (L = num_hidden_layers, j <
 num_nextn_predict_layers; DeepSeek-V3/R1 store one) are listed, tagged "mtp", and never read, as in
@@ -27,8 +29,7 @@ from __future__ import annotations
 
 import copy
 import math
-import re
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 
@@ -36,28 +37,23 @@ from reap.checkpoint import TensorSpec
 from reap.errors import ReapError
 from reap.models import attention, base, blocks, validate
 from reap.models.base import ExpertSource, Weights, decoder_specs, dtype_code
+from reap.models.deepseek_quant import Quant, expert_matrices
 from reap.quant import fp8
-from reap.quant.matrix import stored_matrices as expert_matrices  # noqa: F401 - family hook
+from reap.quant.matrix import Matrix
 
 Tensor = torch.Tensor
 
 # an expert's tensors in the order transformers writes them (by name)
 EXPERT_TENSORS = ("down_proj.weight", "gate_proj.weight", "up_proj.weight")
-FP8_EXPERT_TENSORS = tuple(n + s for n in EXPERT_TENSORS for s in ("", "_scale_inv"))
-_FP8_RE = re.compile(r"^model\.layers\.\d+\..*_proj(_with_mqa)?\.weight$")  # quantized weights
 _ROLES = {**base.HF_ROLES, "e_score_correction_bias": "router_bias"}  # TensorSpec.role by suffix
 _KEEP_F32 = {"gate.weight", "gate.e_score_correction_bias"}  # the router runs in fp32
 GLU = ("gate", "up", "down")  # the SwiGLU projections, as called
 
 
 # Config fields not read from config.json
-_DERIVED = ("router_f32", "fp8_block", "mtp_layers", "rope_buffers")
+_DERIVED = ("router_f32", "fp8_block", "mtp_layers", "rope_buffers", "quant_scheme")
 _WIDTHS = ("moe_intermediate_size", "kv_lora_rank", "qk_rope_head_dim", "v_head_dim")
 _WIDTHS += ("qk_nope_head_dim", "q_lora_rank")
-
-
-def _positive(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 @dataclass
@@ -102,6 +98,8 @@ class Config:
     fp8_block: tuple[int, int] | None = None  # (rows, cols) of an FP8 scale block
     mtp_layers: int = 0  # MTP layers stored after the decoder layers (see the module docstring)
     rope_buffers: bool = False  # Kimi K2 releases store rotary_emb.inv_freq (module docstring)
+    # how the Linear weights are stored (from `quantization_config`; see `Quant`)
+    quant_scheme: Quant = field(default_factory=lambda: Quant())
 
     @classmethod
     def from_dict(cls, d: dict) -> Config:
@@ -116,8 +114,8 @@ class Config:
         cfg.rope_buffers = d.get("model_type") == "kimi_k2" and not cfg.router_f32
         cfg.torch_dtype = str(text.get("torch_dtype") or text.get("dtype") or cfg.torch_dtype)
         cfg.n_group, cfg.topk_group = cfg.n_group or 1, cfg.topk_group or 1
-        q = cfg.quantization_config
-        cfg.fp8_block = tuple(q.get("weight_block_size") or (128, 128)) if q else None
+        cfg.quant_scheme = Quant.from_config(text)
+        cfg.fp8_block = cfg.quant_scheme.fp8_block
         cfg._check()
         return cfg
 
@@ -131,13 +129,7 @@ class Config:
             validate.need_int(text, name, 1, validate.MAX_LAYERS)
         for name in ("first_k_dense_replace", "num_nextn_predict_layers"):
             validate.need_int(text, name, 0, validate.MAX_LAYERS)
-        block = (text.get("quantization_config") or {}).get("weight_block_size")
-        if block is not None and not (
-            isinstance(block, list) and len(block) == 2 and all(_positive(b) for b in block)
-        ):
-            raise validate.ConfigError(
-                "quantization_config.weight_block_size", f"must be two ints >= 1 (got {block!r})"
-            )
+        Quant.from_config(text)
 
     def _check(self) -> None:
         bad, q, E = [], self.quantization_config or {}, self.n_routed_experts or 0
@@ -147,8 +139,8 @@ class Config:
             bad.append(f"routing {self.scoring_func}/{self.topk_method} (only sigmoid/noaux_tc)")
         if self.attention_bias:
             bad.append("attention_bias=true")
-        if q and (q.get("quant_method") != "fp8" or q.get("fmt", "e4m3") != "e4m3"):
-            bad.append(f"quantization {q.get('quant_method')} (only block-scaled FP8 e4m3)")
+        if q.get("quant_method") == "fp8" and q.get("fmt", "e4m3") != "e4m3":
+            bad.append(f"quantization fp8 {q.get('fmt')} (only block-scaled FP8 e4m3)")
         if E and (E % self.n_group or self.topk_group > self.n_group):
             bad.append(f"{E} experts in n_group={self.n_group}, topk_group={self.topk_group}")
         if bad:
@@ -165,9 +157,7 @@ class Config:
 
     def is_fp8(self, name: str) -> bool:
         """Whether tensor `name` is stored FP8 (with `name + "_scale_inv"` next to it)."""
-        skip = (self.quantization_config or {}).get("modules_to_not_convert") or ()
-        skip = (*skip, "eh_proj")  # the MTP projection is BF16 in the FP8 releases
-        return bool(self.fp8_block and _FP8_RE.match(name) and not any(m in name for m in skip))
+        return self.quant_scheme.is_fp8(name)
 
     @property
     def softmax_scale(self) -> float:
@@ -188,7 +178,7 @@ def layout(config_dict: dict) -> list[TensorSpec]:
     specs = decoder_specs(cfg, fdt, lambda i: _layer_specs(cfg, i, fdt))
     for j in range(cfg.mtp_layers):
         specs += _mtp_specs(cfg, cfg.num_hidden_layers + j, fdt)
-    return [q for s in base.tag_roles(specs, _ROLES) for q in _stored(cfg, s)]
+    return [q for s in base.tag_roles(specs, _ROLES) for q in cfg.quant_scheme.stored(s)]
 
 
 def _mtp_specs(cfg: Config, n: int, fdt: str) -> list[TensorSpec]:
@@ -200,16 +190,6 @@ def _mtp_specs(cfg: Config, n: int, fdt: str) -> list[TensorSpec]:
     out = [TensorSpec(f"{p}{k}.weight", fdt, s, "mtp") for k, s in own.items()]
     block = _layer_specs(cfg, n, fdt)  # a full decoder layer, MoE as every later layer
     return out + [replace(s, component="mtp", layer=None, expert=None) for s in block]
-
-
-def _stored(cfg: Config, s: TensorSpec) -> list[TensorSpec]:
-    """A tensor as stored: an FP8 weight [O, I] comes with F32 scales [ceil(O/b0), ceil(I/b1)]."""
-    if not cfg.is_fp8(s.name):
-        return [s]
-    (O, I), (b0, b1) = s.shape, cfg.fp8_block
-    shape = (-(-O // b0), -(-I // b1))
-    scale = replace(s, name=s.name + "_scale_inv", dtype="F32", shape=shape, role="fp8.scales")
-    return [replace(s, dtype="F8_E4M3", role="fp8.weight"), scale]
 
 
 def _layer_specs(cfg: Config, i: int, fdt: str) -> list[TensorSpec]:
@@ -246,9 +226,9 @@ expert_key = base.expert_key_by(r"(?:^|\.)model\.layers\.(\d+)\.mlp\.experts\.(\
 
 def expert_tensor_names(cfg: Config, layer: int, expert: int) -> list[str]:
     """The tensor names of routed expert `expert` of `layer` as stored: `EXPERT_TENSORS`, each
-    followed by its `_scale_inv` in an FP8 checkpoint."""
-    short = FP8_EXPERT_TENSORS if cfg.fp8_block else EXPERT_TENSORS
-    return [f"model.layers.{layer}.mlp.experts.{expert}.{s}" for s in short]
+    as `Quant.stored_names` (FP8: followed by its `_scale_inv`; INT4: its three tensors)."""
+    p = f"model.layers.{layer}.mlp.experts.{expert}."
+    return [n for s in EXPERT_TENSORS for n in cfg.quant_scheme.stored_names(p + s)]
 
 
 def router_tensors(cfg: Config | dict, layer: int) -> dict[str, int]:
@@ -322,10 +302,9 @@ class Model(blocks.PreNormModel):
 
     def _w(self, get: Weights, prefix: str) -> blocks.WeightFn:
         def w(name: str) -> Tensor:
-            dtype, t = torch.float32 if name in _KEEP_F32 else self.dtype, get(prefix + name)
-            if self.cfg.is_fp8(prefix + name):
-                t = fp8.dequantize(t, get(prefix + name + "_scale_inv"), self.cfg.fp8_block)
-            return t.to(self.device, dtype)
+            dtype = torch.float32 if name in _KEEP_F32 else self.dtype
+            t = self.cfg.quant_scheme.load(get, prefix + name)
+            return t.to(self.device, dtype) if isinstance(t, Tensor) else t.dense(dtype, self.device)
 
         return w
 
@@ -352,9 +331,11 @@ class Model(blocks.PreNormModel):
     def _expert(self, x: Tensor, t) -> Tensor:
         """One routed expert on its tokens: x [M, D] -> [M, D]."""
 
-        def weight(n: str) -> Tensor:
-            w, s = t[f"{n}_proj.weight"], t.get(f"{n}_proj.weight_scale_inv")
+        typed = expert_matrices(t)  # INT4 triples as records (already so from the engine)
+
+        def weight(n: str) -> Matrix:
+            w, s = typed[f"{n}_proj.weight"], typed.get(f"{n}_proj.weight_scale_inv")
             w = w if s is None else fp8.dequantize(w, s, self.cfg.fp8_block)
-            return w.to(x.device, x.dtype)
+            return w.to(x.device, x.dtype) if isinstance(w, Tensor) else w
 
         return blocks.silu_glu(x, *map(weight, GLU))
