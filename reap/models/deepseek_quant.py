@@ -68,12 +68,12 @@ class Quant:
     fp8_block: tuple[int, int] | None = None
     fp8_skip: tuple[str, ...] = ()
     int4: int4.Int4Scheme | None = None
-    prefix: str = ""  # prepended to module names matched against the INT4 targets and ignores
 
     @classmethod
-    def from_config(cls, text: dict, prefix: str = "") -> Quant:
-        """The scheme of a text config dict; ConfigError (exit 2) naming the key it cannot read.
-        `prefix`: what the release's module names carry before `model.` (K2.5: "language_model.")."""
+    def from_config(cls, text: dict) -> Quant:
+        """The scheme of a text config dict (a multimodal release passes its text config with the
+        `quantization_config` it has, wherever it sits); ConfigError (exit 2) naming the key it
+        cannot read. Module names are matched without any `language_model.` prefix."""
         q = text.get("quantization_config")
         if not q:
             return cls()
@@ -85,7 +85,7 @@ class Quant:
             return cls(fp8_block=_fp8_block(q), fp8_skip=skip)
         if method == "compressed-tensors":
             try:
-                return cls(int4=int4.Int4Scheme.parse(q), prefix=prefix)
+                return cls(int4=int4.Int4Scheme.parse(q))
             except int4.SchemeError as e:
                 raise validate.ConfigError(e.field, e.detail) from None
         raise validate.ConfigError(
@@ -101,7 +101,7 @@ class Quant:
     def is_int4(self, name: str) -> bool:
         """Whether weight `name` is stored as INT4's three tensors (`INT4_PARTS`)."""
         m = self.int4 and _LINEAR_RE.match(name)
-        return bool(m and self.int4.quantizes(self.prefix + m.group(1), linear=True))
+        return bool(m and self.int4.quantizes(m.group(1), linear=True))
 
     def stored_names(self, name: str) -> list[str]:
         """The tensors weight `name` is stored as, in file order."""
