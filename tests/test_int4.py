@@ -248,6 +248,51 @@ def test_engine_equals_an_fp32_forward_on_the_dequantized_weights(tiny):
     assert float(np.abs(model.forward(get, torch.tensor([PROMPT]))[0].numpy() - ref).max()) < 1e-4
 
 
+def _transformers(path: Path, out: Path):
+    """transformers' DeepseekV3ForCausalLM on a copy of `path` saying model_type deepseek_v3 (the
+    rename Kimi's deploy notes give for engines without kimi_k2), in float32: transformers with
+    compressed-tensors decompresses the INT4 experts itself (into bf16 parameters; it refuses
+    `.float()` on a quantized model, so they are cast here one by one)."""
+    import shutil
+
+    import transformers
+
+    shutil.copytree(path, out)
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "model_type": "deepseek_v3"}))
+    transformers.logging.set_verbosity_error()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    for p in hf.parameters():
+        p.data = p.data.float()
+    return hf
+
+
+def _hf_logits(hf, ids: list[int]) -> np.ndarray:
+    with torch.no_grad():
+        return hf(input_ids=torch.tensor([ids])).logits[0].numpy()  # [T, V]
+
+
+def test_transformers_decompresses_the_experts_as_we_do_and_agrees_with_the_engine(tiny, tmp_path):
+    """The peer oracle: transformers + compressed-tensors loads the INT4 checkpoint; its decoded
+    experts equal ours bit for bit and its logits equal our engine's."""
+    from reap.engine import Engine
+
+    hf = _transformers(tiny, tmp_path / "hf")
+    experts = hf.model.layers[1].mlp.experts  # fused [E, 2F, D] gate_up and [E, D, F] down
+    with Checkpoint.open(tiny) as ck:
+        for e in range(8):
+            p = f"model.layers.1.mlp.experts.{e}."
+            stored = {n.removeprefix(p): ck.read(n) for n in ck.tensors if n.startswith(p)}
+            w = {n: m.dense() for n, m in ds.expert_matrices(stored).items()}  # [O, I] each
+            gate_up = torch.cat([w["gate_proj.weight"], w["up_proj.weight"]])  # [2F, D]
+            assert torch.equal(experts.gate_up_proj[e], gate_up)
+            assert torch.equal(experts.down_proj[e], w["down_proj.weight"])
+    ref = _hf_logits(hf, PROMPT)
+    with Engine.open(tiny, preset="ultra", context=64, dtype="float32") as eng:
+        got = eng.logits([PROMPT])[0].numpy()
+    assert float(np.abs(got - ref).max()) < 1e-4
+
+
 def test_calibrate_plan_prune_verify_eval_and_run(tiny, tmp_path, capsys):
     """Every stage on the INT4 model: statistics, a plan keeping 4 of 8 experts, a pruned build
     whose kept experts are the source's bytes (INT4 triples verbatim) and that `verify` passes,
@@ -270,6 +315,12 @@ def test_calibrate_plan_prune_verify_eval_and_run(tiny, tmp_path, capsys):
     pruned = Checkpoint.open(out)
     assert pruned.config["n_routed_experts"] == 4 and pruned.config["quantization_config"] == QC
     assert pruned.tensors["model.layers.2.mlp.experts.3.up_proj.weight_packed"].dtype == "I32"
+    from reap.engine import Engine
+
+    with Engine.open(out, preset="ultra", context=64, dtype="float32") as eng:
+        got = eng.logits([PROMPT])[0].numpy()
+    ref = _hf_logits(_transformers(out, tmp_path / "hf"), PROMPT)  # the pruned build loads too
+    assert float(np.abs(got - ref).max()) < 1e-4
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"id": "a", "domain": "en", "prompt": "hello"}) + "\n")
     assert main(["eval", str(out), "--reference", str(tiny), "--out", str(tmp_path / "eval"),

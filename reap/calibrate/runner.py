@@ -29,6 +29,7 @@ from reap.calibrate.accumulate import StatsAccumulator
 from reap.calibrate.memory import BatchPlan
 from reap.calibrate.spill import SpillStore, state_arrays, state_from_arrays
 from reap.checkpoint import Checkpoint
+from reap.checkpoint.spec import is_quantized
 from reap.errors import CheckpointError, ExpertLoadError, ReapError
 from reap.memstat import release_memory
 from reap.models.base import expert_short_names
@@ -250,9 +251,10 @@ def _timed(run: Run, phase: str, fn, *args) -> None:
 
 # -- sizes --------------------------------------------------------------------------------------
 def weight_sizes(ckpt: Checkpoint, specs, itemsize: int) -> dict:
-    """Resident bytes of the largest layer trunk, the embedding and one routed expert (MXFP4
-    blocks and scales, by their layout role, count nine times: the bytes plus a dequantized fp32
-    copy); 16-bit weights count double when computing in fp32."""
+    """Resident bytes of the largest layer trunk, the embedding and one routed expert (its
+    quantized parts, by their layout role, count their bytes plus their weights decoded to fp32:
+    nine times for MXFP4 blocks, nine for INT4 words); 16-bit weights count double when computing
+    in fp32."""
     first = next(((s.layer, s.expert) for s in specs if s.expert is not None), None)
     trunk: dict[int, int] = {}
     expert = embed = 0
@@ -263,7 +265,7 @@ def weight_sizes(ckpt: Checkpoint, specs, itemsize: int) -> dict:
         n = info.nbytes * (2 if info.dtype in ("BF16", "F16") and itemsize == 4 else 1)
         if s.expert is not None:
             if (s.layer, s.expert) == first:
-                expert += info.nbytes * 9 if s.role.startswith("mxfp4") else n * 2
+                expert += info.nbytes + s.weights * 4 if is_quantized(s.role) else n * 2
         elif s.layer is not None:
             trunk[s.layer] = trunk.get(s.layer, 0) + n
         elif s.component == "embed_head":

@@ -114,6 +114,12 @@ _QUANTIZED |= {"int4.packed": 8, "int4.scales": 0, "int4.shape": 0}
 ROLE_WEIGHTS = dict.fromkeys(_ONE_EACH.split(), 1) | _QUANTIZED
 
 
+def is_quantized(role: str) -> bool:
+    """Whether tensors of `role` are a quantization codec's part ("codec.part"): decoded before
+    use, so a resident copy costs their bytes plus their `weights` decoded."""
+    return "." in role
+
+
 @dataclass(frozen=True)
 class TensorSpec:
     """One tensor of a checkpoint layout: name (without any `language_model.` prefix),
