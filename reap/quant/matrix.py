@@ -1,13 +1,13 @@
 """The expert-matmul interface: how model code multiplies by a weight matrix that may be stored
-quantized. A quantized matrix is a typed record of its codec's tensors (`MXFP4Matrix`) with
-`linear(x)`; `reap.models.blocks.linear(x, w)` calls it, or does the dense matmul for a tensor.
+quantized. A quantized matrix is a typed record of its codec's tensors (`MXFP4Matrix`,
+`reap.quant.int4.INT4Matrix`) with `linear(x)`; `reap.models.blocks.linear(x, w)` calls it, or does the dense matmul for a tensor.
 Nothing imitates a tensor: code that needs the values asks for `dense(dtype)`.
 
 A family's `expert_matrices(tensors)` turns one routed expert's stored tensors (short names) into
 its weights, pairing each quantized matrix's tensors into its record; the engine attaches its
 kernels to those records (`reap.quant.mxfp4_matmul.MXFP4Kernels.attach`) and checks their bytes
-(`check_matrices`). A new codec (INT4 next) adds one record class with these two methods (and
-`dense`, `shape`).
+(`check_matrices`). A new codec adds one record class with these two methods (and `dense`,
+`shape`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ import torch
 
 
 class QuantizedMatrix(Protocol):
-    """A weight matrix W [O, I] stored by a codec (e.g. `reap.quant.mxfp4.MXFP4Matrix`)."""
+    """A weight matrix W [O, I] stored by a codec (`reap.quant.mxfp4.MXFP4Matrix`,
+    `reap.quant.int4.INT4Matrix`)."""
 
     def linear(self, x: torch.Tensor) -> torch.Tensor: ...  # x [..., I] @ W.T, x's dtype
 
