@@ -16,12 +16,15 @@ import json
 import re
 from pathlib import Path
 
+import family_runner as R
 import numpy as np
 import pytest
 import torch
+from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
+from compressed_tensors.quantization import QuantizationArgs
+from compressed_tensors.quantization.lifecycle.forward import dequantize, quantize
 from safetensors.torch import load_file, save_file
 
-import family_runner as R
 from reap.checkpoint import Checkpoint
 from reap.cli import main
 from reap.errors import ReapError
@@ -29,14 +32,6 @@ from reap.models import deepseek_v3 as ds
 from reap.models import family
 from reap.models.base import dict_weights
 from reap.quant import int4
-
-ct = pytest.importorskip("compressed_tensors")
-from compressed_tensors.compressors.pack_quantized.helpers import (  # noqa: E402
-    pack_to_int32,
-    unpack_from_int32,
-)
-from compressed_tensors.quantization import QuantizationArgs  # noqa: E402
-from compressed_tensors.quantization.lifecycle.forward import dequantize, quantize  # noqa: E402
 
 # The compressed-tensors block of Kimi's INT4 releases (as the Kimi-K2.5 report shows it:
 # routed experts only, symmetric INT4 in groups of 32, everything else BF16).

@@ -154,4 +154,3 @@ def expert_matrices(tensors: dict) -> dict:
         elif part not in ("weight_scale", "weight_shape"):
             out[name] = t
     return out
-

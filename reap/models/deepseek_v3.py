@@ -304,7 +304,9 @@ class Model(blocks.PreNormModel):
         def w(name: str) -> Tensor:
             dtype = torch.float32 if name in _KEEP_F32 else self.dtype
             t = self.cfg.quant_scheme.load(get, prefix + name)
-            return t.to(self.device, dtype) if isinstance(t, Tensor) else t.dense(dtype, self.device)
+            return (
+                t.to(self.device, dtype) if isinstance(t, Tensor) else t.dense(dtype, self.device)
+            )
 
         return w
 

@@ -223,9 +223,13 @@ class Int4Scheme:
         naming the key for anything else (other formats, bit widths, asymmetric, activations)."""
         fmt = qc.get("format")
         if fmt != "pack-quantized":
-            raise SchemeError("format", f"compressed-tensors {fmt!r} is not supported (only pack-quantized)")
+            raise SchemeError(
+                "format", f"compressed-tensors {fmt!r} is not supported (only pack-quantized)"
+            )
         if qc.get("quantization_status", "compressed") != "compressed":
-            raise SchemeError("quantization_status", f"{qc['quantization_status']!r}, not compressed")
+            raise SchemeError(
+                "quantization_status", f"{qc['quantization_status']!r}, not compressed"
+            )
         for key in ("kv_cache_scheme", "sparsity_config", "transform_config"):
             if qc.get(key):
                 raise SchemeError(key, "is not supported (weight-only INT4 only)")
@@ -267,7 +271,9 @@ def _group_size(name: str, g) -> int:
     w = g["weights"]
     for key, want in _WEIGHTS.items():
         if w.get(key) != want:
-            raise SchemeError(f"{where}.weights.{key}", f"{w.get(key)!r} is not supported ({want!r})")
+            raise SchemeError(
+                f"{where}.weights.{key}", f"{w.get(key)!r} is not supported ({want!r})"
+            )
     for key in _OPTIONAL_NONE:
         if w.get(key) not in (None, False):
             raise SchemeError(f"{where}.weights.{key}", f"{w[key]!r} is not supported (null)")
