@@ -89,6 +89,8 @@ def synth(
     i = 0
     while i < len(specs):
         group = [specs[i]] if specs[i].expert is None else _expert_group(specs, i)
+        if specs[i].expert is None and specs[i].role == "int4.packed":  # an INT4 weight's three
+            group = specs[i : i + 3]
         if not writer.done(group[0].name):
             for s, t in zip(group, _draw(group, seed)):
                 writer.write(s.name, t)
@@ -129,9 +131,9 @@ def _draw(group: list[TensorSpec], seed: int) -> list[torch.Tensor]:
 
 
 def _int4_expert(group: list[TensorSpec], seed: int) -> list[torch.Tensor]:
-    """An expert stored compressed-tensors INT4 (`reap.quant.int4`), as (packed, scales, shape)
-    triples: each matrix [O, I] drawn ~N(0, 1/I) and quantized in groups of I / (scale columns)
-    with scales in the scale spec's dtype."""
+    """Weights stored compressed-tensors INT4 (`reap.quant.int4`; an expert's or one trunk
+    weight's), as (packed, scales, shape) triples: each matrix [O, I] drawn ~N(0, 1/I) and
+    quantized in groups of I / (scale columns) with scales in the scale spec's dtype."""
     out = []
     for packed, scale, _shape in zip(group[0::3], group[1::3], group[2::3]):
         rows, cols = packed.shape[0], packed.shape[1] * int4.PER_WORD

@@ -395,3 +395,52 @@ def test_layout_int4_experts_equal_the_int4_release_rows():
             s = specs[n]
             assert (s.dtype, s.shape) == (_CODES[dtype], tuple(map(int, shape.split(", ")))), n
     assert not [n for n in specs if ".experts." in n and n.endswith(".weight")]
+
+
+def _compressed_tensors_modules(config: dict, ignore: list[str]) -> set[str]:
+    """The modules compressed-tensors itself matches (targets ["Linear"], `ignore`) in
+    transformers' DeepseekV3 of `config`, built on the meta device (its experts are fused 3D
+    parameters, not Linear modules, so they never match there)."""
+    import transformers
+    from compressed_tensors.utils.match import match_named_modules
+
+    plain = {k: v for k, v in config.items() if k not in ("quantization_config", "model_type")}
+    hf_config = transformers.AutoConfig.for_model("deepseek_v3", **plain)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(hf_config)
+    return {name for name, _ in match_named_modules(model, ["Linear"], ignore)}
+
+
+@pytest.mark.parametrize("ignore", [QC["ignore"], ["lm_head"]])
+def test_what_is_int4_follows_compressed_tensors_matching(ignore):
+    """Our layout stores INT4 exactly the (non-expert) modules compressed-tensors matches: none
+    with the release's ignore list; with only `lm_head` ignored, the attention, dense and shared
+    MLPs (the router is no torch Linear)."""
+    config = {**TINY, "q_lora_rank": 32, "quantization_config": {**QC, "ignore": ignore}}
+    ours = {
+        s.name.removesuffix(".weight_packed")
+        for s in ds.layout(config)
+        if s.role == "int4.packed" and s.expert is None
+    }
+    assert ours == _compressed_tensors_modules(config, ignore)
+    assert len(ours) == (0 if ignore == QC["ignore"] else 24)
+
+
+def test_a_checkpoint_quantizing_every_linear_but_the_head(tmp_path):
+    """With only `lm_head` ignored (attention, dense and shared MLPs INT4 too): the engine equals
+    the fp32 forward on the dequantized weights."""
+    from reap.engine import Engine
+    from reap.synth import synth
+
+    config = {**TINY, "q_lora_rank": 32, "quantization_config": {**QC, "ignore": ["lm_head"]}}
+    specs = {s.name: s for s in ds.layout(config)}
+    assert specs["model.layers.1.mlp.gate.weight"].dtype == "BF16" and "lm_head.weight" in specs
+    path = Path(synth(copy.deepcopy(config), tmp_path / "m", seed=5))
+    _, weights = _dequantized(path)
+    plain = {k: v for k, v in config.items() if k != "quantization_config"}
+    ref = ds.Model(ds.Config.from_dict(plain)).forward(
+        dict_weights(weights), torch.tensor([PROMPT])
+    )
+    with Engine.open(path, preset="ultra", context=64, dtype="float32") as eng:
+        got = eng.logits([PROMPT])[0].numpy()
+    assert float(np.abs(got - ref[0].numpy()).max()) < 1e-4
