@@ -76,10 +76,6 @@ def pack(q: torch.Tensor) -> torch.Tensor:
     return (words - ((words >> 31) << 32)).to(torch.int32)  # two's complement of the top bit
 
 
-def _round_dtype(scales: torch.Tensor) -> torch.dtype:
-    return scales.dtype if scales.is_floating_point() else torch.float32
-
-
 def dequantize(
     packed: torch.Tensor,
     scales: torch.Tensor,
@@ -92,18 +88,17 @@ def dequantize(
     (a 4-bit q times a 16-bit scale is exact in float32, so multiplying in bf16/f16 rounds just
     the exact product), as compressed-tensors does."""
     cols = _check(packed, scales, group, cols)
-    O, work = packed.shape[0], _round_dtype(scales)
+    O, work = packed.shape[0], scales.dtype  # the dtype every product is rounded to
     if sys.byteorder == "little":  # the words' bytes in order: two codes a byte, low nibble first
         codes = packed.contiguous().view(torch.uint8).long()  # [O, 4W]
         # embedding() is torch's fastest row gather on CPU (see `reap.quant.mxfp4.dequantize`)
         q = embedding(codes, _PAIRS.to(packed.device, work)).reshape(O, -1)  # [O, 8W]
     else:
         q = unpack(packed, packed.shape[1] * PER_WORD).to(work)  # [O, 8W]
-    s = scales.to(work)
-    if cols == s.shape[1] * group:  # whole groups: scale each [O, G, group] block in place
-        out = (q[:, :cols].reshape(O, -1, group) * s.unsqueeze(-1)).reshape(O, cols)
+    if cols == scales.shape[1] * group:  # whole groups: scale each [O, G, group] block
+        out = (q[:, :cols].reshape(O, -1, group) * scales.unsqueeze(-1)).reshape(O, cols)
     else:
-        out = q[:, :cols] * s.repeat_interleave(group, dim=-1)[:, :cols]
+        out = q[:, :cols] * scales.repeat_interleave(group, dim=-1)[:, :cols]
     return out.to(dtype or scales.dtype)
 
 
@@ -145,7 +140,8 @@ def quantize(
 @dataclass(frozen=True, eq=False)
 class INT4Matrix:
     """A weight matrix W [O, I] stored pack-quantized: `packed` int32 [O, I/8], `scales`
-    [O, I/group] (float), `shape` the stored `weight_shape` (checked, not trusted for the size).
+    [O, I/group] (float), `shape_tensor` the stored `weight_shape` (checked, never trusted for
+    the size).
     A typed record, not a tensor: `reap.models.blocks.linear` applies it through `linear(x)`,
     which decodes it whole (`dequantize`) in x's dtype."""
 
