@@ -163,6 +163,7 @@ def test_int4_matrix_applies_itself_and_checks_its_bytes():
         ({"weights.actorder": "group"}, "weights.actorder"),
         ({"input_activations": {"num_bits": 8}}, "group_0.input_activations"),
         ({"quant_method": "awq"}, "quantization_config.quant_method"),
+        ({"ignore": "lm_head"}, "quantization_config.ignore"),
     ],
 )
 def test_unsupported_quantization_configs_are_refused_naming_the_key(

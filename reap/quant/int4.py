@@ -235,11 +235,9 @@ class Int4Scheme:
         sizes, targets = {_group_size(name, g) for name, g in groups.items()}, []
         if len(sizes) != 1:
             raise SchemeError("config_groups", f"mixed group sizes {sorted(sizes)}")
-        for g in groups.values():
-            targets += g.get("targets") or []
-        ignore = qc.get("ignore") or []
-        if not all(isinstance(t, str) for t in [*targets, *ignore]):
-            raise SchemeError("ignore", "targets and ignore must be lists of strings")
+        for name, g in groups.items():
+            targets += _strings(g.get("targets"), f"config_groups.{name}.targets")
+        ignore = _strings(qc.get("ignore"), "ignore")
         return cls(sizes.pop(), tuple(targets), tuple(ignore))
 
     def quantizes(self, module: str, linear: bool) -> bool:
@@ -252,6 +250,15 @@ class Int4Scheme:
             return pattern == module or (linear and pattern == "Linear")
 
         return any(map(hit, self.targets)) and not any(map(hit, self.ignore))
+
+
+def _strings(value, field: str) -> list[str]:
+    """`value` if it is a list of strings (None: empty), else SchemeError naming `field`."""
+    if value is None:
+        return []
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise SchemeError(field, f"must be a list of strings (got {value!r})")
+    return value
 
 
 def _group_size(name: str, g) -> int:
