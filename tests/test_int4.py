@@ -309,6 +309,8 @@ def test_calibrate_plan_prune_verify_eval_and_run(tiny, tmp_path, capsys):
                  "--out", str(plan)]) == 0  # fmt: skip
     assert main(["prune", str(tiny), "--plan", str(plan), "--out", str(out), "--no-progress"]) == 0
     R.check_pruned_layout(tiny, out, Plan.load(plan))
+    written = sum(f.stat().st_size for f in out.glob("*.safetensors"))  # the size model's bytes
+    assert abs(written / Plan.load(plan).predicted_bytes - 1) < 5e-3, written
     assert main(["verify", str(out), "--source", str(tiny)]) == 0
     pruned = Checkpoint.open(out)
     assert pruned.config["n_routed_experts"] == 4 and pruned.config["quantization_config"] == QC
