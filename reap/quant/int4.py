@@ -25,7 +25,6 @@ import sys
 from dataclasses import dataclass
 
 import torch
-from torch.nn.functional import embedding
 
 from reap.errors import ReapError
 
@@ -34,8 +33,6 @@ PER_WORD = 32 // BITS  # codes per int32 word
 OFFSET = 1 << (BITS - 1)  # stored code = q + 8
 Q_MIN, Q_MAX = -OFFSET, OFFSET - 1
 _SHIFTS = torch.arange(0, 32, BITS, dtype=torch.int32)  # [8] bit offset of each code in a word
-# byte -> its two codes q (low nibble first), as decoded values  [256, 2]
-_PAIRS = torch.stack([torch.arange(256) & 15, torch.arange(256) >> 4], 1) - OFFSET
 
 
 def _check(packed: torch.Tensor, scales: torch.Tensor, group: int, cols: int | None) -> int:
@@ -90,9 +87,9 @@ def dequantize(
     cols = _check(packed, scales, group, cols)
     O, work = packed.shape[0], scales.dtype  # the dtype every product is rounded to
     if sys.byteorder == "little":  # the words' bytes in order: two codes a byte, low nibble first
-        codes = packed.contiguous().view(torch.uint8).long()  # [O, 4W]
-        # embedding() is torch's fastest row gather on CPU (see `reap.quant.mxfp4.dequantize`)
-        q = embedding(codes, _PAIRS.to(packed.device, work)).reshape(O, -1)  # [O, 8W]
+        b = packed.contiguous().view(torch.uint8)  # [O, 4W]
+        codes = torch.stack((b & 15, b >> 4), dim=-1).reshape(O, -1)  # [O, 8W] stored q + 8
+        q = codes.to(work) - OFFSET  # exact in any float dtype
     else:
         q = unpack(packed, packed.shape[1] * PER_WORD).to(work)  # [O, 8W]
     if cols == scales.shape[1] * group:  # whole groups: scale each [O, G, group] block
