@@ -107,7 +107,7 @@ def write(out: Path, rows: list[dict], params: int, args) -> None:
         "load_average": list(os.getloadavg()),
         "python": platform.python_version(),
         "torch": torch.__version__,
-        "code": code_version(),
+        "code_version": code_version(),
     }
     out.mkdir(parents=True, exist_ok=True)
     (out / "int4.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
