@@ -11,9 +11,7 @@ weights), `calibrate`, `eval`, `prune` (kept experts byte for byte) and `verify`
 from __future__ import annotations
 
 import copy
-import itertools
 import json
-import re
 from pathlib import Path
 
 import family_runner as R
@@ -370,34 +368,18 @@ def test_family_of_the_release_config():
 
 
 # -- the release's own tensor list -------------------------------------------------------------
-# No verbatim Kimi-K2-Thinking file was found in the public index; the Kimi-K2.5 report fixture
-# (the kimi_k25 family's: a K2 text model, the same compressed-tensors block) lists the routed
-# experts as the INT4 releases store them.
-K25 = Path(__file__).parent / "fixtures" / "releases" / "kimi-k2.5"
-_ROW = re.compile(r"^\| `language_model\.(\S+?)`.*?\| `\[([\d, ]+)\]` \| `torch\.(\w+)` \|")
-_CODES = {"int32": "I32", "bfloat16": "BF16", "float32": "F32"}
+def test_the_int4_release_layout_equals_its_tensor_list():
+    """Kimi-K2.5 (`kimi_k25`: a Kimi K2 text model with the same compressed-tensors INT4 block;
+    no verbatim Kimi-K2-Thinking config or tensor list was found in the public index): its
+    verbatim config.json, quantization included, lays out exactly the release's tensor table
+    (names, shapes, dtypes): INT4 routed experts, BF16 trunk, vision tower."""
+    from release_tables import RELEASES, expand, read_rows
 
-
-def _corners(name: str) -> list[str]:
-    """The names a report row `...layers.1-60.mlp.experts.0-383...` stands for, at the first
-    and last index of each range."""
-    parts = [p.split("-") if re.fullmatch(r"\d+-\d+", p) else [p] for p in name.split(".")]
-    return [".".join(c) for c in itertools.product(*parts)]
-
-
-def test_layout_int4_experts_equal_the_int4_release_rows():
-    if not (K25 / "tensors.md").exists():
-        pytest.skip("the kimi-k2.5 release fixture (kimi_k25 family) is not in this tree")
-    text = json.loads((K25 / "config.rendered.json").read_text())["text_config"]
-    specs = {s.name: s for s in ds.layout(text)}
-    rows = [m.groups() for m in map(_ROW.match, (K25 / "tensors.md").read_text().splitlines())
-            if m and ".mlp.experts." in m.group(1)]  # fmt: skip
-    assert len(rows) == 9  # three matrices x (packed, scale, shape)
-    for name, shape, dtype in rows:
-        for n in _corners(name):
-            s = specs[n]
-            assert (s.dtype, s.shape) == (_CODES[dtype], tuple(map(int, shape.split(", ")))), n
-    assert not [n for n in specs if ".experts." in n and n.endswith(".weight")]
+    config = json.loads((RELEASES / "kimi-k2.5" / "config.json").read_text())
+    assert config["text_config"]["quantization_config"]["format"] == "pack-quantized"
+    got = {s.name: (tuple(s.shape), s.dtype) for s in family(config).layout(config)}
+    assert expand(read_rows(RELEASES / "kimi-k2.5" / "tensors.md"), set(got)) == got
+    assert len(got) == 208_550 and sum(n.endswith(".weight_packed") for n in got) == 60 * 384 * 3
 
 
 def _compressed_tensors_modules(config: dict, ignore: list[str]) -> set[str]:
