@@ -429,3 +429,38 @@ def test_a_checkpoint_quantizing_every_linear_but_the_head(tmp_path):
     with Engine.open(path, preset="ultra", context=64, dtype="float32") as eng:
         got = eng.logits([PROMPT])[0].numpy()
     assert float(np.abs(got - ref[0].numpy()).max()) < 1e-4
+
+
+def test_a_k25_style_release_with_int4_experts_runs_and_prunes(tmp_path):
+    """A tiny `kimi_k25` checkpoint in the release's layout (text under `language_model.`, INT4
+    routed experts, a MoonViT tower and projector): the engine equals the fp32 forward on the
+    dequantized weights, and calibrate, plan, prune (experts and tower byte for byte) and verify
+    run on it."""
+    from reap.engine import Engine
+    from reap.prune.plan_file import Plan
+    from reap.synth import synth
+
+    config = {"model_type": "kimi_k25", "architectures": ["KimiK25ForConditionalGeneration"],
+              "text_config": copy.deepcopy(TINY)}  # fmt: skip
+    path = Path(synth(config, tmp_path / "k25", vision=True, seed=7))
+    with Checkpoint.open(path) as ck:
+        assert ck.prefix == "language_model." and ck.config["model_type"] == "kimi_k25"
+        assert ck.tensors["model.layers.1.mlp.experts.0.up_proj.weight_packed"].dtype == "I32"
+        tower = [n for n in ck.tensors if n.startswith(("vision_tower.", "mm_projector."))]
+    text, weights = _dequantized(path)
+    plain = {k: v for k, v in text["text_config"].items() if k != "quantization_config"}
+    model = ds.Model(ds.Config.from_dict(plain))
+    ref = model.forward(dict_weights(weights), torch.tensor([PROMPT]))[0].numpy()  # [T, V]
+    with Engine.open(path, preset="ultra", context=64, dtype="float32") as eng:
+        assert float(np.abs(eng.logits([PROMPT])[0].numpy() - ref).max()) < 1e-4
+    spec, stats = R.write_corpora(tmp_path / "corpora"), tmp_path / "stats"
+    assert main(["calibrate", str(path), "--corpus", spec, "--tokens", "32", "--seq-len", "16",
+                 "--out", str(stats), "--no-progress"]) == 0  # fmt: skip
+    plan, out = tmp_path / "plan.json", tmp_path / "pruned"
+    assert main(["plan", str(stats / "all.safetensors"), "--model", str(path), "--keep", "4",
+                 "--out", str(plan)]) == 0  # fmt: skip
+    assert main(["prune", str(path), "--plan", str(plan), "--out", str(out), "--no-progress"]) == 0
+    R.check_pruned_layout(path, out, Plan.load(plan))  # kept INT4 experts: the source's bytes
+    with Checkpoint.open(path) as a, Checkpoint.open(out) as b:
+        assert all(a.read_raw(n) == b.read_raw(n) for n in tower)
+    assert main(["verify", str(out), "--source", str(path)]) == 0
