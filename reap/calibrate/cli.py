@@ -42,6 +42,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shard", default="1/1",
                    help="K/N: calibrate only the K-th of N parts of the sequences")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
+                   help="run the shards on a Ray cluster (ADDRESS, default: RAY_ADDRESS or a "
+                        "new local one; needs pip install -e \".[distributed]\")")
+    p.add_argument("--workers", type=int, default=2,
+                   help="with --ray: concurrent workers, each within --budget (default 2)")
+    p.add_argument("--layer-parallel", action="store_true",
+                   help="with --ray: workers own contiguous layer ranges (weights resident) and "
+                        "pass hidden states on, instead of each streaming every layer")
     p.epilog = (p.epilog or "") + "\n\n" + EPILOG_MEMORY
 
 
@@ -65,6 +73,8 @@ def run(args: argparse.Namespace) -> int:
     if args.tokens < 1:
         raise ReapError(f"--tokens must be positive, got {args.tokens}")
     check_out_dir(args.out)
+    if args.ray is not None:
+        return _run_ray(args)
     res = calibrate(
         model=args.model, corpus=args.corpus, tokens=args.tokens, seq_len=args.seq_len,
         out=args.out, budget=parse_bytes(args.budget), device=args.device, dtype=args.dtype,
@@ -82,4 +92,31 @@ def run(args: argparse.Namespace) -> int:
         print(f"{name}\t{path}")
     if res.token_experts:
         print(f"token_experts\t{res.token_experts}")
+    return 0
+
+
+def _run_ray(args: argparse.Namespace) -> int:
+    """`--ray`: the same statistics files, computed by Ray workers (reap.distributed)."""
+    from reap.distributed import require_ray
+    from reap.units import format_bytes, parse_bytes
+
+    require_ray()
+    from reap.distributed.calibrate import calibrate_ray
+
+    if args.shard != "1/1":
+        raise ReapError("--shard and --ray exclude each other (--ray makes the shards)")
+    res = calibrate_ray(
+        address=args.ray or None, workers=args.workers,
+        mode="layers" if args.layer_parallel else "tokens", model=args.model,
+        corpus=args.corpus, tokens=args.tokens, seq_len=args.seq_len, out=args.out,
+        budget=parse_bytes(args.budget), device=args.device, dtype=args.dtype, seed=args.seed,
+        batch=args.batch, save_token_experts=args.save_token_experts,
+        seq_counts={"auto": None, "on": True, "off": False}[args.seq_counts],
+        progress=not args.no_progress)
+    peak = max(res.worker_peak_rss.values(), default=0)
+    print(f"calibrated {res.tokens} tokens over {len(res.layers)} MoE layers on {res.workers} "
+          f"Ray workers ({res.mode} mode, {res.shards} shards, {len(res.shards_run)} run now) "
+          f"in {res.seconds:.1f} s; worker peak RSS {format_bytes(peak)}", file=sys.stderr)
+    for name, path in res.files.items():
+        print(f"{name}\t{path}")
     return 0

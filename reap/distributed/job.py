@@ -36,6 +36,7 @@ class Job:
     moe_layers: list[int]
     n_experts: int
     top_k: int
+    ids: torch.Tensor  # [S, T] token ids of every calibration sequence
     identity: dict = field(default_factory=dict)
 
     @property
@@ -82,7 +83,8 @@ def prepare(kw: dict, out: str, mode: str, shards: int) -> Job:
         kw["seq_counts"] = len(seqs) * len(size.moe_layers) * size.n_experts * 4 \
             <= SEQ_COUNT_AUTO_BYTES
     job = Job(kw, os.path.abspath(out), names, [names.index(s.corpus) for s in seqs],
-              [s.doc_id for s in seqs], list(size.moe_layers), size.n_experts, size.top_k)
+              [s.doc_id for s in seqs], list(size.moe_layers), size.n_experts, size.top_k,
+              torch.tensor([s.ids for s in seqs], dtype=torch.int64))
     args = {k: kw[k] for k in ("model", "corpus", "tokens", "seq_len", "seed", "budget",
                                "device", "dtype", "batch")}
     args.update(shard=[1, 1], save_token_experts=False, seq_counts=kw["seq_counts"],
