@@ -30,10 +30,19 @@ class TrackerState:
     def snapshot(self) -> tuple[dict, dict]:
         return dict(self.done), dict(self.notes)
 
+    def reset(self) -> None:
+        self.done, self.notes = {}, {}
+
 
 def make_tracker(ray):
-    """A `TrackerState` actor on the cluster (no CPU reserved)."""
-    return ray.remote(num_cpus=0)(TrackerState).remote()
+    """This driver's `TrackerState` actor (no CPU reserved), emptied: one per driver process,
+    reused by its later jobs (an actor costs a worker process start)."""
+    import os
+
+    tracker = ray.remote(num_cpus=0)(TrackerState).options(
+        name=f"reap-progress-{os.getpid()}", get_if_exists=True).remote()
+    ray.get(tracker.reset.remote())
+    return tracker
 
 
 def unwrap(ray, ref):

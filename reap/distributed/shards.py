@@ -35,15 +35,16 @@ def shard_task(kw: dict, k: int, n: int, names: list[str], scratch: str, tracker
         if hook is not None:
             hook(k, layer)
 
-    t0 = time.perf_counter()
+    t0, resumed = time.perf_counter(), None
     if not os.path.exists(os.path.join(scratch, "run.json")):  # else: done, result not saved
-        calibrate(**kw, shard=(k, n), out=scratch, progress=False, hooks=after_layer)
+        res = calibrate(**kw, shard=(k, n), out=scratch, progress=False, hooks=after_layer)
+        resumed = res.resumed_after
     tracker.report.remote(k, tokens, {"pid": os.getpid(), "layer": n_layers - 1})
     files = {}
     for name in names:
         with open(os.path.join(scratch, f"{safe_name(name)}.safetensors"), "rb") as f:
             files[name] = f.read()
-    return {"files": files, "peak_rss": peak_rss(), "pid": os.getpid(),
+    return {"files": files, "peak_rss": peak_rss(), "pid": os.getpid(), "resumed_after": resumed,
             "seconds": time.perf_counter() - t0}
 
 

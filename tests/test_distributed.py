@@ -1,0 +1,180 @@
+"""Calibration on Ray (reap.distributed) against the single-process run: token-sharded and
+layer-parallel statistics equal `reap.calibrate.pipeline.calibrate` (counts exactly, float64 sums
+to rounding, float32 maxima to kernel rounding) on a k3-tiny and a transformers-saved Qwen3-MoE;
+a worker SIGKILLed mid-shard is retried and resumes; an interrupted driver reruns only the
+unfinished shards; every worker's measured peak RSS stays within --budget. One local Ray cluster
+(2 CPUs, 127.0.0.1) for the whole module."""
+
+import os
+import signal
+import sys
+
+import family_runner as R
+import pytest
+import torch
+
+from reap.stats import ExpertStats
+
+ray = pytest.importorskip("ray")
+
+T_LEN, N_TOK, BUDGET = 32, 320, 1_500_000_000  # 10 sequences of 32 tokens
+QWEN = {
+    "vocab_size": 320, "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32,
+    "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 24,
+    "num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": True, "mlp_only_layers": [1],
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+}  # fmt: skip
+# I/O counters: every token shard reads the whole checkpoint, a layer stage only its layers
+IO = {"bytes_read", "read_ratio", "expert_reads", "expert_reads_max", "passes", "merged_from"}
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A local 2-CPU Ray cluster whose workers import this checkout (and tests/)."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = os.pathsep.join([repo, os.path.join(repo, "tests")])
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False,
+             _node_ip_address="127.0.0.1",
+             runtime_env={"env_vars": {"PYTHONPATH": path, "OMP_NUM_THREADS": "1"}})
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """{name: (checkpoint, corpus spec, single-process result)} for k3-tiny and Qwen3-MoE."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from reap.synth import synth
+
+    root = tmp_path_factory.mktemp("dist")
+    spec = R.write_corpora(root / "corpora")
+    k3 = str(synth("k3-tiny", root / "k3", seed=3, dtype="float32"))
+    qwen, _ = R.save_hf_tiny(Qwen3MoeForCausalLM, Qwen3MoeConfig, QWEN, root / "qwen", seed=1)
+    return {name: (path, spec, _single(path, spec, root / f"{name}-single"), root)
+            for name, path in (("k3", k3), ("qwen", qwen))}
+
+
+def _args(path, spec) -> dict:
+    return {"model": path, "corpus": spec, "tokens": N_TOK, "seq_len": T_LEN, "batch": 3,
+            "budget": BUDGET}
+
+
+def _single(path, spec, out):
+    from reap.calibrate.pipeline import calibrate
+
+    return calibrate(out=str(out), progress=False, **_args(path, spec))
+
+
+def _distributed(models, name, out, **kw):
+    from reap.distributed.calibrate import calibrate_ray
+
+    path, spec, _, root = models[name]
+    return calibrate_ray(out=str(root / out), progress=False, **_args(path, spec), **kw)
+
+
+# Per-token float32 values (routing weights, norms) are bit-identical across batch shapes for
+# k3-tiny, so its float64 sums agree to float64 rounding; Qwen's float32 router and expert
+# matmuls round differently for another number of tokens, so its sums agree to float32 rounding.
+SUM_RTOL = {"k3": 1e-12, "qwen": 1e-6}
+
+
+def _assert_same(got, want, rtol: float = 1e-12) -> None:
+    """Every statistics file of a distributed run equals the single-process one: counts exactly,
+    float64 sums to `rtol` (of the field's largest value)."""
+    assert set(got.files) == set(want.files)
+    for name, path in want.files.items():
+        a, b = ExpertStats.load(path), ExpertStats.load(got.files[name])
+        assert os.path.basename(got.files[name]) == os.path.basename(path)
+        assert (b.layers, b.n_experts, b.top_k, b.tokens) == (a.layers, a.n_experts, a.top_k,
+                                                              a.tokens)
+        assert {k: v for k, v in b.meta.items() if k not in IO} == \
+            {k: v for k, v in a.meta.items() if k not in IO}
+        for field, x in a.tensors().items():
+            y = getattr(b, field)
+            if x.dtype == torch.float64:  # sums in another order
+                atol = rtol * float(x.abs().max().clamp(min=1))
+                torch.testing.assert_close(y, x, rtol=rtol, atol=atol, msg=field)
+            elif x.is_floating_point():  # per-token maxima from differently batched kernels
+                torch.testing.assert_close(y, x, rtol=1e-5, atol=1e-6, msg=field)
+            else:
+                assert torch.equal(y, x), field
+
+
+def _within_budget(res) -> None:
+    assert res.worker_peak_rss and all(0 < p <= BUDGET for p in res.worker_peak_rss.values()), \
+        res.worker_peak_rss
+
+
+@pytest.mark.parametrize("name", ["k3", "qwen"])
+@pytest.mark.parametrize("mode", ["tokens", "layers"])
+def test_distributed_statistics_equal_the_single_process_run(cluster, models, name, mode):
+    res = _distributed(models, name, f"{name}-{mode}", workers=2, mode=mode, shards=3)
+    assert res.shards_run == [1, 2, 3] and not os.path.exists(os.path.join(res.out, ".work"))
+    _assert_same(res, models[name][2], SUM_RTOL[name])
+    _within_budget(res)
+    if mode == "layers":  # two stages, each reading only its layers: the checkpoint once
+        assert len(res.worker_peak_rss) == 2
+        assert res.bytes_read <= models[name][2].bytes_read
+
+
+def _kill_once(marker: str):
+    """Worker hook: SIGKILL the worker process after shard 2's first committed MoE layer, once
+    (the marker file records the killed pid)."""
+    def hook(shard: int, layer: int) -> None:
+        if shard == 2 and layer == 2 and not os.path.exists(marker):
+            with open(marker, "w") as f:
+                f.write(str(os.getpid()))
+            os.kill(os.getpid(), signal.SIGKILL)
+    return hook
+
+
+def test_a_killed_worker_is_retried_and_resumes_its_shard(cluster, models, tmp_path):
+    import json
+
+    marker = str(tmp_path / "killed")
+    saved = []
+
+    def on_done(k):
+        saved.append(json.load(open(os.path.join(res_dir, ".work", "shards", str(k),
+                                                  "shard.json"))))
+
+    res_dir = str(models["k3"][3] / "k3-killed")
+    res = _distributed(models, "k3", "k3-killed", workers=2, shards=2, hook=_kill_once(marker),
+                       on_done=on_done)
+    killed = int(open(marker).read())
+    shard2 = next(r for r in saved if r["shard"] == 2)
+    assert shard2["pid"] != killed and shard2["resumed_after"] == 2  # retried, then resumed
+    _assert_same(res, models["k3"][2])
+    _within_budget(res)
+
+
+def test_an_interrupted_driver_resumes_without_redoing_finished_shards(cluster, models):
+    def stop(k):
+        if k == 1:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        _distributed(models, "k3", "k3-resume", workers=1, shards=3, on_done=stop)
+    work = models["k3"][3] / "k3-resume" / ".work"
+    assert (work / "shards" / "1" / "shard.json").exists()
+    assert not (work / "shards" / "2").exists()
+    res = _distributed(models, "k3", "k3-resume", workers=1, shards=3)
+    assert res.shards_run == [2, 3]
+    _assert_same(res, models["k3"][2])
+
+
+def test_cli_ray_and_its_errors(cluster, models, capsys, monkeypatch):
+    from reap.cli import main
+
+    path, spec, _, root = models["k3"]
+    argv = ["calibrate", path, "--corpus", spec, "--tokens", str(N_TOK), "--seq-len",
+            str(T_LEN), "--no-progress", "--budget", "1.5GB"]
+    # --ray makes the shards itself: --shard with it is bad input (exit 2)
+    out = root / "k3-cli"
+    assert main(argv + ["--out", str(out), "--ray", "--workers", "2", "--shard", "1/2"]) == 2
+    assert "--shard and --ray" in capsys.readouterr().err
+    monkeypatch.setitem(sys.modules, "ray", None)  # as if ray were not installed
+    assert main(argv + ["--out", str(out), "--ray"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("reap: error:") and "\n" not in err and "[distributed]" in err, err
