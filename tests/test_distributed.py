@@ -178,3 +178,40 @@ def test_cli_ray_and_its_errors(cluster, models, capsys, monkeypatch):
     assert main(argv + ["--out", str(out), "--ray"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("reap: error:") and "\n" not in err and "[distributed]" in err, err
+
+
+def test_eval_on_ray_gives_the_local_results_and_cache(cluster, models, tmp_path):
+    """`reap eval --ray`: every (build x domain) task on the cluster; the same results.json
+    numbers and the same cache files as the local run, and a rerun is served from that cache."""
+    import json
+
+    from reap.distributed.eval import ray_runner
+    from reap.eval import evaluate
+    from reap.prune.plan import make_plan
+    from reap.prune.write import prune
+
+    tiny = models["k3"][0]
+    cfg = json.loads(open(os.path.join(tiny, "config.json")).read())
+    pruned = str(tmp_path / "pruned")
+    prune(model=tiny, plan=make_plan(config=cfg, criterion="random", keep=8, seed=1), out=pruned)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "domain": d, "prompt": p}) + "\n"
+                               for i, (d, p) in enumerate([("en", "Once upon"), ("code", "def f(")])))
+    args = {"builds": [tiny, f"small={pruned}"], "reference": tiny, "corpora": ["en", "zh"],
+            "max_docs": 2, "max_tokens_per_doc": 16, "prompts": str(prompts), "gen_tokens": 4,
+            "bootstrap": 20, "progress": False, "preset": "max", "plots": False}
+    local = evaluate(out=str(tmp_path / "local"), **args)
+    dist = evaluate(out=str(tmp_path / "ray"), run_tasks=ray_runner(None, 2), **args)
+    for key in ("quality", "generations", "generation_summary", "columns", "corpora", "prompts",
+                "expert_failures"):
+        assert dist[key] == local[key], key
+    assert dist["quality"]["zh"] and dist["generations"]["code"]
+    assert dist["cache"]["misses"] == local["cache"]["misses"] == 7  # 2 x 2 quality, 3 gens
+    files = sorted(p.name for p in (tmp_path / "local" / "cache").iterdir())
+    assert files == sorted(p.name for p in (tmp_path / "ray" / "cache").iterdir())
+    for name in files:
+        a = json.loads((tmp_path / "local" / "cache" / name).read_text())
+        b = json.loads((tmp_path / "ray" / "cache" / name).read_text())
+        assert a == b, name
+    again = evaluate(out=str(tmp_path / "ray"), run_tasks=ray_runner(None, 2), **args)
+    assert again["cache"]["hits"] == 7 and again["quality"] == local["quality"]

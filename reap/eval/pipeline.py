@@ -43,10 +43,13 @@ def evaluate(
     gen_batch: int = 16,
     progress: bool = True,
     plots: bool = True,
+    run_tasks=None,
 ) -> dict:
     """Evaluate `builds` against `reference` (see the module docstring); writes results.json,
     report.md, report.html, generations.md and plots/ under `out`; returns the results dict.
-    Raises ExpertLoadError (exit 4) after writing if a routed expert failed to load."""
+    Raises ExpertLoadError (exit 4) after writing if a routed expert failed to load.
+    run_tasks: what computes the uncached tasks (default `tasks.run_with_progress`; `reap eval
+    --ray` passes `reap.distributed.eval.ray_runner`), same arguments."""
     from reap.eval.report import write_report
 
     outdir = check_out_dir(out)
@@ -74,7 +77,7 @@ def evaluate(
     todo = [t for t in tasks if t.payload is None]
     plan_batch = max(batch, min(gen_batch, len(w.prompts)) if w.prompts else 1)
     engines = Engines(w.ref, {**args, "context": w.context(gen_tokens), "plan_batch": plan_batch})
-    run_with_progress(todo, w, engines, args, cache, progress)
+    (run_tasks or run_with_progress)(todo, w, engines, args, cache, progress)
     results = results_document(w, tasks, prompts, args, cache, engines.failures)
     write_report(results, outdir, plots)
     if engines.failures:
