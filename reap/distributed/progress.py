@@ -54,7 +54,7 @@ def unwrap(ray, ref):
         if isinstance(e.cause, ReapError):
             raise e.cause from None
         raise RuntimeError(f"a Ray worker failed: {type(e.cause).__name__}: {e.cause}") from None
-    except (ray.exceptions.WorkerCrashedError, ray.exceptions.ActorDiedError) as e:
+    except (ray.exceptions.WorkerCrashedError, ray.exceptions.RayActorError) as e:
         raise ReapError(f"a Ray worker died past its retries: {e}", exit_code=1) from None
 
 
