@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -33,6 +34,40 @@ ASSUMPTIONS = {
     "passes": 1,  # each worker's budget holds one MLP pass of its tokens (else experts re-read)
 }
 WORKERS, TARGETS = (1, 4, 16), (65_536, 1_048_576)
+MACHINE_CORES = 124  # the published one-machine setup of shared/k3.md: 2x EPYC 7763, NVMe
+MACHINE = ("one worker = the published one-machine setup of shared/k3.md (2x EPYC 7763, 124 "
+           "cores, NVMe 3.2 GB/s), compute assumed to scale linearly over its cores (optimistic)")
+NOTES = [
+    "## Reading the tables", "",
+    ("- Parts add up: `reap calibrate` reads a layer, then computes it (no overlap), so each wall "
+    "time is an upper bound of what prefetching would give. decode = reading the bytes from the "
+    "page cache and decoding MXFP4 experts (measured per byte), disk = the bytes at "
+    "`disk_bytes_per_s` (token mode also pays its hidden-state spill there, read and write per "
+    "layer; in RAM when the page cache holds it), network = one stage boundary's hidden states "
+    "(layer mode; the boundaries run concurrently in the pipeline)."),
+    ("- **Token-sharded**: compute divides by the workers, but every worker reads and decodes the "
+    "whole 1.56 TB (bytes read = workers x 1.56 TB, from local copies or shared storage). On "
+    "single cores compute dominates everything; on 124-core workers the fixed per-worker read "
+    "and decode stop shrinking, so at 64 K tokens and 16 workers disk (1.56 TB at 3.2 GB/s) is "
+    "the bottleneck and more workers no longer help; at 1 M tokens compute still dominates."),
+    ("- **Layer-parallel**: the checkpoint is read and decoded once in total (each stage its "
+    "share), so decode and disk shrink with the workers; the cost moves to memory (1.56 TB / "
+    "workers resident per worker: 98 GB at 16) and to the network (hidden states of every token "
+    "cross each boundary: (1 + snapshots) x 7168 x 4 bytes per token, about 0.14 TB per "
+    "boundary at 1 M tokens), which stays small next to compute at 100 Gb/s. One worker would "
+    "need the whole checkpoint in RAM: the 1-worker rows are the limit, not a setup."),
+    ("- Which mode: token-sharded when workers have fast local disks and modest RAM (each needs "
+    "only its `--budget`); layer-parallel when workers have RAM (or GPU memory) for 1.56 TB / "
+    "workers and the checkpoint is far away (read once over the network instead of once per "
+    "worker). Both produce the same statistics (tests/test_distributed.py)."),
+    ("- GPU: not measured (no GPU lent to this task). The compute column divides by a GPU's "
+    "speed-up over one core once `python experiments/bench_scale.py --device cuda` has measured "
+    "it; host-to-device bandwidth then joins the decode column (`experiments/gpu_check.py`)."),
+    ("- Published one-machine figures for comparison (shared/k3.md, inference, not calibration): "
+    "the pure-C CPU engine on that 124-core machine decodes 5.6 s/token with >= 128 GB RAM and "
+    "streams the trunk at 5.4-6.1 GB/s; calibration is prefill-like (every token through every "
+    "layer, 2 x 104 B FLOP per token = 2.1e17 FLOP for 1 M tokens), which is why it is "
+    "compute-bound here while decoding is bandwidth-bound."), ""]
 
 
 def prefix_config() -> dict:
@@ -68,7 +103,8 @@ def measure(work: Path, device: str) -> dict:
     fixed = max(a["layer_seconds"] - per_token * a["tokens"], 0.0)
     return {"device": device, "runs": runs, "seconds_per_token_layer": per_token,
             "tokens_per_s_per_layer": 1 / per_token, "fixed_seconds": fixed,
-            "fixed_seconds_per_byte": fixed / a["bytes_read"], "bytes_read": a["bytes_read"]}
+            "fixed_seconds_per_byte": fixed / a["bytes_read"], "bytes_read": a["bytes_read"],
+            "load_average": os.getloadavg()[0]}
 
 
 def k3_facts() -> dict:
@@ -109,6 +145,11 @@ def project(m: dict, k3: dict, tokens: int, workers: int, mode: str, a: dict) ->
             "network_bytes": net, "resident_bytes_per_worker": ram}
 
 
+def _load(m: dict) -> str:
+    v = m.get("load_average")
+    return "not recorded by this run" if v is None else f"{v:.1f} at the end of the run"
+
+
 def _time(s: float) -> str:
     for unit, n in (("d", 86400), ("h", 3600), ("min", 60)):
         if s >= n:
@@ -120,34 +161,11 @@ def _tb(b: float | None) -> str:
     return "-" if b is None else (f"{b / 1e12:.2f} TB" if b >= 1e11 else f"{b / 1e9:.1f} GB")
 
 
-def report(m: dict, k3: dict, rows: list[dict], a: dict, command: str) -> str:
-    """reports/scale.md."""
-    lines = [
-        "# Scale: calibrating Kimi K3 on Ray workers (measured layer rate, projected)", "",
-        f"Command: `{command}`. Machine: 2 shared cores, no GPU (none was lent to this task, so "
-        "there are no GPU numbers here: run `python experiments/bench_scale.py --device cuda` and "
-        "`python experiments/gpu_check.py` on one).", "",
-        "## Measured: one full-width K3 MoE layer, one torch thread, " + m["device"], "",
-        "| tokens | layer seconds (attention + MoE) | checkpoint bytes read | peak RSS |",
-        "|---|---|---|---|"]
-    lines += [f"| {r['tokens']} | {r['layer_seconds']:.1f} | {_tb(r['bytes_read'])} | "
-              f"{r['peak_rss'] / 1e9:.1f} GB |" for r in m["runs"]]
-    lines += ["", f"- compute: **{m['tokens_per_s_per_layer']:.1f} tokens/s per layer** "
-              f"({m['seconds_per_token_layer'] * 1e3:.1f} ms per token-layer; K3 has "
-              f"{k3['layers']} layers, so {m['tokens_per_s_per_layer'] / k3['layers']:.2f} "
-              "whole-model tokens/s per core)",
-              f"- fixed per-layer cost (read from page cache + MXFP4 decode): "
-              f"{m['fixed_seconds']:.1f} s for {_tb(m['bytes_read'])} = "
-              f"{m['fixed_seconds_per_byte'] * 1e9:.2f} s per GB", "",
-              "## Assumptions", ""]
-    lines += [f"- `{k}` = {v}" for k, v in a.items() if v is not None]
-    lines += [f"- K3 (size model): {k3['layers']} layers, checkpoint "
-              f"{_tb(k3['checkpoint_bytes'])}, hidden {k3['hidden']}, "
-              f"{k3['snapshots']} AttnRes snapshots at most.", ""]
-    lines += ["## Projection", "",
-              "| tokens | mode | workers | wall time | compute | decode | disk | network | "
-              "bottleneck | bytes read | network bytes | resident per worker |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+def _table(rows: list[dict], title: str) -> list[str]:
+    lines = [f"## Projection: {title}", "",
+             ("| tokens | mode | workers | wall time | compute | decode | disk | network | "
+             "bottleneck | bytes read | network bytes | resident per worker |"),
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         p = r["parts"]
         lines.append(f"| {r['tokens']:,} | {r['mode']} | {r['workers']} | "
@@ -155,27 +173,70 @@ def report(m: dict, k3: dict, rows: list[dict], a: dict, command: str) -> str:
                      f"{_time(p['disk'])} | {_time(p['network'])} | {r['bottleneck']} | "
                      f"{_tb(r['bytes_read'])} | {_tb(r['network_bytes'])} | "
                      f"{_tb(r['resident_bytes_per_worker'])} |")
+    return lines + [""]
+
+
+def report(m: dict, k3: dict, rows: list[dict], a: dict, command: str) -> str:
+    """reports/scale.md."""
+    lines = [
+        "# Scale: calibrating Kimi K3 on Ray workers (measured layer rate, projected)", "",
+        (f"Command: `{command}`. Machine: 2 shared cores, no GPU (none was lent to this task, so "
+        "there are no GPU numbers here: run `python experiments/bench_scale.py --device cuda` and "
+        "`python experiments/gpu_check.py` on one)."), "",
+        "## Measured: one full-width K3 MoE layer, one torch thread, " + m["device"], "",
+        (f"Load average {_load(m)} (other jobs share the 2 cores, so the rate is a lower bound "
+        "for an idle core)."), "",
+        "| tokens | layer seconds (attention + MoE) | checkpoint bytes read | peak RSS |",
+        "|---|---|---|---|"]
+    lines += [f"| {r['tokens']} | {r['layer_seconds']:.1f} | {_tb(r['bytes_read'])} | "
+              f"{r['peak_rss'] / 1e9:.1f} GB |" for r in m["runs"]]
+    lines += ["", (f"- compute: **{m['tokens_per_s_per_layer']:.1f} tokens/s per layer** "
+              f"({m['seconds_per_token_layer'] * 1e3:.1f} ms per token-layer; K3 has "
+              f"{k3['layers']} layers, so {m['tokens_per_s_per_layer'] / k3['layers']:.2f} "
+              "whole-model tokens/s per core)"),
+              (f"- fixed per-layer cost (read from page cache + MXFP4 decode): "
+              f"{m['fixed_seconds']:.1f} s for {_tb(m['bytes_read'])} = "
+              f"{m['fixed_seconds_per_byte'] * 1e9:.2f} s per GB"), "",
+              "## Assumptions", ""]
+    lines += [f"- `{k}` = {v}" for k, v in a.items() if k != "cores_per_worker"]
+    lines += [(f"- K3 (size model): {k3['layers']} layers, checkpoint "
+              f"{_tb(k3['checkpoint_bytes'])}, hidden {k3['hidden']}, "
+              f"{k3['snapshots']} AttnRes snapshots at most."), ""]
+    for cores, title in ((1, "one worker = one core at the measured rate"),
+                         (MACHINE_CORES, MACHINE)):
+        lines += _table([r for r in rows if r["cores"] == cores], title)
+    lines += NOTES
     return "\n".join(lines) + "\n"
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cpu")
-    p.add_argument("--work", default=str(ROOT / ".bench" / "scale"))
-    p.add_argument("--cores", type=int, default=ASSUMPTIONS["cores_per_worker"],
-                   help="cores per worker (the measured rate is per core; linear scaling)")
+    p.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "reap-bench-scale"),
+                   help="where the synthesized layer (1.9 GB) and runs go")
     p.add_argument("--out", default=str(ROOT / "reports" / "scale"))
+    p.add_argument("--measured", default=None,
+                   help="reuse the measurement of an earlier scale.json (new assumptions only)")
     a = p.parse_args(argv)
     os.makedirs(a.work, exist_ok=True)
-    m = measure(Path(a.work), a.device)
+    measured_by = None
+    if a.measured:
+        old = json.loads(Path(a.measured).read_text())
+        m, measured_by = old["measured"], old.get("measured_by", old["command"])
+    else:
+        m = measure(Path(a.work), a.device)
     k3 = k3_facts()
-    assumptions = {**ASSUMPTIONS, "cores_per_worker": a.cores}
-    rows = [project(m, k3, n, w, mode, assumptions)
-            for n in TARGETS for mode in ("tokens", "layers") for w in WORKERS]
-    command = "python experiments/bench_scale.py " + " ".join(argv or sys.argv[1:])
-    Path(a.out + ".md").write_text(report(m, k3, rows, assumptions, command.strip()))
+    rows = [{**project(m, k3, n, w, mode, {**ASSUMPTIONS, "cores_per_worker": c}), "cores": c}
+            for c in (1, MACHINE_CORES) for n in TARGETS for mode in ("tokens", "layers")
+            for w in WORKERS]
+    assumptions = ASSUMPTIONS
+    command = ("python experiments/bench_scale.py " + " ".join(argv or sys.argv[1:])).strip()
+    if measured_by:
+        command = f"{measured_by}` (measurement), then `{command}` (projection)"
+    m_by = measured_by or command
+    Path(a.out + ".md").write_text(report(m, k3, rows, assumptions, command))
     Path(a.out + ".json").write_text(json.dumps(
-        {"command": command.strip(), "measured": m, "k3": k3, "assumptions": assumptions,
+        {"command": command, "measured_by": m_by, "measured": m, "k3": k3, "assumptions": assumptions,
          "projection": rows}, indent=1) + "\n")
     print(Path(a.out + ".md").read_text())
     return 0

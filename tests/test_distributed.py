@@ -136,13 +136,15 @@ def test_a_killed_worker_is_retried_and_resumes_its_shard(cluster, models, tmp_p
     saved = []
 
     def on_done(k):
-        saved.append(json.load(open(os.path.join(res_dir, ".work", "shards", str(k),
-                                                  "shard.json"))))
+        path = os.path.join(res_dir, ".work", "shards", str(k), "shard.json")
+        with open(path) as f:
+            saved.append(json.load(f))
 
     res_dir = str(models["k3"][3] / "k3-killed")
     res = _distributed(models, "k3", "k3-killed", workers=2, shards=2, hook=_kill_once(marker),
                        on_done=on_done)
-    killed = int(open(marker).read())
+    with open(marker) as f:
+        killed = int(f.read())
     shard2 = next(r for r in saved if r["shard"] == 2)
     assert shard2["pid"] != killed and shard2["resumed_after"] == 2  # retried, then resumed
     _assert_same(res, models["k3"][2])
@@ -159,23 +161,36 @@ def test_an_interrupted_driver_resumes_without_redoing_finished_shards(cluster, 
     work = models["k3"][3] / "k3-resume" / ".work"
     assert (work / "shards" / "1" / "shard.json").exists()
     assert not (work / "shards" / "2").exists()
+    from reap.errors import ReapError
+
+    with pytest.raises(ReapError, match="different arguments"):  # not this job's work
+        _distributed(models, "k3", "k3-resume", workers=1, shards=3, seed=1)
     res = _distributed(models, "k3", "k3-resume", workers=1, shards=3)
     assert res.shards_run == [2, 3]
     _assert_same(res, models["k3"][2])
 
 
-def test_cli_ray_and_its_errors(cluster, models, capsys, monkeypatch):
+def test_cli_ray_writes_the_single_process_files_and_fails_in_one_line(cluster, models, capsys,
+                                                                       monkeypatch):
+    from reap.calibrate.runner import CalibrateResult
     from reap.cli import main
 
-    path, spec, _, root = models["k3"]
+    path, spec, single, root = models["k3"]
     argv = ["calibrate", path, "--corpus", spec, "--tokens", str(N_TOK), "--seq-len",
-            str(T_LEN), "--no-progress", "--budget", "1.5GB"]
-    # --ray makes the shards itself: --shard with it is bad input (exit 2)
-    out = root / "k3-cli"
-    assert main(argv + ["--out", str(out), "--ray", "--workers", "2", "--shard", "1/2"]) == 2
+            str(T_LEN), "--batch", "3", "--no-progress", "--budget", str(BUDGET)]
+    assert main(argv + ["--out", str(root / "k3-cli"), "--ray", "--workers", "2"]) == 0
+    printed = dict(line.split("\t") for line in capsys.readouterr().out.splitlines())
+    _assert_same(CalibrateResult(str(root / "k3-cli"), printed, None, 0, [], 0, 0, 0, 0, None,
+                                 0.0, 0), single)
+    # a worker's bad input (budget below the worker's own baseline) is one line, exit 2
+    assert main([*argv[:-1], "1MB", "--out", str(root / "k3-cli-small"), "--ray"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("reap: error:") and "\n" not in err and "too small" in err, err
+    # --ray makes the shards itself: --shard with it is bad input
+    assert main(argv + ["--out", str(root / "k3-cli-2"), "--ray", "--shard", "1/2"]) == 2
     assert "--shard and --ray" in capsys.readouterr().err
     monkeypatch.setitem(sys.modules, "ray", None)  # as if ray were not installed
-    assert main(argv + ["--out", str(out), "--ray"]) == 2
+    assert main(argv + ["--out", str(root / "k3-cli-3"), "--ray"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("reap: error:") and "\n" not in err and "[distributed]" in err, err
 
@@ -191,7 +206,8 @@ def test_eval_on_ray_gives_the_local_results_and_cache(cluster, models, tmp_path
     from reap.prune.write import prune
 
     tiny = models["k3"][0]
-    cfg = json.loads(open(os.path.join(tiny, "config.json")).read())
+    with open(os.path.join(tiny, "config.json")) as f:
+        cfg = json.load(f)
     pruned = str(tmp_path / "pruned")
     prune(model=tiny, plan=make_plan(config=cfg, criterion="random", keep=8, seed=1), out=pruned)
     prompts = tmp_path / "p.jsonl"
@@ -215,3 +231,12 @@ def test_eval_on_ray_gives_the_local_results_and_cache(cluster, models, tmp_path
         assert a == b, name
     again = evaluate(out=str(tmp_path / "ray"), run_tasks=ray_runner(None, 2), **args)
     assert again["cache"]["hits"] == 7 and again["quality"] == local["quality"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present: run the check itself")
+def test_gpu_check_without_cuda_says_so_and_exits_cleanly(capsys):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from experiments.gpu_check import main
+
+    assert main(["--device", "cuda", "--out", "/nonexistent/never-written.json"]) == 0
+    assert "no CUDA device" in capsys.readouterr().out

@@ -15,10 +15,9 @@ Dimension letters: B sequences of a shard, T seq_len, E experts.
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import os
-
-import torch
 
 from reap.distributed import job as jobs
 from reap.distributed.progress import gather, make_tracker
@@ -121,7 +120,7 @@ def split_layers(per: list[int], workers: int) -> list[tuple[int, int]]:
         if need and (acc >= total * (len(cuts) + 1) / n or L - (i + 1) == need):
             cuts.append(i + 1)
     bounds = [0, *cuts, L]
-    return list(zip(bounds, bounds[1:]))
+    return list(itertools.pairwise(bounds))
 
 
 def _collect(*rows: dict) -> dict:

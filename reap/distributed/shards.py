@@ -59,8 +59,8 @@ def run_shards(ray, job: jobs.Job, *, shards: int, workers: int, progress: bool,
     task = ray.remote(num_cpus=1, num_gpus=1 if dev.startswith("cuda") else 0,
                       max_retries=RETRIES, retry_exceptions=False)(shard_task)
     tracker, T = make_tracker(ray), job.kw["seq_len"]
-    sizes = {k: (lambda r: (r[1] - r[0]) * T)(runner.resolve_shard((k, shards), job.n_seq))
-             for k in range(1, shards + 1)}
+    spans = {k: runner.resolve_shard((k, shards), job.n_seq) for k in range(1, shards + 1)}
+    sizes = {k: (s1 - s0) * T for k, (s0, s1) in spans.items()}
     todo = [k for k in range(1, shards + 1) if not job.finished(k)]
 
     def submit(k: int):
@@ -76,8 +76,12 @@ def run_shards(ray, job: jobs.Job, *, shards: int, workers: int, progress: bool,
     gather(ray, todo, submit, workers, tracker, total=job.n_seq * T,
            initial=sum(sizes[k] for k in sizes if k not in todo), on_done=done,
            progress=progress, desc=f"calibrate x{workers}", on_poll=on_poll)
-    return [json.load(open(os.path.join(job.shard_dir(k), "shard.json")))
-            for k in range(1, shards + 1)]
+    return [_read_json(os.path.join(job.shard_dir(k), "shard.json")) for k in range(1, shards + 1)]
+
+
+def _read_json(path: str) -> dict:
+    with open(path) as f:
+        return json.load(f)
 
 
 def save_shard(job: jobs.Job, k: int, result: dict) -> None:
