@@ -180,7 +180,7 @@ def report(m: dict, k3: dict, rows: list[dict], a: dict, command: str) -> str:
     """reports/scale.md."""
     lines = [
         "# Scale: calibrating Kimi K3 on Ray workers (measured layer rate, projected)", "",
-        (f"Command: `{command}`. Machine: 2 shared cores, no GPU (none was lent to this task, so "
+        (f"Command: {command}. Machine: 2 shared cores, no GPU (none was lent to this task, so "
         "there are no GPU numbers here: run `python experiments/bench_scale.py --device cuda` and "
         "`python experiments/gpu_check.py` on one)."), "",
         "## Measured: one full-width K3 MoE layer, one torch thread, " + m["device"], "",
@@ -231,12 +231,13 @@ def main(argv=None) -> int:
             for w in WORKERS]
     assumptions = ASSUMPTIONS
     command = ("python experiments/bench_scale.py " + " ".join(argv or sys.argv[1:])).strip()
-    if measured_by:
-        command = f"{measured_by}` (measurement), then `{command}` (projection)"
     m_by = measured_by or command
-    Path(a.out + ".md").write_text(report(m, k3, rows, assumptions, command))
+    shown = f"`{m_by}` (measurement), then `{command}` (projection)" if measured_by else \
+        f"`{command}`"
+    Path(a.out + ".md").write_text(report(m, k3, rows, assumptions, shown))
     Path(a.out + ".json").write_text(json.dumps(
-        {"command": command, "measured_by": m_by, "measured": m, "k3": k3, "assumptions": assumptions,
+        {"command": command, "measured_by": m_by, "measured": m, "k3": k3,
+         "assumptions": assumptions,
          "projection": rows}, indent=1) + "\n")
     print(Path(a.out + ".md").read_text())
     return 0
