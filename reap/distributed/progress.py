@@ -34,13 +34,16 @@ class TrackerState:
         self.done, self.notes = {}, {}
 
 
-def make_tracker(ray):
-    """This driver's `TrackerState` actor (no CPU reserved), emptied: one per driver process,
-    reused by its later jobs (an actor costs a worker process start)."""
-    import os
+_TRACKERS: dict = {}  # Ray job id -> this driver's tracker handle (held: the actor lives on)
 
-    tracker = ray.remote(num_cpus=0)(TrackerState).options(
-        name=f"reap-progress-{os.getpid()}", get_if_exists=True).remote()
+
+def make_tracker(ray):
+    """This driver's `TrackerState` actor (no CPU reserved), emptied: one per driver and Ray
+    job, reused by its later runs (an actor costs a worker process start)."""
+    job = ray.get_runtime_context().get_job_id()
+    tracker = _TRACKERS.get(job)
+    if tracker is None:
+        tracker = _TRACKERS[job] = ray.remote(num_cpus=0)(TrackerState).remote()
     ray.get(tracker.reset.remote())
     return tracker
 
