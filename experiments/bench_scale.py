@@ -24,6 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from reap.provenance import code_version
+
 ROOT = Path(__file__).resolve().parents[1]
 TOKENS = (512, 2048)  # the two measured calibration sizes (sequences of SEQ_LEN)
 SEQ_LEN = 256
@@ -104,7 +106,7 @@ def measure(work: Path, device: str) -> dict:
     return {"device": device, "runs": runs, "seconds_per_token_layer": per_token,
             "tokens_per_s_per_layer": 1 / per_token, "fixed_seconds": fixed,
             "fixed_seconds_per_byte": fixed / a["bytes_read"], "bytes_read": a["bytes_read"],
-            "load_average": os.getloadavg()[0]}
+            "load_average": os.getloadavg()[0], "code_version": code_version()}
 
 
 def k3_facts() -> dict:
@@ -236,7 +238,8 @@ def main(argv=None) -> int:
         f"`{command}`"
     Path(a.out + ".md").write_text(report(m, k3, rows, assumptions, shown))
     Path(a.out + ".json").write_text(json.dumps(
-        {"command": command, "measured_by": m_by, "measured": m, "k3": k3,
+        {"command": command, "measured_by": m_by, "code_version": code_version(),
+         "measured": m, "k3": k3,
          "assumptions": assumptions,
          "projection": rows}, indent=1) + "\n")
     print(Path(a.out + ".md").read_text())

@@ -117,6 +117,7 @@ def main(argv=None) -> int:
         print(f"gpu_check: no CUDA device on {platform.node()} (torch {torch.__version__}); "
               "nothing checked. Run it on a GPU machine, or with --device cpu as a self-check.")
         return 0
+    from reap.provenance import code_version
     from reap.synth import synth
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -125,6 +126,7 @@ def main(argv=None) -> int:
         spec = "zh+code"  # the shipped corpora
         result = {"command": "python experiments/gpu_check.py " + " ".join(argv or sys.argv[1:]),
                   "device": a.device, "torch": torch.__version__,
+                  "code_version": code_version(),
                   "gpu": torch.cuda.get_device_name(0) if a.device.startswith("cuda") else None,
                   "calibrate": check_calibrate(model, spec, work, a.device),
                   "run_eval": check_run_and_eval(model, a.device),

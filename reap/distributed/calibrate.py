@@ -47,8 +47,9 @@ def calibrate_ray(*, address: str | None = None, workers: int = 2, mode: str = "
 
     workers: concurrent shard tasks (tokens) or pipeline stages (layers). shards: sequence shards
     (default: workers in token mode, 4 x workers in layer mode), the unit of resume.
-    hook(shard, layer) runs in the worker after each committed layer, on_done(shard) on the
-    driver after each saved shard and on_poll(notes) at each progress redraw (tests use them).
+    hook(shard, layer) runs in the worker after each committed layer (tokens) or after a stage
+    ran a shard through its layers, `layer` its first (layers); on_done(shard) on the driver
+    after each saved shard and on_poll(notes) at each progress redraw (tests use them).
     """
     if mode not in MODES:
         raise ReapError(f"unknown distributed mode {mode!r} (choose from {', '.join(MODES)})")
@@ -70,7 +71,8 @@ def calibrate_ray(*, address: str | None = None, workers: int = 2, mode: str = "
         from reap.distributed.layers import run_layers
 
         files, records, read = run_layers(ray, job, shards=shards, workers=workers,
-                                          progress=progress, on_done=on_done, on_poll=on_poll)
+                                          progress=progress, hook=hook, on_done=on_done,
+                                          on_poll=on_poll)
     res = DistributedResult(job.out, files, job.n_seq * job.kw["seq_len"], job.moe_layers,
                             mode, shards, workers, sorted(set(range(1, shards + 1)) - before),
                             time.perf_counter() - t0, records, read)

@@ -30,7 +30,7 @@ RETRIES = 3  # restarts of a dead stage actor, and retries of its calls
 class Stage:
     """Layers [l0, l1) of the model held resident (stage 0 also embeds)."""
 
-    def __init__(self, kw: dict, l0: int, l1: int, job_facts: dict, tracker):
+    def __init__(self, kw: dict, l0: int, l1: int, job_facts: dict, tracker, hook=None):
         from reap.calibrate.pipeline import _setup
         from reap.calibrate.runner import LayerWeights, StoreExperts
         from reap.checkpoint import Checkpoint
@@ -45,6 +45,7 @@ class Stage:
                                    self.device, fam.expert_matrices)
         self.resident: dict[tuple[int, int], dict] = {}
         self.facts, self.tracker, self.seq_counts = job_facts, tracker, kw["seq_counts"]
+        self.hook = hook  # hook(shard, first layer) after each shard's layers (tests use it)
 
     def expert(self, layer: int, e: int) -> dict:
         """ExpertSource: an expert's tensors, read from the checkpoint once."""
@@ -80,7 +81,9 @@ class Stage:
             state = self.model.finish_layer(i, state, y)
             release_memory()
         share = (s1 - s0) * f["seq_len"] * (self.l1 - self.l0) / f["n_layers"]
-        self.tracker.report.remote((k, self.l0), share)
+        self.tracker.report.remote((k, self.l0), share, {"pid": os.getpid(), "stage": self.l0})
+        if self.hook is not None:
+            self.hook(k, self.l0)
         last = self.l1 == f["n_layers"]
         return (None if last else {n: t.cpu() for n, t in state_arrays(state).items()}), rows
 
@@ -128,8 +131,8 @@ def _collect(*rows: dict) -> dict:
     return {layer: r for part in rows for layer, r in part.items()}
 
 
-def run_layers(ray, job: jobs.Job, *, shards: int, workers: int, progress: bool, on_done=None,
-               on_poll=None) -> tuple[dict, dict, int]:
+def run_layers(ray, job: jobs.Job, *, shards: int, workers: int, progress: bool, hook=None,
+               on_done=None, on_poll=None) -> tuple[dict, dict, int]:
     """Layer-parallel calibration of every unfinished shard, then the final files; returns
     (files, {stage: peak RSS}, checkpoint bytes read)."""
     from reap.calibrate import runner
@@ -147,7 +150,7 @@ def run_layers(ray, job: jobs.Job, *, shards: int, workers: int, progress: bool,
     actor = ray.remote(num_cpus=1, num_gpus=gpu, max_restarts=RETRIES,
                        max_task_retries=RETRIES)(Stage)
     tracker = make_tracker(ray)
-    stages = [actor.remote(job.kw, a, b, facts, tracker) for a, b in ranges]
+    stages = [actor.remote(job.kw, a, b, facts, tracker, hook) for a, b in ranges]
     collect = ray.remote(num_cpus=0)(_collect)
     spans = {k: runner.resolve_shard((k, shards), job.n_seq) for k in range(1, shards + 1)}
 
