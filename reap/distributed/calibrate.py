@@ -61,7 +61,8 @@ def calibrate_ray(*, address: str | None = None, workers: int = 2, mode: str = "
     kw = {"model": None, "budget": 4_000_000_000, "device": "cpu", "dtype": "float32",
           "seed": 0, "batch": None, "seq_counts": None, "max_pass_seqs": None, **kw}
     shards = shards or (workers if mode == "tokens" else 4 * workers)
-    job = jobs.prepare(kw, kw.pop("out"), mode, shards)
+    out = kw.pop("out")
+    job = jobs.prepare(kw, out, mode, shards)
     ray = connect(address)
     before = {k for k in range(1, shards + 1) if job.finished(k)}
     if mode == "tokens":

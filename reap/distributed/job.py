@@ -70,8 +70,8 @@ def prepare(kw: dict, out: str, mode: str, shards: int) -> Job:
     names = [n for n, _ in parse_spec(kw["corpus"])]
     kw = dict(kw, model=os.path.abspath(kw["model"] or default_model()))
     with Checkpoint.open(kw["model"]) as ckpt:
-        size = _setup(ckpt, kw["model"], kw["tokens"], kw["seq_len"], kw["device"],
-                      kw["dtype"])["size"]
+        # the driver computes nothing: "cpu" here, each worker checks its own --device
+        size = _setup(ckpt, kw["model"], kw["tokens"], kw["seq_len"], "cpu", kw["dtype"])["size"]
         fingerprint = ckpt.fingerprint()
     seqs = calibration_sequences(kw["corpus"], load_tokenizer(kw["model"]), kw["tokens"],
                                  kw["seq_len"], kw["seed"])
