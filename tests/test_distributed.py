@@ -237,7 +237,13 @@ def test_eval_on_ray_gives_the_local_results_and_cache(cluster, models, tmp_path
         a = json.loads((tmp_path / "local" / "cache" / name).read_text())
         b = json.loads((tmp_path / "ray" / "cache" / name).read_text())
         assert a == b, name
-    again = evaluate(out=str(tmp_path / "ray"), run_tasks=ray_runner(None, 2), **args)
+    from reap.cli import main  # the command line, rerun: every result from the cache
+
+    assert main(["eval", tiny, f"small={pruned}", "--reference", tiny, "--corpus", "en,zh",
+                 "--max-docs", "2", "--max-tokens-per-doc", "16", "--prompts", str(prompts),
+                 "--gen-tokens", "4", "--bootstrap", "20", "--preset", "max", "--quiet",
+                 "--no-plots", "--out", str(tmp_path / "ray"), "--ray", "--workers", "2"]) == 0
+    again = json.loads((tmp_path / "ray" / "results.json").read_text())
     assert again["cache"]["hits"] == 7 and again["quality"] == local["quality"]
 
 
