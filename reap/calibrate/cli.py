@@ -44,7 +44,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
                    help="run the shards on a Ray cluster (ADDRESS, default: RAY_ADDRESS or a "
-                        "new local one; needs pip install -e \".[distributed]\")")
+                        "new local one; give it after MODEL; needs pip install -e "
+                        "\".[distributed]\")")
     p.add_argument("--workers", type=int, default=2,
                    help="with --ray: concurrent workers, each within --budget (default 2)")
     p.add_argument("--layer-parallel", action="store_true",
