@@ -32,6 +32,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from experiments.corpus_study import ROOT
+from experiments.corpus_study.predictions import (
+    build_prediction,
+    recon_summary,
+    stats_shape,
+    validation,
+)
 from experiments.corpus_study.stats import (
     CORPORA,
     DOMAINS,
@@ -52,7 +58,7 @@ class Settings:
     seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
     sets: list[str] = field(default_factory=lambda: list(SETS))
     budgets: list[str] = field(default_factory=lambda: ["k3", "25%", "50%"])
-    criteria: list[str] = field(default_factory=lambda: ["frequency", "ean", "random"])
+    criteria: list[str] = field(default_factory=lambda: ["frequency", "ean", "random", "recon"])
     criteria_set: str = "full"
     criteria_budgets: list[str] = field(default_factory=lambda: ["k3", "25%"])
     calib_seqs: int = 64  # calibration sequences per corpus
@@ -71,7 +77,7 @@ PRESETS = {
         seeds=[0, 1],
         sets=["zh", "en+code", "full"],
         budgets=["k3"],
-        criteria=["frequency", "random"],
+        criteria=["frequency", "random", "recon"],
         criteria_budgets=["k3"],
         calib_seqs=2,
         seq_len=64,
@@ -136,6 +142,7 @@ def calibrate_seed(work: Path, s: Settings, seed: int) -> dict[str, str]:
             out=str(out),
             seed=seed,
             progress=False,
+            save_token_experts=True,  # per-token routing: the predictor's whole-top-k share
         )
     paths = {c: str(out / f"{c}.safetensors") for c in CORPORA}
     eu = work / "calib" / f"seed{seed}-eu.safetensors"
@@ -146,11 +153,29 @@ def calibrate_seed(work: Path, s: Settings, seed: int) -> dict[str, str]:
 
 
 def make_build_plan(
-    stats: dict[str, str], config: dict, cal_set: str, criterion: str, keep: int, seed: int
+    stats: dict[str, str],
+    config: dict,
+    cal_set: str,
+    criterion: str,
+    keep: int,
+    seed: int,
+    work: Path | None = None,
 ):
-    """The plan of one build (super experts protected, as `reap plan` does by default)."""
+    """The plan of one build (super experts protected, as `reap plan` does by default); recon
+    plans reuse the set's calibration pass cached in `work`."""
     from reap.prune.plan import make_plan
 
+    if criterion == "recon":
+        from experiments.corpus_study.predictions import recon_tokens
+        from reap.prune.recon import plan_recon
+
+        tokens, pass_seconds = recon_tokens(work, stats, cal_set, seed)
+        plan = plan_recon(
+            stats=[stats[c] for c in SETS[cal_set]], tokens=tokens, config=config, keep=keep,
+            seed=seed,
+        )
+        plan.recon["pass_seconds"] = pass_seconds
+        return plan
     return make_plan(
         stats=[stats[c] for c in SETS[cal_set]],
         config=config,
@@ -249,20 +274,27 @@ class BuildSpec:
 
 
 def build_specs(s: Settings, keeps: dict[str, int]) -> list[BuildSpec]:
-    """Every build of the study, REAP builds first (generations at the first budget)."""
-    out = [
+    """Every build of the study (REAP builds get generations at the first budget): the
+    criteria comparison seed by seed first, so a partial run already compares criteria."""
+    reap = [
         BuildSpec(c, "reap", b, keeps[b], seed, b == s.budgets[0])
         for seed in s.seeds
         for b in s.budgets
         for c in s.sets
     ]
-    out += [
-        BuildSpec(s.criteria_set, crit, b, keeps[b], seed, False)
+    crit = [
+        BuildSpec(s.criteria_set, c, b, keeps[b], seed, False)
         for seed in s.seeds
         for b in s.criteria_budgets
-        for crit in s.criteria
+        for c in s.criteria
     ]
-    return out
+    first = [
+        x
+        for seed in s.seeds
+        for x in [r for r in reap if r.seed == seed and r.cal_set == s.criteria_set
+                  and r.budget in s.criteria_budgets] + [c for c in crit if c.seed == seed]
+    ]
+    return first + [r for r in reap if r not in first]
 
 
 def run_build(work: Path, s: Settings, model: str, config: dict, stats: dict, b: BuildSpec) -> dict:
@@ -274,7 +306,7 @@ def run_build(work: Path, s: Settings, model: str, config: dict, stats: dict, b:
     if done is not None:
         return done
     t0 = time.perf_counter()
-    plan = make_build_plan(stats, config, b.cal_set, b.criterion, b.keep, b.seed)
+    plan = make_build_plan(stats, config, b.cal_set, b.criterion, b.keep, b.seed, work)
     path = prune(model=model, plan=plan, out=str(work / "builds" / b.id), overwrite=True).out
     res = evaluate(
         builds=[f"{b.id}={path}"],
@@ -301,6 +333,8 @@ def run_build(work: Path, s: Settings, model: str, config: dict, stats: dict, b:
         "reference_quality": {d: res["quality"][d][res["columns"][0]] for d in DOMAINS},
         "seconds": time.perf_counter() - t0,
     }
+    if plan.recon is not None:
+        rec["recon"] = plan.recon
     if b.with_gen:
         rec["generations"] = {d: v[b.id] for d, v in res["generation_summary"].items()}
         rec["reference_generations"] = {
@@ -323,10 +357,16 @@ def _check_work(work: Path, s: Settings) -> None:
     from reap.errors import ReapError
 
     have = _read(work / "settings.json")
-    if have is not None and have != asdict(s):
+    if have is not None and _fixed(have) != _fixed(asdict(s)):
         raise ReapError(f"{work} holds a study with other settings; use another --work")
     if have is None:
         _write(work / "settings.json", asdict(s))
+
+
+def _fixed(settings: dict) -> dict:
+    """The settings a cached build depends on: criteria may be added to a study later (each
+    build is cached under its own id)."""
+    return {k: v for k, v in settings.items() if k != "criteria"}
 
 
 def run_study(s: Settings, work: Path, out_dir: Path, report: Path | None) -> dict:
@@ -352,6 +392,8 @@ def run_study(s: Settings, work: Path, out_dir: Path, report: Path | None) -> di
     ms = sorted({keeps[b] for b in s.budgets})
     overlaps = {seed: _overlaps(work, stats[seed], ms, seed) for seed in s.seeds}
     recs = _run_builds(work, s, model, config, stats, build_specs(s, keeps))
+    shape = stats_shape(stats[s.seeds[0]]["zh"])
+    preds = {r["id"]: build_prediction(work, r, stats[r["seed"]], shape) for r in recs}
     results = {
         "format": "reap.corpus_study/1",
         "settings": asdict(s),
@@ -376,6 +418,9 @@ def run_study(s: Settings, work: Path, out_dir: Path, report: Path | None) -> di
             r["cal_set"]: r["examples"] for r in recs if "examples" in r and r["seed"] == s.seeds[0]
         },
         "build_seconds": float(sum(r["seconds"] for r in recs)),
+        "predictions": preds,
+        "validation": validation(recs, preds, s.budgets),
+        "recon": recon_summary(work, recs, s),
         "protected_experts": int(sum(r["protected"] for r in recs)),
     }
     _write(out_dir / "results.json", results)

@@ -46,6 +46,9 @@ class StatsAccumulator:
         self._span = (0, len(seq_corpus))
         # optional: ids_sink(layer, first_token, ids [N, K]) receives every record's routing
         self.ids_sink = None
+        # optional: record_sink(record on the CPU, corpus index [N] of its tokens) receives every
+        # record (the recon criterion's pass, `reap.prune.recon`)
+        self.record_sink = None
 
     def span(self, s0: int, s1: int) -> None:
         """The next records cover sequences s0..s1-1 (all of their tokens, in order)."""
@@ -74,6 +77,8 @@ class StatsAccumulator:
             self.ids_sink(record.layer, s0 * self.seq_len, rec.ids)
         seq = torch.arange(s0, s1).repeat_interleave(self.seq_len)  # [N]
         tok_corpus = self.seq_corpus[seq]  # [N]
+        if self.record_sink is not None:
+            self.record_sink(rec, tok_corpus)
         rows = self.layer(record.layer)
         for c in torch.unique(tok_corpus).tolist():
             sel = (tok_corpus == c).nonzero().squeeze(1)  # [n]

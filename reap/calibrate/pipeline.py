@@ -44,7 +44,7 @@ def calibrate(*, corpus: str, tokens: int, seq_len: int, out: str, model: str | 
               seed: int = 0, batch: int | None = None, save_token_experts: bool = False,
               seq_counts: bool | None = None, shard: tuple[int, int] = (1, 1),
               max_pass_seqs: int | None = None, progress: bool = True,
-              hooks=None) -> runner.CalibrateResult:
+              hooks=None, observe=None) -> runner.CalibrateResult:
     """Stream `tokens` calibration tokens of corpus mixture `corpus` (e.g. "zh:3+code:1")
     through `model` in sequences of `seq_len` and write per-corpus expert statistics to `out`.
 
@@ -53,7 +53,8 @@ def calibrate(*, corpus: str, tokens: int, seq_len: int, out: str, model: str | 
     contiguous parts of the sampled sequences (merge the parts with `reap stats merge`).
     max_pass_seqs: cap the sequences per MLP pass below what the budget allows (tests use it
     to force several passes).
-    hooks(layer) runs after each committed layer. Re-running with the same arguments resumes
+    hooks(layer) runs after each committed layer; observe(record, corpus index [N]) receives
+    every MoE record (`StatsAccumulator.record_sink`). Re-running with the same arguments resumes
     after the last completed layer. Returns what was written and measured.
     """
     t0 = time.perf_counter()
@@ -82,6 +83,7 @@ def calibrate(*, corpus: str, tokens: int, seq_len: int, out: str, model: str | 
         ids = torch.tensor([s.ids for s in seqs], dtype=torch.int64)  # [S, T]
         run = _make_run(ckpt, setup, ids, [names.index(s.corpus) for s in seqs], len(names),
                         identity, out, budget, batch, seq_counts, save_token_experts)
+        run.acc.record_sink = observe
         return _execute(run, setup, seqs, names, progress, hooks, t0)
     finally:
         ckpt.close()

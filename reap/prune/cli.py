@@ -14,6 +14,7 @@ the checkpoint the statistics were calibrated on, when it is still there unchang
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 from collections.abc import Callable
@@ -23,7 +24,19 @@ from reap.errors import ReapError
 from reap.prune.budget import positive_size
 from reap.prune.criteria import CRITERIA
 from reap.prune.plan import make_plan
+from reap.prune import predict_cli
 from reap.prune.plan_file import Plan
+from reap.prune.recon import plan_recon
+
+RECON_HELP = (
+    "per layer, the kept set minimising the MoE block's output error on the statistics' "
+    "calibration tokens (objective: sum over tokens of ||routed output - output with the "
+    "dropped experts removed and the token's routing weights renormalised over its surviving "
+    "experts||^2, each corpus relative to its output energy; contributions of one token's "
+    "experts taken as orthogonal); backward greedy, REAP start, pair swaps. Cost: one extra "
+    "streamed calibration pass over the statistics' tokens under --budget (what `reap "
+    "calibrate` costs) plus seconds per layer of search; reap/ean read only the statistics"
+)
 
 
 class Subcommand(NamedTuple):
@@ -86,7 +99,13 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=int, help="with a built-in --config: its first N layers")
     p.add_argument("--out", help="plan JSON to write")
     p.add_argument("--dry-run", action="store_true", help="print the size table, write nothing")
-    p.add_argument("--criterion", default="reap", choices=CRITERIA)
+    p.add_argument(
+        "--criterion",
+        default="reap",
+        choices=CRITERIA,
+        help="reap/ean/frequency/gate/random rank experts by statistics alone; recon: "
+        + RECON_HELP,
+    )
     p.add_argument(
         "--latent",
         action="store_true",
@@ -106,9 +125,12 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-keep", type=int, help="global scope: least experts per layer (>= top_k)")
     p.add_argument("--no-protect", action="store_true", help="do not protect super experts")
     p.add_argument("--seed", type=int, default=0, help="seed of --criterion random")
+    predict_cli.add_arguments(p)
 
 
 def run_plan(args: argparse.Namespace) -> int:
+    if args.compare:
+        return predict_cli.run_compare(args)
     config, model, path = None, None, None
     if args.model or args.config:
         from reap.sizes import resolve_config
@@ -120,7 +142,12 @@ def run_plan(args: argparse.Namespace) -> int:
     if not args.dry_run and not args.out:
         raise ReapError("give --out plan.json (or --dry-run)")
     arguments = {k: v for k, v in vars(args).items() if not k.startswith("_")}
-    plan = make_plan(
+    planner = make_plan
+    if args.criterion == "recon":
+        planner = functools.partial(
+            plan_recon, checkpoint=path, budget=positive_size(args.budget, "--budget")
+        )
+    plan = planner(
         stats=args.stats,
         config=config,
         model=model,
@@ -138,6 +165,7 @@ def run_plan(args: argparse.Namespace) -> int:
         arguments=arguments,
     )
     print(size_table(plan))
+    predict_cli.predict_plan(plan, args)
     if args.dry_run:
         return 0
     if plan.keep is None:

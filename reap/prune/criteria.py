@@ -24,7 +24,7 @@ import torch
 from reap.errors import ReapError
 from reap.stats import ExpertStats
 
-CRITERIA = ("reap", "ean", "frequency", "gate", "random")
+CRITERIA = ("reap", "ean", "frequency", "gate", "random", "recon")
 
 PROTECT_RULE = (
     "super expert: an expert whose max |activation| is a far-out outlier of the model, "
@@ -40,7 +40,8 @@ def scores(stats: ExpertStats, criterion: str, latent: bool = False) -> torch.Te
 
     reap: mean over routed tokens of weight * ||output||; ean: mean ||output||; frequency: share
     of tokens routed to the expert; gate: gate-weight mass per token (sum of the expert's routing
-    weights / all tokens). `random` needs no statistics: see `random_scores`.
+    weights / all tokens). `random` needs no statistics: see `random_scores`; `recon` chooses
+    sets, not scores: see `reap.prune.recon`.
     """
     if criterion == "reap":
         s = stats.reap(latent=latent)
@@ -50,6 +51,9 @@ def scores(stats: ExpertStats, criterion: str, latent: bool = False) -> torch.Te
         s = stats.frequency()
     elif criterion == "gate":
         s = stats.gate_sum / max(stats.tokens, 1)
+    elif criterion == "recon":
+        raise ReapError("criterion recon chooses kept sets by its own streamed pass "
+                        "(reap.prune.recon.plan_recon), not by per-expert scores")
     else:
         raise ReapError(f"unknown criterion {criterion!r} (choose from {', '.join(CRITERIA)})")
     return s.double()

@@ -3,7 +3,9 @@
 `reap.prune.plan.make_plan` builds one, `reap plan` saves it (`Plan.save`, atomic), `reap prune`
 loads it (`Plan.load`). `check` is the one validation of a plan: `Plan.load` runs it on the file,
 `prune` again against the model it prunes. The file is the record's fields as JSON, tagged with
-`format` (FORMAT); layer keys are strings in the file and ints in the record.
+`format` (FORMAT); layer keys are strings in the file and ints in the record. Format 2 added
+`predictions` (what the plan keeps of each corpus, `reap.prune.predict`); format-1 plans load
+with `predictions` None.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from dataclasses import asdict, dataclass, field
 from reap.errors import ReapError
 from reap.fileio import write_atomic
 
-FORMAT = "reap.plan/1"
+FORMAT = "reap.plan/2"
+READABLE = ("reap.plan/1", FORMAT)  # formats `Plan.load` reads
 # sources that decide what a plan and a pruned checkpoint contain: their `code_version` parts
 PRUNE_CODE = ("prune", "checkpoint", "models", "sizes.py", "stats")
 
@@ -44,6 +47,8 @@ class Plan:
     source_params: int | None = None
     model: str | None = None  # source checkpoint fingerprint, when known
     provenance: dict = field(default_factory=dict)
+    predictions: dict | None = None  # reap.prune.predict.predict's record
+    recon: dict | None = None  # --criterion recon: objective, method, per-layer search record
     format: str = FORMAT
 
     def to_json(self) -> dict:
@@ -64,11 +69,12 @@ class Plan:
         try:
             with open(path) as f:
                 d = json.load(f)
-            if d.get("format") != FORMAT:
+            if d.get("format") not in READABLE:
                 raise ReapError(f"{path}: format: not a reap plan ({d.get('format')!r})")
             for k in ("counts", "keep", "scores"):
                 if d.get(k) is not None:
                     d[k] = {int(layer): v for layer, v in d[k].items()}
+            d["format"] = FORMAT  # a format-1 plan is a format-2 plan without predictions
             plan = cls(**d)
         except (OSError, ValueError, TypeError, AttributeError, RecursionError) as e:
             raise ReapError(f"{path}: cannot read plan ({e})") from e

@@ -1,0 +1,309 @@
+"""`--criterion recon`: per MoE layer, the kept set that least changes the layer's routed output
+on the calibration tokens.
+
+Objective (per layer, to minimise over kept sets S of the planned size): for each calibration
+token t routed to experts k = 1..K with weights w_k and contributions u_k (expert output mapped
+to the model space, per unit weight; ||u_k|| is `MoERecord.model_norm`),
+
+    err_t(S) = || sum_k w_k u_k - c_t sum_{k in S} w_k u_k ||^2,   c_t = sum_k w_k / sum_{k in S} w_k
+
+the dropped experts removed and the router's weights renormalised over the token's surviving
+experts (no survivor: the whole routed output is lost). Substitutes the pruned router would
+route in from outside the token's top-k are not modelled. Writing G_t[k, j] = w_k w_j <u_k, u_j>
+and d_k = 1 - c_t [k in S], err_t = d^T G_t d. The model reports per-token contribution norms, not
+the vectors, so the streamed pass fills the diagonal of G_t (w_k^2 ||u_k||^2) and takes
+different experts' contributions to one token as orthogonal (off-diagonals 0); `objective`
+accepts a full Gram. Tokens are weighted so each corpus counts by its plan weight, relative to
+its full routed output energy (sum_t trace G_t): the layer objective is the weighted mean of the
+corpora's relative output errors.
+
+Search: backward greedy elimination (remove the expert whose removal raises the objective
+least, ties to the lowest id; every expert's single-removal change comes from one vectorized
+O(N K^2) pass), the REAP plan's set as a second start, then swaps (one kept for one dropped)
+from the better start while one helps: each sweep ranks all pairs by the sum of their
+single-flip changes and evaluates the best SWAP_CANDIDATES exactly. Protected experts are
+always kept.
+
+Cost against reap/ean: those read only the statistics' sums (seconds); recon reruns the
+statistics' calibration as one streamed pass (`reap.calibrate.pipeline.calibrate` with an
+observer: the same reads and compute as `reap calibrate`, under the same --budget, plus N*K*18
+bytes per MoE layer of kept records), then per layer E - n greedy steps and a few swap sweeps,
+each O(N K^2).
+
+Dimension letters: N tokens, K top_k, E n_experts, L MoE layers.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass
+
+import torch
+
+from reap.errors import ReapError
+
+METHOD = "backward greedy + REAP start + best-improvement swaps; diagonal Gram (orthogonal)"
+MAX_SWEEPS = 100
+SWAP_CANDIDATES = 16
+
+
+@dataclass
+class LayerTokens:
+    """One layer's calibration tokens: ids [N, K], w [N, K] routing weights, gram: G_t above,
+    [N, K, K], or its diagonal [N, K] when off-diagonals are 0; scale [N] per-token weight of
+    the objective."""
+
+    ids: torch.Tensor
+    w: torch.Tensor
+    gram: torch.Tensor
+    scale: torch.Tensor
+
+
+def token_error(t: LayerTokens, alive: torch.Tensor, rows: torch.Tensor | None = None):
+    """err_t [n] of the tokens `rows` (all when None) with kept mask alive [E]."""
+    ids, w, gram = (t.ids, t.w, t.gram) if rows is None else (t.ids[rows], t.w[rows], t.gram[rows])
+    a = alive[ids].double()  # [n, K]
+    total, kept = w.sum(-1), (w * a).sum(-1)  # [n]
+    c = torch.where(kept > 0, total / kept.clamp(min=1e-300), torch.zeros_like(kept))
+    d = 1.0 - c[:, None] * a  # [n, K]
+    if gram.dim() == 2:  # diagonal Gram
+        return (d * d * gram).sum(-1)
+    return torch.einsum("nk,nkj,nj->n", d, gram, d)
+
+
+def objective(t: LayerTokens, kept: list[int], n_experts: int) -> float:
+    """The layer objective of kept set `kept` (sum of scale * err_t)."""
+    alive = torch.zeros(n_experts, dtype=torch.bool)
+    alive[kept] = True
+    return float((t.scale * token_error(t, alive)).sum())
+
+
+def flip_deltas(t: LayerTokens, alive: torch.Tensor, err: torch.Tensor) -> torch.Tensor:
+    """Objective change [E] of flipping each single expert's kept state (exact: a token routes
+    to an expert at most once); err [N] the current scaled per-token errors."""
+    N, K = t.ids.shape
+    a = alive[t.ids]  # [N, K]
+    out = torch.zeros(alive.shape[0], dtype=torch.float64)
+    if t.gram.dim() == 2:  # diagonal: err = sum g - 2 c sum_S g + c^2 sum_S g, per flipped slot
+        af, g = a.double(), t.gram
+        sign = 1.0 - 2.0 * af  # +1 adds slot k to S, -1 removes it
+        kept = (t.w * af).sum(-1, keepdim=True) + sign * t.w  # [N, K]
+        s_in = (g * af).sum(-1, keepdim=True) + sign * g  # [N, K]
+        c = torch.where(kept > 1e-300, t.w.sum(-1, keepdim=True) / kept.clamp(min=1e-300),
+                        torch.zeros_like(kept))
+        new = (g.sum(-1, keepdim=True) - 2 * c * s_in + c * c * s_in) * t.scale[:, None]
+        return out.index_add_(0, t.ids.reshape(-1), (new - err[:, None]).reshape(-1))
+    flips = a[:, None, :].repeat(1, K, 1)  # [N, K(flipped slot), K]
+    eye = torch.eye(K, dtype=torch.bool)
+    flips = flips ^ eye  # slot k flipped in row k
+    w, gram = t.w[:, None, :].expand(N, K, K), t.gram[:, None].expand(N, K, *t.gram.shape[1:])
+    sub = LayerTokens(t.ids, w.reshape(N * K, K), gram.reshape(N * K, *t.gram.shape[1:]),
+                      t.scale)
+    new = _masked_error(sub, flips.reshape(N * K, K)).view(N, K) * t.scale[:, None]  # [N, K]
+    return out.index_add_(0, t.ids.reshape(-1), (new - err[:, None]).reshape(-1))
+
+
+def _masked_error(t: LayerTokens, a: torch.Tensor) -> torch.Tensor:
+    """err [n] for explicit slot masks a [n, K] (bool) of rows w [n, K], gram [n, K(, K)]."""
+    a = a.double()
+    total, kept = t.w.sum(-1), (t.w * a).sum(-1)
+    c = torch.where(kept > 0, total / kept.clamp(min=1e-300), torch.zeros_like(kept))
+    d = 1.0 - c[:, None] * a
+    if t.gram.dim() == 2:
+        return (d * d * t.gram).sum(-1)
+    return torch.einsum("nk,nkj,nj->n", d, t.gram, d)
+
+
+def greedy(t: LayerTokens, n_experts: int, n: int, protected: set[int]) -> list[int]:
+    """Backward elimination from all experts down to n (see the module docstring)."""
+    alive = torch.ones(n_experts, dtype=torch.bool)
+    fixed = torch.zeros(n_experts, dtype=torch.bool)
+    fixed[list(protected)] = True
+    err = t.scale * token_error(t, alive)
+    for _ in range(n_experts - n):
+        d = flip_deltas(t, alive, err).masked_fill(~alive | fixed, float("inf"))
+        alive[int(torch.argmin(d))] = False  # argmin: the lowest id among ties
+        err = t.scale * token_error(t, alive)
+    return alive.nonzero().squeeze(1).tolist()
+
+
+def improve(t: LayerTokens, n_experts: int, kept: list[int], protected: set[int]):
+    """Swaps (one kept for one dropped) while one lowers the objective: each sweep ranks all
+    pairs by the sum of their single-flip changes and evaluates the best SWAP_CANDIDATES
+    exactly, taking the best improving one. Returns (kept, sweeps run)."""
+    alive = torch.zeros(n_experts, dtype=torch.bool)
+    alive[kept] = True
+    fixed = torch.zeros(n_experts, dtype=torch.bool)
+    fixed[list(protected)] = True
+    for sweep in range(MAX_SWEEPS):
+        err = t.scale * token_error(t, alive)
+        value = float(err.sum())
+        d = flip_deltas(t, alive, err)
+        outs = (alive & ~fixed).nonzero().squeeze(1)
+        ins = (~alive).nonzero().squeeze(1)
+        if outs.numel() == 0 or ins.numel() == 0:
+            return kept, sweep
+        est = d[outs][:, None] + d[ins][None, :]  # [n_out, n_in]
+        best = None
+        for flat in torch.argsort(est.reshape(-1))[:SWAP_CANDIDATES].tolist():
+            e, f = int(outs[flat // ins.numel()]), int(ins[flat % ins.numel()])
+            trial = alive.clone()
+            trial[e], trial[f] = False, True
+            v = float((t.scale * token_error(t, trial)).sum())
+            if v < value * (1 - 1e-12) and (best is None or v < best[0]):
+                best = (v, trial)
+        if best is None:
+            return alive.nonzero().squeeze(1).tolist(), sweep
+        alive = best[1]
+    return alive.nonzero().squeeze(1).tolist(), MAX_SWEEPS
+
+
+def select_layer(
+    t: LayerTokens, n_experts: int, n: int, protected: set[int], start: list[int]
+) -> tuple[list[int], dict]:
+    """The recon kept set (sorted) of one layer and a record of the search: objective values
+    of the greedy set, of `start` (the REAP plan's set) and of the result."""
+    g = greedy(t, n_experts, n, protected)
+    vg, vs = objective(t, g, n_experts), objective(t, start, n_experts)
+    kept, sweeps = improve(t, n_experts, g if vg <= vs else start, protected)
+    return sorted(kept), {
+        "greedy": vg,
+        "reap": vs,
+        "recon": objective(t, kept, n_experts),
+        "swap_sweeps": sweeps,
+        "tokens": int(t.ids.shape[0]),
+    }
+
+
+# -- the streamed pass -------------------------------------------------------------------------
+class _Collector:
+    """Calibration observer sink keeping, per layer, the records of the wanted corpora."""
+
+    def __init__(self, wanted: dict[int, float]):
+        self.wanted = wanted  # corpus index in the run -> objective weight of its tokens
+        self.parts: dict[int, list[tuple]] = {}
+
+    def __call__(self, rec, tok_corpus: torch.Tensor) -> None:
+        codes = torch.tensor(sorted(self.wanted))
+        sel = torch.isin(tok_corpus, codes).nonzero().squeeze(1)  # [n]
+        if sel.numel() == 0:
+            return
+        w = rec.weights[sel].double()  # [n, K]
+        contrib = (w * rec.model_norm[sel].double()).pow(2)  # [n, K] w^2 ||u||^2
+        part = (rec.ids[sel].to(torch.int16), w.float(), contrib.float(), tok_corpus[sel])
+        self.parts.setdefault(rec.layer, []).append(part)
+
+    def layer(self, layer: int) -> LayerTokens:
+        ids, w, diag, corpus = (torch.cat(x) for x in zip(*self.parts[layer]))
+        gram = diag.double()  # the diagonal [N, K] of G_t: off-diagonals 0 (orthogonal)
+        energy = diag.double().sum(-1)  # [N] ||routed output||^2 under orthogonality
+        scale = torch.zeros(ids.shape[0], dtype=torch.float64)
+        for c, weight in self.wanted.items():
+            m = corpus == c
+            scale[m] = weight / max(float(energy[m].sum()), 1e-300)
+        return LayerTokens(ids.long(), w.double(), gram, scale)
+
+
+def _run_key(meta: dict) -> tuple:
+    a = meta.get("arguments") or {}
+    return (a.get("model"), a.get("corpus"), a.get("tokens"), a.get("seq_len"), a.get("seed"),
+            tuple(a.get("shard") or (1, 1)), a.get("dtype"))
+
+
+def collect(loaded, weights: dict[str, float], checkpoint: str | None, budget: int,
+            progress: bool = False) -> dict[int, LayerTokens]:
+    """Rerun the calibration of the statistics `loaded` ([(name, path, ExpertStats)]) as one
+    streamed pass per distinct calibration run, keeping their corpora's routing records;
+    returns {layer: LayerTokens}."""
+    from reap.calibrate.pipeline import calibrate
+    from reap.corpora import parse_spec
+
+    runs: dict[tuple, dict[str, float]] = {}
+    total = sum(weights.values())
+    for name, path, s in loaded:
+        metas = s.meta.get("merged_from") or [s.meta]
+        parts = [str(m.get("corpus")) for m in metas]
+        for m, part in zip(metas, parts):
+            key = _run_key(m)
+            if not key[1] or not key[2]:
+                raise ReapError(f"{path}: statistics without their calibration arguments "
+                                "(recon reruns the calibration pass)")
+            runs.setdefault(key, {})[part] = weights[name] / total / len(parts)
+    merged: dict[int, list[LayerTokens]] = {}
+    for key, want in runs.items():
+        model, spec, tokens, seq_len, seed, shard, dtype = key
+        names = [n for n, _ in parse_spec(spec)]
+        sink = _Collector({names.index(c): w for c, w in want.items()})
+        with tempfile.TemporaryDirectory(prefix="reap-recon-") as tmp:
+            calibrate(corpus=spec, tokens=tokens, seq_len=seq_len, out=os.path.join(tmp, "o"),
+                      model=checkpoint or model, budget=budget, seed=seed, shard=shard,
+                      dtype=dtype or "float32", seq_counts=False, progress=progress,
+                      observe=sink)
+        for layer in sink.parts:
+            merged.setdefault(layer, []).append(sink.layer(layer))
+    return {layer: _cat(ts) for layer, ts in merged.items()}
+
+
+def _cat(ts: list[LayerTokens]) -> LayerTokens:
+    if len(ts) == 1:
+        return ts[0]
+    K = max(t.ids.shape[1] for t in ts)
+    if any(t.ids.shape[1] != K for t in ts):
+        raise ReapError("recon: statistics of runs with different top_k")
+    return LayerTokens(*(torch.cat([getattr(t, f) for t in ts]) for f in ("ids", "w", "gram",
+                                                                         "scale")))
+
+
+def recon_keep(layers, counts, tokens: dict[int, LayerTokens], n_experts, protected, start):
+    """Kept ids per layer and the search record ({layer: select_layer record})."""
+    kept, record = {}, {}
+    for li, layer in enumerate(layers):
+        if layer not in tokens:
+            raise ReapError(f"recon: the calibration pass recorded no tokens for layer {layer}")
+        kept[layer], record[str(layer)] = select_layer(
+            tokens[layer], n_experts, counts[li], protected[li], start[layer])
+    return kept, record
+
+
+def plan_recon(*, stats: list[str], checkpoint: str | None = None, budget: int = 4_000_000_000,
+               progress: bool = False, tokens: dict[int, LayerTokens] | None = None, **plan_kw):
+    """A `make_plan` plan (same arguments; its counts, protected experts and REAP scores) whose
+    kept sets recon chooses; `checkpoint` is the model to stream (default: the one the
+    statistics were calibrated on), `budget` the pass's RSS budget in bytes, `tokens` the
+    records of an earlier `collect` (skips the pass)."""
+    import time
+
+    from reap.models import family
+    from reap.prune.plan import make_plan
+    from reap.stats import ExpertStats, expand_paths
+
+    if plan_kw.pop("quota", False):
+        raise ReapError("--criterion recon does not take --quota (it weighs corpora by --weights)")
+    plan_kw["criterion"] = "reap"
+    plan = make_plan(stats=stats, **plan_kw)
+    config = plan_kw.get("config")
+    if config is not None and int(family(config).expert_groups(config)) > 1:
+        raise ReapError("--criterion recon does not support grouped routing (n_group > 1)")
+    t0 = time.perf_counter()
+    if tokens is None:
+        loaded = []
+        for p in expand_paths(stats)[0]:
+            s = ExpertStats.load(p)
+            loaded.append((str(s.meta.get("corpus") or os.path.splitext(os.path.basename(p))[0]),
+                           p, s))
+        tokens = collect(loaded, plan.combine["weights"], checkpoint, budget, progress)
+    prot = [{e["expert"] for e in plan.protected if e["layer"] == layer} for layer in plan.layers]
+    counts = [plan.counts[layer] for layer in plan.layers]
+    kept, record = recon_keep(plan.layers, counts, tokens, plan.n_experts, prot, plan.keep)
+    plan.keep, plan.criterion = kept, "recon"
+    plan.recon = {"objective": OBJECTIVE, "method": METHOD, "layers": record,
+                  "seconds": time.perf_counter() - t0,
+                  "scores": "plan.scores are the REAP shares (counts of a global scope)"}
+    return plan
+
+
+OBJECTIVE = ("per layer, sum over calibration tokens of ||routed output - output with the "
+             "dropped experts removed and the token's weights renormalised over its surviving "
+             "experts||^2 (each corpus relative to its own output energy, weighted as --weights; "
+             "expert contributions to one token taken as orthogonal)")
