@@ -45,7 +45,7 @@ def run(tmp_path_factory):
             "records": forward_records(model, spec)}
 
 
-def forward_records(model, spec):
+def forward_records(model, spec, tokens=N_TOK, seq_len=T_LEN):
     """{layer: MoERecord} of one in-memory forward over the calibration sequences, and their
     corpus index per token."""
     from reap.checkpoint import Checkpoint
@@ -55,7 +55,7 @@ def forward_records(model, spec):
     from reap.tokenizer import load_tokenizer
 
     names = [n for n, _ in parse_spec(spec)]
-    seqs = calibration_sequences(spec, load_tokenizer(model), N_TOK, T_LEN, 0)
+    seqs = calibration_sequences(spec, load_tokenizer(model), tokens, seq_len, 0)
     with Checkpoint.open(model) as ck:
         t = {n: ck.read(n) for n in ck.tensors}
         fam = family(ck.config)
@@ -73,7 +73,7 @@ def forward_records(model, spec):
     for i in range(m.n_layers):
         state, x = m.attn_block(i, get, state)
         state = m.finish_layer(i, state, m.mlp_block(i, get, x, observer=Keep()))
-    corpus = torch.tensor([names.index(s.corpus) for s in seqs]).repeat_interleave(T_LEN)
+    corpus = torch.tensor([names.index(s.corpus) for s in seqs]).repeat_interleave(seq_len)
     return recs, corpus, names
 
 

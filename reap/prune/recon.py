@@ -17,11 +17,12 @@ accepts a full Gram. Tokens are weighted so each corpus counts by its plan weigh
 its full routed output energy (sum_t trace G_t): the layer objective is the weighted mean of the
 corpora's relative output errors.
 
-Search: backward greedy elimination (remove the expert whose removal raises the objective
-least, ties to the lowest id; every expert's single-removal change comes from one vectorized
-O(N K^2) pass), the REAP plan's set as a second start, then swaps (one kept for one dropped)
-from the better start while one helps: each sweep ranks all pairs by the sum of their
-single-flip changes and evaluates the best SWAP_CANDIDATES exactly. Protected experts are
+Search: three starts, backward greedy elimination (remove the expert whose removal raises the
+objective least, ties to the lowest id; every expert's single-removal change comes from one
+vectorized O(N K^2) pass), forward greedy selection and the REAP plan's set; from each, swaps
+(one kept for one dropped) while one helps, and the best end wins: each sweep ranks all pairs by the sum of their
+single-flip changes and evaluates the best SWAP_CANDIDATES exactly. A layer with at most
+EXACT_LIMIT candidate sets is enumerated instead (the optimum). Protected experts are
 always kept.
 
 Cost against reap/ean: those read only the statistics' sums (seconds); recon reruns the
@@ -35,6 +36,8 @@ Dimension letters: N tokens, K top_k, E n_experts, L MoE layers.
 
 from __future__ import annotations
 
+import itertools
+import math
 import os
 import tempfile
 from dataclasses import dataclass
@@ -43,9 +46,10 @@ import torch
 
 from reap.errors import ReapError
 
-METHOD = "backward greedy + REAP start + best-improvement swaps; diagonal Gram (orthogonal)"
+METHOD = "backward and forward greedy + REAP start, each improved by pair swaps; diagonal Gram"
 MAX_SWEEPS = 100
 SWAP_CANDIDATES = 16
+EXACT_LIMIT = 2000  # layers with at most this many candidate kept sets are enumerated
 
 
 @dataclass
@@ -128,6 +132,18 @@ def greedy(t: LayerTokens, n_experts: int, n: int, protected: set[int]) -> list[
     return alive.nonzero().squeeze(1).tolist()
 
 
+def forward(t: LayerTokens, n_experts: int, n: int, protected: set[int]) -> list[int]:
+    """Forward selection from the protected experts up to n (add the expert whose addition
+    lowers the objective most, ties to the lowest id)."""
+    alive = torch.zeros(n_experts, dtype=torch.bool)
+    alive[list(protected)] = True
+    for _ in range(n - int(alive.sum())):
+        err = t.scale * token_error(t, alive)
+        d = flip_deltas(t, alive, err).masked_fill(alive, float("inf"))
+        alive[int(torch.argmin(d))] = True
+    return alive.nonzero().squeeze(1).tolist()
+
+
 def improve(t: LayerTokens, n_experts: int, kept: list[int], protected: set[int]):
     """Swaps (one kept for one dropped) while one lowers the objective: each sweep ranks all
     pairs by the sum of their single-flip changes and evaluates the best SWAP_CANDIDATES
@@ -164,16 +180,34 @@ def select_layer(
 ) -> tuple[list[int], dict]:
     """The recon kept set (sorted) of one layer and a record of the search: objective values
     of the greedy set, of `start` (the REAP plan's set) and of the result."""
-    g = greedy(t, n_experts, n, protected)
-    vg, vs = objective(t, g, n_experts), objective(t, start, n_experts)
-    kept, sweeps = improve(t, n_experts, g if vg <= vs else start, protected)
-    return sorted(kept), {
-        "greedy": vg,
-        "reap": vs,
-        "recon": objective(t, kept, n_experts),
-        "swap_sweeps": sweeps,
-        "tokens": int(t.ids.shape[0]),
-    }
+    if math.comb(n_experts - len(protected), n - len(protected)) <= EXACT_LIMIT:
+        kept, val = exhaustive(t, n_experts, n, protected)
+        return kept, {"reap": objective(t, list(start), n_experts), "recon": val,
+                      "exact": True, "tokens": int(t.ids.shape[0])}
+    starts = {"greedy": greedy(t, n_experts, n, protected),
+              "forward": forward(t, n_experts, n, protected), "reap": list(start)}
+    rec = {k: objective(t, v, n_experts) for k, v in starts.items()}
+    best, sweeps = None, 0
+    for v in starts.values():  # swaps from every start; the best end wins (ties: first)
+        kept, sw = improve(t, n_experts, v, protected)
+        val, sweeps = objective(t, kept, n_experts), sweeps + sw
+        if best is None or val < best[0]:
+            best = (val, kept)
+    return sorted(best[1]), {**rec, "recon": best[0], "swap_sweeps": sweeps, "exact": False,
+                             "tokens": int(t.ids.shape[0])}
+
+
+def exhaustive(t: LayerTokens, n_experts: int, n: int, protected: set[int]):
+    """The optimal kept set by enumeration (small layers: at most EXACT_LIMIT sets); returns
+    (sorted ids, objective), ties to the lexicographically first set."""
+    free = [e for e in range(n_experts) if e not in protected]
+    best = None
+    for extra in itertools.combinations(free, n - len(protected)):
+        kept = sorted([*protected, *extra])
+        v = objective(t, kept, n_experts)
+        if best is None or v < best[1]:
+            best = (kept, v)
+    return best
 
 
 # -- the streamed pass -------------------------------------------------------------------------
