@@ -39,10 +39,22 @@ def run(tmp_path_factory):
     root = tmp_path_factory.mktemp("pred")
     model = synth("k3-tiny", root / "model", seed=5, dtype="float32")
     spec = f"{_corpus(root / 'zh.jsonl', 'zh')}+{_corpus(root / 'code.jsonl', 'code')}"
-    res = calibrate(model=model, corpus=spec, tokens=N_TOK, seq_len=T_LEN, out=str(root / "run"),
-                    save_token_experts=True, progress=False)
-    return {"root": root, "model": model, "spec": spec, "res": res,
-            "records": forward_records(model, spec)}
+    res = calibrate(
+        model=model,
+        corpus=spec,
+        tokens=N_TOK,
+        seq_len=T_LEN,
+        out=str(root / "run"),
+        save_token_experts=True,
+        progress=False,
+    )
+    return {
+        "root": root,
+        "model": model,
+        "spec": spec,
+        "res": res,
+        "records": forward_records(model, spec),
+    }
 
 
 def forward_records(model, spec, tokens=N_TOK, seq_len=T_LEN):
@@ -106,9 +118,14 @@ def brute(records, corpus_idx, keep: dict[int, list[int]], layers):
 
 
 def _plan(stats: ExpertStats, keep: dict[int, list[int]]) -> Plan:
-    return Plan(n_experts=stats.n_experts, top_k=stats.top_k, layers=list(stats.layers),
-                counts={la: len(v) for la, v in keep.items()}, keep=keep,
-                model=stats.meta.get("model"))
+    return Plan(
+        n_experts=stats.n_experts,
+        top_k=stats.top_k,
+        layers=list(stats.layers),
+        counts={la: len(v) for la, v in keep.items()},
+        keep=keep,
+        model=stats.meta.get("model"),
+    )
 
 
 def test_kept_shares_equal_brute_force_from_token_records(run):
@@ -126,10 +143,12 @@ def test_kept_shares_equal_brute_force_from_token_records(run):
         assert torch.equal(tok[li].long(), run["records"][0][layer].ids)
     for p in pred["corpora"]:
         want = brute(run["records"], names.index(p["corpus"]), keep, st.layers)
-        torch.testing.assert_close(torch.tensor(p["gate_kept"]), torch.tensor(want["gate"]),
-                                   rtol=1e-4, atol=1e-6)
-        torch.testing.assert_close(torch.tensor(p["reap_kept"]), torch.tensor(want["reap"]),
-                                   rtol=1e-3, atol=1e-5)
+        torch.testing.assert_close(
+            torch.tensor(p["gate_kept"]), torch.tensor(want["gate"]), rtol=1e-4, atol=1e-6
+        )
+        torch.testing.assert_close(
+            torch.tensor(p["reap_kept"]), torch.tensor(want["reap"]), rtol=1e-3, atol=1e-5
+        )
         assert p["topk_kept"] == pytest.approx(want["topk"], abs=1e-12)  # exact counts
         assert p["damage"] == pytest.approx(1 - sum(want["reap"]) / len(want["reap"]), abs=1e-4)
         lo, hi = p["damage_ci"]
@@ -165,13 +184,29 @@ def test_plan_cli_stores_prints_plots_and_compares(run, tmp_path, capsys):
     d = run["root"] / "run"
     zh, code = str(d / "zh.safetensors"), str(d / "code.safetensors")
     a, b = tmp_path / "a.json", tmp_path / "b.json"
-    assert main(["plan", zh, "--against", code, "--keep", "6", "--out", str(a)]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                zh,
+                "--against",
+                code,
+                "--keep",
+                "6",
+                "--out",
+                str(a),
+                "--plot",
+                str(tmp_path / "a.png"),
+            ]
+        )
+        == 0
+    )
     assert main(["plan", str(d), "--keep", "12", "--out", str(b), "--bootstrap", "50"]) == 0
     out = capsys.readouterr().out
     assert "damage" in out and "whole top-k kept" in out
     pa = Plan.load(a)
     assert [p["corpus"] for p in pa.predictions["corpora"]] == run["records"][2]
-    assert (tmp_path / "a.predict.png").stat().st_size > 0
+    assert (tmp_path / "a.png").stat().st_size > 0
     # a format-1 plan (before predictions) still loads, without predictions
     old = json.loads(a.read_text())
     old.pop("predictions"), old.pop("recon")

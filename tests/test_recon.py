@@ -45,8 +45,9 @@ def layer(N, K, E, D, seed, diagonal=False):
 def test_objective_and_flip_deltas_equal_loops():
     ids, w, vecs, t = layer(40, 3, 8, 5, 0)
     for kept in ([0, 1, 2, 3], [4, 5], list(range(8)), [7]):
-        assert recon.objective(t, kept, 8) == pytest.approx(naive_error(ids, w, vecs, kept),
-                                                            rel=1e-9)
+        assert recon.objective(t, kept, 8) == pytest.approx(
+            naive_error(ids, w, vecs, kept), rel=1e-9
+        )
     ids, w, vecs, full = layer(40, 3, 8, 5, 1, diagonal=True)
     diag = recon.LayerTokens(ids, w, torch.diagonal(full.gram, dim1=1, dim2=2), full.scale)
     alive = torch.tensor([1, 0, 1, 1, 0, 1, 0, 1], dtype=torch.bool)
@@ -56,7 +57,9 @@ def test_objective_and_flip_deltas_equal_loops():
         for e in range(8):
             flipped = alive.clone()
             flipped[e] = ~flipped[e]
-            want = naive_error(ids, w, vecs, flipped.nonzero().squeeze(1).tolist()) - float(err.sum())
+            want = naive_error(ids, w, vecs, flipped.nonzero().squeeze(1).tolist()) - float(
+                err.sum()
+            )
             assert float(d[e]) == pytest.approx(want, rel=1e-9, abs=1e-9)
 
 
@@ -65,14 +68,14 @@ def test_eight_experts_keep_four_optimum_or_gap(diagonal, capsys, monkeypatch):
     """All 70 kept sets enumerated: recon's search (enumeration switched off) finds the optimum
     or its gap is reported (printed); it is never worse than the REAP-like start it is given;
     with enumeration on (the default for a layer this small) it returns the optimum."""
-    ids, w, vecs, t = layer(60, 3, 8, 6, 99, diagonal)
+    _, _, _, t = layer(60, 3, 8, 6, 99, diagonal)
     values = {s: recon.objective(t, list(s), 8) for s in itertools.combinations(range(8), 4)}
     kept, rec = recon.select_layer(t, 8, 4, set(), [0, 1, 2, 3])
     assert rec["exact"] and rec["recon"] == pytest.approx(min(values.values()), rel=1e-12)
     monkeypatch.setattr(recon, "EXACT_LIMIT", 0)
     found, gaps = 0, []
     for seed in range(12):
-        ids, w, vecs, t = layer(60, 3, 8, 6, seed, diagonal)
+        _, _, _, t = layer(60, 3, 8, 6, seed, diagonal)
         values = {s: recon.objective(t, list(s), 8) for s in itertools.combinations(range(8), 4)}
         best = min(values.values())
         start = [0, 1, 2, 3]
@@ -83,8 +86,10 @@ def test_eight_experts_keep_four_optimum_or_gap(diagonal, capsys, monkeypatch):
         found += gap < 1e-12
         gaps.append(gap)
     with capsys.disabled():
-        print(f"\nrecon 8-choose-4 ({'diagonal' if diagonal else 'full'} Gram): optimum in "
-              f"{found}/12, largest gap {max(gaps):.2%}")
+        print(
+            f"\nrecon 8-choose-4 ({'diagonal' if diagonal else 'full'} Gram): optimum in "
+            f"{found}/12, largest gap {max(gaps):.2%}"
+        )
     assert found >= 10 and max(gaps) < 0.2
 
 
@@ -103,17 +108,19 @@ def tiny(tmp_path_factory):
     model = synth("k3-tiny", root / "model", seed=7, dtype="float32")
     path = root / "c.jsonl"
     with open(path, "w") as f:
-        for i in range(40):
-            f.write(json.dumps({"id": str(i), "text": " ".join(f"w{(i * j) % 97}" for j in range(60))})
-                    + "\n")
-    calibrate(model=model, corpus=str(path), tokens=128, seq_len=16, out=str(root / "run"),
-              progress=False)
+        f.writelines(
+            json.dumps({"id": str(i), "text": " ".join(f"w{(i * j) % 97}" for j in range(60))})
+            + "\n"
+            for i in range(40)
+        )
+    calibrate(
+        model=model, corpus=str(path), tokens=128, seq_len=16, out=str(root / "run"), progress=False
+    )
     return root, model
 
 
 def test_streamed_pass_records_the_forward_and_beats_reap(tiny, tmp_path, capsys):
     from reap.stats import ExpertStats
-
     from tests.test_predict import forward_records
 
     root, model = tiny
@@ -127,8 +134,23 @@ def test_streamed_pass_records_the_forward_and_beats_reap(tiny, tmp_path, capsys
         want = (r.weights.double() * r.model_norm.double()).pow(2)  # w^2 ||u||^2
         torch.testing.assert_close(toks[la].gram, want, rtol=1e-4, atol=1e-8)
     out = tmp_path / "p.json"
-    assert main(["plan", str(root / "run"), "--criterion", "recon", "--keep", "6", "--out",
-                 str(out), "--budget", "2GB"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                str(root / "run"),
+                "--criterion",
+                "recon",
+                "--keep",
+                "6",
+                "--out",
+                str(out),
+                "--budget",
+                "2GB",
+            ]
+        )
+        == 0
+    )
     plan = Plan.load(out)
     assert plan.criterion == "recon" and plan.predictions is not None
     for la, rec in plan.recon["layers"].items():
@@ -141,5 +163,7 @@ def test_streamed_pass_records_the_forward_and_beats_reap(tiny, tmp_path, capsys
     reap_plan = make_plan(stats=[stats], keep=6)  # REAP's set for the same budget
     for la in st.layers:
         t = toks[la]
-        assert recon.objective(t, plan.keep[la], st.n_experts) <= recon.objective(
-            t, reap_plan.keep[la], st.n_experts) + 1e-12
+        assert (
+            recon.objective(t, plan.keep[la], st.n_experts)
+            <= recon.objective(t, reap_plan.keep[la], st.n_experts) + 1e-12
+        )

@@ -38,15 +38,20 @@ def recon_tokens(work: Path, stats: dict[str, str], cal_set: str, seed: int) -> 
         t0 = time.perf_counter()
         loaded = [(c, stats[c], ExpertStats.load(stats[c])) for c in SETS[cal_set]]
         toks = recon.collect(loaded, {c: 1.0 for c in SETS[cal_set]}, None, 4_000_000_000)
-        flat = {f"{layer}.{f}": getattr(t, f).contiguous() for layer, t in toks.items()
-                for f in ("ids", "w", "gram", "scale")}
+        flat = {
+            f"{layer}.{f}": getattr(t, f).contiguous()
+            for layer, t in toks.items()
+            for f in ("ids", "w", "gram", "scale")
+        }
         flat["seconds"] = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
         path.parent.mkdir(parents=True, exist_ok=True)
         save_file(flat, str(path))
     flat = load_file(str(path))
     layers = sorted({int(k.split(".")[0]) for k in flat if k != "seconds"})
-    toks = {la: recon.LayerTokens(*(flat[f"{la}.{f}"] for f in ("ids", "w", "gram", "scale")))
-            for la in layers}
+    toks = {
+        la: recon.LayerTokens(*(flat[f"{la}.{f}"] for f in ("ids", "w", "gram", "scale")))
+        for la in layers
+    }
     return toks, float(flat["seconds"][0])
 
 
@@ -60,14 +65,35 @@ def build_prediction(work: Path, rec: dict, stats: dict[str, str], shape: tuple)
         return json.loads(path.read_text())
     layers, E, K = shape
     keep = {int(k): v for k, v in rec["kept"].items()}
-    plan = Plan(n_experts=E, top_k=K, layers=layers, counts={la: len(v) for la, v in keep.items()},
-                keep=keep)
+    plan = Plan(
+        n_experts=E,
+        top_k=K,
+        layers=layers,
+        counts={la: len(v) for la, v in keep.items()},
+        keep=keep,
+    )
     tok = os.path.join(os.path.dirname(stats["zh"]), TOKEN_FILE)  # the seed's run: all corpora
-    pred = predict(plan, [stats[d] for d in DOMAINS], reps=REPS, seed=rec["seed"],
-                   token_files={d: tok for d in DOMAINS})
-    out = {p["corpus"]: {k: p[k] for k in ("damage", "damage_ci", "gate_overall", "reap_overall",
-                                           "topk_overall", "reap_kept")}
-           for p in pred["corpora"]}
+    pred = predict(
+        plan,
+        [stats[d] for d in DOMAINS],
+        reps=REPS,
+        seed=rec["seed"],
+        token_files={d: tok for d in DOMAINS},
+    )
+    out = {
+        p["corpus"]: {
+            k: p[k]
+            for k in (
+                "damage",
+                "damage_ci",
+                "gate_overall",
+                "reap_overall",
+                "topk_overall",
+                "reap_kept",
+            )
+        }
+        for p in pred["corpora"]
+    }
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=1))
     return out
@@ -106,12 +132,13 @@ def _corr_ci(points: list[tuple[int, float, float]], seed: int = 0) -> dict:
         r = spearman(x[pick], y[pick])
         if not np.isnan(r):
             reps.append(r)
-    lo, hi = (np.percentile(reps, [2.5, 97.5]).tolist() if reps else (None, None))
+    lo, hi = np.percentile(reps, [2.5, 97.5]).tolist() if reps else (None, None)
     return {"rho": spearman(x, y), "lo": lo, "hi": hi, "n": len(points)}
 
 
 def validation(recs: list[dict], preds: dict[str, dict], budgets: list[str]) -> dict:
     """Rank correlations of predicted damage with log ppl ratio and KL (module docstring)."""
+
     def points(metric, keep=lambda r, d: True):
         out = []
         for i, r in enumerate(recs):
@@ -125,14 +152,28 @@ def validation(recs: list[dict], preds: dict[str, dict], budgets: list[str]) -> 
     res = {"all": {m: _corr_ci(points(m)) for m in ("ppl", "kl")}, "budgets": {}}
     for b in budgets:
         res["budgets"][b] = {
-            m: _corr_ci(points(m, lambda r, d, b=b: r["budget"] == b)) for m in ("ppl", "kl")}
+            m: _corr_ci(points(m, lambda r, d, b=b: r["budget"] == b)) for m in ("ppl", "kl")
+        }
         res["budgets"][b]["domains"] = {
-            d: {m: _corr_ci(points(m, lambda r, dd, b=b, d=d: r["budget"] == b and dd == d))
-                for m in ("ppl", "kl")} for d in DOMAINS}
-    res["scatter"] = [{"id": r["id"], "budget": r["budget"], "criterion": r["criterion"],
-                       "domain": d, "damage": preds[r["id"]][d]["damage"],
-                       "log_ratio": float(np.log(r["quality"][d]["ppl_ratio"]["value"])),
-                       "kl": r["quality"][d]["kl"]["value"]} for r in recs for d in DOMAINS]
+            d: {
+                m: _corr_ci(points(m, lambda r, dd, b=b, d=d: r["budget"] == b and dd == d))
+                for m in ("ppl", "kl")
+            }
+            for d in DOMAINS
+        }
+    res["scatter"] = [
+        {
+            "id": r["id"],
+            "budget": r["budget"],
+            "criterion": r["criterion"],
+            "domain": d,
+            "damage": preds[r["id"]][d]["damage"],
+            "log_ratio": float(np.log(r["quality"][d]["ppl_ratio"]["value"])),
+            "kl": r["quality"][d]["kl"]["value"],
+        }
+        for r in recs
+        for d in DOMAINS
+    ]
     return res
 
 

@@ -171,7 +171,10 @@ def make_build_plan(
 
         tokens, pass_seconds = recon_tokens(work, stats, cal_set, seed)
         plan = plan_recon(
-            stats=[stats[c] for c in SETS[cal_set]], tokens=tokens, config=config, keep=keep,
+            stats=[stats[c] for c in SETS[cal_set]],
+            tokens=tokens,
+            config=config,
+            keep=keep,
             seed=seed,
         )
         plan.recon["pass_seconds"] = pass_seconds
@@ -291,8 +294,12 @@ def build_specs(s: Settings, keeps: dict[str, int]) -> list[BuildSpec]:
     first = [
         x
         for seed in s.seeds
-        for x in [r for r in reap if r.seed == seed and r.cal_set == s.criteria_set
-                  and r.budget in s.criteria_budgets] + [c for c in crit if c.seed == seed]
+        for x in [
+            r
+            for r in reap
+            if r.seed == seed and r.cal_set == s.criteria_set and r.budget in s.criteria_budgets
+        ]
+        + [c for c in crit if c.seed == seed]
     ]
     return first + [r for r in reap if r not in first]
 

@@ -21,10 +21,10 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from reap.errors import ReapError
+from reap.prune import plan_predict
 from reap.prune.budget import positive_size
 from reap.prune.criteria import CRITERIA
 from reap.prune.plan import make_plan
-from reap.prune import predict_cli
 from reap.prune.plan_file import Plan
 from reap.prune.recon import plan_recon
 
@@ -125,12 +125,47 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-keep", type=int, help="global scope: least experts per layer (>= top_k)")
     p.add_argument("--no-protect", action="store_true", help="do not protect super experts")
     p.add_argument("--seed", type=int, default=0, help="seed of --criterion random")
-    predict_cli.add_arguments(p)
+    add_predict_arguments(p)
+
+
+def add_predict_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of `reap plan` for predictions, comparisons and the recon pass."""
+    p.add_argument(
+        "--against",
+        nargs="+",
+        default=[],
+        metavar="STATS",
+        help="more corpora (statistics files or calibration directories) to predict "
+        "the plan's losses on; the plan's own corpora are always predicted",
+    )
+    p.add_argument(
+        "--bootstrap",
+        type=int,
+        default=1000,
+        help="bootstrap replicates over sequences of the damage interval",
+    )
+    p.add_argument(
+        "--plot",
+        help="PNG of the prediction: per-layer kept mass per corpus and the damage index",
+    )
+    p.add_argument(
+        "--compare",
+        nargs="+",
+        metavar="PLAN",
+        help="print the predictions of these plan files side by side (markdown; "
+        "--plot for a PNG, --md to save); with STATS/--against, predict on those",
+    )
+    p.add_argument("--md", help="--compare: also write the markdown here")
+    p.add_argument(
+        "--budget",
+        default="4GB",
+        help="--criterion recon: RSS budget of its calibration pass (e.g. 4GB)",
+    )
 
 
 def run_plan(args: argparse.Namespace) -> int:
     if args.compare:
-        return predict_cli.run_compare(args)
+        return plan_predict.run_compare(args)
     config, model, path = None, None, None
     if args.model or args.config:
         from reap.sizes import resolve_config
@@ -165,7 +200,7 @@ def run_plan(args: argparse.Namespace) -> int:
         arguments=arguments,
     )
     print(size_table(plan))
-    predict_cli.predict_plan(plan, args)
+    plan_predict.predict_plan(plan, args)
     if args.dry_run:
         return 0
     if plan.keep is None:

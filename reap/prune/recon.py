@@ -94,16 +94,18 @@ def flip_deltas(t: LayerTokens, alive: torch.Tensor, err: torch.Tensor) -> torch
         sign = 1.0 - 2.0 * af  # +1 adds slot k to S, -1 removes it
         kept = (t.w * af).sum(-1, keepdim=True) + sign * t.w  # [N, K]
         s_in = (g * af).sum(-1, keepdim=True) + sign * g  # [N, K]
-        c = torch.where(kept > 1e-300, t.w.sum(-1, keepdim=True) / kept.clamp(min=1e-300),
-                        torch.zeros_like(kept))
+        c = torch.where(
+            kept > 1e-300,
+            t.w.sum(-1, keepdim=True) / kept.clamp(min=1e-300),
+            torch.zeros_like(kept),
+        )
         new = (g.sum(-1, keepdim=True) - 2 * c * s_in + c * c * s_in) * t.scale[:, None]
         return out.index_add_(0, t.ids.reshape(-1), (new - err[:, None]).reshape(-1))
     flips = a[:, None, :].repeat(1, K, 1)  # [N, K(flipped slot), K]
     eye = torch.eye(K, dtype=torch.bool)
     flips = flips ^ eye  # slot k flipped in row k
     w, gram = t.w[:, None, :].expand(N, K, K), t.gram[:, None].expand(N, K, *t.gram.shape[1:])
-    sub = LayerTokens(t.ids, w.reshape(N * K, K), gram.reshape(N * K, *t.gram.shape[1:]),
-                      t.scale)
+    sub = LayerTokens(t.ids, w.reshape(N * K, K), gram.reshape(N * K, *t.gram.shape[1:]), t.scale)
     new = _masked_error(sub, flips.reshape(N * K, K)).view(N, K) * t.scale[:, None]  # [N, K]
     return out.index_add_(0, t.ids.reshape(-1), (new - err[:, None]).reshape(-1))
 
@@ -182,10 +184,17 @@ def select_layer(
     of the greedy set, of `start` (the REAP plan's set) and of the result."""
     if math.comb(n_experts - len(protected), n - len(protected)) <= EXACT_LIMIT:
         kept, val = exhaustive(t, n_experts, n, protected)
-        return kept, {"reap": objective(t, list(start), n_experts), "recon": val,
-                      "exact": True, "tokens": int(t.ids.shape[0])}
-    starts = {"greedy": greedy(t, n_experts, n, protected),
-              "forward": forward(t, n_experts, n, protected), "reap": list(start)}
+        return kept, {
+            "reap": objective(t, list(start), n_experts),
+            "recon": val,
+            "exact": True,
+            "tokens": int(t.ids.shape[0]),
+        }
+    starts = {
+        "greedy": greedy(t, n_experts, n, protected),
+        "forward": forward(t, n_experts, n, protected),
+        "reap": list(start),
+    }
     rec = {k: objective(t, v, n_experts) for k, v in starts.items()}
     best, sweeps = None, 0
     for v in starts.values():  # swaps from every start; the best end wins (ties: first)
@@ -193,8 +202,13 @@ def select_layer(
         val, sweeps = objective(t, kept, n_experts), sweeps + sw
         if best is None or val < best[0]:
             best = (val, kept)
-    return sorted(best[1]), {**rec, "recon": best[0], "swap_sweeps": sweeps, "exact": False,
-                             "tokens": int(t.ids.shape[0])}
+    return sorted(best[1]), {
+        **rec,
+        "recon": best[0],
+        "swap_sweeps": sweeps,
+        "exact": False,
+        "tokens": int(t.ids.shape[0]),
+    }
 
 
 def exhaustive(t: LayerTokens, n_experts: int, n: int, protected: set[int]):
@@ -241,12 +255,20 @@ class _Collector:
 
 def _run_key(meta: dict) -> tuple:
     a = meta.get("arguments") or {}
-    return (a.get("model"), a.get("corpus"), a.get("tokens"), a.get("seq_len"), a.get("seed"),
-            tuple(a.get("shard") or (1, 1)), a.get("dtype"))
+    return (
+        a.get("model"),
+        a.get("corpus"),
+        a.get("tokens"),
+        a.get("seq_len"),
+        a.get("seed"),
+        tuple(a.get("shard") or (1, 1)),
+        a.get("dtype"),
+    )
 
 
-def collect(loaded, weights: dict[str, float], checkpoint: str | None, budget: int,
-            progress: bool = False) -> dict[int, LayerTokens]:
+def collect(
+    loaded, weights: dict[str, float], checkpoint: str | None, budget: int, progress: bool = False
+) -> dict[int, LayerTokens]:
     """Rerun the calibration of the statistics `loaded` ([(name, path, ExpertStats)]) as one
     streamed pass per distinct calibration run, keeping their corpora's routing records;
     returns {layer: LayerTokens}."""
@@ -261,8 +283,10 @@ def collect(loaded, weights: dict[str, float], checkpoint: str | None, budget: i
         for m, part in zip(metas, parts):
             key = _run_key(m)
             if not key[1] or not key[2]:
-                raise ReapError(f"{path}: statistics without their calibration arguments "
-                                "(recon reruns the calibration pass)")
+                raise ReapError(
+                    f"{path}: statistics without their calibration arguments "
+                    "(recon reruns the calibration pass)"
+                )
             runs.setdefault(key, {})[part] = weights[name] / total / len(parts)
     merged: dict[int, list[LayerTokens]] = {}
     for key, want in runs.items():
@@ -270,10 +294,20 @@ def collect(loaded, weights: dict[str, float], checkpoint: str | None, budget: i
         names = [n for n, _ in parse_spec(spec)]
         sink = _Collector({names.index(c): w for c, w in want.items()})
         with tempfile.TemporaryDirectory(prefix="reap-recon-") as tmp:
-            calibrate(corpus=spec, tokens=tokens, seq_len=seq_len, out=os.path.join(tmp, "o"),
-                      model=checkpoint or model, budget=budget, seed=seed, shard=shard,
-                      dtype=dtype or "float32", seq_counts=False, progress=progress,
-                      observe=sink)
+            calibrate(
+                corpus=spec,
+                tokens=tokens,
+                seq_len=seq_len,
+                out=os.path.join(tmp, "o"),
+                model=checkpoint or model,
+                budget=budget,
+                seed=seed,
+                shard=shard,
+                dtype=dtype or "float32",
+                seq_counts=False,
+                progress=progress,
+                observe=sink,
+            )
         for layer in sink.parts:
             merged.setdefault(layer, []).append(sink.layer(layer))
     return {layer: _cat(ts) for layer, ts in merged.items()}
@@ -285,8 +319,9 @@ def _cat(ts: list[LayerTokens]) -> LayerTokens:
     K = max(t.ids.shape[1] for t in ts)
     if any(t.ids.shape[1] != K for t in ts):
         raise ReapError("recon: statistics of runs with different top_k")
-    return LayerTokens(*(torch.cat([getattr(t, f) for t in ts]) for f in ("ids", "w", "gram",
-                                                                         "scale")))
+    return LayerTokens(
+        *(torch.cat([getattr(t, f) for t in ts]) for f in ("ids", "w", "gram", "scale"))
+    )
 
 
 def recon_keep(layers, counts, tokens: dict[int, LayerTokens], n_experts, protected, start):
@@ -296,12 +331,20 @@ def recon_keep(layers, counts, tokens: dict[int, LayerTokens], n_experts, protec
         if layer not in tokens:
             raise ReapError(f"recon: the calibration pass recorded no tokens for layer {layer}")
         kept[layer], record[str(layer)] = select_layer(
-            tokens[layer], n_experts, counts[li], protected[li], start[layer])
+            tokens[layer], n_experts, counts[li], protected[li], start[layer]
+        )
     return kept, record
 
 
-def plan_recon(*, stats: list[str], checkpoint: str | None = None, budget: int = 4_000_000_000,
-               progress: bool = False, tokens: dict[int, LayerTokens] | None = None, **plan_kw):
+def plan_recon(
+    *,
+    stats: list[str],
+    checkpoint: str | None = None,
+    budget: int = 4_000_000_000,
+    progress: bool = False,
+    tokens: dict[int, LayerTokens] | None = None,
+    **plan_kw,
+):
     """A `make_plan` plan (same arguments; its counts, protected experts and REAP scores) whose
     kept sets recon chooses; `checkpoint` is the model to stream (default: the one the
     statistics were calibrated on), `budget` the pass's RSS budget in bytes, `tokens` the
@@ -324,20 +367,27 @@ def plan_recon(*, stats: list[str], checkpoint: str | None = None, budget: int =
         loaded = []
         for p in expand_paths(stats)[0]:
             s = ExpertStats.load(p)
-            loaded.append((str(s.meta.get("corpus") or os.path.splitext(os.path.basename(p))[0]),
-                           p, s))
+            loaded.append(
+                (str(s.meta.get("corpus") or os.path.splitext(os.path.basename(p))[0]), p, s)
+            )
         tokens = collect(loaded, plan.combine["weights"], checkpoint, budget, progress)
     prot = [{e["expert"] for e in plan.protected if e["layer"] == layer} for layer in plan.layers]
     counts = [plan.counts[layer] for layer in plan.layers]
     kept, record = recon_keep(plan.layers, counts, tokens, plan.n_experts, prot, plan.keep)
     plan.keep, plan.criterion = kept, "recon"
-    plan.recon = {"objective": OBJECTIVE, "method": METHOD, "layers": record,
-                  "seconds": time.perf_counter() - t0,
-                  "scores": "plan.scores are the REAP shares (counts of a global scope)"}
+    plan.recon = {
+        "objective": OBJECTIVE,
+        "method": METHOD,
+        "layers": record,
+        "seconds": time.perf_counter() - t0,
+        "scores": "plan.scores are the REAP shares (counts of a global scope)",
+    }
     return plan
 
 
-OBJECTIVE = ("per layer, sum over calibration tokens of ||routed output - output with the "
-             "dropped experts removed and the token's weights renormalised over its surviving "
-             "experts||^2 (each corpus relative to its own output energy, weighted as --weights; "
-             "expert contributions to one token taken as orthogonal)")
+OBJECTIVE = (
+    "per layer, sum over calibration tokens of ||routed output - output with the "
+    "dropped experts removed and the token's weights renormalised over its surviving "
+    "experts||^2 (each corpus relative to its own output energy, weighted as --weights; "
+    "expert contributions to one token taken as orthogonal)"
+)
