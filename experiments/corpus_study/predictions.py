@@ -192,6 +192,7 @@ def recon_summary(work: Path, recs: list[dict], s) -> dict:
     calib = [json.loads(p.read_text()) for p in runs if p.exists()]
     rows = [r for r in recs if r["criterion"] == "recon"]
     return {
+        "differences": _recon_differences(recs, s),
         "calibrate_seconds": [c["seconds"] for c in calib if c],
         "pass_seconds": [r["recon"]["pass_seconds"] for r in rows],
         "select_seconds": [r["recon"]["seconds"] for r in rows],
@@ -203,3 +204,24 @@ def recon_summary(work: Path, recs: list[dict], s) -> dict:
             for r in rows
         },
     }
+
+
+def _recon_differences(recs: list[dict], s) -> dict:
+    """Per criteria budget: recon minus reap and minus ean, mean log ppl ratio over domains,
+    paired by seed ([ci, verdict]; holds = recon lower)."""
+    from experiments.corpus_study.stats import _by, _lr, _paired, verdict
+
+    def f(r):
+        return float(np.mean([_lr(r, d) for d in DOMAINS]))
+
+    out = {}
+    for b in s.criteria_budgets:
+        mine = _by(recs, cal_set=s.criteria_set, criterion="recon", budget=b)
+        if not mine:
+            continue
+        out[b] = {}
+        for other in ("reap", "ean"):
+            theirs = _by(recs, cal_set=s.criteria_set, criterion=other, budget=b)
+            ci = _paired(mine, theirs, f)
+            out[b][f"recon minus {other}"] = [ci, verdict(ci, -1)]
+    return out

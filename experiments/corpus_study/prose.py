@@ -33,8 +33,9 @@ twice, `distinct_2` = share of distinct unit bigrams, `script` = share of letter
 domain's script, `python_valid` = prompt + continuation parses with `ast` (also without the last,
 possibly cut, line). Mean over seeds [t-interval]."""
 CRIT_INTRO = """Builds from the same `{s}` statistics at the same budget, chosen by REAP (mean gate
-weight x expert output norm), frequency (share of routed tokens), EAN (mean output norm) or at
-random (a different random draw per seed); super-expert protection was on for all of them
+weight x expert output norm), frequency (share of routed tokens), EAN (mean output norm), recon
+(the set minimising each layer's routed output error, below) or at random (a different random
+draw per seed); super-expert protection was on for all of them
 ({p} experts protected over all builds). Quality is the mean over the five domains of
 log(perplexity / full model)."""
 METHOD = """- Model: `{model}` (fingerprint {fp}), code {code}.

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -430,7 +431,11 @@ def method_section(r: dict) -> list[str]:
 def write_report(results: dict, out_dir: Path, report: Path) -> str:
     """Plots under out_dir and the markdown at `report`; returns the report path."""
     from experiments.corpus_study.plots import write_plots
-
+    from experiments.corpus_study.report_predict import (
+        predictor_section,
+        recon_section,
+        scatter_plot,
+    )
     from reap.fileio import write_atomic
 
     plots = write_plots(results, Path(out_dir), Path(report).parent)
@@ -442,7 +447,11 @@ def write_report(results: dict, out_dir: Path, report: Path) -> str:
         + overlap_section(results, plots["overlap"])
     )
     lines += quality_section(results, plots["quality"]) + generation_section(results)
-    lines += criteria_section(results, plots["criteria"]) + kept_section(results)
+    lines += criteria_section(results, plots["criteria"])
+    rel = Path(os.path.relpath(Path(out_dir).resolve(), Path(report).parent.resolve())).as_posix()
+    scatter = scatter_plot(results, Path(out_dir), rel)
+    lines += recon_section(results, _budget) + predictor_section(results, scatter, _budget)
+    lines += kept_section(results)
     lines += method_section(results) + ["## Limits", "", LIMITS, ""]
     return write_atomic(report, "\n".join(lines))
 
