@@ -95,7 +95,7 @@ def test_smoke_run_and_resume(tmp_path):
         seeds=[0, 1],
         sets=["zh", "en+code"],
         budgets=["k3"],
-        criteria=["random"],
+        criteria=["random", "recon"],
         criteria_set="zh",
         criteria_budgets=["k3"],
         calib_seqs=1,
@@ -110,7 +110,14 @@ def test_smoke_run_and_resume(tmp_path):
     work, out, report = tmp_path / "work", tmp_path / "out", tmp_path / "report.md"
     res = cs.run_study(s, work, out, report)
     recs = json.loads((out / "builds.json").read_text())
-    assert len(recs) == 2 * 2 + 2
+    assert len(recs) == 2 * 2 + 2 * 2
+    # every build's prediction on every domain; recon's objective never above REAP's set's
+    assert sorted(res["predictions"]) == sorted(r["id"] for r in recs)
+    for p in res["predictions"].values():
+        assert sorted(p) == sorted(cs.DOMAINS) and all(0 <= x["damage"] <= 1 for x in p.values())
+    assert res["validation"]["all"]["ppl"]["n"] == len(recs) * len(cs.DOMAINS)
+    for o in res["recon"]["objective"].values():
+        assert o["recon"] <= o["reap"] + 1e-12
     # tables are recomputed naively from the per-build records
     row = next(x for x in res["builds"] if x["set"] == "en+code" and x["criterion"] == "reap")
     per_seed = [
@@ -122,6 +129,7 @@ def test_smoke_run_and_resume(tmp_path):
     for r in recs:
         assert all(len(ids) == res["keeps"]["k3"] for ids in r["kept"].values())
         assert ("generations" in r) == (r["criterion"] == "reap")
+    assert "## Does the plan's prediction rank builds?" in report.read_text()
     rand = [r for r in recs if r["criterion"] == "random"]
     assert rand[0]["kept"] != rand[1]["kept"]  # one random draw per seed
     text = report.read_text()
