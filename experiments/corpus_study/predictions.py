@@ -55,6 +55,18 @@ def recon_tokens(work: Path, stats: dict[str, str], cal_set: str, seed: int) -> 
     return toks, float(flat["seconds"][0])
 
 
+def recon_plan(work: Path, stats: dict[str, str], config: dict, cal_set: str, keep: int, seed: int):
+    """A recon build's plan from the set's cached calibration pass."""
+    from reap.prune.recon import plan_recon
+
+    tokens, pass_seconds = recon_tokens(work, stats, cal_set, seed)
+    plan = plan_recon(
+        stats=[stats[c] for c in SETS[cal_set]], tokens=tokens, config=config, keep=keep, seed=seed
+    )
+    plan.recon["pass_seconds"] = pass_seconds
+    return plan
+
+
 def build_prediction(work: Path, rec: dict, stats: dict[str, str], shape: tuple) -> dict:
     """reap.prune.predict of one build's kept sets on every domain (cached in work/predict/)."""
     from reap.prune.plan_file import Plan

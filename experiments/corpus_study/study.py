@@ -34,6 +34,7 @@ from pathlib import Path
 from experiments.corpus_study import ROOT
 from experiments.corpus_study.predictions import (
     build_prediction,
+    recon_plan,
     recon_summary,
     stats_shape,
     validation,
@@ -166,19 +167,7 @@ def make_build_plan(
     from reap.prune.plan import make_plan
 
     if criterion == "recon":
-        from experiments.corpus_study.predictions import recon_tokens
-        from reap.prune.recon import plan_recon
-
-        tokens, pass_seconds = recon_tokens(work, stats, cal_set, seed)
-        plan = plan_recon(
-            stats=[stats[c] for c in SETS[cal_set]],
-            tokens=tokens,
-            config=config,
-            keep=keep,
-            seed=seed,
-        )
-        plan.recon["pass_seconds"] = pass_seconds
-        return plan
+        return recon_plan(work, stats, config, cal_set, keep, seed)
     return make_plan(
         stats=[stats[c] for c in SETS[cal_set]],
         config=config,
@@ -376,7 +365,9 @@ def _fixed(settings: dict) -> dict:
     return {k: v for k, v in settings.items() if k != "criteria"}
 
 
-def run_study(s: Settings, work: Path, out_dir: Path, report: Path | None) -> dict:
+def run_study(
+    s: Settings, work: Path, out_dir: Path, report: Path | None, reverse: bool = False
+) -> dict:
     """The whole study (see the module docstring); returns the results written."""
     from reap.checkpoint import Checkpoint
     from reap.defaults import default_model
@@ -398,7 +389,9 @@ def run_study(s: Settings, work: Path, out_dir: Path, report: Path | None) -> di
     )
     ms = sorted({keeps[b] for b in s.budgets})
     overlaps = {seed: _overlaps(work, stats[seed], ms, seed) for seed in s.seeds}
-    recs = _run_builds(work, s, model, config, stats, build_specs(s, keeps))
+    specs = build_specs(s, keeps)
+    done = _run_builds(work, s, model, config, stats, specs[::-1] if reverse else specs)
+    recs = done[::-1] if reverse else done
     shape = stats_shape(stats[s.seeds[0]]["zh"])
     preds = {r["id"]: build_prediction(work, r, stats[r["seed"]], shape) for r in recs}
     results = {
@@ -470,6 +463,11 @@ def main(argv: list[str] | None = None) -> int:
         help="markdown report path ('' for none)",
     )
     p.add_argument("--threads", type=int, default=1, help="torch threads")
+    p.add_argument(
+        "--reverse",
+        action="store_true",
+        help="build in reverse order (a second worker sharing --work; cached builds are skipped)",
+    )
     a = p.parse_args(argv)
     import torch
 
@@ -479,7 +477,11 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         run_study(
-            PRESETS[a.preset], Path(a.work), Path(a.out_dir), Path(a.report) if a.report else None
+            PRESETS[a.preset],
+            Path(a.work),
+            Path(a.out_dir),
+            Path(a.report) if a.report else None,
+            a.reverse,
         )
     except ReapError as e:
         print(f"corpus_study: error: {e}", file=sys.stderr)
