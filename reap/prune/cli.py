@@ -33,7 +33,8 @@ RECON_HELP = (
     "calibration tokens (objective: sum over tokens of ||routed output - output with the "
     "dropped experts removed and the token's routing weights renormalised over its surviving "
     "experts||^2, each corpus relative to its output energy; contributions of one token's "
-    "experts taken as orthogonal); backward greedy, REAP start, pair swaps. Cost: one extra "
+    "experts taken as orthogonal); search: backward and forward greedy and the REAP set, each "
+    "improved by pair swaps (layers with <= 2000 candidate sets enumerated). Cost: one extra "
     "streamed calibration pass over the statistics' tokens under --budget (what `reap "
     "calibrate` costs) plus seconds per layer of search; reap/ean read only the statistics"
 )
