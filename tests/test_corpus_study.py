@@ -141,3 +141,16 @@ def test_smoke_run_and_resume(tmp_path):
     assert {p: p.stat().st_mtime_ns for p in (work / "results").iterdir()} == stamps
     with pytest.raises(ReapError, match="other settings"):
         cs.run_study(cs.Settings(**{**s.__dict__, "max_docs": 2}), work, out, None)
+
+
+def test_spearman_with_ties_equals_scipy():
+    import numpy as np
+    from scipy.stats import spearmanr
+
+    from experiments.corpus_study.predictions import spearman
+
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 6, 40).astype(float)  # many ties
+    y = x + rng.normal(size=40)
+    assert spearman(x, y) == pytest.approx(spearmanr(x, y).statistic, rel=1e-12)
+    assert np.isnan(spearman(np.ones(5), np.arange(5.0)))

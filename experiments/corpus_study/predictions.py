@@ -120,13 +120,10 @@ def spearman(x, y) -> float:
 
 
 def _ranks(a: np.ndarray) -> np.ndarray:
-    order = np.argsort(a, kind="stable")
-    r = np.empty(len(a))
-    r[order] = np.arange(len(a))
-    for v in np.unique(a):  # ties share their mean rank
-        m = a == v
-        r[m] = r[m].mean()
-    return r
+    """0-based ranks, ties sharing their mean rank."""
+    _, inv, counts = np.unique(a, return_inverse=True, return_counts=True)
+    first = np.cumsum(counts) - counts  # rank of each distinct value's first occurrence
+    return (first + (counts - 1) / 2.0)[inv]
 
 
 def _corr_ci(points: list[tuple[int, float, float]], seed: int = 0) -> dict:
@@ -145,20 +142,23 @@ def _corr_ci(points: list[tuple[int, float, float]], seed: int = 0) -> dict:
         if not np.isnan(r):
             reps.append(r)
     lo, hi = np.percentile(reps, [2.5, 97.5]).tolist() if reps else (None, None)
-    return {"rho": spearman(x, y), "lo": lo, "hi": hi, "n": len(points)}
+    rho = spearman(x, y)
+    if np.isnan(rho):  # a constant index (or measure): no ranking to judge
+        return {"rho": None, "lo": None, "hi": None, "n": len(points)}
+    return {"rho": rho, "lo": lo, "hi": hi, "n": len(points)}
 
 
 def validation(recs: list[dict], preds: dict[str, dict], budgets: list[str]) -> dict:
     """Rank correlations of predicted damage with log ppl ratio and KL (module docstring)."""
 
-    def points(metric, keep=lambda r, d: True):
+    def points(metric, keep=lambda r, d: True, index="damage"):
         out = []
         for i, r in enumerate(recs):
             for d in DOMAINS:
                 if keep(r, d):
                     q = r["quality"][d]
                     y = np.log(q["ppl_ratio"]["value"]) if metric == "ppl" else q["kl"]["value"]
-                    out.append((i, preds[r["id"]][d]["damage"], float(y)))
+                    out.append((i, _index(preds[r["id"]][d], index), float(y)))
         return out
 
     res = {"all": {m: _corr_ci(points(m)) for m in ("ppl", "kl")}, "budgets": {}}
@@ -172,6 +172,9 @@ def validation(recs: list[dict], preds: dict[str, dict], budgets: list[str]) -> 
                 for m in ("ppl", "kl")
             }
             for d in DOMAINS
+        }
+        res["budgets"][b]["indices"] = {  # the other kept shares as damage indices
+            x: _corr_ci(points("ppl", lambda r, d, b=b: r["budget"] == b, x)) for x in INDICES
         }
     res["scatter"] = [
         {
@@ -187,6 +190,21 @@ def validation(recs: list[dict], preds: dict[str, dict], budgets: list[str]) -> 
         for d in DOMAINS
     ]
     return res
+
+
+INDICES = {
+    "REAP mass lost": "reap_overall",
+    "gate mass lost": "gate_overall",
+    "tokens whose top-k loses an expert": "topk_overall",
+}
+
+
+def _index(pred: dict, name: str) -> float:
+    """The damage index, or 1 - one of the overall kept shares (INDICES)."""
+    if name == "damage":
+        return pred["damage"]
+    v = pred[INDICES[name]]
+    return float("nan") if v is None else 1.0 - v
 
 
 def stats_shape(path: str) -> tuple[list[int], int, int]:

@@ -82,6 +82,18 @@ def predictor_section(r: dict, plot: str | None, budget_name) -> list[str]:
     ]
     out += ["", "Within one budget and domain (rho with log ppl ratio over the builds):", ""]
     out += _table(["budget", *doms], drows) + [""]
+    names = list(next(iter(v["budgets"].values())).get("indices", {}))
+    if names:
+        irows = [
+            [budget_name(r, b)] + [_ci(x["indices"][n], "{:.2f}") for n in names]
+            for b, x in v["budgets"].items()
+        ]
+        out += [
+            "Other kept shares as the index, within one budget (rho with log ppl ratio; n/a "
+            + "where the share is the same for every build):",
+            "",
+        ]
+        out += _table(["budget", *names], irows) + [""]
     out += _reading(r, v, budget_name)
     if plot:
         out += [f"![predicted damage against measured loss]({plot})", ""]
