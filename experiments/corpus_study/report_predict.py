@@ -18,7 +18,9 @@ ratio) and with KL to the full model, over (build, domain) pairs, with a 95 % pe
 bootstrap over builds. Pooled over budgets the correlation mostly measures that fewer experts
 hurt more; within one budget it asks whether the predictor orders calibration sets and
 criteria correctly, and within one budget and domain whether it picks the build that suffers
-most on that domain."""
+most on that domain. What a user sees before building, `reap plan --compare` of four seed-0 plans
+(zh, en+code and full at the K3 share, full at 25 %): `corpus-study/compare-example.md` and
+`.png`."""
 
 RECON_INTRO = """`recon` chooses each layer's kept set to minimise the layer's routed output error
 on the calibration tokens when dropped experts are removed and each token's weights are

@@ -61,6 +61,8 @@ def prediction_table(pred: dict, layers: list[int]) -> str:
 def compare_markdown(named: list[tuple[str, object]]) -> str:
     """Markdown of several plans' predictions side by side: damage index [CI], REAP and gate
     mass kept and whole top-k kept per corpus (rows) and plan (columns)."""
+    from reap.units import format_bytes
+
     corpora = []
     for _, plan in named:
         for p in plan.predictions["corpora"]:
@@ -70,7 +72,7 @@ def compare_markdown(named: list[tuple[str, object]]) -> str:
     by = {(name, p["corpus"]): p for name, plan in named for p in plan.predictions["corpora"]}
     budget = [
         f"{sum(plan.counts.values())}/{plan.n_experts * len(plan.layers)} experts"
-        + (f", {plan.predicted_bytes / 1e9:.2f} GB" if plan.predicted_bytes else "")
+        + (f", {format_bytes(plan.predicted_bytes)}" if plan.predicted_bytes else "")
         + f", {plan.criterion}"
         for _, plan in named
     ]
