@@ -63,4 +63,12 @@ LIMITS = """- k3-mini has 6 M parameters and was trained on 5 M tokens: its perp
 - Calibration sets are assembled from per-corpus statistics of one mixed run per seed (checked
   equal to a separate run for `en+code`); each set's corpora get equal weight in the plan.
 - The eval documents (a few thousand tokens per domain) are held out from training and
-  calibration, but come from the same sources as the training data."""
+  calibration, but come from the same sources as the training data.
+- The predicted damage is the REAP mass a plan drops; its interval resamples calibration
+  sequences' routing counts (the statistics hold no per-sequence REAP sums), so it says how
+  stable the prediction is, not how far the measured loss may fall from it. At these budgets
+  almost no token keeps its whole top-6, so that share cannot rank builds here.
+- recon's objective renormalises each token's weights over its surviving top-k experts and
+  treats different experts' contributions to a token as orthogonal (the model reports norms,
+  not vectors); the pruned model instead routes substitutes in, and k3-mini's LatentMoE
+  RMS-normalises the routed sum, so the objective is a model of the error, not the error."""
