@@ -141,7 +141,9 @@ def recon_section(r: dict, budget_name) -> list[str]:
         ["recon search (all layers, per plan)", f"{mean(x['select_seconds']):.1f} s"],
     ]
     out = ["## The recon criterion", "", RECON_INTRO, ""]
-    out += _table(["step (mean over runs)", "seconds"], cost) + [""]
+    out += _table(
+        ["step (mean over runs; wall seconds on the shared, loaded machine)", "seconds"], cost
+    ) + [""]
     rows = [
         [
             k,
@@ -153,6 +155,33 @@ def recon_section(r: dict, budget_name) -> list[str]:
         for k, o in x["objective"].items()
     ]
     out += _table(["build", "objective of REAP's set", "greedy", "recon", "lower than REAP"], rows)
+    cut = [100 * (1 - o["recon"] / o["reap"]) for o in x["objective"].values()]
+    worse = [
+        b
+        for b, d in x.get("differences", {}).items()
+        if d.get("recon minus reap", [None, ""])[1] == "reversed"
+    ]
+    better = [
+        b
+        for b, d in x.get("differences", {}).items()
+        if d.get("recon minus reap", [None, ""])[1] == "holds"
+    ]
+    out += [
+        "",
+        f"recon's sets lower its objective by {min(cut):.1f}-{max(cut):.1f} % against "
+        "REAP's; "
+        + (
+            "yet its builds have higher perplexity than REAP's at "
+            + ", ".join(budget_name(r, b) for b in worse)
+            + ": the objective does not track what this model loses"
+            if worse
+            else "its builds have lower perplexity than REAP's at "
+            + ", ".join(budget_name(r, b) for b in better)
+            if better
+            else "no perplexity difference from REAP's builds is resolved"
+        )
+        + ".",
+    ]
     for b, d in x.get("differences", {}).items():
         out += [
             "",
