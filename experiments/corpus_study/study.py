@@ -1,7 +1,7 @@
 """The k3-mini corpus study (issue #7): which experts each language and domain needs, and what a
 build calibrated on some of them loses on the others.
 
-    python -m experiments.corpus_study                     # full study, ~30-45 min on 1 core
+    python -m experiments.corpus_study                     # full study: 78 builds, ~40 min with 2 workers on a loaded machine
     python -m experiments.corpus_study --preset tiny --work /tmp/cs-tiny --out-dir /tmp/cs-out
 
 Per seed, one calibration run over the corpora zh, en, de, fr, es, it, ja and code (equal
@@ -17,6 +17,11 @@ with the exact hypergeometric chance level. Everything is written under `--work`
 finished calibrations, builds and evaluations are skipped) and summarized into
 `reports/corpus-study/results.json`; `experiments.corpus_study.report` writes the markdown
 and plots from that file. Effects get a Student-t 95 % interval over the calibration seeds.
+
+Issue #16 added the `recon` criterion (its calibration pass cached per seed in work/recon/) and
+every build's predicted damage per domain (`reap.prune.predict`, cached in work/predict/),
+validated against the measured losses (`experiments.corpus_study.predictions`). A second
+worker sharing `--work` (`--reverse`) builds from the other end; finished builds are skipped.
 """
 
 from __future__ import annotations
