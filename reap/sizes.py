@@ -132,6 +132,12 @@ class SizeModel:
         return sum(c["params"] for c in self.census.values())
 
     @property
+    def active_with_embedding(self) -> int:
+        """`active_params` plus the input embedding table (the convention of some model cards,
+        which count the looked-up row as active; see the README's table of releases)."""
+        return self.active_params + self.input_embedding_params
+
+    @property
     def active_params(self) -> int:
         """Parameters that multiply a text token's activations: all but the vision tower, the
         unchosen experts, the input embedding table (a row lookup, not a matmul) and unused
@@ -190,18 +196,62 @@ def fmt_params(n: float) -> str:
     return str(int(n))
 
 
-def resolve_config(model: str, layers: int | None = None) -> tuple[dict, str | None]:
-    """A built-in config name or a checkpoint path -> (config.json dict, checkpoint path); the
-    config is validated as every command validates it (`reap.models.validate.load_config`)."""
+@dataclass(frozen=True)
+class Source:
+    """What a MODEL argument names: its config.json dict, and where its weights are (`path`: a
+    checkpoint directory, file or http(s) URL), or a config-only directory (`config_only`), or
+    neither (a built-in config)."""
+
+    config: dict
+    path: str | None = None
+    config_only: object | None = None  # reap.checkpoint.config_only.ConfigOnly
+
+
+def resolve_source(model: str, layers: int | None = None) -> Source:
+    """A built-in config name, a checkpoint path or URL, or a directory holding only config.json
+    (and perhaps the index) -> `Source`; the config is validated as every command validates it
+    (`reap.models.validate.load_config`). A URL's config, index and shard headers are fetched
+    (`reap.checkpoint.RemoteCheckpoint`), never its tensors."""
+    from reap.checkpoint import is_url, open_checkpoint
+    from reap.checkpoint.config_only import open_config_only
     from reap.models import builtin_config
     from reap.models.validate import config_source, load_config
 
-    if os.path.exists(model):
-        from reap.checkpoint import Checkpoint
+    if not is_url(model) and not os.path.exists(model):
+        return Source(builtin_config(model, layers=layers))
+    if layers is not None:
+        raise ReapError(f"--layers applies to built-in configs only, not {model}")
+    src = None if is_url(model) else open_config_only(model)
+    if src is not None:
+        load_config(src.config, config_source(model))
+        return Source(src.config, None, src)
+    with open_checkpoint(model) as ck:
+        if not ck.config:
+            raise ReapError(f"{model}: no config.json")
+        load_config(ck.config, config_source(model))
+        return Source(ck.config, model)
 
-        with Checkpoint.open(model) as ck:
-            if not ck.config:
-                raise ReapError(f"{model}: no config.json")
-            load_config(ck.config, config_source(model))
-            return ck.config, model
-    return builtin_config(model, layers=layers), None
+
+def resolve_config(model: str, layers: int | None = None) -> tuple[dict, str | None]:
+    """(config.json dict, checkpoint path or URL; None for a built-in or config-only model)."""
+    src = resolve_source(model, layers)
+    return src.config, src.path
+
+
+def check_index(src, specs: list[TensorSpec], family_name: str) -> int:
+    """Check a config-only directory's index (if any) against the layout `specs`: every tensor
+    it names must be one the layout has (CheckpointError naming the index and the first one
+    that is not). Returns how many layout tensors the index does not list (0 for a complete
+    index; an excerpt lists fewer)."""
+    from reap.errors import CheckpointError
+
+    if src.weight_map is None:
+        return 0
+    stored = {split_view(s.name)[0] for s in specs}
+    unknown = sorted(src.stored_names() - stored)
+    if unknown:
+        raise CheckpointError(
+            f"{src.index_path}: weight_map: tensor {unknown[0]} is not in the {family_name} "
+            f"layout of config.json ({len(unknown)} such)"
+        )
+    return len(stored - src.stored_names())
