@@ -17,11 +17,19 @@ shards its index names (some but not all of them present is a broken checkpoint,
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from reap.checkpoint.header import load_index, load_json
-from reap.checkpoint.spec import INDEX_NAME, MAX_INDEX_BYTES, SINGLE_NAME, TEXT_PREFIX
+from reap.checkpoint.spec import (
+    INDEX_NAME,
+    MAX_INDEX_BYTES,
+    SINGLE_NAME,
+    TEXT_PREFIX,
+    TensorSpec,
+    split_view,
+)
 from reap.errors import CheckpointError
 
 
@@ -77,3 +85,41 @@ def _total_size(index: Path) -> int | None:
     if not isinstance(n, int) or isinstance(n, bool) or n < 0:
         raise CheckpointError(f"{index}: metadata.total_size: {n!r} is not a byte count")
     return n
+
+
+class LayoutTable(Mapping):
+    """name -> tensor (shape, dtype, nbytes) of a layout as a checkpoint would store it, for
+    questions without weights (binding checks, the engine's memory plan): iteration lists the
+    stored names (a fused expert tensor once, [E, ...]), and `X[e]` looks up its slice, as
+    `Checkpoint.tensors` does."""
+
+    def __init__(self, specs: list[TensorSpec]):
+        self._views = {s.name: s for s in specs}
+        self._stored: dict[str, TensorSpec] = {}
+        fused: dict[str, list[TensorSpec]] = {}
+        for s in specs:
+            base, index = split_view(s.name)
+            if index is None:
+                self._stored[s.name] = s
+            else:
+                fused.setdefault(base, []).append(s)
+        for base, views in fused.items():
+            s = views[0]
+            shape = (len(views), *s.shape)  # [E, ...]
+            self._stored[base] = replace(s, name=base, shape=shape, expert=None)
+
+    def __getitem__(self, name: str) -> TensorSpec:
+        if name in self._stored:
+            return self._stored[name]
+        if split_view(name)[1] is not None:
+            return self._views[name]
+        raise KeyError(name)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._stored or (isinstance(name, str) and name in self._views)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._stored)
+
+    def __len__(self) -> int:
+        return len(self._stored)

@@ -6,6 +6,9 @@
 
 The memory plan is computed and printed (stderr) before any weight is read; a plan above 95 % of
 the available memory is refused (exit 2). Output is text on stdout, or JSON with --json.
+`--plan-only` reads no weight at all: the tensor table comes from the shard headers (a local
+checkpoint or an http(s) URL) or, for a directory holding only config.json, from the family
+layout, so a user sees the plan before downloading anything.
 """
 
 from __future__ import annotations
@@ -103,7 +106,12 @@ def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="read with O_DIRECT (bypass the page cache) where the filesystem allows",
     )
-    p.add_argument("--plan-only", action="store_true", help="print the memory plan and stop")
+    p.add_argument(
+        "--plan-only",
+        action="store_true",
+        help="print the memory plan and stop, reading no weight (works on a URL or a "
+        "directory holding only config.json)",
+    )
     p.add_argument("--json", action="store_true", help="print text, token ids, plan and metrics")
     p.add_argument("--out", help="also write the JSON result to this file")
     p.add_argument("--quiet", action="store_true", help="do not print the plan and metrics")
@@ -199,6 +207,8 @@ def run(args: argparse.Namespace) -> int:
     from reap.engine.generate import generate
 
     batch = len(_lines(args.prompts)) if args.prompts else 1
+    if args.plan_only:
+        return _plan_only(args, batch)
     if args.out:
         check_out_file(args.out)
     if args.threads is not None:
@@ -248,6 +258,57 @@ def run(args: argparse.Namespace) -> int:
                 EXIT_EXPERT_LOAD,
             )
     return 0
+
+
+def _plan_only(args: argparse.Namespace, batch: int) -> int:
+    """Print the memory plan Engine.open would make for MODEL, reading no weight; exit 2 when
+    the plan is above the available memory, as a run would be refused."""
+    from reap.engine import memory
+    from reap.engine.binding import bind, model_bytes, state_costs
+    from reap.engine.core import _compute_dtype, _make_plan
+    from reap.models.validate import config_source, load_config
+
+    model, config, tensors = _plan_tensors(args.model)
+    fam, cfg = load_config(config, config_source(model))
+    torch_dtype = _compute_dtype(args.dtype, cfg)
+    b = bind(tensors, fam, config, model)
+    import torch
+
+    costs = state_costs(fam, cfg, torch.finfo(torch_dtype).bits // 8)
+    mb = model_bytes(tensors, b, costs, fam.top_k(cfg), torch_dtype)
+    plan = _make_plan(mb, args.budget, args.preset, args.context, batch, args.prefill_chunk, None)
+    if args.json:
+        print(json.dumps({"model": model, "plan": plan.to_dict()}, indent=1))
+    elif not args.quiet:
+        print(plan.describe(), file=sys.stderr)
+    memory.check_available(plan)
+    return 0
+
+
+def _plan_tensors(model: str | None) -> tuple[str, dict, dict]:
+    """(model, config, name -> tensor with shape/dtype/nbytes) for a plan without weights: a
+    checkpoint's (or URL's) shard headers, or a config-only directory's family layout (its
+    index, if any, checked against the layout as `reap info` checks it)."""
+    from reap.sizes import check_index, resolve_source
+
+    if model is None:
+        from reap.defaults import default_model
+
+        model = default_model()
+    src = resolve_source(str(model))
+    if src.config_only is None:
+        from reap.checkpoint import open_checkpoint
+
+        with open_checkpoint(model) as ck:
+            return str(model), ck.config, dict(ck.tensors.items())
+    from reap.models import family
+
+    fam = family(src.config)
+    specs = fam.layout(src.config)
+    check_index(src.config_only, specs, fam.__name__.rsplit(".", 1)[-1])
+    from reap.checkpoint.config_only import LayoutTable
+
+    return str(model), src.config, LayoutTable(specs)
 
 
 def _print(args, gens, result: dict, engine) -> None:

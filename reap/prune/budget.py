@@ -2,7 +2,9 @@
 
 `--keep N` (per layer), `--ratio R` (kept fraction) or `--target-size` (bytes, solved exactly with
 `reap.sizes.SizeModel`: the largest build that fits). `uniform` scope keeps the same count in
-every layer; `global` scope shares the budget across layers by the per-layer shares of the
+every layer (with grouped routers, `groups` > 1, rounded down to the largest multiple of the
+group count that fits: grouped top-k routes as before only if every group keeps as many, and
+`rounding_note` says so in the plan); `global` scope shares the budget across layers by the per-layer shares of the
 combined score (`criteria.global_counts`: this keeps the experts of largest share anywhere, which
 minimizes the total share dropped), never below the per-layer minimum (at least top_k, and at
 least the layer's protected experts).
@@ -22,11 +24,14 @@ def min_keep(min_keep: int | None, top_k: int, E: int) -> int:
     return m
 
 
-def layer_counts(scope, size, shape, combined, prot, floor_, keep, ratio, target_size) -> list[int]:
+def layer_counts(
+    scope, size, shape, combined, prot, floor_, keep, ratio, target_size, groups: int = 1
+) -> list[int]:
     """Experts to keep per layer [L] under exactly one of keep / ratio / target_size.
 
     shape: (MoE layers, n_experts, top_k); combined: [L, E] shares (global scope); prot: the
-    protected ids per layer; floor_: the per-layer minimum; size: a SizeModel (target size)."""
+    protected ids per layer; floor_: the per-layer minimum; size: a SizeModel (target size);
+    groups: routing groups (a uniform target-size count is rounded down to a multiple)."""
     layers, E, _ = shape
     L = len(layers)
     given = [x is not None for x in (keep, ratio, target_size)]
@@ -42,6 +47,7 @@ def layer_counts(scope, size, shape, combined, prot, floor_, keep, ratio, target
             n = round(ratio * E)
         else:
             n = size.max_uniform_keep(target)
+            n -= n % groups
         if not floor_ <= n <= E:
             raise ReapError(_too_small(n, floor_, E, size, target))
         return [n] * L
@@ -116,6 +122,17 @@ def _too_small(n, floor_, E, size, target) -> str:
     return (
         f"target size {format_bytes(target)} is below the smallest build, "
         f"{format_bytes(smallest)} with {floor_} experts per layer"
+    )
+
+
+def rounding_note(size, target_size: str, groups: int, kept: int) -> str | None:
+    """What a plan says when grouped routing rounded a target-size count down (else None)."""
+    fits = size.max_uniform_keep(positive_size(target_size, "--target-size"))
+    if fits == kept:
+        return None
+    return (
+        f"{fits} experts per layer would fit; rounded down to {kept}, the largest multiple "
+        f"of the {groups} routing groups (each group keeps {kept // groups})"
     )
 
 

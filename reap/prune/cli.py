@@ -63,7 +63,8 @@ def size_table(plan: Plan) -> str:
             )
             start = i
     total = sum(plan.counts.values())
-    budget = ", ".join(f"{k} {v}" for k, v in plan.budget.items() if k != "target_bytes")
+    shown = {k: v for k, v in plan.budget.items() if k not in ("target_bytes", "note")}
+    budget = ", ".join(f"{k} {v}" for k, v in shown.items())
     head = (
         f"plan: {plan.scope} scope, criterion {plan.criterion or '(counts only)'}, budget: {budget}"
     )
@@ -73,6 +74,8 @@ def size_table(plan: Plan) -> str:
         f"protected: {len(plan.protected)}"
     )
     out = [head, *rows, kept]
+    if plan.budget.get("note"):
+        out.insert(1, f"  note: {plan.budget['note']}")
     if plan.predicted_bytes is not None:
         out.append(
             f"  predicted: {format_bytes(plan.predicted_bytes)} "
@@ -96,7 +99,11 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
         help="source checkpoint (config, sizes and fingerprint; default: "
         "the checkpoint the statistics were calibrated on, if still there)",
     )
-    src.add_argument("--config", help="built-in config (k3-tiny, k3-small, k3-full) or checkpoint")
+    src.add_argument(
+        "--config",
+        help="built-in config (k3-tiny, k3-small, k3-full), checkpoint, http(s) URL, or a "
+        "directory holding only config.json (sizes without weights)",
+    )
     p.add_argument("--layers", type=int, help="with a built-in --config: its first N layers")
     p.add_argument("--out", help="plan JSON to write")
     p.add_argument("--dry-run", action="store_true", help="print the size table, write nothing")
@@ -169,9 +176,7 @@ def run_plan(args: argparse.Namespace) -> int:
         return plan_predict.run_compare(args)
     config, model, path = None, None, None
     if args.model or args.config:
-        from reap.sizes import resolve_config
-
-        config, path = resolve_config(args.model or args.config, args.layers)
+        config, path = _source_config(args.model or args.config, args.layers)
         model = _fingerprint(path) if path else None
     elif args.stats:
         config, model = _calibrated_model(args.stats[0])
@@ -246,10 +251,25 @@ def _calibrated_model(stats_path: str) -> tuple[dict | None, str | None]:
     return None, None
 
 
-def _fingerprint(path: str) -> str:
-    from reap.checkpoint import Checkpoint
+def _source_config(model: str, layers: int | None) -> tuple[dict, str | None]:
+    """(config, checkpoint path or URL) of --model/--config: a built-in name, a checkpoint, a
+    URL, or a directory holding only config.json (its index, if any, checked as `reap info`
+    checks it). Config-only sources plan sizes; they have no fingerprint to record."""
+    from reap.sizes import check_index, resolve_source
 
-    with Checkpoint.open(path) as ck:
+    src = resolve_source(model, layers)
+    if src.config_only is not None:
+        from reap.models import family
+
+        fam = family(src.config)
+        check_index(src.config_only, fam.layout(src.config), fam.__name__.rsplit(".", 1)[-1])
+    return src.config, src.path
+
+
+def _fingerprint(path: str) -> str:
+    from reap.checkpoint import open_checkpoint
+
+    with open_checkpoint(path) as ck:
         return ck.fingerprint()
 
 

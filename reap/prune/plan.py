@@ -60,8 +60,9 @@ def make_plan(
     prot = [{e.expert for e in sup if e.layer == layer} for layer in layers]
     if scope == "global" and combined is None:
         raise ReapError("--scope global needs scores: give statistics or --criterion random")
+    G = int(family(config).expert_groups(config)) if config is not None else 1
     counts = budget.layer_counts(
-        scope, size, shape, combined, prot, floor_, keep, ratio, target_size
+        scope, size, shape, combined, prot, floor_, keep, ratio, target_size, groups=G
     )
     groups = _expert_groups(config, counts, E)
     if config is not None:  # refuse now what prune would refuse (e.g. one count per config)
@@ -80,7 +81,7 @@ def make_plan(
         keep=kept,
         criterion=criterion if combined is not None else None,
         scope=scope,
-        budget=budget.budget_record(keep, ratio, target_size, floor_),
+        budget=_budget(keep, ratio, target_size, floor_, size, scope, groups, counts),
         combine={"mode": "quota" if quota else "weighted", "weights": wts, "normalization": rule},
         protected=[{"layer": e.layer, "expert": e.expert, "max_act": e.max_act} for e in sup],
         protect_rule=criteria.PROTECT_RULE if (protect and loaded) else None,
@@ -160,6 +161,16 @@ def _scores(loaded, criterion, latent, weights, shape, seed):
         return {}, None, wts
     per = {n: criteria.scores(s, criterion, latent) for n, _, s in loaded}
     return per, criteria.combine(per, wts), wts
+
+
+def _budget(keep, ratio, target_size, floor_, size, scope, groups, counts) -> dict:
+    """The budget record, with a note when grouped routing rounded a target-size count."""
+    b = budget.budget_record(keep, ratio, target_size, floor_)
+    if target_size is not None and scope == "uniform" and groups > 1:
+        note = budget.rounding_note(size, target_size, groups, counts[0])
+        if note:
+            b["note"] = note
+    return b
 
 
 def _expert_groups(config: dict | None, counts: list[int], E: int) -> int:
