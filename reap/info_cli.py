@@ -9,7 +9,7 @@ import argparse
 import json
 import os
 
-from reap.sizes import SizeModel, check_index, fmt_params, resolve_source
+from reap.sizes import SizeModel, check_index, fmt_params, layout, resolve_source
 from reap.units import format_bytes
 
 
@@ -23,7 +23,7 @@ def info(model: str, layers: int | None = None) -> dict:
     from reap.models import family
 
     fam = family(config)
-    specs = fam.layout(config)
+    specs = layout(config)
     m = SizeModel.from_layout(specs, fam, config)
     first = m.moe_layers[0] if m.moe_layers else None
     out = {

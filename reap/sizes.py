@@ -11,6 +11,8 @@ census and in the source's size, not in active parameters or pruned builds (prun
 
 from __future__ import annotations
 
+import functools
+import json
 import os
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -53,8 +55,7 @@ class SizeModel:
         """Size model of a config.json dict (any family with a `layout`)."""
         from reap.models import family
 
-        fam = family(config)
-        return cls.from_layout(fam.layout(config), fam, config)
+        return cls.from_layout(layout(config), family(config), config)
 
     @classmethod
     def from_layout(cls, specs: list[TensorSpec], fam, config: dict) -> SizeModel:
@@ -187,6 +188,20 @@ class SizeModel:
         if isinstance(keep, int):
             return {layer: keep for layer in self.moe_layers}
         return keep
+
+
+def layout(config: dict) -> list[TensorSpec]:
+    """The family layout of a config.json dict, remembered for the last few configs: the
+    config-only commands ask for it several times (seconds each at full size)."""
+    return list(_layout(json.dumps(config, sort_keys=True)))
+
+
+@functools.lru_cache(maxsize=4)
+def _layout(config_json: str) -> tuple[TensorSpec, ...]:
+    from reap.models import family
+
+    config = json.loads(config_json)
+    return tuple(family(config).layout(config))
 
 
 def fmt_params(n: float) -> str:

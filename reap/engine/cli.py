@@ -289,7 +289,7 @@ def _plan_tensors(model: str | None) -> tuple[str, dict, dict]:
     """(model, config, name -> tensor with shape/dtype/nbytes) for a plan without weights: a
     checkpoint's (or URL's) shard headers, or a config-only directory's family layout (its
     index, if any, checked against the layout as `reap info` checks it)."""
-    from reap.sizes import check_index, resolve_source
+    from reap.sizes import check_index, layout, resolve_source
 
     if model is None:
         from reap.defaults import default_model
@@ -304,7 +304,7 @@ def _plan_tensors(model: str | None) -> tuple[str, dict, dict]:
     from reap.models import family
 
     fam = family(src.config)
-    specs = fam.layout(src.config)
+    specs = layout(src.config)
     check_index(src.config_only, specs, fam.__name__.rsplit(".", 1)[-1])
     from reap.checkpoint.config_only import LayoutTable
 

@@ -255,14 +255,14 @@ def _source_config(model: str, layers: int | None) -> tuple[dict, str | None]:
     """(config, checkpoint path or URL) of --model/--config: a built-in name, a checkpoint, a
     URL, or a directory holding only config.json (its index, if any, checked as `reap info`
     checks it). Config-only sources plan sizes; they have no fingerprint to record."""
-    from reap.sizes import check_index, resolve_source
+    from reap.sizes import check_index, layout, resolve_source
 
     src = resolve_source(model, layers)
     if src.config_only is not None:
         from reap.models import family
 
         fam = family(src.config)
-        check_index(src.config_only, fam.layout(src.config), fam.__name__.rsplit(".", 1)[-1])
+        check_index(src.config_only, layout(src.config), fam.__name__.rsplit(".", 1)[-1])
     return src.config, src.path
 
 

@@ -1,0 +1,223 @@
+"""Real releases (issue 14): the released config.json files under tests/fixtures/releases/ answer
+`reap info`, `reap plan --dry-run` and `reap run --plan-only` without any weight; the size model
+gives the parameter counts their makers publish (README "Published sizes of the releases"); a
+directory with only config.json and the index, or an http(s) URL, gives what the checkpoint
+gives; grouped routers round a target size down to a balanced count.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from reap.cli import main
+from reap.info_cli import info
+
+RELEASES = Path(__file__).parent / "fixtures" / "releases"
+DIRS = sorted(p.name for p in RELEASES.iterdir() if (p / "config.json").is_file())
+
+# Published figures (billions; README table): (release, what, figure, how the publisher counts,
+# rounding). `what`: "total" (every stored parameter), "main" (total less the MTP layer),
+# "active" (a token's matmul parameters: chosen and shared experts, attention, the head) or
+# "active+embed" (also the looked-up embedding row's table, as Mistral and Qwen count).
+# Tolerance: 0.5 % or the figure's own precision (half a unit of its last digit), whichever is
+# larger; "trunc" rows are published truncated, so [figure, figure + one unit).
+PUBLISHED = [
+    ("deepseek-v3", "main", 671, 1, "round"),
+    ("deepseek-v3", "active", 36.6, 0.1, "round"),
+    ("deepseek-r1", "main", 671, 1, "round"),
+    ("deepseek-r1", "active", 36.6, 0.1, "round"),
+    ("qwen3-30b-a3b", "total", 30.5, 0.1, "round"),
+    ("qwen3-30b-a3b", "non-embedding", 29.9, 0.1, "round"),
+    ("qwen3-30b-a3b", "active+embed", 3.3, 0.1, "trunc"),
+    ("qwen3-235b-a22b", "total", 235, 1, "round"),
+    ("qwen3-235b-a22b", "active+embed", 22, 1, "round"),
+    ("mixtral-8x7b", "total", 46.7, 0.1, "round"),
+    ("mixtral-8x7b", "active+embed", 12.9, 0.1, "round"),
+    ("gpt-oss-20b", "total", 21, 1, "round"),
+    ("gpt-oss-20b", "active", 3.6, 0.1, "round"),
+    ("gpt-oss-120b", "total", 117, 1, "round"),
+    ("gpt-oss-120b", "active", 5.1, 0.1, "round"),
+]
+
+
+def _measure(out: dict, what: str) -> float:
+    comp = out["components"]
+    mtp = comp.get("mtp", {}).get("params", 0)
+    embed = comp.get("embed_head", {}).get("params", 0)
+    value = {
+        "total": out["total_params"],
+        "main": out["total_params"] - mtp,
+        "non-embedding": out["total_params"] - mtp - embed,
+        "active": out["active_params"],
+        "active+embed": out["active_with_embedding"],
+    }[what]
+    return value / 1e9
+
+
+@pytest.fixture(scope="module")
+def infos() -> dict[str, dict]:
+    return {d: info(str(RELEASES / d)) for d in DIRS}
+
+
+def test_fixtures_have_provenance():
+    """Every fixture file is named in its directory's SOURCE.md (repository, path, commit)."""
+    assert len(DIRS) >= 7
+    for d in DIRS:
+        source = (RELEASES / d / "SOURCE.md").read_text()
+        for f in (RELEASES / d).iterdir():
+            if f.name != "SOURCE.md":
+                assert f"{f.name}:" in source, (d, f.name)
+        assert "commit" in source
+
+
+@pytest.mark.parametrize(("release", "what", "figure", "unit", "rounding"), PUBLISHED)
+def test_published_parameter_counts(infos, release, what, figure, unit, rounding):
+    got = _measure(infos[release], what)
+    if rounding == "trunc":
+        assert figure <= got < figure + unit, (got, figure)
+    else:
+        tol = max(0.005 * figure, unit / 2)
+        assert abs(got - figure) <= tol, (got, figure, tol)
+
+
+def test_exact_counts_published_to_the_parameter(infos):
+    """Counts published to the parameter: gpt-oss-20b 20,914,757,184 (keras-hub's gpt-oss
+    preset) and Mixtral-8x7B 46,702,792,704 (keras-hub's preset modelled on it); the released
+    gpt-oss-20b holds 13,761,264,768 bytes of tensors in 459 tensors."""
+    assert infos["gpt-oss-20b"]["total_params"] == 20_914_757_184
+    assert infos["mixtral-8x7b"]["total_params"] == 46_702_792_704
+    assert infos["gpt-oss-20b"]["tensor_bytes"] == 13_761_264_768
+    assert infos["gpt-oss-20b"]["tensors"] == 459
+
+
+@pytest.mark.parametrize("release", DIRS)
+def test_every_command_runs_on_the_release_config(release, capsys):
+    path = str(RELEASES / release)
+    assert main(["info", path, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["config_only"] and out["total_params"] > 0
+    assert main(["plan", "--config", path, "--ratio", "0.5", "--dry-run"]) == 0
+    assert "predicted" in capsys.readouterr().out
+    assert main(["run", path, "--prompt-ids", "1", "--plan-only", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)["plan"]
+    assert plan["total"] > 0
+
+
+@pytest.mark.parametrize("release", DIRS)
+def test_layout_matches_the_release_index(release):
+    """Where a fixture carries the release's index (whole or an excerpt), every tensor it names
+    is in the family layout; a whole index lists exactly the layout, and its total_size is the
+    layout's tensor bytes."""
+    index = RELEASES / release / "model.safetensors.index.json"
+    if not index.is_file():
+        pytest.skip("no index in this fixture")
+    from reap.checkpoint.config_only import open_config_only
+    from reap.models import family
+    from reap.sizes import check_index
+
+    src = open_config_only(RELEASES / release)
+    specs = family(src.config).layout(src.config)
+    missing = check_index(src, specs, release)
+    if "excerpt" not in (RELEASES / release / "SOURCE.md").read_text():
+        assert missing == 0
+        assert src.total_size in (None, sum(s.nbytes for s in specs))
+
+
+def test_grouped_router_target_size_rounds_down(capsys):
+    """DeepSeek-V3 at 400 GB: 149 experts per layer fit, the plan keeps 144 (8 groups of 18)
+    and says so; 149 fitting and 150 not is checked against the size model directly."""
+    from reap.sizes import SizeModel
+
+    path = str(RELEASES / "deepseek-v3")
+    assert main(["plan", "--config", path, "--target-size", "400GB", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "keep   144/256" in out and "149 experts per layer would fit" in out
+    size = SizeModel.from_config(json.loads((RELEASES / "deepseek-v3" / "config.json").read_text()))
+    assert size.predict_bytes(149) <= 400e9 < size.predict_bytes(150)
+
+
+# ---- a config-only directory and a URL answer as the checkpoint does ------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from reap.synth import synth
+
+    return Path(synth("k3-tiny", tmp_path_factory.mktemp("k3") / "k3-tiny", seed=0))
+
+
+def _config_only(src: Path, out: Path, index: bool = True) -> Path:
+    out.mkdir()
+    shutil.copy(src / "config.json", out)
+    if index:
+        shutil.copy(src / "model.safetensors.index.json", out)
+    return out
+
+
+def test_config_only_directory_answers_as_the_checkpoint(tiny, tmp_path, capsys):
+    """info: same census; the index's total_size is the layout's tensor bytes; plan --dry-run:
+    same table; run --plan-only: the same memory plan from the layout as from the headers."""
+    bare = _config_only(tiny, tmp_path / "bare")
+    a, b = info(str(tiny)), info(str(bare))
+    assert b["index_total_size"] == b["tensor_bytes"] == a["stored_tensor_bytes"]
+    assert b["index_missing"] == 0
+    for k in ("components", "total_params", "active_params", "checkpoint_bytes", "tensors"):
+        assert a[k] == b[k], k
+    tables = []
+    for p in (tiny, bare):
+        assert main(["plan", "--config", str(p), "--keep", "8", "--dry-run"]) == 0
+        tables.append(capsys.readouterr().out)
+    assert tables[0] == tables[1]
+    plans = []
+    for p in (tiny, bare):
+        args = ["run", str(p), "--prompt-ids", "1", "--plan-only", "--json", "--budget", "2GB"]
+        assert main(args) == 0
+        plans.append(json.loads(capsys.readouterr().out)["plan"])
+    assert plans[0] == plans[1]
+    assert main(["info", str(_config_only(tiny, tmp_path / "noindex", index=False))]) == 0
+
+
+def test_config_only_refuses_an_index_naming_a_stranger(tiny, tmp_path, capsys):
+    bare = _config_only(tiny, tmp_path / "bad")
+    index = json.loads((bare / "model.safetensors.index.json").read_text())
+    index["weight_map"]["model.layers.0.mlp.stranger.weight"] = "model-00001-of-00001.safetensors"
+    (bare / "model.safetensors.index.json").write_text(json.dumps(index))
+    for argv in (
+        ["info", str(bare)],
+        ["plan", "--config", str(bare), "--keep", "8", "--dry-run"],
+        ["run", str(bare), "--prompt-ids", "1", "--plan-only"],
+    ):
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0
+        assert "model.safetensors.index.json" in err and "stranger" in err
+
+
+def test_a_url_answers_from_headers_alone(tiny, tmp_path, monkeypatch, capsys):
+    """info, plan --dry-run and run --plan-only on an http URL read config, index and headers:
+    the census and the plan equal the local ones, and every range requested is a shard's head
+    (widened to the cache's block), none a tensor read."""
+    from tests.test_remote import FileServer
+
+    monkeypatch.setenv("REAP_CACHE", str(tmp_path / "cache"))
+    fs = FileServer(tiny)
+    try:
+        a, b = info(str(tiny)), info(fs.url)
+        for k in ("components", "total_params", "stored_tensor_bytes", "tensors_on_disk"):
+            assert a[k] == b[k], k
+        assert main(["plan", "--config", fs.url, "--keep", "8", "--dry-run"]) == 0
+        assert "predicted" in capsys.readouterr().out
+        plans = []
+        for p in (str(tiny), fs.url):
+            args = ["run", p, "--prompt-ids", "1", "--plan-only", "--json", "--budget", "2GB"]
+            assert main(args) == 0
+            plans.append(json.loads(capsys.readouterr().out)["plan"])
+        assert plans[0] == plans[1]
+        ranges = [r for _, r in fs.requests if r]
+        assert ranges and all(r.startswith("bytes=0-") for r in ranges), ranges  # headers only
+    finally:
+        fs.close()
