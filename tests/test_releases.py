@@ -221,3 +221,37 @@ def test_a_url_answers_from_headers_alone(tiny, tmp_path, monkeypatch, capsys):
         assert ranges and all(r.startswith("bytes=0-") for r in ranges), ranges  # headers only
     finally:
         fs.close()
+
+
+# ---- where a pruned build can go next (README): mlx-lm reads a uniform pruned K3 build ------
+
+
+def test_mlx_lm_loads_a_uniform_pruned_k3_build(tmp_path):
+    """A k3-tiny pruned to 6 of 16 experts in every layer: mlx-lm's kimi_k3 loads the build as
+    it is (config.json's `num_experts`, the sliced router) and agrees with us: our model over a
+    prompt and 8 greedy decoding steps (`family_runner.check_mlx`), and the streaming engine's
+    prompt logits, within 1e-4."""
+    mx = pytest.importorskip("mlx.core")
+    import numpy as np
+    from mlx_lm.utils import load_model
+
+    from reap.engine import Engine
+    from reap.prune.plan import make_plan
+    from reap.prune.write import prune
+    from reap.synth import synth
+    from tests.family_runner import check_mlx
+
+    src = Path(synth("k3-tiny", tmp_path / "k3", seed=3, dtype="float32"))
+    config = json.loads((src / "config.json").read_text())
+    plan = make_plan(config=config, criterion="random", keep=6, seed=1)
+    out = tmp_path / "pruned"
+    prune(model=str(src), plan=plan, out=str(out))
+    assert json.loads((out / "config.json").read_text())["text_config"]["num_experts"] == 6
+    ids = [3, 100, 7, 200, 55, 9, 1, 250, 17, 42, 11, 300]
+    check_mlx(str(out), ids, steps=8, atol=1e-4)
+    ref_model, _ = load_model(out)
+    ref = np.array(ref_model(mx.array([ids]), cache=ref_model.make_cache()))[0]  # [T, V]
+    with Engine.open(str(out), preset="ultra", context=64, dtype="float32") as eng:
+        got = eng.logits([ids])[0].numpy()
+    assert got.shape == ref.shape
+    assert float(np.abs(got - ref).max()) < 1e-4
