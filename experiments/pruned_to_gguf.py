@@ -70,9 +70,7 @@ def _tokenizer(llama_cpp: Path, path: Path) -> None:
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers
     from tokenizers import pre_tokenizers as pt
 
-    sys.path.insert(0, str(llama_cpp / "gguf-py"))
-    import gguf
-
+    gguf = _package("gguf", llama_cpp / "gguf-py" / "gguf")
     vocab = llama_cpp / "models" / "ggml-vocab-qwen2.gguf"
     r = gguf.GGUFReader(vocab)
 
@@ -105,6 +103,18 @@ def _tokenizer(llama_cpp: Path, path: Path) -> None:
     (path / "tokenizer_config.json").write_text(
         json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>"})
     )
+
+
+def _package(name: str, directory: Path):
+    """Import the package in `directory` as `name` (llama.cpp's gguf-py, not installed here)."""
+    import importlib.util
+
+    init = directory / "__init__.py"
+    spec = importlib.util.spec_from_file_location(name, init, submodule_search_locations=[str(directory)])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def prune_source(src: Path, out: Path, keep: int, seed: int = 0) -> dict:
