@@ -140,6 +140,23 @@ def test_grouped_router_target_size_rounds_down(capsys):
     assert size.predict_bytes(149) <= 400e9 < size.predict_bytes(150)
 
 
+def test_a_plan_from_statistics_and_a_release_config(tmp_path, capsys):
+    """Statistics of DeepSeek-V3's shape plus its config.json alone -> a plan file: at 400 GB,
+    144 experts per layer, 18 in each group of 32 consecutive ids, the rounding recorded."""
+    from reap.prune.plan_file import Plan
+    from tests.test_plan import make_stats
+
+    stats = make_stats(list(range(3, 61)), 256, 8, seed=4).save(tmp_path / "s.safetensors")
+    out = tmp_path / "plan.json"
+    cfg = str(RELEASES / "deepseek-v3")
+    assert main(["plan", str(stats), "--config", cfg, "--target-size", "400GB", "--out", str(out)]) == 0
+    plan = Plan.load(out)
+    assert set(plan.counts.values()) == {144} and "rounded down to 144" in plan.budget["note"]
+    for ids in plan.keep.values():
+        assert [sum(g * 32 <= e < g * 32 + 32 for e in ids) for g in range(8)] == [18] * 8
+    capsys.readouterr()
+
+
 # ---- a config-only directory and a URL answer as the checkpoint does ------------------------
 
 
