@@ -18,7 +18,6 @@ libllama.so) by whoever provides it.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import subprocess
@@ -87,7 +86,10 @@ def _tokenizer(llama_cpp: Path, path: Path) -> None:
     split = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
              r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")  # fmt: skip
     tok.pre_tokenizer = pt.Sequence(
-        [pt.Split(Regex(split), behavior="isolated"), pt.ByteLevel(add_prefix_space=False, use_regex=False)]
+        [
+            pt.Split(Regex(split), behavior="isolated"),
+            pt.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
     )
     tok.decoder = decoders.ByteLevel()
     tok.add_tokens([AddedToken(t, special=False, normalized=False)
@@ -110,7 +112,9 @@ def _package(name: str, directory: Path):
     import importlib.util
 
     init = directory / "__init__.py"
-    spec = importlib.util.spec_from_file_location(name, init, submodule_search_locations=[str(directory)])
+    spec = importlib.util.spec_from_file_location(
+        name, init, submodule_search_locations=[str(directory)]
+    )
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     spec.loader.exec_module(module)
@@ -135,10 +139,10 @@ def convert(llama_cpp: Path, model: Path, gguf: Path) -> dict:
     cmd = [sys.executable, str(llama_cpp / "convert_hf_to_gguf.py"), str(model),
            "--outtype", "f32", "--outfile", str(gguf)]  # fmt: skip
     t0 = time.perf_counter()
-    p = subprocess.run(cmd, capture_output=True, text=True)
+    p = subprocess.run(cmd, check=False, capture_output=True, text=True)
     log = (p.stdout + p.stderr).splitlines()
     if p.returncode != 0:
-        raise SystemExit(f"convert_hf_to_gguf.py failed:\n" + "\n".join(log[-20:]))
+        raise SystemExit("convert_hf_to_gguf.py failed:\n" + "\n".join(log[-20:]))
     keys = [ln for ln in log if "expert" in ln.lower()]
     return {"seconds": round(time.perf_counter() - t0, 2), "expert_lines": keys[:8],
             "gguf_bytes": gguf.stat().st_size}  # fmt: skip
@@ -162,7 +166,9 @@ class LlamaRun:
 
     def __init__(self, lib, gguf: Path, n_ctx: int = 128):
         self.lib = lib
-        self.model = lib.llama_model_load_from_file(str(gguf).encode(), lib.llama_model_default_params())
+        self.model = lib.llama_model_load_from_file(
+            str(gguf).encode(), lib.llama_model_default_params()
+        )
         if not self.model:
             raise SystemExit(f"llama.cpp could not load {gguf}")
         params = lib.llama_context_default_params()
@@ -243,7 +249,9 @@ def main() -> None:
             gguf = tmp / f"{name}.gguf"
             result[name] = {"convert": convert(args.llama_cpp, model, gguf),
                             **compare(lib, model, gguf)}  # fmt: skip
-            result[name]["config_experts"] = json.loads((model / "config.json").read_text())["num_experts"]
+            result[name]["config_experts"] = json.loads((model / "config.json").read_text())[
+                "num_experts"
+            ]
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps({k: result[k] for k in ("source", "pruned")}, indent=1))
 

@@ -149,7 +149,10 @@ def test_a_plan_from_statistics_and_a_release_config(tmp_path, capsys):
     stats = make_stats(list(range(3, 61)), 256, 8, seed=4).save(tmp_path / "s.safetensors")
     out = tmp_path / "plan.json"
     cfg = str(RELEASES / "deepseek-v3")
-    assert main(["plan", str(stats), "--config", cfg, "--target-size", "400GB", "--out", str(out)]) == 0
+    assert (
+        main(["plan", str(stats), "--config", cfg, "--target-size", "400GB", "--out", str(out)])
+        == 0
+    )
     plan = Plan.load(out)
     assert set(plan.counts.values()) == {144} and "rounded down to 144" in plan.budget["note"]
     for ids in plan.keep.values():

@@ -52,7 +52,7 @@ class ConfigOnly:
     def stored_names(self) -> set[str]:
         """The index's tensor names without the `language_model.` prefix (empty: no index)."""
         keys = self.weight_map or {}
-        return {k[len(TEXT_PREFIX) :] if k.startswith(TEXT_PREFIX) else k for k in keys}
+        return {k.removeprefix(TEXT_PREFIX) for k in keys}
 
 
 def open_config_only(path: str | os.PathLike) -> ConfigOnly | None:
