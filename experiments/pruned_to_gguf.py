@@ -18,6 +18,7 @@ libllama.so) by whoever provides it.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import subprocess
@@ -33,6 +34,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = [5, 17, 42, 99, 7, 150, 33, 8, 61, 200, 12, 77]
 STEPS = 8
+GGML_TYPE_F32 = 0  # ggml_type
 QWEN = {
     "vocab_size": 151936, "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32,
     "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
@@ -158,6 +160,8 @@ def bindings(llama_cpp: Path, source: Path):
     import llama_cpp.llama_cpp as lib
 
     lib.llama_backend_init()
+    lib._quiet = lib.llama_log_callback(lambda level, text, data: None)  # keep it referenced
+    lib.llama_log_set(lib._quiet, ctypes.c_void_p(0))
     return lib
 
 
@@ -173,6 +177,8 @@ class LlamaRun:
             raise SystemExit(f"llama.cpp could not load {gguf}")
         params = lib.llama_context_default_params()
         params.n_ctx, params.n_batch, params.n_threads, params.n_threads_batch = n_ctx, n_ctx, 1, 1
+        params.type_k = params.type_v = GGML_TYPE_F32  # an f32 KV cache (the default is f16)
+        params.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_DISABLED  # its kernel works in f16
         self.ctx = lib.llama_init_from_model(self.model, params)
         self.vocab = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(self.model))
         self.pos = 0
@@ -224,10 +230,16 @@ def compare(lib, model: Path, gguf: Path) -> dict:
     finally:
         run.close()
     got = ours(model)
-    worst = max(float(np.abs(a - b[:, : a.shape[1]]).max()) for a, b in zip(got[0], ref[0]))
-    return {"max_abs_logit_diff": worst, "tokens_reap": got[1], "tokens_llama_cpp": ref[1],
-            "same_tokens": got[1] == ref[1],
-            "logit_scale": float(np.abs(got[0][0]).max())}  # fmt: skip
+    diffs = [float(np.abs(a - b[:, : a.shape[1]]).max()) for a, b in zip(got[0], ref[0])]
+    return {
+        "max_abs_logit_diff": max(diffs),
+        "per_step_max_abs_diff": diffs,
+        "tokens_reap": got[1],
+        "tokens_llama_cpp": ref[1],
+        "same_tokens": got[1] == ref[1],
+        "logit_scale": float(np.abs(got[0][0]).max()),
+        "prefill_logit_checksum": float(np.abs(got[0][0]).sum()),
+    }
 
 
 def main() -> None:
@@ -249,9 +261,8 @@ def main() -> None:
             gguf = tmp / f"{name}.gguf"
             result[name] = {"convert": convert(args.llama_cpp, model, gguf),
                             **compare(lib, model, gguf)}  # fmt: skip
-            result[name]["config_experts"] = json.loads((model / "config.json").read_text())[
-                "num_experts"
-            ]
+            cfg = json.loads((model / "config.json").read_text())
+            result[name]["config_experts"] = cfg.get("num_experts", cfg.get("num_local_experts"))
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps({k: result[k] for k in ("source", "pruned")}, indent=1))
 
