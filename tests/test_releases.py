@@ -86,10 +86,11 @@ def test_published_parameter_counts(infos, release, what, figure, unit, rounding
 
 
 def test_exact_counts_published_to_the_parameter(infos):
-    """Counts published to the parameter: gpt-oss-20b 20,914,757,184 (keras-hub's gpt-oss
-    preset) and Mixtral-8x7B 46,702,792,704 (keras-hub's preset modelled on it); the released
-    gpt-oss-20b holds 13,761,264,768 bytes of tensors in 459 tensors."""
+    """Counts published to the parameter (keras-team/keras-hub's gpt-oss presets: 20,914,757,184
+    and 116,829,156,672; its earlier preset of Mixtral-8x7B's dimensions: 46,702,792,704), and
+    the tensor bytes of gpt-oss-20b (13,761,264,768 in 459 tensors)."""
     assert infos["gpt-oss-20b"]["total_params"] == 20_914_757_184
+    assert infos["gpt-oss-120b"]["total_params"] == 116_829_156_672
     assert infos["mixtral-8x7b"]["total_params"] == 46_702_792_704
     assert infos["gpt-oss-20b"]["tensor_bytes"] == 13_761_264_768
     assert infos["gpt-oss-20b"]["tensors"] == 459
