@@ -233,6 +233,8 @@ def resolve_source(model: str, layers: int | None = None) -> Source:
     from reap.models.validate import config_source, load_config
 
     if not is_url(model) and not os.path.exists(model):
+        if os.sep in model or model.endswith(".json"):
+            raise ReapError(f"{model}: no such checkpoint or config directory")
         return Source(builtin_config(model, layers=layers))
     if layers is not None:
         raise ReapError(f"--layers applies to built-in configs only, not {model}")
