@@ -341,3 +341,22 @@ def test_mlx_lm_loads_a_uniform_pruned_k3_build(tmp_path):
         got = eng.logits([ids])[0].numpy()
     assert got.shape == ref.shape
     assert float(np.abs(got - ref).max()) < 1e-4
+
+
+def test_mlx_lm_loads_a_pruned_qwen3_moe_build(tmp_path):
+    """A tiny Qwen3-MoE saved by transformers, pruned to 4 of 8 experts: mlx-lm's qwen3_moe
+    loads the build (config.json's `num_experts`) and its logits over a prompt and 8 greedy
+    steps equal our model's (`family_runner.check_mlx`)."""
+    pytest.importorskip("mlx.core")
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    import tests.family_runner as R
+    from tests.test_family_qwen3_moe import PROMPT, QWEN, QWEN_LEGACY
+
+    path, _ = R.save_hf_tiny(
+        Qwen3MoeForCausalLM, Qwen3MoeConfig, QWEN, tmp_path / "m", seed=5, config_extra=QWEN_LEGACY
+    )
+    out = tmp_path / "pruned"
+    R.prune_random(path, out, keep=4, seed=2)
+    assert json.loads((out / "config.json").read_text())["num_experts"] == 4
+    R.check_mlx(str(out), PROMPT)
