@@ -113,17 +113,7 @@ def test_exact_counts_published_to_the_parameter(infos):
     assert infos["gpt-oss-20b"]["tensors"] == 459
 
 
-# Fixtures whose release format another part of issue 14 adds (remove once it has landed)
-PENDING = {"kimi-k2.5": "INT4 compressed-tensors experts (issue 14 item 6)"}
-
-
-@pytest.mark.parametrize(
-    "release",
-    [
-        pytest.param(d, marks=pytest.mark.xfail(reason=PENDING[d])) if d in PENDING else d
-        for d in DIRS
-    ],
-)
+@pytest.mark.parametrize("release", DIRS)
 def test_every_command_runs_on_the_release_config(release, capsys):
     path = str(RELEASES / release)
     assert main(["info", path, "--json"]) == 0
