@@ -47,6 +47,8 @@ PUBLISHED = [
     ("kimi-k3", "active", 104, 1, "round"),
     ("kimi-k2-instruct", "total", 1000, 1000, "round"),
     ("kimi-k2-instruct", "active", 32, 1, "round"),
+    ("kimi-k2.5", "total", 1000, 1000, "round"),
+    ("kimi-k2.5", "active", 32, 1, "round"),
     ("kimi-linear-48b-a3b", "non-embedding", 48, 1, "round"),
     ("kimi-linear-48b-a3b", "active", 3, 1, "round"),
 ]
