@@ -11,8 +11,6 @@ census and in the source's size, not in active parameters or pruned builds (prun
 
 from __future__ import annotations
 
-import functools
-import json
 import os
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -191,17 +189,10 @@ class SizeModel:
 
 
 def layout(config: dict) -> list[TensorSpec]:
-    """The family layout of a config.json dict, remembered for the last few configs: the
-    config-only commands ask for it several times (seconds each at full size)."""
-    return list(_layout(json.dumps(config, sort_keys=True)))
-
-
-@functools.lru_cache(maxsize=4)
-def _layout(config_json: str) -> tuple[TensorSpec, ...]:
+    """The family layout of a config.json dict (seconds at full size: callers build it once)."""
     from reap.models import family
 
-    config = json.loads(config_json)
-    return tuple(family(config).layout(config))
+    return family(config).layout(config)
 
 
 def fmt_params(n: float) -> str:

@@ -258,7 +258,7 @@ def _source_config(model: str, layers: int | None) -> tuple[dict, str | None]:
     from reap.sizes import check_index, layout, resolve_source
 
     src = resolve_source(model, layers)
-    if src.config_only is not None:
+    if src.config_only is not None and src.config_only.weight_map is not None:
         from reap.models import family
 
         fam = family(src.config)
