@@ -318,8 +318,7 @@ def _stores(ckpt, fam, cfg, b: Binding, plan: memory.MemoryPlan, direct: bool, d
         raise
     names = functools.partial(fam.expert_tensor_names, cfg)  # (layer, expert) -> stored names
     experts = ExpertCache(reader, plan.expert_cache, names, fam.expert_matrices, device=device)
-    if b.expert_layers:
-        experts.reserve(b.first_expert[b.expert_layers[0]])
+    experts.reserve((layer, e) for layer in b.expert_layers for e in range(b.n_experts))
     return reader, trunk, experts
 
 

@@ -12,7 +12,7 @@ layer's experts can start in background threads as soon as its routing is known.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 
 import torch
@@ -70,9 +70,10 @@ class ExpertCache:
         self._pool = None
 
     def _ensure_slab(self, span: int, raw: int) -> None:
-        """Size the slab on first use: capacity counts stored bytes, each slot holds one
-        expert's span (its bytes plus a little alignment slack). The slab is touched once so
-        reads never pay for first-touch page faults (and the budget is really held)."""
+        """Size the slab once: capacity counts stored bytes (`raw`, the largest expert's), each
+        slot holds the largest expert span (its bytes plus alignment slack, one run per file
+        or gap it spans). The slab is touched once so reads never pay for first-touch page
+        faults (and the budget is really held)."""
         if self.slab is None:
             self.slot_bytes = span
             self.n_slots = self.capacity_bytes // raw if raw else 0
@@ -80,10 +81,20 @@ class ExpertCache:
                 self.slab = torch.zeros(self.n_slots * span, dtype=torch.uint8)
             self._free = list(range(self.n_slots))[::-1]
 
-    def reserve(self, names: Sequence[str]) -> None:
-        """Allocate the slab now, sized by one expert's tensors (else on the first read)."""
-        infos = [self.reader.info(n) for n in names]
-        self._ensure_slab(self.reader.span(infos), sum(t.nbytes for t in infos))
+    def reserve(self, keys: Iterable[tuple[int, int]]) -> None:
+        """Allocate the slab now, its slots sized for the largest of these (layer, expert)
+        keys (else for the first expert read). Sizing from one expert would leave every
+        larger span (an expert split across two shards, a layer with wider experts) without
+        a slot, re-read on every use."""
+        span = raw = 0
+        for key in keys:
+            names = self.names_of(*key)
+            if not all(n in self.reader.tensors for n in names):
+                continue  # a layer with fewer experts (pruned per layer)
+            infos = [self.reader.info(n) for n in names]
+            span = max(span, self.reader.span(infos))
+            raw = max(raw, sum(t.nbytes for t in infos))
+        self._ensure_slab(span, raw)
 
     def prefetch(self, layer: int, experts: Sequence[int]) -> None:
         """Start reading every listed expert that is not resident, in background threads (the
