@@ -20,6 +20,7 @@ from torch.nn.functional import silu
 
 from reap.models import base
 from reap.models.base import ExpertSource, LayerModel, MoERecord, Observer, State, Weights
+from reap.quant import dense_kernel
 from reap.quant.matrix import Matrix
 
 Tensor = torch.Tensor
@@ -36,8 +37,19 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 def linear(x: Tensor, w: Matrix) -> Tensor:
     """x [..., in] @ w[out, in].T -> [..., out] in x's dtype and device: a dense tensor is cast,
-    a quantized matrix (`reap.quant.matrix.QuantizedMatrix`) applies itself."""
-    return x @ w.to(x.device, x.dtype).T if isinstance(w, Tensor) else w.linear(x)
+    a quantized matrix (`reap.quant.matrix.QuantizedMatrix`) applies itself. bf16 weights times
+    a few bf16 rows (decode) go to a compiled GEMV (`reap.quant.dense_kernel`; torch's bf16
+    GEMV runs below the memory bandwidth), `linear_reference` is the plain torch path."""
+    if not isinstance(w, Tensor):
+        return w.linear(x)
+    if x.dtype == torch.bfloat16 and dense_kernel.usable(x, w):
+        return dense_kernel.bf16_linear(x, w)
+    return linear_reference(x, w)
+
+
+def linear_reference(x: Tensor, w: Tensor) -> Tensor:
+    """`linear` of a dense tensor by torch alone: x [..., in] @ w.T -> [..., out]."""
+    return x @ w.to(x.device, x.dtype).T
 
 
 def situ(x: Tensor, gate: Tensor, beta: float, linear_beta: float | None) -> Tensor:
@@ -116,7 +128,32 @@ def dispatch(
 ) -> tuple[Tensor, ExpertOutputs | None]:
     """Expert-major MoE: each used expert, in ascending id order, runs once on all its tokens;
     weighted outputs accumulate in that order (fp32). xl [N, Dl], ids/weights [N, K],
-    run(e, x [M, Dl]) -> [M, Dl]. With `to_model`, also measures each output. Returns y [N, Dl]."""
+    run(e, x [M, Dl]) -> [M, Dl]. With `to_model`, also measures each output. Returns y [N, Dl].
+    One token without measurements (decode) takes `_dispatch_one`: the same arithmetic in the
+    same order without the sort, unique and scatter (`dispatch_reference` always sorts)."""
+    if ids.shape[0] == 1 and to_model is None:
+        return _dispatch_one(xl, ids, weights, run), None
+    return dispatch_reference(xl, ids, weights, run, to_model)
+
+
+def _dispatch_one(xl: Tensor, ids: Tensor, weights: Tensor, run) -> Tensor:
+    """One token: its K experts in ascending id order, y += w_k * run(e_k, x) in fp32."""
+    y = torch.zeros(1, xl.shape[1], dtype=torch.float32, device=xl.device)  # [1, Dl]
+    w = weights[0].float()  # [K]
+    for e, k in sorted(zip(ids[0].tolist(), range(ids.shape[1]))):
+        y.add_(run(e, xl).float() * w[k])
+    return y
+
+
+def dispatch_reference(
+    xl: Tensor,
+    ids: Tensor,
+    weights: Tensor,
+    run: Callable[[int, Tensor], Tensor],
+    to_model: Callable[[Tensor], Tensor] | None = None,
+) -> tuple[Tensor, ExpertOutputs | None]:
+    """`dispatch` for any number of tokens: sort the (token, slot) pairs by expert, run each
+    expert once on its tokens, scatter-add the weighted outputs."""
     N, K = ids.shape
     y = torch.zeros(N, xl.shape[1], dtype=torch.float32, device=xl.device)
     stats = None
@@ -150,7 +187,7 @@ def routed_experts(
     expert it will be asked for, then runs run(x_e [M, Dx], expert tensors) expert-major."""
     prefetch = getattr(experts, "prefetch", None)
     if prefetch is not None:  # a streaming source may start every read now, in the background
-        prefetch(layer, torch.unique(ids).tolist())
+        prefetch(layer, sorted(set(ids.reshape(-1).tolist())))
     return dispatch(x, ids, weights, lambda e, xs: run(xs, experts(layer, e)), to_model)
 
 

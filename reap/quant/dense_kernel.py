@@ -1,0 +1,87 @@
+"""A compiled dense kernel for decode-shaped matmuls with bf16 weights (source:
+`dense_kernels.c` beside this file, built and loaded like `reap.quant.ckernel`'s): torch's bf16
+CPU matmul at one or a few rows runs below the memory bandwidth (and below its own fp32 GEMV),
+so few-row x @ W.T with W bf16 widens W on the fly and accumulates in fp32.
+
+    y = bf16_linear(x, w)   # x [..., in] bf16/fp32 with few rows, w [out, in] bf16 -> x's dtype
+    usable(x, w)            # whether bf16_linear takes this call (else torch does it)
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import subprocess
+import threading
+from pathlib import Path
+
+import torch
+
+from reap.errors import WriteError
+from reap.fileio import atomic_path
+from reap.quant import ckernel
+
+_SOURCE = Path(__file__).with_name("dense_kernels.c")
+MAX_ROWS = 8  # x rows (tokens) up to which the kernel beats torch's bf16 matmul
+_LIB: list = []
+_LOCK = threading.Lock()
+
+
+def library():
+    """The compiled kernel, built once per source and machine; None if unavailable
+    (no compiler, no cache directory, or REAP_NO_CKERNEL=1)."""
+    with _LOCK:
+        if not _LIB:
+            _LIB.append(None if os.environ.get("REAP_NO_CKERNEL") else _build())
+        return _LIB[0]
+
+
+def _build():
+    from reap.defaults import cache_dir
+
+    source = _SOURCE.read_text()
+    cc = list(ckernel._CC)
+    tag = hashlib.sha256((source + " ".join(cc) + os.uname().machine).encode()).hexdigest()[:16]
+    so = cache_dir() / "kernels" / f"dense-{tag}.so"
+    try:
+        if not so.is_file():
+            with atomic_path(so) as tmp:
+                cmd = [*cc, "-o", tmp, str(_SOURCE), "-lm"]
+                subprocess.run(cmd, check=True, capture_output=True, timeout=120)
+        lib = ctypes.CDLL(str(so))
+    except (OSError, subprocess.SubprocessError, WriteError):
+        return None
+    lib.reap_bf16_linear.restype = None
+    lib.reap_bf16_linear.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 5
+    return lib
+
+
+def usable(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """bf16 weights [out, in] (contiguous, on the CPU) times a few bf16 or fp32 rows."""
+    return (
+        w.dtype == torch.bfloat16
+        and x.dtype in (torch.bfloat16, torch.float32)
+        and w.dim() == 2
+        and x.device.type == "cpu"
+        and w.device.type == "cpu"
+        and w.is_contiguous()
+        and x.shape[-1] == w.shape[1]
+        and x.numel() // max(1, w.shape[1]) <= MAX_ROWS
+        and library() is not None
+    )
+
+
+def bf16_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [..., in] @ w[out, in].T in fp32 accumulation -> [..., out] in x's dtype (see
+    `usable`); rows split over torch's intra-op threads for large `out`."""
+    rows, cols = w.shape
+    xf = x.reshape(-1, cols).float().contiguous()  # [M, in]
+    y = torch.empty(xf.shape[0], rows, dtype=torch.float32)  # [M, out]
+    lib, ptrs = library(), (w.data_ptr(), xf.data_ptr(), y.data_ptr())
+
+    def run(a: int, b: int) -> None:
+        lib.reap_bf16_linear(*ptrs, a, b, rows, cols, xf.shape[0])
+
+    ckernel.parallel(run, rows, 2048)
+    return y.to(x.dtype).reshape(*x.shape[:-1], rows)

@@ -1,0 +1,70 @@
+/* Dense bf16 matrix times a few fp32 rows, for decode: y[t, o] = sum_i x[t, i] * W[o, i] with
+   W bf16 [rows, cols] widened exactly to fp32 (a 16-bit shift), x fp32, accumulated in fp32.
+   Per (row, token): 16-lane accumulators over the columns in order (fmaf), then the lanes
+   summed pairwise; a tail of cols % 16 columns is added in order after the lanes. Nothing
+   depends on the token count or the row range, so a token's result is the same alone or in
+   a batch and on any thread split. */
+#include <stdint.h>
+#include <string.h>
+#include <math.h>
+
+static float lanes_sum(float *s) {
+    for (int w = 8; w > 0; w >>= 1)
+        for (int j = 0; j < w; j++) s[j] += s[j + w];
+    return s[0];
+}
+
+static inline float widen(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define TN_MAX 4
+static void rows_tile(const uint16_t *w, const float *x, int64_t cols, int64_t tn, float *y,
+                      int64_t ldy) {
+    __m512 a[TN_MAX];
+    for (int t = 0; t < tn; t++) a[t] = _mm512_setzero_ps();
+    int64_t c = 0;
+    for (; c + 16 <= cols; c += 16) {
+        __m256i h = _mm256_loadu_si256((const __m256i *)(w + c));
+        __m512 wf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+        for (int t = 0; t < tn; t++)
+            a[t] = _mm512_fmadd_ps(wf, _mm512_loadu_ps(x + t * cols + c), a[t]);
+    }
+    float s[16];
+    for (int t = 0; t < tn; t++) {
+        _mm512_storeu_ps(s, a[t]);
+        float v = lanes_sum(s);
+        for (int64_t k = c; k < cols; k++) v = fmaf(widen(w[k]), x[t * cols + k], v);
+        y[t * ldy] = v;
+    }
+}
+#else
+#define TN_MAX 4
+static void rows_tile(const uint16_t *w, const float *x, int64_t cols, int64_t tn, float *y,
+                      int64_t ldy) {
+    for (int t = 0; t < tn; t++) {
+        float a[16] = {0};
+        int64_t c = 0;
+        for (; c + 16 <= cols; c += 16)
+            for (int j = 0; j < 16; j++) a[j] = fmaf(widen(w[c + j]), x[t * cols + c + j], a[j]);
+        float v = lanes_sum(a);
+        for (int64_t k = c; k < cols; k++) v = fmaf(widen(w[k]), x[t * cols + k], v);
+        y[t * ldy] = v;
+    }
+}
+#endif
+
+/* rows [r0, r1) of y [tokens, rows] = x [tokens, cols] @ W[rows, cols].T */
+void reap_bf16_linear(const uint16_t *w, const float *x, float *y, int64_t r0, int64_t r1,
+                      int64_t rows, int64_t cols, int64_t tokens) {
+    for (int64_t t0 = 0; t0 < tokens; t0 += TN_MAX) {
+        int64_t tn = tokens - t0 < TN_MAX ? tokens - t0 : TN_MAX;
+        for (int64_t r = r0; r < r1; r++)
+            rows_tile(w + r * cols, x + t0 * cols, cols, tn, y + t0 * rows + r, rows);
+    }
+}

@@ -1,0 +1,96 @@
+"""The decode fast paths against their slow references: the compiled bf16 GEMV
+(`reap.quant.dense_kernel`) against fp32 torch on the same values, and the one-token MoE
+dispatch against the sorting `dispatch_reference` (bit for bit), alone and inside the engine."""
+
+import pytest
+import torch
+
+from reap.models import blocks
+from reap.quant import dense_kernel
+
+needs_kernel = pytest.mark.skipif(dense_kernel.library() is None, reason="no C compiler")
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows,cols,tokens", [(384, 1024, 1), (37, 70, 3), (1030, 384, 8)])
+def test_bf16_gemv_equals_fp32_torch_on_the_same_values(rows, cols, tokens):
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(rows, cols, generator=g).bfloat16()
+    x = torch.randn(tokens, cols, generator=g)
+    assert dense_kernel.usable(x, w) and dense_kernel.usable(x.bfloat16(), w)
+    want = x.double() @ w.double().T  # exact products, fp64 sums
+    got = dense_kernel.bf16_linear(x, w)
+    assert got.dtype == torch.float32 and got.shape == (tokens, rows)
+    assert torch.allclose(got.double(), want, atol=1e-4 * cols**0.5, rtol=1e-5)
+    # bf16 x: the result is rounded to bf16 like torch's bf16 matmul (within one bf16 step)
+    xb = x.bfloat16()
+    ref = blocks.linear_reference(xb, w).float()
+    assert torch.allclose(blocks.linear(xb, w).float(), ref, atol=1e-2, rtol=1e-2)
+    # a token's result does not depend on the batch it is in
+    one = dense_kernel.bf16_linear(x[-1:], w)
+    assert torch.equal(one[0], got[-1])
+
+
+def test_bf16_gemv_declines_what_it_does_not_do():
+    w = torch.randn(8, 16).bfloat16()
+    assert not dense_kernel.usable(torch.randn(9, 16), w)  # too many rows: torch
+    assert not dense_kernel.usable(torch.randn(1, 16), w.float())  # fp32 weights: torch
+    assert not dense_kernel.usable(torch.randn(1, 8), w.T)  # not contiguous
+    x = torch.randn(20, 16).bfloat16()
+    assert torch.equal(blocks.linear(x, w), blocks.linear_reference(x, w))
+
+
+def _experts(dtype, E=6, D=32, F=24):
+    g = torch.Generator().manual_seed(1)
+    ws = [[torch.randn(*s, generator=g).to(dtype) for s in ((F, D), (F, D), (D, F))]
+          for _ in range(E)]  # fmt: skip
+    return lambda e, x: blocks.silu_glu(x, *ws[e])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_token_dispatch_equals_the_sorting_reference_bit_for_bit(dtype):
+    run = _experts(dtype)
+    g = torch.Generator().manual_seed(2)
+    for _ in range(20):
+        x = torch.randn(1, 32, generator=g).to(dtype)
+        ids = torch.randperm(6, generator=g)[:3][None]  # [1, K]
+        weights = torch.rand(1, 3, generator=g)
+        fast, none = blocks.dispatch(x, ids, weights, run)
+        ref, _ = blocks.dispatch_reference(x, ids, weights, run)
+        assert none is None and torch.equal(fast, ref)
+
+
+def test_engine_decode_with_fast_paths_matches_the_references(tmp_path, monkeypatch):
+    """The engine on a tiny Qwen3-MoE: float32 logits bit-identical with the fast paths off,
+    bf16 logits within bf16 tolerance."""
+    import family_runner as R
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from reap.engine import Engine
+
+    cfg = {
+        "vocab_size": 320, "hidden_size": 64, "intermediate_size": 96,
+        "moe_intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "num_experts": 8, "num_experts_per_tok": 2,
+        "norm_topk_prob": True, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4},
+    }  # fmt: skip
+    path, _ = R.save_hf_tiny(
+        Qwen3MoeForCausalLM, Qwen3MoeConfig, cfg, tmp_path / "m", seed=5,
+        config_extra={"num_experts": 8, "rope_theta": 1e4},
+    )  # fmt: skip
+    seqs = [[3, 100, 7, 200, 55, 9, 1, 250, 17, 42]]
+
+    def decode_logits(dtype):
+        with Engine.open(path, preset="max", context=64, dtype=dtype) as eng:
+            s = eng.new_sequence()
+            out = [eng.step([s], [seqs[0][:4]])[0]]
+            out += [eng.step([s], [[t]])[0] for t in seqs[0][4:]]  # one token per step
+            return torch.stack(out)
+
+    fast = {d: decode_logits(d) for d in ("float32", "bfloat16")}
+    monkeypatch.setattr(blocks, "dispatch", blocks.dispatch_reference)
+    monkeypatch.setattr(dense_kernel, "usable", lambda x, w: False)
+    slow = {d: decode_logits(d) for d in ("float32", "bfloat16")}
+    assert torch.equal(fast["float32"], slow["float32"])
+    scale = slow["bfloat16"].abs().max()
+    assert (fast["bfloat16"] - slow["bfloat16"]).abs().max() < 0.05 * scale
