@@ -1,5 +1,5 @@
-"""The decode fast paths against their slow references: the compiled bf16 GEMV
-(`reap.quant.dense_kernel`) against fp32 torch on the same values, and the one-token MoE
+"""The decode fast paths against their slow references: the compiled bf16/fp32 GEMV
+(`reap.quant.dense_kernel`) against fp64 torch on the same values, and the one-token MoE
 dispatch against the sorting `dispatch_reference` (bit for bit), alone and inside the engine."""
 
 import pytest
@@ -13,13 +13,15 @@ needs_kernel = pytest.mark.skipif(dense_kernel.library() is None, reason="no C c
 
 @needs_kernel
 @pytest.mark.parametrize("rows,cols,tokens", [(384, 1024, 1), (37, 70, 3), (1030, 384, 8)])
-def test_bf16_gemv_equals_fp32_torch_on_the_same_values(rows, cols, tokens):
+def test_gemv_equals_fp64_torch_on_the_same_values(rows, cols, tokens):
     g = torch.Generator().manual_seed(rows)
     w = torch.randn(rows, cols, generator=g).bfloat16()
     x = torch.randn(tokens, cols, generator=g)
-    assert dense_kernel.usable(x, w) and dense_kernel.usable(x.bfloat16(), w)
+    assert dense_kernel.usable(x.bfloat16(), w) and dense_kernel.usable(x, w.float())
     want = x.double() @ w.double().T  # exact products, fp64 sums
-    got = dense_kernel.bf16_linear(x, w)
+    got = dense_kernel.dense_linear(x, w)
+    assert torch.equal(got, dense_kernel.dense_linear(x, w.float()))  # bf16 widens exactly
+    assert torch.allclose(blocks.linear(x, w.float()).double(), want, atol=1e-4 * cols**0.5)
     assert got.dtype == torch.float32 and got.shape == (tokens, rows)
     assert torch.allclose(got.double(), want, atol=1e-4 * cols**0.5, rtol=1e-5)
     # bf16 x: the result is rounded to bf16 like torch's bf16 matmul (within one bf16 step)
@@ -27,14 +29,15 @@ def test_bf16_gemv_equals_fp32_torch_on_the_same_values(rows, cols, tokens):
     ref = blocks.linear_reference(xb, w).float()
     assert torch.allclose(blocks.linear(xb, w).float(), ref, atol=1e-2, rtol=1e-2)
     # a token's result does not depend on the batch it is in
-    one = dense_kernel.bf16_linear(x[-1:], w)
+    one = dense_kernel.dense_linear(x[-1:], w)
     assert torch.equal(one[0], got[-1])
 
 
-def test_bf16_gemv_declines_what_it_does_not_do():
+def test_gemv_declines_what_it_does_not_do():
     w = torch.randn(8, 16).bfloat16()
     assert not dense_kernel.usable(torch.randn(9, 16), w)  # too many rows: torch
-    assert not dense_kernel.usable(torch.randn(1, 16), w.float())  # fp32 weights: torch
+    assert not dense_kernel.usable(torch.randn(1, 16), w)  # dtypes differ: torch casts
+    assert not dense_kernel.usable(torch.randn(1, 16).double(), w.double())  # fp64: torch
     assert not dense_kernel.usable(torch.randn(1, 8), w.T)  # not contiguous
     x = torch.randn(20, 16).bfloat16()
     assert torch.equal(blocks.linear(x, w), blocks.linear_reference(x, w))
@@ -61,8 +64,9 @@ def test_one_token_dispatch_equals_the_sorting_reference_bit_for_bit(dtype):
 
 
 def test_engine_decode_with_fast_paths_matches_the_references(tmp_path, monkeypatch):
-    """The engine on a tiny Qwen3-MoE: float32 logits bit-identical with the fast paths off,
-    bf16 logits within bf16 tolerance."""
+    """The engine on a tiny Qwen3-MoE, one token per decode step: logits with the fast paths
+    on and off (torch matmuls, sorting dispatch) within fp32 / bf16 tolerance; the one-token
+    dispatch alone changes nothing (fp32 logits bit-identical)."""
     import family_runner as R
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
@@ -88,9 +92,11 @@ def test_engine_decode_with_fast_paths_matches_the_references(tmp_path, monkeypa
             return torch.stack(out)
 
     fast = {d: decode_logits(d) for d in ("float32", "bfloat16")}
-    monkeypatch.setattr(blocks, "dispatch", blocks.dispatch_reference)
     monkeypatch.setattr(dense_kernel, "usable", lambda x, w: False)
+    torch_gemv = decode_logits("float32")
+    monkeypatch.setattr(blocks, "dispatch", blocks.dispatch_reference)
     slow = {d: decode_logits(d) for d in ("float32", "bfloat16")}
-    assert torch.equal(fast["float32"], slow["float32"])
+    assert torch.equal(torch_gemv, slow["float32"])
+    assert torch.allclose(fast["float32"], slow["float32"], atol=1e-4)
     scale = slow["bfloat16"].abs().max()
     assert (fast["bfloat16"] - slow["bfloat16"]).abs().max() < 0.05 * scale

@@ -37,13 +37,14 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 def linear(x: Tensor, w: Matrix) -> Tensor:
     """x [..., in] @ w[out, in].T -> [..., out] in x's dtype and device: a dense tensor is cast,
-    a quantized matrix (`reap.quant.matrix.QuantizedMatrix`) applies itself. bf16 weights times
-    a few bf16 rows (decode) go to a compiled GEMV (`reap.quant.dense_kernel`; torch's bf16
-    GEMV runs below the memory bandwidth), `linear_reference` is the plain torch path."""
+    a quantized matrix (`reap.quant.matrix.QuantizedMatrix`) applies itself. bf16 or fp32
+    weights times a few rows of their dtype (decode) go to a compiled GEMV
+    (`reap.quant.dense_kernel`: torch's runs below the memory bandwidth); `linear_reference` is
+    the plain torch path."""
     if not isinstance(w, Tensor):
         return w.linear(x)
-    if x.dtype == torch.bfloat16 and dense_kernel.usable(x, w):
-        return dense_kernel.bf16_linear(x, w)
+    if dense_kernel.usable(x, w):
+        return dense_kernel.dense_linear(x, w)
     return linear_reference(x, w)
 
 

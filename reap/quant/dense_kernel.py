@@ -1,10 +1,11 @@
-"""A compiled dense kernel for decode-shaped matmuls with bf16 weights (source:
-`dense_kernels.c` beside this file, built and loaded like `reap.quant.ckernel`'s): torch's bf16
-CPU matmul at one or a few rows runs below the memory bandwidth (and below its own fp32 GEMV),
-so few-row x @ W.T with W bf16 widens W on the fly and accumulates in fp32.
+"""Compiled dense kernels for decode-shaped matmuls (source: `dense_kernels.c` beside this
+file, built and loaded like `reap.quant.ckernel`'s): torch's bf16 CPU matmul at one or a few
+rows runs far below the memory bandwidth (and below its own fp32 GEMV), and its fp32 GEMV
+below what one AVX-512 loop reaches, so few-row x @ W.T with W bf16 (widened on the fly) or
+fp32 runs here, accumulating in fp32.
 
-    y = bf16_linear(x, w)   # x [..., in] bf16/fp32 with few rows, w [out, in] bf16 -> x's dtype
-    usable(x, w)            # whether bf16_linear takes this call (else torch does it)
+    y = dense_linear(x, w)  # x [..., in] with few rows, w [out, in] bf16/fp32 -> x's dtype
+    usable(x, w)            # whether dense_linear takes this call (else torch does it)
 """
 
 from __future__ import annotations
@@ -52,16 +53,18 @@ def _build():
         lib = ctypes.CDLL(str(so))
     except (OSError, subprocess.SubprocessError, WriteError):
         return None
-    lib.reap_bf16_linear.restype = None
-    lib.reap_bf16_linear.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 5
+    for name in ("reap_bf16_linear", "reap_f32_linear"):
+        getattr(lib, name).restype = None
+        getattr(lib, name).argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 5
     return lib
 
 
 def usable(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """bf16 weights [out, in] (contiguous, on the CPU) times a few bf16 or fp32 rows."""
+    """bf16 or fp32 weights [out, in] (contiguous, on the CPU) times a few rows of the same
+    dtype."""
     return (
-        w.dtype == torch.bfloat16
-        and x.dtype in (torch.bfloat16, torch.float32)
+        w.dtype in (torch.bfloat16, torch.float32)
+        and x.dtype == w.dtype
         and w.dim() == 2
         and x.device.type == "cpu"
         and w.device.type == "cpu"
@@ -72,16 +75,18 @@ def usable(x: torch.Tensor, w: torch.Tensor) -> bool:
     )
 
 
-def bf16_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [..., in] @ w[out, in].T in fp32 accumulation -> [..., out] in x's dtype (see
-    `usable`); rows split over torch's intra-op threads for large `out`."""
+def dense_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [..., in] @ w[out, in].T (w bf16 or fp32, x any float dtype) in fp32 accumulation ->
+    [..., out] in x's dtype (see `usable`); rows split over torch's intra-op threads for large
+    `out`."""
     rows, cols = w.shape
     xf = x.reshape(-1, cols).float().contiguous()  # [M, in]
     y = torch.empty(xf.shape[0], rows, dtype=torch.float32)  # [M, out]
     lib, ptrs = library(), (w.data_ptr(), xf.data_ptr(), y.data_ptr())
+    fn = lib.reap_bf16_linear if w.dtype == torch.bfloat16 else lib.reap_f32_linear
 
     def run(a: int, b: int) -> None:
-        lib.reap_bf16_linear(*ptrs, a, b, rows, cols, xf.shape[0])
+        fn(*ptrs, a, b, rows, cols, xf.shape[0])
 
     ckernel.parallel(run, rows, 2048)
     return y.to(x.dtype).reshape(*x.shape[:-1], rows)

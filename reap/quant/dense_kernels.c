@@ -43,8 +43,38 @@ static void rows_tile(const uint16_t *w, const float *x, int64_t cols, int64_t t
         y[t * ldy] = v;
     }
 }
+static void rows_tile_f32(const float *w, const float *x, int64_t cols, int64_t tn, float *y,
+                          int64_t ldy) {
+    __m512 a[TN_MAX];
+    for (int t = 0; t < tn; t++) a[t] = _mm512_setzero_ps();
+    int64_t c = 0;
+    for (; c + 16 <= cols; c += 16) {
+        __m512 wf = _mm512_loadu_ps(w + c);
+        for (int t = 0; t < tn; t++)
+            a[t] = _mm512_fmadd_ps(wf, _mm512_loadu_ps(x + t * cols + c), a[t]);
+    }
+    float s[16];
+    for (int t = 0; t < tn; t++) {
+        _mm512_storeu_ps(s, a[t]);
+        float v = lanes_sum(s);
+        for (int64_t k = c; k < cols; k++) v = fmaf(w[k], x[t * cols + k], v);
+        y[t * ldy] = v;
+    }
+}
 #else
 #define TN_MAX 4
+static void rows_tile_f32(const float *w, const float *x, int64_t cols, int64_t tn, float *y,
+                          int64_t ldy) {
+    for (int t = 0; t < tn; t++) {
+        float a[16] = {0};
+        int64_t c = 0;
+        for (; c + 16 <= cols; c += 16)
+            for (int j = 0; j < 16; j++) a[j] = fmaf(w[c + j], x[t * cols + c + j], a[j]);
+        float v = lanes_sum(a);
+        for (int64_t k = c; k < cols; k++) v = fmaf(w[k], x[t * cols + k], v);
+        y[t * ldy] = v;
+    }
+}
 static void rows_tile(const uint16_t *w, const float *x, int64_t cols, int64_t tn, float *y,
                       int64_t ldy) {
     for (int t = 0; t < tn; t++) {
@@ -66,5 +96,15 @@ void reap_bf16_linear(const uint16_t *w, const float *x, float *y, int64_t r0, i
         int64_t tn = tokens - t0 < TN_MAX ? tokens - t0 : TN_MAX;
         for (int64_t r = r0; r < r1; r++)
             rows_tile(w + r * cols, x + t0 * cols, cols, tn, y + t0 * rows + r, rows);
+    }
+}
+
+/* the same with fp32 weights */
+void reap_f32_linear(const float *w, const float *x, float *y, int64_t r0, int64_t r1,
+                     int64_t rows, int64_t cols, int64_t tokens) {
+    for (int64_t t0 = 0; t0 < tokens; t0 += TN_MAX) {
+        int64_t tn = tokens - t0 < TN_MAX ? tokens - t0 : TN_MAX;
+        for (int64_t r = r0; r < r1; r++)
+            rows_tile_f32(w + r * cols, x + t0 * cols, cols, tn, y + t0 * rows + r, rows);
     }
 }
