@@ -9,8 +9,9 @@ reports/llamacpp.json.
 2. The checkpoint: a random-weight Qwen3-MoE saved by transformers (the config below: 1.0 B
    parameters, 178 M active), in float32 and a bfloat16 copy, each converted to GGUF (F32,
    BF16) by llama.cpp's own `convert_hf_to_gguf.py`. The byte-level tokenizer reap writes is not
-   one the converter knows by hash; the converter is run with its pre-tokenizer lookup answered
-   "default" (every comparison here feeds token ids, never text).
+   one the converter knows by hash, and it has no merges (256 byte tokens), which llama.cpp
+   refuses; the converter is run with its pre-tokenizer lookup answered "default" and one
+   placeholder merge added (every comparison here feeds token ids, never text).
 3. Agreement in float32: 16 greedy tokens after 3 prompts, reap vs llama.cpp (its Python
    bindings from the same source package over the library built in 1, F32 KV cache).
 4. Speed: `reap run --preset max` (fresh process; its prefill and decode tok/s) and
@@ -79,8 +80,14 @@ def ensure_llamacpp(tools: Path) -> Path:
 
 CONVERT = """
 import convert_hf_to_gguf as c
+import gguf
 from conversion import base
 base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "default"
+add = gguf.SpecialVocab.add_to_gguf
+def add_to_gguf(self, gw, quiet=False):
+    self.merges = self.merges or ["\u0100 \u0100"]  # llama.cpp refuses a BPE without merges
+    return add(self, gw, quiet)
+gguf.SpecialVocab.add_to_gguf = add_to_gguf
 c.sys.argv = ["convert_hf_to_gguf.py", {src!r}, "--outtype", {outtype!r}, "--outfile", {out!r}]
 c.main()
 """
@@ -89,7 +96,7 @@ import json
 import llama_cpp
 import numpy as np
 llm = llama_cpp.Llama(model_path={gguf!r}, n_ctx=256, n_threads=1, n_batch=256, verbose=False,
-                      type_k=0, type_v=0)
+                      type_k=0, type_v=0, logits_all=True)
 out = []
 for prompt in {prompts!r}:
     llm.reset()
