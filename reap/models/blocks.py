@@ -132,18 +132,52 @@ def dispatch(
     run(e, x [M, Dl]) -> [M, Dl]. With `to_model`, also measures each output. Returns y [N, Dl].
     One token without measurements (decode) takes `_dispatch_one`: the same arithmetic in the
     same order without the sort, unique and scatter (`dispatch_reference` always sorts)."""
-    if ids.shape[0] == 1 and to_model is None:
-        return _dispatch_one(xl, ids, weights, run), None
+    if ids.shape[0] == 1 and to_model is None and FAST_ONE_TOKEN:
+        order = sorted(zip(ids[0].tolist(), range(ids.shape[1])))  # (expert, slot) ascending
+        return _accumulate(xl, weights, order, [run(e, xl) for e, _ in order]), None
     return dispatch_reference(xl, ids, weights, run, to_model)
 
 
-def _dispatch_one(xl: Tensor, ids: Tensor, weights: Tensor, run) -> Tensor:
-    """One token: its K experts in ascending id order, y += w_k * run(e_k, x) in fp32."""
+FAST_ONE_TOKEN = True  # False: every dispatch sorts (`dispatch_reference`), for the tests
+MOE_THREADS: int | None = None  # threads of the one-token expert loop (None: torch's count)
+_POOL: list = []  # [ThreadPoolExecutor] once a multi-threaded decode asked for one
+
+
+def _accumulate(xl: Tensor, weights: Tensor, order, outs) -> Tensor:
+    """One token: y += w_k * out_k in fp32 over (expert, slot) `order` (ascending experts)."""
     y = torch.zeros(1, xl.shape[1], dtype=torch.float32, device=xl.device)  # [1, Dl]
     w = weights[0].float()  # [K]
-    for e, k in sorted(zip(ids[0].tolist(), range(ids.shape[1]))):
-        y.add_(run(e, xl).float() * w[k])
+    for (_, k), out in zip(order, outs):
+        y.add_(out.float() * w[k])
     return y
+
+
+def _one_token(x: Tensor, ids: Tensor, weights: Tensor, layer: int, experts, run) -> Tensor:
+    """`dispatch` of one token through an ExpertSource: the experts are fetched in ascending
+    order on this thread (the source's bookkeeping is not thread-safe), then, with dense
+    weights and several torch threads, their outputs computed in that many threads (the
+    compiled GEMVs release the GIL) and summed here in ascending order: the same numbers as
+    one thread."""
+    order = sorted(zip(ids[0].tolist(), range(ids.shape[1])))  # (expert, slot) ascending
+    tensors = [experts(layer, e) for e, _ in order]
+    n = min(MOE_THREADS or torch.get_num_threads(), len(order))
+    dense = all(isinstance(t, Tensor) for ts in tensors for t in ts.values())
+    if n < 2 or not dense or x.device.type != "cpu":
+        return _accumulate(x, weights, order, [run(x, t) for t in tensors])
+    if not _POOL or _POOL[0]._max_workers < n:
+        from concurrent.futures import ThreadPoolExecutor
+
+        _POOL[:] = [ThreadPoolExecutor(n, thread_name_prefix="reap-moe")]
+    cuts = [len(order) * i // n for i in range(n + 1)]
+    parts = [tensors[cuts[i] : cuts[i + 1]] for i in range(n)]
+    grad = torch.is_grad_enabled()
+
+    def work(ts):
+        with torch.inference_mode(not grad):  # thread-local: the caller's mode, here too
+            return [run(x, t) for t in ts]
+
+    futs = [_POOL[0].submit(work, p) for p in parts]
+    return _accumulate(x, weights, order, [o for f in futs for o in f.result()])
 
 
 def dispatch_reference(
@@ -189,6 +223,8 @@ def routed_experts(
     prefetch = getattr(experts, "prefetch", None)
     if prefetch is not None:  # a streaming source may start every read now, in the background
         prefetch(layer, sorted(set(ids.reshape(-1).tolist())))
+    if x.shape[0] == 1 and to_model is None and FAST_ONE_TOKEN:
+        return _one_token(x, ids, weights, layer, experts, run), None
     return dispatch(x, ids, weights, lambda e, xs: run(xs, experts(layer, e)), to_model)
 
 
