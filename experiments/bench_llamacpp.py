@@ -40,7 +40,9 @@ QWEN = {
     "norm_topk_prob": True, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6,
     "rope_theta": 10000.0, "tie_word_embeddings": False,
 }  # fmt: skip
-PROMPTS = [[(97 * i + 13 * j) % 31000 + 300 for j in range(n)] for i, n in ((1, 8), (2, 12), (3, 5))]
+PROMPTS = [
+    [(97 * i + 13 * j) % 31000 + 300 for j in range(n)] for i, n in ((1, 8), (2, 12), (3, 5))
+]
 
 
 def load() -> str:
@@ -72,9 +74,7 @@ def ensure_llamacpp(tools: Path) -> Path:
          "-DLLAMA_BUILD_SERVER=OFF"], cwd=tree, check=True,
     )  # fmt: skip
     targets = ["llama-bench", "llama-perplexity", "llama-simple", "llama-completion"]
-    subprocess.run(
-        ["cmake", "--build", "build", "-j2", "--target", *targets], cwd=tree, check=True
-    )
+    subprocess.run(["cmake", "--build", "build", "-j2", "--target", *targets], cwd=tree, check=True)
     return tree
 
 
@@ -114,7 +114,9 @@ def _python(code: str, pythonpath: list[Path], env: dict | None = None) -> str:
     """Run `code` in a fresh interpreter with `pythonpath` first on its path; its stdout."""
     path = os.pathsep.join(map(str, pythonpath))
     env = dict(os.environ, PYTHONPATH=path, **(env or {}))
-    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    p = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=False
+    )
     if p.returncode != 0:
         raise SystemExit(f"subprocess failed ({p.returncode}): {p.stderr.strip()[-800:]}")
     return p.stdout
@@ -195,7 +197,7 @@ def reap_speed(path: Path, dtype: str, threads: int, prompt: int, decode: int) -
     cmd = [sys.executable, "-m", "reap.cli", "run", str(path), "--preset", "max", "--dtype",
            dtype, "--prompt-ids", ids, "--max-tokens", str(decode), "--ignore-eos",
            "--threads", str(threads), "--context", str(prompt + decode + 8), "--json", "--quiet"]  # fmt: skip
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800, check=False)
     if p.returncode != 0:
         raise SystemExit(f"reap run failed ({p.returncode}): {p.stderr.strip()[-500:]}")
     m = json.loads(p.stdout)["metrics"]
@@ -214,7 +216,7 @@ def llama_speed(tree: Path, gguf: Path, threads: int, prompt: int, decode: int) 
     for key, args in (("prefill", ["-p", str(prompt), "-n", "0"]),
                       ("decode", ["-p", "0", "-n", str(decode), "-d", str(prompt)])):  # fmt: skip
         cmd = [bench, "-m", str(gguf), "-t", str(threads), "-r", "1", "-o", "json", *args]
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, check=False)
         if p.returncode != 0:
             raise SystemExit(f"llama-bench failed ({p.returncode}): {p.stderr.strip()[-500:]}")
         out[key] = json.loads(p.stdout)[0]["avg_ts"]
@@ -257,16 +259,20 @@ def report(res: dict) -> str:
     lines = [
         "# reap vs llama.cpp on the same checkpoint and threads",
         "",
-        f"Command: `{res['command']}` ({res['minutes']:.1f} min; code {res['code_version']}; load "
-        f"average {res['load'][0]} -> {res['load'][1]} on a shared 2-core machine: other "
-        "helpers ran at the same time, so absolute rates are noisy; each ratio comes from runs "
-        "interleaved in the same minutes).",
+        (
+            f"Command: `{res['command']}` ({res['minutes']:.1f} min; code {res['code_version']}; "
+            f"load average {res['load'][0]} -> {res['load'][1]} on a shared 2-core machine: "
+            "other helpers ran at the same time, so absolute rates are noisy; each ratio comes "
+            "from runs interleaved in the same minutes)."
+        ),
         "",
-        f"Checkpoint: random-weight Qwen3-MoE saved by transformers ({res['params']}); GGUF by "
-        f"llama.cpp's `convert_hf_to_gguf.py` (llama-cpp-python {LLAMA_CPP_PYTHON} source, CPU "
-        "build, -DGGML_NATIVE=ON). reap: `reap run --preset max` (fresh process); llama.cpp: "
-        f"`llama-bench -r 1` (prefill `-p P -n 0`, decode `-n {res['decode']} -d P`). Median of "
-        f"{res['reps']}.",
+        (
+            f"Checkpoint: random-weight Qwen3-MoE saved by transformers ({res['params']}); GGUF "
+            f"by llama.cpp's `convert_hf_to_gguf.py` (llama-cpp-python {LLAMA_CPP_PYTHON} "
+            "source, CPU build, -DGGML_NATIVE=ON). reap: `reap run --preset max` (fresh "
+            f"process); llama.cpp: `llama-bench -r 1` (prefill `-p P -n 0`, decode "
+            f"`-n {res['decode']} -d P`). Median of {res['reps']}."
+        ),
         "",
         "## Greedy agreement (float32, llama.cpp with an F32 KV cache)",
         "",
@@ -280,8 +286,10 @@ def report(res: dict) -> str:
         "",
         "## Speed (tokens/s, median; ratio = reap / llama.cpp)",
         "",
-        "| dtype | threads | prompt | prefill reap | llama.cpp | ratio | decode reap | llama.cpp |"
-        " ratio | expert hit | load (1-min) |",
+        (
+            "| dtype | threads | prompt | prefill reap | llama.cpp | ratio | decode reap | "
+            "llama.cpp | ratio | expert hit | load (1-min) |"
+        ),
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in res["speed"]:

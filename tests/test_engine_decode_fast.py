@@ -59,7 +59,7 @@ def test_one_token_dispatch_equals_the_sorting_reference_bit_for_bit(dtype):
         ids = torch.randperm(6, generator=g)[:3][None]  # [1, K]
         weights = torch.rand(1, 3, generator=g)
         fast, none = blocks.dispatch(x, ids, weights, run)
-        src = lambda layer, e: {"w": torch.tensor([float(e)])}  # noqa: E731
+        src = lambda layer, e: {"w": torch.tensor([float(e)])}
         via_source, _ = blocks.routed_experts(
             x, ids, weights, 0, src, lambda xs, t: run(int(t["w"]), xs)
         )
