@@ -36,6 +36,19 @@ def library():
         return _LIB[0]
 
 
+def machine_tag() -> str:
+    """What a `-march=native` build depends on: the architecture and the CPU's feature flags
+    (a cache directory shared by machines of different CPUs must not hand one's library to
+    another, where it could stop on an illegal instruction)."""
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        pass
+    return os.uname().machine + " " + " ".join(sorted(flags.split(":", 1)[-1].split()))
+
+
 def build(flags: tuple[str, ...] = ()):
     """Compile the C source (with extra compiler `flags`) into the cache; the loaded library,
     or None without a compiler or write access (the torch paths then do the work)."""
@@ -43,7 +56,7 @@ def build(flags: tuple[str, ...] = ()):
 
     source = _SOURCE.read_text()
     cc = [*_CC, *flags]
-    tag = hashlib.sha256((source + " ".join(cc) + os.uname().machine).encode()).hexdigest()[:16]
+    tag = hashlib.sha256((source + " ".join(cc) + machine_tag()).encode()).hexdigest()[:16]
     so = cache_dir() / "kernels" / f"mxfp4-{tag}.so"
     try:
         if not so.is_file():

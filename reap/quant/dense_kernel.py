@@ -43,7 +43,7 @@ def _build():
 
     source = _SOURCE.read_text()
     cc = list(ckernel._CC)
-    tag = hashlib.sha256((source + " ".join(cc) + os.uname().machine).encode()).hexdigest()[:16]
+    tag = hashlib.sha256((source + " ".join(cc) + ckernel.machine_tag()).encode()).hexdigest()[:16]
     so = cache_dir() / "kernels" / f"dense-{tag}.so"
     try:
         if not so.is_file():
