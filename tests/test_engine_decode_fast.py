@@ -14,6 +14,11 @@ needs_kernel = pytest.mark.skipif(dense_kernel.library() is None, reason="no C c
 @needs_kernel
 @pytest.mark.parametrize("rows,cols,tokens", [(384, 1024, 1), (37, 70, 3), (1030, 384, 8)])
 def test_gemv_equals_fp64_torch_on_the_same_values(rows, cols, tokens):
+    with dense_kernel.enabled():
+        _gemv_equals_fp64_torch(rows, cols, tokens)
+
+
+def _gemv_equals_fp64_torch(rows, cols, tokens):
     g = torch.Generator().manual_seed(rows)
     w = torch.randn(rows, cols, generator=g).bfloat16()
     x = torch.randn(tokens, cols, generator=g)
@@ -35,6 +40,12 @@ def test_gemv_equals_fp64_torch_on_the_same_values(rows, cols, tokens):
 
 def test_gemv_declines_what_it_does_not_do():
     w = torch.randn(8, 16).bfloat16()
+    assert not dense_kernel.usable(torch.randn(1, 16).bfloat16(), w)  # not opted in: torch
+    with dense_kernel.enabled():
+        _declines(w)
+
+
+def _declines(w):
     assert not dense_kernel.usable(torch.randn(9, 16), w)  # too many rows: torch
     assert not dense_kernel.usable(torch.randn(1, 16), w)  # dtypes differ: torch casts
     assert not dense_kernel.usable(torch.randn(1, 16).double(), w.double())  # fp64: torch

@@ -34,6 +34,7 @@ from reap.engine.store import IO_KINDS, TrunkStore
 from reap.errors import EXIT_FAILURE, ReapError
 from reap.memstat import available_memory, current_rss
 from reap.models.base import Family, expert_short_names
+from reap.quant import dense_kernel
 from reap.quant.mxfp4_decode import BufferPool
 from reap.quant.mxfp4_matmul import MXFP4Kernels, fused_available
 from reap.units import parse_bytes
@@ -154,7 +155,7 @@ class Engine:
         sequence the next-token logits, float32 on CPU: [T_s, V] if `all_positions` else [V].
         `more`: another step follows (lets the ring read the first layer during the head)."""
         try:
-            with torch.inference_mode():
+            with torch.inference_mode(), dense_kernel.enabled():
                 return self._step(seqs, chunks, all_positions, more)
         except ReapError:
             raise

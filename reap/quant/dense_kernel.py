@@ -6,6 +6,12 @@ fp32 runs here, accumulating in fp32.
 
     y = dense_linear(x, w)  # x [..., in] with few rows, w [out, in] bf16/fp32 -> x's dtype
     usable(x, w)            # whether dense_linear takes this call (else torch does it)
+    with enabled(): ...     # the engine's forward steps opt in; nothing else does
+
+The kernel and torch's matmul round differently, and which one runs depends on how many rows a
+call has, so a token's numbers would depend on how it was batched. The engine fixes its own
+batching, so it opts in; calibration must not (a sharded or distributed run has to equal one
+process to float64 rounding), so outside `enabled()` torch does every matmul.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import hashlib
 import os
 import subprocess
 import threading
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -27,6 +34,19 @@ _SOURCE = Path(__file__).with_name("dense_kernels.c")
 MAX_ROWS = 8  # x rows (tokens) up to which the kernel beats torch's bf16 matmul
 _LIB: list = []
 _LOCK = threading.Lock()
+_ENABLED = [0]  # open `enabled()` blocks, process-wide (the engine's expert threads see it)
+
+
+@contextmanager
+def enabled():
+    """Let `blocks.linear` use the kernel inside this block (the engine's forward step)."""
+    with _LOCK:
+        _ENABLED[0] += 1
+    try:
+        yield
+    finally:
+        with _LOCK:
+            _ENABLED[0] -= 1
 
 
 def library():
@@ -60,10 +80,11 @@ def _build():
 
 
 def usable(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """bf16 or fp32 weights [out, in] (contiguous, on the CPU) times a few rows of the same
-    dtype."""
+    """Inside `enabled()`: bf16 or fp32 weights [out, in] (contiguous, on the CPU) times a few
+    rows of the same dtype."""
     return (
-        w.dtype in (torch.bfloat16, torch.float32)
+        _ENABLED[0] > 0
+        and w.dtype in (torch.bfloat16, torch.float32)
         and x.dtype == w.dtype
         and w.dim() == 2
         and x.device.type == "cpu"
