@@ -88,4 +88,15 @@ def gather(ray, keys: list, submit, workers: int, tracker, *, total: float, init
     finally:
         for ref in pending:
             ray.cancel(ref, force=True)
+        _drain(ray, pending)
         bar.close()
+
+
+def _drain(ray, refs) -> None:
+    """Fetch and drop what cancelled or failed `refs` hold: Ray prints an error nobody fetched
+    as "Unhandled error" when its ref is freed, which would break the one-line error contract."""
+    for ref in refs:
+        try:
+            ray.get(ref, timeout=30)
+        except Exception:  # noqa: BLE001 - cancelled, failed or lost: all are being dropped
+            pass
