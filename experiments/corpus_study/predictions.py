@@ -33,7 +33,7 @@ def recon_tokens(work: Path, stats: dict[str, str], cal_set: str, seed: int) -> 
     from reap.prune import recon
     from reap.stats import ExpertStats
 
-    path = work / "recon" / f"{cal_set}.s{seed}.safetensors"
+    path = work / "recon" / f"{cal_set}.s{seed}.gram.safetensors"  # full Gram (older: diagonal)
     if not path.exists():
         t0 = time.perf_counter()
         loaded = [(c, stats[c], ExpertStats.load(stats[c])) for c in SETS[cal_set]]
@@ -41,17 +41,15 @@ def recon_tokens(work: Path, stats: dict[str, str], cal_set: str, seed: int) -> 
         flat = {
             f"{layer}.{f}": getattr(t, f).contiguous()
             for layer, t in toks.items()
-            for f in ("ids", "w", "gram", "scale")
+            for f in recon.FIELDS
+            if getattr(t, f) is not None
         }
         flat["seconds"] = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
         path.parent.mkdir(parents=True, exist_ok=True)
         save_file(flat, str(path))
     flat = load_file(str(path))
     layers = sorted({int(k.split(".")[0]) for k in flat if k != "seconds"})
-    toks = {
-        la: recon.LayerTokens(*(flat[f"{la}.{f}"] for f in ("ids", "w", "gram", "scale")))
-        for la in layers
-    }
+    toks = {la: recon.LayerTokens(*(flat.get(f"{la}.{f}") for f in recon.FIELDS)) for la in layers}
     return toks, float(flat["seconds"][0])
 
 

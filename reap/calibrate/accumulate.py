@@ -29,6 +29,7 @@ class StatsAccumulator:
     """
 
     wants_norms = True
+    wants_gram = False  # set by the recon pass: records carry `gram` to `record_sink`
 
     def __init__(self, n_experts: int, top_k: int, seq_corpus: list[int], seq_len: int,
                  n_corpora: int, seq_counts: bool = True):
@@ -116,4 +117,5 @@ def _to_cpu(r: MoERecord) -> MoERecord:
         return None if t is None else t.detach().to("cpu")
 
     return MoERecord(r.layer, cpu(r.ids).long(), cpu(r.weights), cpu(r.probs),
-                     cpu(r.latent_norm), cpu(r.model_norm), cpu(r.max_act))
+                     cpu(r.latent_norm), cpu(r.model_norm), cpu(r.max_act), cpu(r.gram),
+                     cpu(r.norm_gram), cpu(r.norm_eps))

@@ -54,8 +54,9 @@ def calibrate(*, corpus: str, tokens: int, seq_len: int, out: str, model: str | 
     max_pass_seqs: cap the sequences per MLP pass below what the budget allows (tests use it
     to force several passes).
     hooks(layer) runs after each committed layer; observe(record, corpus index [N]) receives
-    every MoE record (`StatsAccumulator.record_sink`). Re-running with the same arguments resumes
-    after the last completed layer. Returns what was written and measured.
+    every MoE record (`StatsAccumulator.record_sink`), with `MoERecord.gram` when `observe` has
+    `wants_gram` true (not in the memory plan: N*K*Dl fp32 per MLP pass). Re-running with the
+    same arguments resumes after the last completed layer. Returns what was written and measured.
     """
     t0 = time.perf_counter()
     from reap.corpora import corpus_fingerprint, parse_spec
@@ -84,6 +85,7 @@ def calibrate(*, corpus: str, tokens: int, seq_len: int, out: str, model: str | 
         run = _make_run(ckpt, setup, ids, [names.index(s.corpus) for s in seqs], len(names),
                         identity, out, budget, batch, seq_counts, save_token_experts)
         run.acc.record_sink = observe
+        run.acc.wants_gram = bool(getattr(observe, "wants_gram", False))
         return _execute(run, setup, seqs, names, progress, hooks, t0)
     finally:
         ckpt.close()

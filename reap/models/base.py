@@ -231,7 +231,8 @@ class MoERecord:
     `model_norm[n, k]` is the norm of expert k's contribution to the layer output divided by its
     routing weight (for LatentMoE: after the routed-expert norm's per-token scale and the shared
     up-projection), so REAP saliency = mean over routed tokens of weights * model_norm.
-    Norm fields are None unless the observer sets `wants_norms`.
+    Norm fields are None unless the observer sets `wants_norms`; `gram` is None unless it also
+    sets `wants_gram` (costs N*K*Dl fp32 per layer while the layer runs, Dl the experts' width).
     """
 
     layer: int
@@ -241,10 +242,19 @@ class MoERecord:
     latent_norm: torch.Tensor | None = None  # [N, K] ||expert output|| in the expert space
     model_norm: torch.Tensor | None = None  # [N, K] ||contribution|| / weight, model space
     max_act: torch.Tensor | None = None  # [N, K] max |expert output| (expert space)
+    # [N, K, K] <u_i, u_j>, u_k = slot k's contribution / its weight (model space, as model_norm:
+    # diagonal = model_norm^2)
+    gram: torch.Tensor | None = None
+    # with `gram`, for layers that RMS-normalize the weighted sum y = sum_k w_k o_k of the expert
+    # outputs o_k (width Dl) before the model space (K3's LatentMoE), rms^2 = mean(y^2) + eps:
+    # [N, K, K] <o_i, o_j> / (Dl rms^2) and [N] eps / rms^2 (w^T norm_gram w + norm_eps = 1)
+    norm_gram: torch.Tensor | None = None
+    norm_eps: torch.Tensor | None = None
 
 
 class Observer(Protocol):
-    """Receives each MoE layer's routing (and optional per-expert output norms)."""
+    """Receives each MoE layer's routing (and optional per-expert output norms; an observer
+    may also set `wants_gram` for `MoERecord.gram`, read with getattr: default False)."""
 
     wants_norms: bool
 

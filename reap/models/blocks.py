@@ -118,6 +118,8 @@ class ExpertOutputs:
     latent_norm: Tensor  # [N, K] ||o_e||
     max_act: Tensor  # [N, K] max |o_e|
     model_norm: Tensor  # [N, K] ||to_model(o_e)||, not yet divided by the norm's rms
+    gram: Tensor | None = None  # [N, K, K] <to_model(o_i), to_model(o_j)>, when asked
+    latent_gram: Tensor | None = None  # [N, K, K] <o_i, o_j> / Dl (o_e's mean products), with it
 
 
 def dispatch(
@@ -126,16 +128,19 @@ def dispatch(
     weights: Tensor,
     run: Callable[[int, Tensor], Tensor],
     to_model: Callable[[Tensor], Tensor] | None = None,
+    gram: bool = False,
 ) -> tuple[Tensor, ExpertOutputs | None]:
     """Expert-major MoE: each used expert, in ascending id order, runs once on all its tokens;
     weighted outputs accumulate in that order (fp32). xl [N, Dl], ids/weights [N, K],
-    run(e, x [M, Dl]) -> [M, Dl]. With `to_model`, also measures each output. Returns y [N, Dl].
-    One token without measurements (decode) takes `_dispatch_one`: the same arithmetic in the
-    same order without the sort, unique and scatter (`dispatch_reference` always sorts)."""
+    run(e, x [M, Dl]) -> [M, Dl]. With `to_model`, also measures each output, and with `gram`
+    the per-token Gram of the measured outputs (`output_gram`; holds every output, N*K*Dl fp32,
+    until the end). Returns y [N, Dl]. One token without measurements (decode) takes
+    `_dispatch_one`: the same arithmetic in the same order without the sort, unique and scatter
+    (`dispatch_reference` always sorts)."""
     if ids.shape[0] == 1 and to_model is None and FAST_ONE_TOKEN:
         order = sorted(zip(ids[0].tolist(), range(ids.shape[1])))  # (expert, slot) ascending
         return _accumulate(xl, weights, order, [run(e, xl) for e, _ in order]), None
-    return dispatch_reference(xl, ids, weights, run, to_model)
+    return dispatch_reference(xl, ids, weights, run, to_model, gram)
 
 
 FAST_ONE_TOKEN = True  # False: every dispatch sorts (`dispatch_reference`), for the tests
@@ -186,14 +191,17 @@ def dispatch_reference(
     weights: Tensor,
     run: Callable[[int, Tensor], Tensor],
     to_model: Callable[[Tensor], Tensor] | None = None,
+    gram: bool = False,
 ) -> tuple[Tensor, ExpertOutputs | None]:
     """`dispatch` for any number of tokens: sort the (token, slot) pairs by expert, run each
     expert once on its tokens, scatter-add the weighted outputs."""
     N, K = ids.shape
     y = torch.zeros(N, xl.shape[1], dtype=torch.float32, device=xl.device)
-    stats = None
+    stats, outs = None, None
     if to_model is not None:
         stats = ExpertOutputs(*(torch.zeros(N, K, device=xl.device) for _ in range(3)))
+        if gram:
+            outs = torch.zeros(N, K, xl.shape[1], device=xl.device)  # [N, K, Dl]
     flat = ids.reshape(-1)  # [N*K]
     order = torch.argsort(flat, stable=True)
     experts, counts = torch.unique_consecutive(flat[order], return_counts=True)
@@ -205,7 +213,28 @@ def dispatch_reference(
             stats.latent_norm[tok, slot] = out.norm(dim=-1)
             stats.max_act[tok, slot] = out.abs().amax(dim=-1)
             stats.model_norm[tok, slot] = to_model(out).float().norm(dim=-1)
+            if outs is not None:
+                outs[tok, slot] = out
+    if outs is not None:
+        stats.gram = output_gram(outs, to_model)
+        stats.latent_gram = outs @ outs.transpose(1, 2) / outs.shape[2]  # [N, K, K]
     return y, stats
+
+
+GRAM_CHUNK = 1024  # tokens per to_model call of `output_gram` (bounds its [n, K, D] temporary)
+
+
+def output_gram(outs: Tensor, to_model: Callable[[Tensor], Tensor]) -> Tensor:
+    """Per-token Gram of expert outputs mapped to the model space: outs [N, K, Dl] ->
+    G [N, K, K] fp32, G[n, i, j] = <to_model(outs[n, i]), to_model(outs[n, j])>; to_model runs
+    on GRAM_CHUNK tokens at a time."""
+    N, K, Dl = outs.shape
+    G = torch.zeros(N, K, K, device=outs.device)
+    for i in range(0, N, GRAM_CHUNK):
+        part = outs[i : i + GRAM_CHUNK]  # [n, K, Dl]
+        m = to_model(part.reshape(-1, Dl)).float().reshape(part.shape[0], K, -1)  # [n, K, D]
+        G[i : i + GRAM_CHUNK] = m @ m.transpose(1, 2)  # [n, K, K]
+    return G
 
 
 def routed_experts(
@@ -216,16 +245,18 @@ def routed_experts(
     experts: ExpertSource,
     run: Callable[[Tensor, Mapping[str, Tensor]], Tensor],
     to_model: Callable[[Tensor], Tensor] | None = None,
+    gram: bool = False,
 ) -> tuple[Tensor, ExpertOutputs | None]:
     """The routed part of any MoE layer: x [N, Dx], ids/weights [N, K] -> (y [N, Dx] fp32,
-    per-slot output facts when `to_model` is given). Lets a streaming source prefetch every
-    expert it will be asked for, then runs run(x_e [M, Dx], expert tensors) expert-major."""
+    per-slot output facts when `to_model` is given, their Gram too with `gram`). Lets a
+    streaming source prefetch every expert it will be asked for, then runs
+    run(x_e [M, Dx], expert tensors) expert-major."""
     prefetch = getattr(experts, "prefetch", None)
     if prefetch is not None:  # a streaming source may start every read now, in the background
         prefetch(layer, sorted(set(ids.reshape(-1).tolist())))
     if x.shape[0] == 1 and to_model is None and FAST_ONE_TOKEN:
         return _one_token(x, ids, weights, layer, experts, run), None
-    return dispatch(x, ids, weights, lambda e, xs: run(xs, experts(layer, e)), to_model)
+    return dispatch(x, ids, weights, lambda e, xs: run(xs, experts(layer, e)), to_model, gram)
 
 
 def model_width_experts(
@@ -241,11 +272,18 @@ def model_width_experts(
     """`routed_experts` then `report_moe` for experts that work in the model width (no latent
     projection or norm after them, so an expert's model_norm is its own output's norm):
     x [N, D] -> y [N, D] fp32, the weighted sum of the routed experts' outputs."""
-    wants = observer is not None and observer.wants_norms
+    wants, gram = wanted(observer)
     to_model = (lambda o: o) if wants else None
-    y, stats = routed_experts(x, ids, weights, layer, experts, run, to_model)
+    y, stats = routed_experts(x, ids, weights, layer, experts, run, to_model, gram)
     report_moe(observer, layer, ids, weights, probs, stats)
     return y
+
+
+def wanted(observer: Observer | None) -> tuple[bool, bool]:
+    """(output norms, their per-token Gram) as the observer asks (`wants_norms`, `wants_gram`:
+    the Gram only with the norms)."""
+    norms = observer is not None and observer.wants_norms
+    return norms, norms and bool(getattr(observer, "wants_gram", False))
 
 
 def report_moe(
@@ -256,15 +294,26 @@ def report_moe(
     probs: Tensor,
     stats: ExpertOutputs | None,
     rms: Tensor | None = None,
+    norm_eps: float | None = None,
 ) -> None:
-    """Send one layer's routing (and output norms, divided by a per-token `rms` [N] when the
-    routed sum is normalized before it reaches the model) to the observer, if any."""
+    """Send one layer's routing (and output norms and Gram, divided by a per-token `rms` [N]
+    (the Gram by rms^2) when the routed sum is scaled by it before it reaches the model) to the
+    observer, if any. `norm_eps`: the routed sum y is RMS-normalized, rms = sqrt(mean(y^2) +
+    norm_eps): the record then also carries what a changed sum's rms needs (`norm_gram`,
+    `norm_eps`, see `MoERecord`)."""
     if observer is None:
         return
     rec = MoERecord(layer, ids, weights, probs)
     if stats is not None:
         rec.latent_norm, rec.max_act = stats.latent_norm, stats.max_act
         rec.model_norm = stats.model_norm if rms is None else stats.model_norm / rms[:, None]
+        if stats.gram is not None:
+            ms = torch.ones_like(ids[:, 0], dtype=torch.float32) if rms is None else rms.float()
+            ms = ms.pow(2)  # [N]
+            rec.gram = stats.gram / ms[:, None, None]
+            if norm_eps is not None:
+                rec.norm_gram = stats.latent_gram / ms[:, None, None]
+                rec.norm_eps = norm_eps / ms
     observer.on_moe(rec)
 
 

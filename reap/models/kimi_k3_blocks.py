@@ -17,7 +17,15 @@ import torch
 from torch import Tensor
 
 from reap.models.base import ExpertSource, Observer
-from reap.models.blocks import WeightFn, glu_mlp, linear, report_moe, rms_norm, routed_experts
+from reap.models.blocks import (
+    WeightFn,
+    glu_mlp,
+    linear,
+    report_moe,
+    rms_norm,
+    routed_experts,
+    wanted,
+)
 from reap.quant.matrix import Matrix
 from reap.quant.mxfp4 import MXFP4Matrix
 
@@ -107,9 +115,11 @@ def latent_moe(
         return linear(o, up) if up is not None else o
 
     xl = linear(x, w("routed_expert_down_proj.weight")) if d.latent else x  # [N, Dl]
-    wants = observer is not None and observer.wants_norms
+    wants, gram = wanted(observer)
     run = partial(expert_glu, beta=d.beta, linear_beta=d.linear_beta)  # (x_e, tensors) -> y_e
-    y, stats = routed_experts(xl, ids, weights, layer, experts, run, to_model if wants else None)
+    y, stats = routed_experts(
+        xl, ids, weights, layer, experts, run, to_model if wants else None, gram
+    )
     y = y.to(x.dtype)
     rms = torch.ones(y.shape[0], device=y.device)
     if g is not None:
@@ -119,7 +129,7 @@ def latent_moe(
     if d.shared:
         mats = (w(f"shared_experts.{n}_proj.weight") for n in ("gate", "up", "down"))
         y = y + glu_mlp(x, *mats, d.beta, d.linear_beta)
-    report_moe(observer, layer, ids, weights, probs, stats, rms)
+    report_moe(observer, layer, ids, weights, probs, stats, rms, d.eps if g is not None else None)
     return y
 
 

@@ -32,11 +32,14 @@ RECON_HELP = (
     "per layer, the kept set minimising the MoE block's output error on the statistics' "
     "calibration tokens (objective: sum over tokens of ||routed output - output with the "
     "dropped experts removed and the token's routing weights renormalised over its surviving "
-    "experts||^2, each corpus relative to its output energy; contributions of one token's "
-    "experts taken as orthogonal); search: backward and forward greedy and the REAP set, each "
-    "improved by pair swaps (layers with <= 2000 candidate sets enumerated). Cost: one extra "
-    "streamed calibration pass over the statistics' tokens under --budget (what `reap "
-    "calibrate` costs) plus seconds per layer of search; reap/ean read only the statistics"
+    "experts||^2, each corpus relative to its output energy, computed exactly from each "
+    "token's Gram of expert contributions in the model space); search: backward and forward "
+    "greedy and the REAP set, each improved by pair swaps (layers with <= 2000 candidate sets "
+    "enumerated). Cost: one extra streamed calibration pass over the statistics' tokens under "
+    "--budget (what `reap calibrate` costs, plus each MoE layer's routed outputs, "
+    "tokens*top_k*expert width*4 bytes, held while it runs), tokens*top_k*(4*top_k+14) bytes "
+    "per MoE layer of records, and seconds per layer of search (O(tokens*top_k^3) per step); "
+    "reap/ean read only the statistics"
 )
 
 

@@ -10,12 +10,16 @@ to the model space, per unit weight; ||u_k|| is `MoERecord.model_norm`),
 the dropped experts removed and the router's weights renormalised over the token's surviving
 experts (no survivor: the whole routed output is lost). Substitutes the pruned router would
 route in from outside the token's top-k are not modelled. Writing G_t[k, j] = w_k w_j <u_k, u_j>
-and d_k = 1 - c_t [k in S], err_t = d^T G_t d. The model reports per-token contribution norms, not
-the vectors, so the streamed pass fills the diagonal of G_t (w_k^2 ||u_k||^2) and takes
-different experts' contributions to one token as orthogonal (off-diagonals 0); `objective`
-accepts a full Gram. Tokens are weighted so each corpus counts by its plan weight, relative to
-its full routed output energy (sum_t trace G_t): the layer objective is the weighted mean of the
-corpora's relative output errors.
+and d_k = 1 - c_t [k in S], err_t = d^T G_t d. The streamed pass asks the model for the
+per-token Gram of the contributions (`MoERecord.gram`, an observer's `wants_gram`), so the
+objective is the exact output error of the renormalised top-k; a record without one falls back
+to its diagonal (w_k^2 ||u_k||^2, contributions taken as orthogonal), and the plan's recon
+block says which was used (`gram`: "full" or "diagonal"). A layer that RMS-normalizes the
+routed sum before the model space (K3's LatentMoE) also reports what the survivors' sum's rms
+needs, and the error uses it (d_k = 1 - c_t rho_t [k in S], rho_t = rms of the full sum / rms of
+the survivors' renormalised sum): the exact change of that layer's output too. Tokens are weighted so each corpus
+counts by its plan weight, relative to its routed output energy (sum_t ||sum_k w_k u_k||^2 =
+sum_t 1^T G_t 1): the layer objective is the weighted mean of the corpora's relative errors.
 
 Search: three starts, backward greedy elimination (remove the expert whose removal raises the
 objective least, ties to the lowest id; every expert's single-removal change comes from one
@@ -27,9 +31,10 @@ always kept.
 
 Cost against reap/ean: those read only the statistics' sums (seconds); recon reruns the
 statistics' calibration as one streamed pass (`reap.calibrate.pipeline.calibrate` with an
-observer: the same reads and compute as `reap calibrate`, under the same --budget, plus N*K*18
-bytes per MoE layer of kept records), then per layer E - n greedy steps and a few swap sweeps,
-each O(N K^2).
+observer: the same reads and compute as `reap calibrate`, under the same --budget, plus while a
+layer runs every routed output of its pass's tokens (N*K*Dl fp32, Dl the experts' output width)
+for the Gram, and N*K*(4K+14) bytes per MoE layer of kept records), then per layer E - n greedy
+steps and a few swap sweeps, each O(N K^3) with the full Gram (O(N K) diagonal).
 
 Dimension letters: N tokens, K top_k, E n_experts, L MoE layers.
 """
@@ -46,7 +51,7 @@ import torch
 
 from reap.errors import ReapError
 
-METHOD = "backward and forward greedy + REAP start, each improved by pair swaps; diagonal Gram"
+METHOD = "backward and forward greedy + REAP start, each improved by pair swaps"
 MAX_SWEEPS = 100
 SWAP_CANDIDATES = 16
 EXACT_LIMIT = 2000  # layers with at most this many candidate kept sets are enumerated
@@ -55,25 +60,34 @@ EXACT_LIMIT = 2000  # layers with at most this many candidate kept sets are enum
 @dataclass
 class LayerTokens:
     """One layer's calibration tokens: ids [N, K], w [N, K] routing weights, gram: G_t above,
-    [N, K, K], or its diagonal [N, K] when off-diagonals are 0; scale [N] per-token weight of
-    the objective."""
+    [N, K, K], or its diagonal [N, K] when off-diagonals are taken as 0; scale [N] per-token
+    weight of the objective. For a layer that RMS-normalizes the routed sum (K3's LatentMoE, see
+    `MoERecord.norm_gram`): norm [N, K, K] w_k w_j <o_k, o_j> / (Dl rms_t^2) and eps [N]
+    eps / rms_t^2, so that the survivors' sum has rms_t' = rms_t sqrt(c^2 a^T norm a + eps)."""
 
     ids: torch.Tensor
     w: torch.Tensor
     gram: torch.Tensor
     scale: torch.Tensor
+    norm: torch.Tensor | None = None
+    eps: torch.Tensor | None = None
+
+    def rows(self, rows: torch.Tensor) -> LayerTokens:
+        """The tokens `rows` (an index or mask)."""
+        pick = [None if v is None else v[rows] for v in self.fields()]
+        return LayerTokens(*pick)
+
+    def fields(self) -> tuple:
+        return (self.ids, self.w, self.gram, self.scale, self.norm, self.eps)
+
+
+FIELDS = ("ids", "w", "gram", "scale", "norm", "eps")
 
 
 def token_error(t: LayerTokens, alive: torch.Tensor, rows: torch.Tensor | None = None):
     """err_t [n] of the tokens `rows` (all when None) with kept mask alive [E]."""
-    ids, w, gram = (t.ids, t.w, t.gram) if rows is None else (t.ids[rows], t.w[rows], t.gram[rows])
-    a = alive[ids].double()  # [n, K]
-    total, kept = w.sum(-1), (w * a).sum(-1)  # [n]
-    c = torch.where(kept > 0, total / kept.clamp(min=1e-300), torch.zeros_like(kept))
-    d = 1.0 - c[:, None] * a  # [n, K]
-    if gram.dim() == 2:  # diagonal Gram
-        return (d * d * gram).sum(-1)
-    return torch.einsum("nk,nkj,nj->n", d, gram, d)
+    t = t if rows is None else t.rows(rows)
+    return _masked_error(t, alive[t.ids])
 
 
 def objective(t: LayerTokens, kept: list[int], n_experts: int) -> float:
@@ -101,21 +115,26 @@ def flip_deltas(t: LayerTokens, alive: torch.Tensor, err: torch.Tensor) -> torch
         )
         new = (g.sum(-1, keepdim=True) - 2 * c * s_in + c * c * s_in) * t.scale[:, None]
         return out.index_add_(0, t.ids.reshape(-1), (new - err[:, None]).reshape(-1))
-    flips = a[:, None, :].repeat(1, K, 1)  # [N, K(flipped slot), K]
-    eye = torch.eye(K, dtype=torch.bool)
-    flips = flips ^ eye  # slot k flipped in row k
-    w, gram = t.w[:, None, :].expand(N, K, K), t.gram[:, None].expand(N, K, *t.gram.shape[1:])
-    sub = LayerTokens(t.ids, w.reshape(N * K, K), gram.reshape(N * K, *t.gram.shape[1:]), t.scale)
+    flips = a[:, None, :].repeat(1, K, 1) ^ torch.eye(K, dtype=torch.bool)  # [N, K(flip), K]
+
+    def rep(v):  # [N, ...] -> [N*K, ...], each token's row once per flipped slot
+        return None if v is None else v.repeat_interleave(K, dim=0)
+
+    sub = LayerTokens(*(rep(v) for v in t.fields()))
     new = _masked_error(sub, flips.reshape(N * K, K)).view(N, K) * t.scale[:, None]  # [N, K]
     return out.index_add_(0, t.ids.reshape(-1), (new - err[:, None]).reshape(-1))
 
 
 def _masked_error(t: LayerTokens, a: torch.Tensor) -> torch.Tensor:
-    """err [n] for explicit slot masks a [n, K] (bool) of rows w [n, K], gram [n, K(, K)]."""
+    """err [n] for explicit slot masks a [n, K] (bool) of the rows of t: d = 1 - c rho a,
+    err = d^T G d; rho = rms_t / rms_t' for a normalized routed sum, else 1."""
     a = a.double()
     total, kept = t.w.sum(-1), (t.w * a).sum(-1)
-    c = torch.where(kept > 0, total / kept.clamp(min=1e-300), torch.zeros_like(kept))
-    d = 1.0 - c[:, None] * a
+    c = torch.where(kept > 0, total / kept.clamp(min=1e-300), torch.zeros_like(kept))  # [n]
+    if t.norm is not None:
+        ms = c * c * torch.einsum("nk,nkj,nj->n", a, t.norm, a) + t.eps  # (rms_t' / rms_t)^2
+        c = torch.where(c > 0, c / ms.clamp(min=1e-300).sqrt(), c)
+    d = 1.0 - c[:, None] * a  # [n, K]
     if t.gram.dim() == 2:
         return (d * d * t.gram).sum(-1)
     return torch.einsum("nk,nkj,nj->n", d, t.gram, d)
@@ -226,7 +245,10 @@ def exhaustive(t: LayerTokens, n_experts: int, n: int, protected: set[int]):
 
 # -- the streamed pass -------------------------------------------------------------------------
 class _Collector:
-    """Calibration observer sink keeping, per layer, the records of the wanted corpora."""
+    """Calibration observer sink keeping, per layer, the records of the wanted corpora (with
+    their Gram: `wants_gram`)."""
+
+    wants_gram = True
 
     def __init__(self, wanted: dict[int, float]):
         self.wanted = wanted  # corpus index in the run -> objective weight of its tokens
@@ -238,19 +260,46 @@ class _Collector:
         if sel.numel() == 0:
             return
         w = rec.weights[sel].double()  # [n, K]
-        contrib = (w * rec.model_norm[sel].double()).pow(2)  # [n, K] w^2 ||u||^2
-        part = (rec.ids[sel].to(torch.int16), w.float(), contrib.float(), tok_corpus[sel])
+        ww = w[:, :, None] * w[:, None, :]  # [n, K, K]
+        if rec.gram is not None:  # G_t = w_k w_j <u_k, u_j>
+            gram = rec.gram[sel].double() * ww  # [n, K, K]
+        else:  # its diagonal: w^2 ||u||^2
+            gram = (w * rec.model_norm[sel].double()).pow(2)  # [n, K]
+        norm, eps = None, None
+        if rec.gram is not None and rec.norm_gram is not None:
+            norm, eps = (rec.norm_gram[sel].double() * ww).float(), rec.norm_eps[sel].float()
+        part = (rec.ids[sel].to(torch.int16), w.float(), gram.float(), tok_corpus[sel], norm, eps)
         self.parts.setdefault(rec.layer, []).append(part)
 
     def layer(self, layer: int) -> LayerTokens:
-        ids, w, diag, corpus = (torch.cat(x) for x in zip(*self.parts[layer]))
-        gram = diag.double()  # the diagonal [N, K] of G_t: off-diagonals 0 (orthogonal)
-        energy = diag.double().sum(-1)  # [N] ||routed output||^2 under orthogonality
+        parts = self.parts[layer]
+        if len({p[2].dim() for p in parts}) > 1 or any(p[4] is None for p in parts):
+            parts = [(i, w, g, c, None, None) for i, w, g, c, *_ in parts]  # all or none
+        if len({p[2].dim() for p in parts}) > 1:  # some records with a Gram, some without
+            parts = [(i, w, _diagonal(g), c, *r) for i, w, g, c, *r in parts]
+        ids, w, gram, corpus = (torch.cat(x) for x in list(zip(*parts))[:4])
+        norm, eps = (None, None) if parts[0][4] is None else (
+            torch.cat([p[k] for p in parts]).double() for k in (4, 5)
+        )
+        gram = gram.double()
+        energy = gram.sum(-1) if gram.dim() == 2 else gram.sum((-2, -1))  # [N] ||routed||^2
         scale = torch.zeros(ids.shape[0], dtype=torch.float64)
         for c, weight in self.wanted.items():
             m = corpus == c
             scale[m] = weight / max(float(energy[m].sum()), 1e-300)
-        return LayerTokens(ids.long(), w.double(), gram, scale)
+        return LayerTokens(ids.long(), w.double(), gram, scale, norm, eps)
+
+
+def _diagonal(gram: torch.Tensor) -> torch.Tensor:
+    """The diagonal [N, K] of a Gram [N, K, K] (a diagonal one as it is)."""
+    return torch.diagonal(gram, dim1=-2, dim2=-1) if gram.dim() == 3 else gram
+
+
+def gram_kind(tokens: dict[int, LayerTokens]) -> str:
+    """"full" when every layer's records carry the Gram, "diagonal" when none does, else
+    "mixed"."""
+    kinds = {"full" if t.gram.dim() == 3 else "diagonal" for t in tokens.values()}
+    return kinds.pop() if len(kinds) == 1 else "mixed"
 
 
 def _run_key(meta: dict) -> tuple:
@@ -319,9 +368,10 @@ def _cat(ts: list[LayerTokens]) -> LayerTokens:
     K = max(t.ids.shape[1] for t in ts)
     if any(t.ids.shape[1] != K for t in ts):
         raise ReapError("recon: statistics of runs with different top_k")
-    return LayerTokens(
-        *(torch.cat([getattr(t, f) for t in ts]) for f in ("ids", "w", "gram", "scale"))
-    )
+    if len({t.gram.dim() for t in ts}) > 1 or len({t.norm is None for t in ts}) > 1:
+        ts = [LayerTokens(t.ids, t.w, _diagonal(t.gram), t.scale) for t in ts]
+    cols = [[getattr(t, f) for t in ts] for f in FIELDS]
+    return LayerTokens(*(None if c[0] is None else torch.cat(c) for c in cols))
 
 
 def recon_keep(layers, counts, tokens: dict[int, LayerTokens], n_experts, protected, start):
@@ -375,9 +425,11 @@ def plan_recon(
     counts = [plan.counts[layer] for layer in plan.layers]
     kept, record = recon_keep(plan.layers, counts, tokens, plan.n_experts, prot, plan.keep)
     plan.keep, plan.criterion = kept, "recon"
+    kind = gram_kind(tokens)
     plan.recon = {
-        "objective": OBJECTIVE,
-        "method": METHOD,
+        "objective": OBJECTIVE + (ORTHOGONAL if kind != "full" else ""),
+        "method": f"{METHOD}; {kind} Gram",
+        "gram": kind,
         "layers": record,
         "seconds": time.perf_counter() - t0,
         "scores": "plan.scores are the REAP shares (counts of a global scope)",
@@ -388,6 +440,8 @@ def plan_recon(
 OBJECTIVE = (
     "per layer, sum over calibration tokens of ||routed output - output with the "
     "dropped experts removed and the token's weights renormalised over its surviving "
-    "experts||^2 (each corpus relative to its own output energy, weighted as --weights; "
-    "expert contributions to one token taken as orthogonal)"
+    "experts||^2 (each corpus relative to its own output energy, weighted as --weights)"
+)
+ORTHOGONAL = (
+    " (no per-token Gram in the records: expert contributions to one token taken as orthogonal)"
 )
