@@ -186,11 +186,11 @@ class Keep:
 
 
 def k3_inputs(model, n_seq=2, seq_len=12):
-    """(family, Model, getter, {layer: MoE input x [N, D]}, {layer: MoERecord}) of one in-memory
+    """(Model, getter, {layer: MoE input x [N, D]}, {layer: MoERecord with its Gram}) of one in-memory
     forward of a checkpoint on random token ids."""
     from tests.family_runner import load_ours
 
-    fam, cfg, m, get = load_ours(model)
+    _, _, m, get = load_ours(model)
     ids = torch.randint(0, 250, (n_seq, seq_len), generator=torch.Generator().manual_seed(5))
     xs, obs = {}, Keep()
     state = m.embed(get, ids)
@@ -207,7 +207,10 @@ def naive_k3_gram(m, get, x, rec):
     from reap.models.kimi_k3_blocks import expert_glu
 
     pre = f"model.layers.{rec.layer}.block_sparse_moe."
-    down, up = get(pre + "routed_expert_down_proj.weight"), get(pre + "routed_expert_up_proj.weight")
+    down, up = (
+        get(pre + "routed_expert_down_proj.weight"),
+        get(pre + "routed_expert_up_proj.weight"),
+    )
     g, d = get(pre + "routed_expert_norm.weight").float(), m.moe
     src = m.default_experts(get)
     N, K = rec.ids.shape
@@ -326,14 +329,16 @@ def test_qwen3_moe_gram_and_objective(tmp_path, monkeypatch):
         hf(input_ids=ids)
     for h in hooks:
         h.remove()
-    experts = dict((la, ex) for la, _, ex in R.moe_modules(hf))
+    experts = {la: ex for la, _, ex in R.moe_modules(hf)}
     for la, rec in recs.items():
         x, hf_ids = seen[la]
         assert torch.equal(hf_ids.reshape(rec.ids.shape), rec.ids)
         want = torch.zeros(rec.gram.shape, dtype=torch.float64)
         with torch.no_grad():
             for n in range(x.shape[0]):
-                u = torch.cat([R.expert_output(experts[la], x[n : n + 1], int(e)) for e in rec.ids[n]])
+                u = torch.cat(
+                    [R.expert_output(experts[la], x[n : n + 1], int(e)) for e in rec.ids[n]]
+                )
                 want[n] = (u @ u.T).double()
         tol = 1e-5 * float(want.abs().max())
         torch.testing.assert_close(rec.gram.double(), want, rtol=1e-4, atol=tol)

@@ -30,6 +30,7 @@ def recon_tokens(work: Path, stats: dict[str, str], cal_set: str, seed: int) -> 
     import torch
     from safetensors.torch import load_file, save_file
 
+    from reap.defaults import default_model
     from reap.prune import recon
     from reap.stats import ExpertStats
 
@@ -37,7 +38,8 @@ def recon_tokens(work: Path, stats: dict[str, str], cal_set: str, seed: int) -> 
     if not path.exists():
         t0 = time.perf_counter()
         loaded = [(c, stats[c], ExpertStats.load(stats[c])) for c in SETS[cal_set]]
-        toks = recon.collect(loaded, {c: 1.0 for c in SETS[cal_set]}, None, 4_000_000_000)
+        model = default_model()  # the study's model (the statistics' path may have moved)
+        toks = recon.collect(loaded, {c: 1.0 for c in SETS[cal_set]}, model, 4_000_000_000)
         flat = {
             f"{layer}.{f}": getattr(t, f).contiguous()
             for layer, t in toks.items()

@@ -278,8 +278,10 @@ class _Collector:
         if len({p[2].dim() for p in parts}) > 1:  # some records with a Gram, some without
             parts = [(i, w, _diagonal(g), c, *r) for i, w, g, c, *r in parts]
         ids, w, gram, corpus = (torch.cat(x) for x in list(zip(*parts))[:4])
-        norm, eps = (None, None) if parts[0][4] is None else (
-            torch.cat([p[k] for p in parts]).double() for k in (4, 5)
+        norm, eps = (
+            (None, None)
+            if parts[0][4] is None
+            else (torch.cat([p[k] for p in parts]).double() for k in (4, 5))
         )
         gram = gram.double()
         energy = gram.sum(-1) if gram.dim() == 2 else gram.sum((-2, -1))  # [N] ||routed||^2
@@ -296,8 +298,8 @@ def _diagonal(gram: torch.Tensor) -> torch.Tensor:
 
 
 def gram_kind(tokens: dict[int, LayerTokens]) -> str:
-    """"full" when every layer's records carry the Gram, "diagonal" when none does, else
-    "mixed"."""
+    """`full` when every layer's records carry the Gram, `diagonal` when none does, else
+    `mixed`."""
     kinds = {"full" if t.gram.dim() == 3 else "diagonal" for t in tokens.values()}
     return kinds.pop() if len(kinds) == 1 else "mixed"
 
