@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from reap.cli import main
-from reap.prune import recon
+from reap.prune import recon, recon_pass
 from reap.prune.plan_file import Plan
 
 
@@ -126,7 +126,7 @@ def test_streamed_pass_records_the_forward_and_beats_reap(tiny, tmp_path, capsys
     root, model = tiny
     stats = str(root / "run" / "c.safetensors")
     st = ExpertStats.load(stats)
-    toks = recon.collect([("c", stats, st)], {"c": 1.0}, None, 4_000_000_000)
+    toks = recon_pass.collect([("c", stats, st)], {"c": 1.0}, None, 4_000_000_000)
     recs, _, _ = forward_records(model, str(root / "c.jsonl"), tokens=128, seq_len=16)
     for la in st.layers:
         r = recs[la]
@@ -186,8 +186,8 @@ class Keep:
 
 
 def k3_inputs(model, n_seq=2, seq_len=12):
-    """(Model, getter, {layer: MoE input x [N, D]}, {layer: MoERecord with its Gram}) of one in-memory
-    forward of a checkpoint on random token ids."""
+    """(Model, getter, {layer: MoE input x [N, D]}, {layer: MoERecord with its Gram}) of one
+    in-memory forward of a checkpoint on random token ids."""
     from tests.family_runner import load_ours
 
     _, _, m, get = load_ours(model)
@@ -259,7 +259,7 @@ def brute_force(m, get, x, layer, alive, monkeypatch, module, name):
 
 def record_tokens(rec):
     """LayerTokens of one record through the recon pass's collector, with unit token scale."""
-    sink = recon._Collector({0: 1.0})
+    sink = recon_pass.Collector({0: 1.0})
     sink(rec, torch.zeros(rec.ids.shape[0], dtype=torch.int64))
     t = sink.layer(rec.layer)
     t.scale = torch.ones_like(t.scale)

@@ -31,7 +31,7 @@ def recon_tokens(work: Path, stats: dict[str, str], cal_set: str, seed: int) -> 
     from safetensors.torch import load_file, save_file
 
     from reap.defaults import default_model
-    from reap.prune import recon
+    from reap.prune import recon, recon_pass
     from reap.stats import ExpertStats
 
     path = work / "recon" / f"{cal_set}.s{seed}.gram.safetensors"  # full Gram (older: diagonal)
@@ -39,7 +39,7 @@ def recon_tokens(work: Path, stats: dict[str, str], cal_set: str, seed: int) -> 
         t0 = time.perf_counter()
         loaded = [(c, stats[c], ExpertStats.load(stats[c])) for c in SETS[cal_set]]
         model = default_model()  # the study's model (the statistics' path may have moved)
-        toks = recon.collect(loaded, {c: 1.0 for c in SETS[cal_set]}, model, 4_000_000_000)
+        toks = recon_pass.collect(loaded, {c: 1.0 for c in SETS[cal_set]}, model, 4_000_000_000)
         flat = {
             f"{layer}.{f}": getattr(t, f).contiguous()
             for layer, t in toks.items()
