@@ -68,7 +68,8 @@ LIMITS = """- k3-mini has 6 M parameters and was trained on 5 M tokens: its perp
   sequences' routing counts (the statistics hold no per-sequence REAP sums), so it says how
   stable the prediction is, not how far the measured loss may fall from it. At these budgets
   almost no token keeps its whole top-6, so that share cannot rank builds here.
-- recon's objective renormalises each token's weights over its surviving top-k experts and
-  treats different experts' contributions to a token as orthogonal (the model reports norms,
-  not vectors); the pruned model instead routes substitutes in, and k3-mini's LatentMoE
-  RMS-normalises the routed sum, so the objective is a model of the error, not the error."""
+- recon's objective is the exact change of each MoE layer's output on the calibration tokens
+  (the per-token Gram of expert contributions, and the rescale of k3-mini's RMS-normalised
+  routed sum) when each token keeps its surviving top-k experts with renormalised weights; the
+  pruned model instead routes substitutes in, and the layers' errors compound through the
+  model, so a lower objective need not mean a lower perplexity."""

@@ -24,9 +24,10 @@ most on that domain. What a user sees before building, `reap plan --compare` of 
 
 RECON_INTRO = """`recon` chooses each layer's kept set to minimise the layer's routed output error
 on the calibration tokens when dropped experts are removed and each token's weights are
-renormalised over its surviving experts (`reap.prune.recon`; expert contributions to one token
-taken as orthogonal, since the model reports per-token contribution norms, not vectors). It
-needs one more streamed calibration pass (its records are cached per seed and reused for both
+renormalised over its surviving experts (`reap.prune.recon`): computed exactly from each
+token's Gram of expert contributions in the model space and the rescale of the LatentMoE's
+RMS-normalised routed sum (the first version of this study took contributions as orthogonal and
+the rescale as 1). It needs one more streamed calibration pass (its records are cached per seed and reused for both
 budgets). Its perplexities are in the criteria tables above; here its cost and its objective
 against REAP's set for the same budget (sum over layers)."""
 
