@@ -26,10 +26,10 @@ RECON_INTRO = """`recon` chooses each layer's kept set to minimise the layer's r
 on the calibration tokens when dropped experts are removed and each token's weights are
 renormalised over its surviving experts (`reap.prune.recon`): computed exactly from each
 token's Gram of expert contributions in the model space and the rescale of the LatentMoE's
-RMS-normalised routed sum (the first version of this study took contributions as orthogonal and
-the rescale as 1). It needs one more streamed calibration pass (its records are cached per seed and reused for both
-budgets). Its perplexities are in the criteria tables above; here its cost and its objective
-against REAP's set for the same budget (sum over layers)."""
+RMS-normalised routed sum (the first version of this study took contributions as orthogonal
+and the rescale as 1). It needs one more streamed calibration pass (its records are cached per
+seed and reused for both budgets). Its perplexities are in the criteria tables above; here its
+cost and its objective against REAP's set for the same budget (sum over layers)."""
 
 
 def _ci(ci: dict, fmt: str = "{:.3f}", f=lambda x: x) -> str:
