@@ -25,6 +25,7 @@ from reap.engine.generate import StopMatcher, generate, sample
 from reap.engine.store import TrunkStore
 from reap.errors import ReapError
 from reap.memstat import available_memory
+from reap.quant import dense_kernel
 from reap.models import family
 from reap.models.base import dict_weights
 from reap.quant.mxfp4_decode import decode_mxfp4
@@ -246,18 +247,25 @@ def test_expert_cache_matches_a_brute_force_lfu_with_aging(tiny):
 
 
 # -- the engine against the reference forward ---------------------------------------------------
+def _forward(model, get, ids):
+    """The in-memory forward's logits [T, V] with the kernels the engine's step uses (the
+    few-row GEMV is opt-in), so engine and reference compute the same thing."""
+    with dense_kernel.enabled():
+        return model.forward(get, torch.tensor([ids]))[0]
+
+
 def test_engine_logits_equal_the_in_memory_forward(tiny, ref):
     model, get = ref
     ids = [5, 17, 200, 31, 7, 7, 90, 1, 44]
     with Engine.open(tiny, preset="ultra", context=64) as eng:
         assert eng.plan.ring_slots == 2 and not eng.plan.pinned
         got = eng.logits([ids])[0]
-        want = model.forward(get, torch.tensor([ids]))[0]
+        want = _forward(model, get, ids)
         assert torch.equal(got, want)
         batch = eng.logits([ids, ids[:4], [3, 2, 1, 0, 9]])  # lockstep, different lengths
         for seq, lg in zip([ids, ids[:4], [3, 2, 1, 0, 9]], batch):
             torch.testing.assert_close(
-                lg, model.forward(get, torch.tensor([seq]))[0], rtol=1e-5, atol=1e-5
+                lg, _forward(model, get, seq), rtol=1e-5, atol=1e-5
             )
     with Engine.open(tiny, preset="max", context=64, prefill_chunk=4) as eng:
         torch.testing.assert_close(eng.logits([ids])[0], want, rtol=1e-4, atol=1e-4)
@@ -546,7 +554,7 @@ def test_a_model_that_announces_its_routing_gets_prefetched_experts(tiny, ref, m
 
     model, get = ref
     ids = [5, 17, 200, 31, 7]
-    want = model.forward(get, torch.tensor([ids]))[0]
+    want = _forward(model, get, ids)
     with Engine.open(tiny, preset="ultra", context=64) as eng:
         layer, calls = {}, []
         inner_mlp, inner_dispatch = eng.model.mlp_block, blocks.dispatch
