@@ -102,12 +102,34 @@ class Rope:
 
     def apply(self, x: Tensor, start: int, interleaved: bool = False) -> Tensor:
         """Rotate x [B, T, H, Dk] at positions start..start+T-1 (rotate-half pairing of dims
-        i and i + d/2; `interleaved` pairs 2i and 2i+1). Dims past d pass unchanged."""
-        T, d = x.shape[1], 2 * self.inv_freq.shape[0]
-        pos = torch.arange(start, start + T, dtype=torch.float64)
-        ang = pos[:, None] * self.inv_freq[None]  # [T, d/2]
-        cos = (ang.cos() * self.attention_factor).to(torch.float32)[None, :, None]  # [1, T, 1, d/2]
-        sin = (ang.sin() * self.attention_factor).to(torch.float32)[None, :, None]
+        i and i + d/2; `interleaved` pairs 2i and 2i+1). Dims past d pass unchanged. cos and
+        sin come from a table grown on demand (`apply_reference` computes them per call)."""
+        cos, sin = self._table(start + x.shape[1])
+        return self._rotate(x, cos[start : start + x.shape[1]], sin[start : start + x.shape[1]],
+                            interleaved)  # fmt: skip
+
+    def apply_reference(self, x: Tensor, start: int, interleaved: bool = False) -> Tensor:
+        """`apply` with cos and sin computed for these positions only."""
+        pos = torch.arange(start, start + x.shape[1], dtype=torch.float64)
+        cos, sin = self._cos_sin(pos)
+        return self._rotate(x, cos, sin, interleaved)
+
+    def _cos_sin(self, pos: Tensor) -> tuple[Tensor, Tensor]:
+        ang = pos[:, None] * self.inv_freq[None]  # [T, d/2] float64
+        return ((ang.cos() * self.attention_factor).to(torch.float32),
+                (ang.sin() * self.attention_factor).to(torch.float32))  # fmt: skip
+
+    def _table(self, n: int) -> tuple[Tensor, Tensor]:
+        """cos, sin [>= n, d/2] fp32 of positions 0.. (grown in 256-position steps)."""
+        table = self.__dict__.get("_cs")
+        if table is None or table[0].shape[0] < n:
+            table = self._cos_sin(torch.arange(-(-n // 256) * 256, dtype=torch.float64))
+            self.__dict__["_cs"] = table
+        return table
+
+    def _rotate(self, x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tensor:
+        d = 2 * self.inv_freq.shape[0]
+        cos, sin = cos[None, :, None], sin[None, :, None]  # [1, T, 1, d/2]
         rot, rest = x[..., :d].float(), x[..., d:]
         if interleaved:
             a, b = rot[..., 0::2], rot[..., 1::2]  # [B, T, H, d/2] each
@@ -117,16 +139,45 @@ class Rope:
         return torch.cat([out, rest], -1) if rest.shape[-1] else out
 
 
-@dataclass
-class KVCache:
-    """Keys and values of one attention layer: k [B, Hkv, S, Dk], v [B, Hkv, S, Dv]."""
+def _append(buf: Tensor | None, n: int, new: Tensor, dim: int) -> Tensor:
+    """`new` written in place into `buf` at positions n.. along `dim` (the first n hold the
+    cache); a full or missing buffer is replaced by one with room for 256 more positions
+    (amortized: no copy of the whole cache per token). Returns the buffer."""
+    end = n + new.shape[dim]
+    if buf is None or buf.shape[dim] < end or buf.dtype != new.dtype:
+        shape = list(new.shape)
+        shape[dim] = -(-end // 256) * 256
+        grown = new.new_empty(shape)
+        if buf is not None and n:
+            grown.narrow(dim, 0, n).copy_(buf.narrow(dim, 0, n))
+        buf = grown
+    buf.narrow(dim, n, new.shape[dim]).copy_(new)
+    return buf
 
-    k: Tensor | None = None
-    v: Tensor | None = None
+
+class KVCache:
+    """Keys and values of one attention layer: k [B, Hkv, S, Dk], v [B, Hkv, S, Dv] (views of
+    preallocated buffers that new tokens are written into)."""
+
+    def __init__(self) -> None:
+        self._k: Tensor | None = None
+        self._v: Tensor | None = None
+        self.length = 0
 
     @property
-    def length(self) -> int:
-        return 0 if self.k is None else self.k.shape[2]
+    def k(self) -> Tensor | None:
+        return None if self._k is None else self._k[:, :, : self.length]
+
+    @property
+    def v(self) -> Tensor | None:
+        return None if self._v is None else self._v[:, :, : self.length]
+
+    def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Add k [B, Hkv, T, Dk], v [B, Hkv, T, Dv]; returns all keys and values [.., S, ..]."""
+        self._k = _append(self._k, self.length, k, 2)
+        self._v = _append(self._v, self.length, v, 2)
+        self.length += k.shape[2]
+        return self.k, self.v
 
 
 def gqa_attention(
@@ -146,19 +197,18 @@ def gqa_attention(
     Bn, T, H, _ = q.shape
     k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hkv, T, D]
     if cache is not None:
-        if cache.k is not None:
-            k, v = torch.cat([cache.k, k], 2), torch.cat([cache.v, v], 2)  # [B, Hkv, S, D]
-        cache.k, cache.v = k, v
+        k, v = cache.append(k, v)  # [B, Hkv, S, D]
     S, group = k.shape[2], H // k.shape[1]
     qg = q.transpose(1, 2).reshape(Bn, k.shape[1], group * T, -1)  # [B, Hkv, group*T, Dk]
     scores = (qg @ k.transpose(-1, -2)).float() * scale  # [B, Hkv, group*T, S]
     scores = scores.reshape(Bn, H, T, S)
-    qpos = torch.arange(S - T, S)[:, None]  # [T, 1] absolute positions of the new queries
-    kpos = torch.arange(S)[None]  # [1, S]
-    visible = kpos <= qpos
-    if window is not None:
-        visible &= kpos > qpos - window
-    scores = scores.masked_fill(~visible, float("-inf"))
+    if T > 1 or (window is not None and window < S):  # one query, no window: sees every key
+        qpos = torch.arange(S - T, S)[:, None]  # [T, 1] absolute positions of the new queries
+        kpos = torch.arange(S)[None]  # [1, S]
+        visible = kpos <= qpos
+        if window is not None:
+            visible &= kpos > qpos - window
+        scores = scores.masked_fill(~visible, float("-inf"))
     if sinks is not None:
         sink = sinks.float().reshape(1, H, 1, 1).expand(Bn, H, T, 1)
         p = torch.softmax(torch.cat([scores, sink], -1), -1)[..., :S]  # [B, H, T, S]
@@ -170,16 +220,29 @@ def gqa_attention(
 
 
 # -- MLA ---------------------------------------------------------------------------------------
-@dataclass
 class MLACache:
-    """Compressed KV cache of one MLA layer: normalized latent [B, S, R] and k_pe [B, S, rope]."""
+    """Compressed KV cache of one MLA layer: normalized latent [B, S, R] and k_pe [B, S, rope]
+    (views of preallocated buffers, as `KVCache`)."""
 
-    kv_latent: Tensor | None = None
-    k_pe: Tensor | None = None
+    def __init__(self) -> None:
+        self._c: Tensor | None = None
+        self._pe: Tensor | None = None
+        self.length = 0
 
     @property
-    def length(self) -> int:
-        return 0 if self.kv_latent is None else self.kv_latent.shape[1]
+    def kv_latent(self) -> Tensor | None:
+        return None if self._c is None else self._c[:, : self.length]
+
+    @property
+    def k_pe(self) -> Tensor | None:
+        return None if self._pe is None else self._pe[:, : self.length]
+
+    def append(self, c: Tensor, k_pe: Tensor) -> tuple[Tensor, Tensor]:
+        """Add c [B, T, R], k_pe [B, T, rope]; returns all of them [B, S, ...]."""
+        self._c = _append(self._c, self.length, c, 1)
+        self._pe = _append(self._pe, self.length, k_pe, 1)
+        self.length += c.shape[1]
+        return self.kv_latent, self.k_pe
 
 
 @dataclass
@@ -254,9 +317,7 @@ def mla_attention(
         q_pe = rope(q_pe, start)
         k_pe = rope(k_pe[:, :, None], start)[:, :, 0]  # [B, T, rope] one head shared by all
     if cache is not None:
-        if cache.kv_latent is not None:
-            c, k_pe = torch.cat([cache.kv_latent, c], 1), torch.cat([cache.k_pe, k_pe], 1)
-        cache.kv_latent, cache.k_pe = c, k_pe
+        c, k_pe = cache.append(c, k_pe)  # [B, S, R], [B, S, rope]
     kv_b = w("kv_b_proj.weight").reshape(H, d.nope + d.v, d.kv_lora)  # [H, nope+v, R]
     wk, wv = kv_b[:, : d.nope], kv_b[:, d.nope :]  # [H, nope, R], [H, v, R]
     scale = (d.nope + d.rope) ** -0.5 if scale is None else scale
