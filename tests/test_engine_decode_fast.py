@@ -1,5 +1,6 @@
 """The decode fast paths against their slow references: the compiled bf16/fp32 GEMV
-(`reap.quant.dense_kernel`) against fp64 torch on the same values, and the one-token MoE
+(`reap.quant.dense_kernel`) against fp64 torch on the same values, the fused SwiGLU against
+the op-by-op one, and the one-token MoE
 dispatch against the sorting `dispatch_reference` (bit for bit), alone and inside the engine."""
 
 import pytest
@@ -122,3 +123,36 @@ def test_engine_decode_with_fast_paths_matches_the_references(tmp_path, monkeypa
     assert torch.allclose(fast["float32"], slow["float32"], atol=1e-4)
     scale = slow["bfloat16"].abs().max()
     assert (fast["bfloat16"] - slow["bfloat16"]).abs().max() < 0.05 * scale
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("F,D", [(384, 1024), (30, 70)])
+def test_fused_swiglu_matches_op_by_op_and_is_batch_invariant(dtype, F, D):
+    """`dense_kernel.swiglu` (gate, up, silu, product in one pass, then down) against
+    `silu_glu_reference` (three GEMVs, torch's silu and product): fp32 within a few ulps (only
+    silu's exp differs), bf16 within one bf16 step; a token's result is the same alone or in
+    a batch of up to 8."""
+    g = torch.Generator().manual_seed(F)
+    ws = [(torch.randn(*s, generator=g) / 8).to(dtype) for s in ((F, D), (F, D), (D, F))]
+    x = torch.randn(8, D, generator=g).to(dtype)
+    assert dense_kernel.swiglu_usable(x, *ws)
+    got, ref = blocks.silu_glu(x, *ws), blocks.silu_glu_reference(x, *ws)
+    exact = (x.double() @ ws[0].double().T).sigmoid() * (x.double() @ ws[0].double().T)
+    exact = (exact * (x.double() @ ws[1].double().T)) @ ws[2].double().T  # fp64 of the same values
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), ref.float(), rtol=tol, atol=tol)
+    if dtype == torch.float32:  # bf16 rounds every intermediate: op-by-op is its reference
+        torch.testing.assert_close(got.double(), exact, rtol=1e-4, atol=1e-4)
+    for i in range(8):
+        assert torch.equal(blocks.silu_glu(x[i : i + 1], *ws)[0], got[i])
+    assert torch.equal(blocks.silu_glu(x[2:5], *ws), got[2:5])
+
+
+def test_fused_swiglu_declines_what_it_does_not_do():
+    ws = [torch.randn(*s) for s in ((6, 16), (6, 16), (16, 6))]
+    assert not dense_kernel.swiglu_usable(torch.randn(9, 16), *ws)  # too many rows: torch
+    assert not dense_kernel.swiglu_usable(torch.randn(1, 16).bfloat16(), *ws)  # dtypes differ
+    assert not dense_kernel.swiglu_usable(torch.randn(1, 16), ws[0], ws[1], ws[2].T)  # layout
+    x = torch.randn(12, 16)
+    assert torch.equal(blocks.silu_glu(x, *ws), blocks.silu_glu_reference(x, *ws))

@@ -71,7 +71,24 @@ def glu_mlp(
 
 def silu_glu(x: Tensor, gate_w: Matrix, up_w: Matrix, down_w: Matrix) -> Tensor:
     """down(silu(gate(x)) * up(x)): the SwiGLU MLP of Llama-style families, [..., D] -> [..., D]
-    (weights [F, D], [F, D], [D, F])."""
+    (weights [F, D], [F, D], [D, F]). A few tokens with dense bf16/fp32 weights of their dtype
+    (decode's experts) run as two compiled calls (`dense_kernel.swiglu`);
+    `silu_glu_reference` is the op-by-op path."""
+    if (
+        FAST_SWIGLU
+        and isinstance(gate_w, Tensor)
+        and isinstance(up_w, Tensor)
+        and dense_kernel.swiglu_usable(x, gate_w, up_w, down_w)
+    ):
+        return dense_kernel.swiglu(x, gate_w, up_w, down_w)
+    return silu_glu_reference(x, gate_w, up_w, down_w)
+
+
+FAST_SWIGLU = True  # False: every SwiGLU op by op (`silu_glu_reference`), for the tests
+
+
+def silu_glu_reference(x: Tensor, gate_w: Matrix, up_w: Matrix, down_w: Matrix) -> Tensor:
+    """`silu_glu` op by op: three `linear`s, torch's silu and product."""
     return linear(silu(linear(x, gate_w)) * linear(x, up_w), down_w)
 
 

@@ -76,6 +76,9 @@ def _build():
     for name in ("reap_bf16_linear", "reap_f32_linear"):
         getattr(lib, name).restype = None
         getattr(lib, name).argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 5
+    for name in ("reap_bf16_gate_up", "reap_f32_gate_up"):
+        getattr(lib, name).restype = None
+        getattr(lib, name).argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 6
     return lib
 
 
@@ -111,3 +114,37 @@ def dense_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
     ckernel.parallel(run, rows, 2048)
     return y.to(x.dtype).reshape(*x.shape[:-1], rows)
+
+
+def swiglu_usable(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down) -> bool:
+    """Whether `swiglu` takes this call: a few rows x [.., D] and dense gate/up [F, D], down
+    [D, F] that `usable` accepts."""
+    return (
+        isinstance(down, torch.Tensor)
+        and gate.shape == up.shape
+        and down.shape == gate.shape[::-1]
+        and usable(x, gate)
+        and usable(x, up)
+        and down.dtype == x.dtype
+        and down.device.type == "cpu"
+        and down.is_contiguous()
+    )
+
+
+def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor):
+    """down(silu(gate(x)) * up(x)) of a few tokens x [.., D] (see `swiglu_usable`) in two
+    compiled calls: gate, up, silu and product of each hidden row in one pass, then the down
+    GEMV; intermediates rounded where torch's ops in x's dtype round them; a token's result
+    does not depend on the others -> [.., D] in x's dtype."""
+    F, D = gate.shape
+    xf = x.reshape(-1, D).float().contiguous()  # [M, D]
+    M = xf.shape[0]
+    h = torch.empty(M, F, dtype=torch.float32)  # [M, F]
+    y = torch.empty(M, D, dtype=torch.float32)  # [M, D]
+    lib, bf16 = library(), x.dtype == torch.bfloat16
+    gu = lib.reap_bf16_gate_up if bf16 else lib.reap_f32_gate_up
+    lin = lib.reap_bf16_linear if bf16 else lib.reap_f32_linear
+    pg, pu, px, ph, pd, py = (t.data_ptr() for t in (gate, up, xf, h, down, y))
+    ckernel.parallel(lambda a, b: gu(pg, pu, px, ph, a, b, F, D, M, bf16), F, 1024)
+    ckernel.parallel(lambda a, b: lin(pd, ph, py, a, b, D, F, M), D, 2048)
+    return y.to(x.dtype).reshape(x.shape)

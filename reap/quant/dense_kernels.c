@@ -108,3 +108,39 @@ void reap_f32_linear(const float *w, const float *x, float *y, int64_t r0, int64
             rows_tile_f32(w + r * cols, x + t0 * cols, cols, tn, y + t0 * rows + r, rows);
     }
 }
+
+/* bf16 rounding of an fp32 value (round to nearest even, as torch's .to(bfloat16)) */
+static inline float round_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return f; /* NaN stays NaN */
+    u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* The SwiGLU hidden of a few tokens for rows [r0, r1): h[t, r] = silu(gate_r . x_t) *
+   (up_r . x_t), each dot product exactly the GEMV's (rows_tile, so nothing depends on the token
+   count or the row range); with `bf16` every intermediate is rounded to bf16 where torch's
+   bf16 ops round it (the two GEMV outputs, silu, the product). */
+static inline float swiglu_one(float g, float u, int64_t bf16) {
+    if (!bf16) return g / (1.0f + expf(-g)) * u;
+    g = round_bf16(g);
+    return round_bf16(round_bf16(g / (1.0f + expf(-g))) * round_bf16(u));
+}
+#define GATE_UP(NAME, T, TILE)                                                              \
+void NAME(const T *wg, const T *wu, const float *x, float *h, int64_t r0, int64_t r1,      \
+          int64_t rows, int64_t cols, int64_t tokens, int64_t bf16) {                       \
+    float g[TN_MAX], u[TN_MAX];                                                             \
+    for (int64_t t0 = 0; t0 < tokens; t0 += TN_MAX) {                                       \
+        int64_t tn = tokens - t0 < TN_MAX ? tokens - t0 : TN_MAX;                           \
+        for (int64_t r = r0; r < r1; r++) {                                                 \
+            TILE(wg + r * cols, x + t0 * cols, cols, tn, g, 1);                             \
+            TILE(wu + r * cols, x + t0 * cols, cols, tn, u, 1);                             \
+            for (int64_t t = 0; t < tn; t++)                                                \
+                h[(t0 + t) * rows + r] = swiglu_one(g[t], u[t], bf16);                      \
+        }                                                                                   \
+    }                                                                                       \
+}
+GATE_UP(reap_bf16_gate_up, uint16_t, rows_tile)
+GATE_UP(reap_f32_gate_up, float, rows_tile_f32)
