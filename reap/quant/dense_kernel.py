@@ -52,6 +52,8 @@ def enabled():
 def library():
     """The compiled kernel, built once per source and machine; None if unavailable
     (no compiler, no cache directory, or REAP_NO_CKERNEL=1)."""
+    if _LIB:  # built or found unavailable: no lock on the per-call path
+        return _LIB[0]
     with _LOCK:
         if not _LIB:
             _LIB.append(None if os.environ.get("REAP_NO_CKERNEL") else _build())
@@ -124,9 +126,10 @@ def swiglu_usable(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down) -
         and gate.shape == up.shape
         and down.shape == gate.shape[::-1]
         and usable(x, gate)
-        and usable(x, up)
-        and down.dtype == x.dtype
-        and down.device.type == "cpu"
+        and up.dtype == gate.dtype
+        and down.dtype == gate.dtype
+        and up.device.type == down.device.type == "cpu"
+        and up.is_contiguous()
         and down.is_contiguous()
     )
 
