@@ -132,7 +132,14 @@ def test_fused_swiglu_matches_op_by_op_and_is_batch_invariant(dtype, F, D):
     """`dense_kernel.swiglu` (gate, up, silu, product in one pass, then down) against
     `silu_glu_reference` (three GEMVs, torch's silu and product): fp32 within a few ulps (only
     silu's exp differs), bf16 within one bf16 step; a token's result is the same alone or in
-    a batch of up to 8."""
+    a batch of up to 8. Outside `dense_kernel.enabled()` (the opt-in), torch's ops run."""
+    with dense_kernel.enabled():
+        _fused_swiglu_agrees(dtype, F, D)
+    x, ws = torch.randn(2, D).to(dtype), [torch.randn(*s).to(dtype) for s in ((F, D),) * 2]
+    assert not dense_kernel.swiglu_usable(x, *ws, ws[0].T.contiguous())
+
+
+def _fused_swiglu_agrees(dtype, F, D):
     g = torch.Generator().manual_seed(F)
     ws = [(torch.randn(*s, generator=g) / 8).to(dtype) for s in ((F, D), (F, D), (D, F))]
     x = torch.randn(8, D, generator=g).to(dtype)
@@ -150,6 +157,11 @@ def test_fused_swiglu_matches_op_by_op_and_is_batch_invariant(dtype, F, D):
 
 
 def test_fused_swiglu_declines_what_it_does_not_do():
+    with dense_kernel.enabled():
+        _fused_swiglu_declines()
+
+
+def _fused_swiglu_declines():
     ws = [torch.randn(*s) for s in ((6, 16), (6, 16), (16, 6))]
     assert not dense_kernel.swiglu_usable(torch.randn(9, 16), *ws)  # too many rows: torch
     assert not dense_kernel.swiglu_usable(torch.randn(1, 16).bfloat16(), *ws)  # dtypes differ
