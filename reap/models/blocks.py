@@ -151,8 +151,8 @@ def dispatch(
     weighted outputs accumulate in that order (fp32). xl [N, Dl], ids/weights [N, K],
     run(e, x [M, Dl]) -> [M, Dl]. With `to_model`, also measures each output, and with `gram`
     the per-token Gram of the measured outputs (`output_gram`; holds every output, N*K*Dl fp32,
-    until the end). Returns y [N, Dl]. One token without measurements (decode) takes
-    `_dispatch_one`: the same arithmetic in the same order without the sort, unique and scatter
+    until the end). Returns y [N, Dl]. One token without measurements (decode) takes a short
+    path: the same arithmetic in the same order without the sort, unique and scatter
     (`dispatch_reference` always sorts)."""
     if ids.shape[0] == 1 and to_model is None and FAST_ONE_TOKEN:
         order = sorted(zip(ids[0].tolist(), range(ids.shape[1])))  # (expert, slot) ascending
