@@ -49,22 +49,31 @@ def machine_tag() -> str:
     return os.uname().machine + " " + " ".join(sorted(flags.split(":", 1)[-1].split()))
 
 
-def build(flags: tuple[str, ...] = ()):
-    """Compile the C source (with extra compiler `flags`) into the cache; the loaded library,
-    or None without a compiler or write access (the torch paths then do the work)."""
+def compile_cached(source: Path, prefix: str, flags: tuple[str, ...] = ()):
+    """Compile C `source` (with extra compiler `flags`) into the cache as `prefix-<tag>.so`,
+    the tag covering source, flags and CPU; the loaded library, or None without a compiler or
+    write access (the torch paths then do the work)."""
     from reap.defaults import cache_dir
 
-    source = _SOURCE.read_text()
+    text = source.read_text()
     cc = [*_CC, *flags]
-    tag = hashlib.sha256((source + " ".join(cc) + machine_tag()).encode()).hexdigest()[:16]
-    so = cache_dir() / "kernels" / f"mxfp4-{tag}.so"
+    tag = hashlib.sha256((text + " ".join(cc) + machine_tag()).encode()).hexdigest()[:16]
+    so = cache_dir() / "kernels" / f"{prefix}-{tag}.so"
     try:
         if not so.is_file():
             with atomic_path(so) as tmp:  # concurrent builds leave one complete file
-                cmd = [*cc, "-o", tmp, str(_SOURCE), "-lm"]
+                cmd = [*cc, "-o", tmp, str(source), "-lm"]
                 subprocess.run(cmd, check=True, capture_output=True, timeout=120)
-        lib = ctypes.CDLL(str(so))
+        return ctypes.CDLL(str(so))
     except (OSError, subprocess.SubprocessError, WriteError):
+        return None
+
+
+def build(flags: tuple[str, ...] = ()):
+    """The MXFP4 kernels compiled with extra compiler `flags` (`compile_cached`), their
+    signatures declared; None when they cannot be built."""
+    lib = compile_cached(_SOURCE, "mxfp4", flags)
+    if lib is None:
         return None
     for name in ("reap_decode_u32", "reap_decode_u64"):
         getattr(lib, name).restype = None

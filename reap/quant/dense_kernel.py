@@ -17,17 +17,13 @@ process to float64 rounding), so outside `enabled()` torch does every matmul.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
-import subprocess
 import threading
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
-from reap.errors import WriteError
-from reap.fileio import atomic_path
 from reap.quant import ckernel
 
 _SOURCE = Path(__file__).with_name("dense_kernels.c")
@@ -61,19 +57,8 @@ def library():
 
 
 def _build():
-    from reap.defaults import cache_dir
-
-    source = _SOURCE.read_text()
-    cc = list(ckernel._CC)
-    tag = hashlib.sha256((source + " ".join(cc) + ckernel.machine_tag()).encode()).hexdigest()[:16]
-    so = cache_dir() / "kernels" / f"dense-{tag}.so"
-    try:
-        if not so.is_file():
-            with atomic_path(so) as tmp:
-                cmd = [*cc, "-o", tmp, str(_SOURCE), "-lm"]
-                subprocess.run(cmd, check=True, capture_output=True, timeout=120)
-        lib = ctypes.CDLL(str(so))
-    except (OSError, subprocess.SubprocessError, WriteError):
+    lib = ckernel.compile_cached(_SOURCE, "dense")
+    if lib is None:
         return None
     for name in ("reap_bf16_linear", "reap_f32_linear"):
         getattr(lib, name).restype = None
