@@ -87,8 +87,9 @@ def test_engine_decode_with_fast_paths_matches_the_references(tmp_path, monkeypa
     import family_runner as R
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    from reap.engine import Engine
+    from reap.engine import Engine, native
 
+    monkeypatch.setattr(native, "ENABLED", False)  # the torch path's fast paths, not the step's
     cfg = {
         "vocab_size": 320, "hidden_size": 64, "intermediate_size": 96,
         "moe_intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4,

@@ -29,6 +29,7 @@ from reap.checkpoint import BufferReader, open_checkpoint
 from reap.engine import memory
 from reap.engine.binding import Binding, bind, model_bytes, state_costs
 from reap.engine.experts import ExpertCache
+from reap.engine.native import NativeDecoder
 from reap.engine.run_metrics import RunMetrics
 from reap.engine.store import IO_KINDS, TrunkStore
 from reap.errors import EXIT_FAILURE, ReapError
@@ -81,6 +82,7 @@ class Engine:
     _decoded: BufferPool = field(init=False)  # decoded expert weights: reused buffers
     _fused: bool = field(init=False)  # bf16 on CPU: fused expert matmuls
     _kernels: MXFP4Kernels = field(init=False)  # expert matmuls (reap.quant)
+    _native: NativeDecoder = field(init=False)  # compiled one-token steps (reap.engine.native)
 
     def __post_init__(self) -> None:
         self.metrics = RunMetrics()
@@ -91,6 +93,7 @@ class Engine:
         self._decoded = BufferPool(2 * self.plan_bytes.decoded_expert_bytes)
         self._fused = fused_available(self.dtype, self.device)
         self._kernels = MXFP4Kernels(self.dtype, self._decoded, self._fused)
+        self._native = NativeDecoder(self)  # one-token steps through compiled kernels
 
     @classmethod
     def open(
@@ -156,6 +159,8 @@ class Engine:
         `more`: another step follows (lets the ring read the first layer during the head)."""
         try:
             with torch.inference_mode(), dense_kernel.enabled():
+                if self._native.usable(chunks):
+                    return self._native.step(seqs, chunks, all_positions, more)
                 return self._step(seqs, chunks, all_positions, more)
         except ReapError:
             raise

@@ -104,7 +104,7 @@ class Rope:
         """Rotate x [B, T, H, Dk] at positions start..start+T-1 (rotate-half pairing of dims
         i and i + d/2; `interleaved` pairs 2i and 2i+1). Dims past d pass unchanged. cos and
         sin come from a table grown on demand (`apply_reference` computes them per call)."""
-        cos, sin = self._table(start + x.shape[1])
+        cos, sin = self.table(start + x.shape[1])
         return self._rotate(x, cos[start : start + x.shape[1]], sin[start : start + x.shape[1]],
                             interleaved)  # fmt: skip
 
@@ -119,8 +119,9 @@ class Rope:
         return ((ang.cos() * self.attention_factor).to(torch.float32),
                 (ang.sin() * self.attention_factor).to(torch.float32))  # fmt: skip
 
-    def _table(self, n: int) -> tuple[Tensor, Tensor]:
-        """cos, sin [>= n, d/2] fp32 of positions 0.. (grown in 256-position steps)."""
+    def table(self, n: int) -> tuple[Tensor, Tensor]:
+        """cos, sin [>= n, d/2] fp32 of positions 0.. (grown in 256-position steps; a compiled
+        decode step reads them in place)."""
         table = self.__dict__.get("_cs")
         if table is None or table[0].shape[0] < n:
             table = self._cos_sin(torch.arange(-(-n // 256) * 256, dtype=torch.float64))
@@ -143,15 +144,23 @@ def _append(buf: Tensor | None, n: int, new: Tensor, dim: int) -> Tensor:
     """`new` written in place into `buf` at positions n.. along `dim` (the first n hold the
     cache); a full or missing buffer is replaced by one with room for 256 more positions
     (amortized: no copy of the whole cache per token). Returns the buffer."""
-    end = n + new.shape[dim]
-    if buf is None or buf.shape[dim] < end or buf.dtype != new.dtype:
-        shape = list(new.shape)
-        shape[dim] = -(-end // 256) * 256
-        grown = new.new_empty(shape)
+    buf = _grow(buf, n, new.shape, dim, new.dtype, new.device)
+    buf.narrow(dim, n, new.shape[dim]).copy_(new)
+    return buf
+
+
+def _grow(buf: Tensor | None, n: int, shape, dim: int, dtype: torch.dtype, device=None) -> Tensor:
+    """`buf` if it holds n + shape[dim] positions along `dim` in `dtype`, else a buffer with
+    room for 256 more (the first n positions copied over)."""
+    end = n + shape[dim]
+    if buf is None or buf.shape[dim] < end or buf.dtype != dtype:
+        size = list(shape)
+        size[dim] = -(-end // 256) * 256
+        dev = device if device is not None else (buf.device if buf is not None else "cpu")
+        grown = torch.empty(size, dtype=dtype, device=dev)
         if buf is not None and n:
             grown.narrow(dim, 0, n).copy_(buf.narrow(dim, 0, n))
         buf = grown
-    buf.narrow(dim, n, new.shape[dim]).copy_(new)
     return buf
 
 
@@ -178,6 +187,18 @@ class KVCache:
         self._v = _append(self._v, self.length, v, 2)
         self.length += k.shape[2]
         return self.k, self.v
+
+    def room(self, k_shape, v_shape, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """The whole k and v buffers [B, Hkv, cap, D] with room for one more position after
+        `length` (grown as `append` grows them), for a compiled step that writes position
+        `length` itself and then calls `advance(1)`. k_shape/v_shape: [B, Hkv, 1, D]."""
+        self._k = _grow(self._k, self.length, k_shape, 2, dtype)
+        self._v = _grow(self._v, self.length, v_shape, 2, dtype)
+        return self._k, self._v
+
+    def advance(self, n: int) -> None:
+        """n positions were written in place after `length` (see `room`)."""
+        self.length += n
 
 
 def gqa_attention(

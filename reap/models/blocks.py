@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.nn.functional import silu
@@ -335,6 +336,32 @@ def report_moe(
 
 
 # -- Llama-style models ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class NativeLayer:
+    """What a compiled decode step (`reap.quant.step_kernel`) needs of one pre-norm layer whose
+    arithmetic it reproduces: RMSNorm, grouped-query rotate-half RoPE attention over a KV cache
+    (optionally q/k RMSNorm per head or over the whole projection, a sliding window), RMSNorm,
+    then a softmax top-k router over SwiGLU experts or one dense SwiGLU MLP. A family's
+    `native_layer(i)` returns it, or None where its layer does anything else (biases, clipping,
+    sinks, other routers or activations): the torch path then runs that step."""
+
+    prefix: str  # the layer's tensor-name prefix ("model.layers.3.")
+    attn: tuple[str, str, str, str]  # q, k, v, o projection names after the prefix
+    norms: tuple[str, str]  # input and post-attention RMSNorm weights after the prefix
+    qk_norms: tuple[str, str] | None  # q and k RMSNorm weights after the prefix, or None
+    qk_per_head: bool  # the q/k norms act per head (else over the whole projection)
+    heads: int
+    kv_heads: int
+    dk: int  # per-head width
+    rotary: Any  # reap.models.attention.Rope (rotate-half pairing)
+    window: int | None  # sliding-window length, or None
+    eps: float  # the RMSNorms' epsilon
+    router: str | None  # router weight after the prefix; None: `mlp` is a dense SwiGLU
+    mlp: tuple[str, str, str]  # expert short names (gate, up, down), or dense full suffixes
+    top_k: int = 0
+    renormalize: bool = False  # top-k weights renormalized to sum 1
+
+
 class PreNormModel(LayerModel):
     """A LayerModel with the Llama-style pieces: embedding `model.embed_tokens.weight`; layers of
     `input_layernorm`, the family's `_attention`, residual, `post_attention_layernorm`, then a
@@ -406,6 +433,12 @@ class PreNormModel(LayerModel):
             return dict(zip(base.expert_short_names(full), map(get, full)))
 
         return source
+
+    def native_head(self) -> tuple[str, str, float]:
+        """(final norm, head weight, epsilon) of `head`, for a compiled decode step."""
+        tied = self.cfg.tie_word_embeddings
+        head = "model.embed_tokens.weight" if tied else "lm_head.weight"
+        return "model.norm.weight", head, self.cfg.rms_norm_eps
 
     def head(self, get: Weights, state: State) -> Tensor:
         """Final norm and output head: -> logits [B, T, V]."""

@@ -311,6 +311,26 @@ class Model(blocks.PreNormModel):
         o = gqa_attention(q, k, v, cache, Dh**-0.5, window=cfg.sliding_window)  # [B, T, H, Dh]
         return self._proj(o.reshape(Bn, T, H * Dh), w, "o")
 
+    def native_layer(self, i: int) -> blocks.NativeLayer | None:
+        """Layer i for the engine's compiled decode step (see `blocks.NativeLayer`); None with
+        attention biases or q/k/v clipping."""
+        cfg, n = self.cfg, self.cfg.names
+        if cfg.attention_bias or cfg.clip_qkv is not None:
+            return None
+        moe = cfg.is_moe(i)
+        return blocks.NativeLayer(
+            prefix=f"model.layers.{i}.",
+            attn=tuple(f"self_attn.{p}_proj.weight" for p in "qkvo"),
+            norms=("input_layernorm.weight", "post_attention_layernorm.weight"),
+            qk_norms=("self_attn.q_norm.weight", "self_attn.k_norm.weight") if cfg.qk_norm else None,
+            qk_per_head=cfg.qk_norm == "head", heads=cfg.num_attention_heads,
+            kv_heads=cfg.num_key_value_heads, dk=cfg.dh, rotary=self.rope,
+            window=cfg.sliding_window, eps=cfg.rms_norm_eps,
+            router=n.moe + "gate.weight" if moe else None,
+            mlp=(n.gate, n.up, n.down) if moe else tuple(f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")),
+            top_k=cfg.num_experts_per_tok, renormalize=cfg.norm_topk_prob,
+        )  # fmt: skip
+
     def _proj(self, x: torch.Tensor, w: blocks.WeightFn, n: str) -> torch.Tensor:
         y = blocks.linear(x, w(f"self_attn.{n}_proj.weight"))
         return y + w(f"self_attn.{n}_proj.bias") if self.cfg.attention_bias else y

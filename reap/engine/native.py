@@ -1,0 +1,215 @@
+"""Decode steps through the compiled step kernels (`reap.quant.step_kernel`): when every
+sequence of a step advances by one token, on the CPU, and the family describes each layer as a
+`reap.models.blocks.NativeLayer` with dense bf16/fp32 weights, a layer costs two library calls
+per sequence (attention half, then the MLP half with the routed experts' weights) and the head
+one, instead of some fifty torch ops and Python calls; matrix-vector products are split over a
+persistent pool of the engine's thread count.
+
+Everything else is the engine's own: the trunk store and ring (`get`), the expert cache (reads,
+prefetch, hit counts, failures: a failed expert contributes nothing, as the zeros the torch
+path runs), the KV caches (written in place), the timings. The torch path (`Engine._step`) is
+the reference: the same arithmetic up to the order of a few reductions (norm means, attention),
+each value rounded to bf16 where torch rounds it (`tests/test_native_step.py` holds the two
+together). Set `ENABLED = False` (or REAP_NO_NATIVE=1) to run every step through torch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import time
+
+import torch
+
+from reap.quant import step_kernel
+
+ENABLED = True  # False: every step through the torch path (the reference), for the tests
+_A, _M = step_kernel.ATTN, step_kernel.MOE
+
+
+class NativeDecoder:
+    """The compiled decode path of one engine (see module docstring); `usable(chunks)` says
+    whether a step can take it, `step` runs it."""
+
+    def __init__(self, engine):
+        self.eng = engine
+        self.lib = None
+        model, n_layers = engine.model, len(engine.binding.units) - 1
+        layer_of = getattr(model, "native_layer", None)
+        if engine.device != "cpu" or layer_of is None or engine.dtype not in _ROUNDS:
+            return
+        self.specs = [layer_of(i) for i in range(n_layers)]
+        self.head_names = model.native_head()
+        if any(s is None for s in self.specs) or not self._dtypes_ok():
+            return
+        self.lib = step_kernel.library()
+        self.rnd = _ROUNDS[engine.dtype]
+        self._static: list = [None] * n_layers  # (units dict, int64 args) per layer
+        self._scratch = torch.empty(0)
+        self._floats = (ctypes.c_double * 2)()
+        k = max(1, *(s.top_k for s in self.specs))
+        self._x2 = torch.empty(engine.reader.info(self.head_names[0]).shape[0])  # MLP input [D]
+        self._ids = torch.empty(k, dtype=torch.int64)  # a token's routing, ascending ids
+        self._wts = torch.empty(k, dtype=torch.float32)
+        self._moe = (ctypes.c_int64 * len(_M))()
+        self._ptrs = [(ctypes.c_int64 * k)() for _ in range(3)]  # gate, up, down pointers
+        self._w = (ctypes.c_float * k)()
+
+    def usable(self, chunks: list[list[int]]) -> bool:
+        return ENABLED and self.lib is not None and all(len(c) == 1 for c in chunks)
+
+    # -- eligibility ----------------------------------------------------------------------------
+    def _names(self):
+        """Every stored tensor the native path reads (trunk weights, experts, head)."""
+        eng = self.eng
+        for i, s in enumerate(self.specs):
+            yield from (s.prefix + n for n in (*s.attn, *s.norms, *(s.qk_norms or ())))
+            if s.router is None:
+                yield from (s.prefix + n for n in s.mlp)
+                continue
+            yield s.prefix + s.router
+            for e in range(eng.reader.info(s.prefix + s.router).shape[0]):
+                yield from eng.fam.expert_tensor_names(eng.cfg, i, e)
+        yield from self.head_names[:2]
+
+    def _dtypes_ok(self) -> bool:
+        """One stored dtype everywhere: bf16 (with bf16 or fp32 compute) or fp32 with fp32."""
+        tensors = self.eng.reader.tensors
+        codes = {tensors[n].dtype for n in self._names() if n in tensors}
+        if len(codes) != 1 or codes - {"BF16", "F32"}:
+            return False
+        self.wbf16 = codes == {"BF16"}
+        return self.wbf16 or self.eng.dtype == torch.float32
+
+    # -- the step -------------------------------------------------------------------------------
+    def step(self, seqs, chunks, all_positions: bool, more: bool) -> list[torch.Tensor]:
+        """`Engine.step` for one token per sequence (see `usable`)."""
+        eng = self.eng
+        self.lib.reap_pool_size(torch.get_num_threads())
+        hs = [st.hidden.reshape(-1).float().contiguous() for st in eng._embed(chunks)]  # [D] each
+        for i, spec in enumerate(self.specs):
+            t0 = time.perf_counter()
+            units = eng.trunk.get(i)
+            args = self._layer_args(i, spec, units)
+            for h, s in zip(hs, seqs):
+                self._attention(spec, args, h, s.caches[i])
+                self._mlp(i, spec, args, units, h)
+            eng.experts.release()
+            eng.unit_seconds[i] += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        out = [self._head(eng.trunk.get(len(self.specs), wrap=more), h) for h in hs]
+        for s in seqs:
+            s.length += 1
+        eng.unit_seconds[-1] += time.perf_counter() - t0
+        return [o[None] for o in out] if all_positions else out
+
+    def _layer_args(self, i: int, spec, units: dict):
+        """The layer's int64 argument block, its weight pointers refreshed when the unit's
+        tensors are not the ones seen last (a streamed unit comes in a new dict each time)."""
+        held = self._static[i]
+        if held is not None and held[0] is units:
+            return held[1]
+        a = held[1] if held is not None else (ctypes.c_int64 * len(_A))()
+        p = spec.prefix
+        ptr = {k: units[p + n].data_ptr() for k, n in zip(("wq", "wk", "wv", "wo"), spec.attn)}
+        ptr.update(in_norm=units[p + spec.norms[0]].data_ptr(),
+                   post_norm=units[p + spec.norms[1]].data_ptr())  # fmt: skip
+        if spec.qk_norms:
+            ptr.update(q_norm=units[p + spec.qk_norms[0]].data_ptr(),
+                       k_norm=units[p + spec.qk_norms[1]].data_ptr())  # fmt: skip
+        router = units[p + spec.router] if spec.router else None
+        ptr.update(router=router.data_ptr() if router is not None else 0,
+                   e=router.shape[0] if router is not None else 0)  # fmt: skip
+        for k, v in ptr.items():
+            a[_A[k]] = v
+        D = units[p + spec.norms[0]].shape[0]
+        for k, v in (("d", D), ("heads", spec.heads), ("kv_heads", spec.kv_heads),
+                     ("dh", spec.dk), ("rot", 2 * spec.rotary.inv_freq.shape[0]),
+                     ("qk", 0 if not spec.qk_norms else 1 if spec.qk_per_head else 2),
+                     ("window", spec.window or 0), ("k", spec.top_k),
+                     ("renorm", int(spec.renormalize)), ("wbf16", int(self.wbf16)),
+                     ("rnd", int(self.rnd))):  # fmt: skip
+            a[_A[k]] = v
+        self._static[i] = (units, a)
+        return a
+
+    def _scratch_of(self, floats: int) -> torch.Tensor:
+        """The working buffer of one library call, grown to `floats` when needed."""
+        if self._scratch.numel() < floats:
+            self._scratch = torch.empty(floats, dtype=torch.float32)
+        return self._scratch
+
+    def _attention(self, spec, a, h: torch.Tensor, cache) -> None:
+        """The attention half for one sequence: h updated in place, the MLP input in _x2, the
+        routing in _ids/_wts; the cache advanced by the position written."""
+        D, H, Hkv, Dh = a[_A["d"]], spec.heads, spec.kv_heads, spec.dk
+        kc, vc = cache.room((1, Hkv, 1, Dh), (1, Hkv, 1, Dh), self.eng.dtype)
+        pos = cache.length
+        cos, sin = spec.rotary.table(pos + 1)
+        need = 2 * D + 2 * H * Dh + 2 * Hkv * Dh + max(H * (pos + 1), 2 * a[_A["e"]]) + 64
+        scratch = self._scratch_of(need)
+        for k, t in (("h", h), ("x2", self._x2), ("scratch", scratch), ("cos", cos),
+                     ("sin", sin), ("kc", kc), ("vc", vc), ("ids", self._ids),
+                     ("weights", self._wts)):  # fmt: skip
+            a[_A[k]] = t.data_ptr()
+        a[_A["cap"]], a[_A["pos"]] = kc.shape[2], pos
+        self._floats[0], self._floats[1] = spec.eps, Dh**-0.5
+        self.lib.reap_attn_step(a, self._floats)
+        cache.advance(1)
+
+    def _mlp(self, i: int, spec, a, units: dict, h: torch.Tensor) -> None:
+        """The MLP half for one sequence: h += the routed experts' weighted sum (or the dense
+        MLP's output)."""
+        if spec.router is None:
+            triples, weights = [tuple(units[spec.prefix + n] for n in spec.mlp)], [1.0]
+        else:
+            ids = self._ids[: spec.top_k].tolist()
+            self.eng.experts.prefetch(i, ids)
+            triples, weights = [], []
+            for e, w in zip(ids, self._wts[: spec.top_k].tolist()):
+                t = self._expert(i, e)
+                if t is not None:  # failed to load: contributes nothing (recorded, exit 4)
+                    triples.append(tuple(t[n] for n in spec.mlp))
+                    weights.append(w)
+        if not triples:
+            return
+        F, D = triples[0][0].shape
+        scratch = self._scratch_of(len(triples) * (F + D))
+        m = self._moe
+        for k, (g, u, d) in enumerate(triples):
+            self._ptrs[0][k], self._ptrs[1][k] = g.data_ptr(), u.data_ptr()
+            self._ptrs[2][k], self._w[k] = d.data_ptr(), weights[k]
+        for k, v in (("x2", self._x2.data_ptr()), ("h", h.data_ptr()),
+                     ("scratch", scratch.data_ptr()), ("k", len(triples)), ("f", F), ("d", D),
+                     ("wbf16", int(self.wbf16)), ("rnd", int(self.rnd)),
+                     ("weights", ctypes.addressof(self._w)),
+                     ("gate", ctypes.addressof(self._ptrs[0])),
+                     ("up", ctypes.addressof(self._ptrs[1])),
+                     ("down", ctypes.addressof(self._ptrs[2]))):  # fmt: skip
+            m[_M[k]] = v
+        self.lib.reap_moe_step(m)
+
+    def _expert(self, layer: int, expert: int):
+        """The expert's stored tensors from the engine's cache (read time counted as the
+        engine counts it), or None if it failed to load."""
+        eng, t0 = self.eng, time.perf_counter()
+        misses = eng.experts.misses
+        t = eng.experts.get(layer, expert)
+        if eng.experts.misses != misses:
+            eng._sync_io += time.perf_counter() - t0
+        return t
+
+    def _head(self, units: dict, h: torch.Tensor) -> torch.Tensor:
+        """Final norm and head of one sequence -> logits [V] fp32 (bf16 values with bf16
+        compute, as the torch path's)."""
+        norm, head, eps = self.head_names
+        w = units[head]
+        V, D = w.shape
+        logits = torch.empty(V, dtype=torch.float32)
+        x = self._scratch_of(D)
+        self.lib.reap_head_step(h.data_ptr(), units[norm].data_ptr(), w.data_ptr(), V, D,
+                                int(self.wbf16), int(self.rnd), eps, x.data_ptr(),
+                                logits.data_ptr())  # fmt: skip
+        return logits
+
+
+_ROUNDS = {torch.float32: False, torch.bfloat16: True}  # compute dtype -> round to bf16

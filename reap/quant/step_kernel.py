@@ -1,0 +1,65 @@
+"""The compiled decode step (source: `step_kernels.c` beside this file): one token through a
+pre-norm layer (RMSNorm, grouped-query RoPE attention over a KV cache, softmax top-k router,
+SwiGLU experts) in two calls, and the final norm and head in a third, with a persistent thread
+pool inside the library that splits every matrix-vector product by rows. Built on first use
+like the other kernels (`reap.quant.ckernel.compile_cached`); `REAP_NO_CKERNEL=1` or
+`REAP_NO_NATIVE=1` turns it off (the torch path then runs every step).
+
+    lib = library()                       # None when unavailable
+    lib.reap_pool_size(2)                 # threads (the caller included)
+    lib.reap_attn_step(args, floats)      # args: int64[ATTN_ARGS] (indices ATTN), floats: eps, scale
+    lib.reap_moe_step(args)               # args: int64[MOE_ARGS] (indices MOE)
+    lib.reap_head_step(h, norm, head, V, D, wbf16, rnd, eps, x, logits)
+
+Arithmetic and rounding are documented in the C source: every dot product is the compiled
+GEMV's (`dense_kernels.c`), results never depend on the thread count.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from pathlib import Path
+
+from reap.quant import ckernel
+
+_SOURCE = Path(__file__).with_name("step_kernels.c")
+# argument indices, as the enums of step_kernels.c
+ATTN = {
+    n: i
+    for i, n in enumerate(
+        "h x2 scratch in_norm wq wk wv wo q_norm k_norm post_norm router cos sin kc vc cap pos "
+        "d heads kv_heads dh rot qk window e k renorm wbf16 rnd ids weights".split()
+    )
+}
+MOE = {n: i for i, n in enumerate("x2 h scratch k f d wbf16 rnd weights gate up down".split())}
+_LIB: list = []
+_LOCK = threading.Lock()
+
+
+def library():
+    """The compiled step kernels, built once per source and machine; None if unavailable."""
+    if _LIB:
+        return _LIB[0]
+    with _LOCK:
+        if not _LIB:
+            off = os.environ.get("REAP_NO_CKERNEL") or os.environ.get("REAP_NO_NATIVE")
+            _LIB.append(None if off else _build())
+        return _LIB[0]
+
+
+def _build():
+    lib = ckernel.compile_cached(_SOURCE, "step", ("-pthread",))
+    if lib is None:
+        return None
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.reap_pool_size.restype = ctypes.c_int
+    lib.reap_pool_size.argtypes = [ctypes.c_int]
+    lib.reap_attn_step.restype = None
+    lib.reap_attn_step.argtypes = [ptr, ptr]
+    lib.reap_moe_step.restype = None
+    lib.reap_moe_step.argtypes = [ptr]
+    lib.reap_head_step.restype = None
+    lib.reap_head_step.argtypes = [ptr] * 3 + [i64] * 4 + [ctypes.c_double, ptr, ptr]
+    return lib

@@ -1,0 +1,148 @@
+"""The engine's compiled decode step (`reap.engine.native` over `reap.quant.step_kernels.c`)
+against the torch path it replaces (`Engine._step`, the reference), on tiny checkpoints saved by
+transformers: Qwen3-MoE (per-head q/k norms, a dense layer, tied embeddings), OLMoE (q/k norms
+over the whole projection) and Mixtral (no q/k norms, a sliding window shorter than the run),
+stored in float32 and in bfloat16. Decode steps are teacher-forced with the same tokens on both
+paths, with a multi-token chunk (torch) between them, so each path reads the other's KV cache."""
+
+import json
+from pathlib import Path
+
+import family_runner as R
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from reap.engine import Engine, native
+from reap.quant import step_kernel
+
+pytestmark = pytest.mark.skipif(step_kernel.library() is None, reason="no C compiler")
+
+QWEN = {
+    "vocab_size": 320, "hidden_size": 64, "intermediate_size": 80, "moe_intermediate_size": 48,
+    "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+    "num_experts": 8, "num_experts_per_tok": 3, "norm_topk_prob": True, "mlp_only_layers": [1],
+    "tie_word_embeddings": True, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4},
+}  # fmt: skip
+OLMOE = {
+    "vocab_size": 320, "hidden_size": 64, "intermediate_size": 48, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 4, "num_experts": 8,
+    "num_experts_per_tok": 2, "rope_theta": 1e4,
+}  # fmt: skip
+MIXTRAL = {
+    "vocab_size": 320, "hidden_size": 64, "intermediate_size": 48, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "num_local_experts": 6,
+    "num_experts_per_tok": 2, "sliding_window": 6, "rope_theta": 1e4,
+}  # fmt: skip
+PROMPT, STEPS, CHUNK, MORE = [3, 100, 7, 200, 55], [9, 1, 250, 17, 42, 8], [60, 61, 62], [5, 6]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    import transformers as T
+
+    root = tmp_path_factory.mktemp("native")
+    out = {}
+    for name, cls, cfg_cls, kw, extra in (
+        ("qwen3_moe", T.Qwen3MoeForCausalLM, T.Qwen3MoeConfig, QWEN,
+         {"num_experts": 8, "rope_theta": 1e4}),
+        ("olmoe", T.OlmoeForCausalLM, T.OlmoeConfig, OLMOE, None),
+        ("mixtral", T.MixtralForCausalLM, T.MixtralConfig, MIXTRAL, None),
+    ):  # fmt: skip
+        path, _ = R.save_hf_tiny(cls, cfg_cls, kw, root / name, seed=7, config_extra=extra)
+        out[name, "float32"] = path
+        out[name, "bfloat16"] = _bf16_copy(path, root / f"{name}-bf16")
+    return out
+
+
+def _bf16_copy(path, out: Path) -> str:
+    """The checkpoint with every tensor stored in bf16."""
+    out.mkdir()
+    for f in Path(path).iterdir():
+        if f.suffix == ".safetensors":
+            t = load_file(f)
+            save_file(
+                {k: v.bfloat16() for k, v in t.items()}, out / f.name, metadata={"format": "pt"}
+            )
+        elif f.name == "config.json":
+            cfg = json.loads(f.read_text())
+            (out / f.name).write_text(json.dumps({**cfg, "torch_dtype": "bfloat16"}))
+        else:
+            (out / f.name).write_bytes(f.read_bytes())
+    return str(out)
+
+
+def _logits(path, dtype, monkeypatch, on=True, threads=1, preset="max", together=False):
+    """Logits [steps, V] of PROMPT, one-token STEPS, the CHUNK, one-token MORE (teacher
+    forced); `together`: a second sequence (the same tokens) decodes in lockstep beside it."""
+    monkeypatch.setattr(native, "ENABLED", on)
+    calls = []
+    step = native.NativeDecoder.step
+    monkeypatch.setattr(native.NativeDecoder, "step", lambda *a: calls.append(1) or step(*a))
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with Engine.open(path, preset=preset, context=64, dtype=dtype, batch=2) as eng:
+            seqs = [eng.new_sequence() for _ in range(2 if together else 1)]
+            out = []
+            for chunk in (PROMPT, *[[t] for t in STEPS], CHUNK, *[[t] for t in MORE]):
+                if len(chunk) == 1:  # one token: all sequences in one step
+                    out.append(eng.step(seqs, [chunk] * len(seqs), all_positions=True)[0][-1])
+                else:  # the torch path's prefill depends on the batch: each sequence alone
+                    out.append([eng.step([s], [chunk], all_positions=True)[0][-1] for s in seqs][0])
+    finally:
+        torch.set_num_threads(saved)
+    assert len(calls) == (len(STEPS) + len(MORE) if on else 0)  # the path really ran (or not)
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "olmoe", "mixtral"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_native_decode_matches_the_torch_path(models, family, dtype, monkeypatch):
+    """fp32: within 2e-5 of the torch path (only reduction orders differ); bf16: every value
+    rounded where torch rounds it, logits within 2 bf16 steps of the largest (one rounding of
+    an intermediate landing the other way moves a logit by about that); the greedy token of
+    every step the same. The prefill rows (torch on both) are equal bit for bit."""
+    path = models[family, dtype]
+    ref = _logits(path, dtype, monkeypatch, on=False)
+    got = _logits(path, dtype, monkeypatch, on=True)
+    assert torch.equal(got[0], ref[0])
+    scale = ref.abs().max()
+    tol = 2e-5 * scale if dtype == "float32" else 2 * 2.0**-7 * scale
+    assert (got - ref).abs().max() <= tol
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_native_decode_is_thread_batch_and_budget_invariant(models, dtype, monkeypatch):
+    """Bit for bit: 1 or 3 threads, alone or in a lockstep batch of two, all weights resident
+    or streamed through the smallest preset (ring and expert evictions)."""
+    path = models["qwen3_moe", dtype]
+    one = _logits(path, dtype, monkeypatch)
+    assert torch.equal(_logits(path, dtype, monkeypatch, threads=3), one)
+    assert torch.equal(_logits(path, dtype, monkeypatch, together=True), one)
+    assert torch.equal(_logits(path, dtype, monkeypatch, preset="ultra"), one)
+
+
+def test_native_decode_declines_what_it_does_not_reproduce(models, tmp_path, monkeypatch):
+    """Attention biases (no `native_layer`) and fp32 weights computed in bf16 (torch rounds
+    each weight first) run the torch path; so do multi-token chunks."""
+    biased = R.with_config(models["qwen3_moe", "float32"], tmp_path / "b", attention_bias=True)
+    with Engine.open(models["qwen3_moe", "float32"], preset="max", context=16) as eng:
+        assert eng._native.usable([[1]]) and not eng._native.usable([[1, 2]])
+    with Engine.open(models["qwen3_moe", "float32"], preset="max", context=16,
+                     dtype="bfloat16") as eng:  # fmt: skip
+        assert not eng._native.usable([[1]])
+    with Engine.open(models["qwen3_moe", "bfloat16"], preset="max", context=16,
+                     dtype="float32") as eng:  # fmt: skip
+        assert eng._native.usable([[1]])  # bf16 weights widen exactly
+    assert _declines_bias(biased)
+
+
+def _declines_bias(path) -> bool:
+    """A config with attention biases but no bias tensors fails to bind: check the family's
+    answer directly."""
+    from reap.models.qwen3_moe import Config, Model
+
+    cfg = Config.from_dict(json.loads((Path(path) / "config.json").read_text()))
+    return Model(cfg).native_layer(0) is None
