@@ -340,6 +340,22 @@ def test_sampling_follows_the_distribution_and_is_seeded():
     assert len(set(a)) == 1
 
 
+def test_preset_max_reads_every_expert_at_open_and_then_only_hits(tiny):
+    with Engine.open(tiny, preset="max", context=64) as eng:
+        b = eng.binding
+        assert len(eng.experts.tensors) == len(b.expert_layers) * b.n_experts
+        read = eng.reader.io.bytes["experts"]
+        eng.generate([[1, 2, 3]], max_tokens=4)
+        assert eng.experts.misses == 0 and eng.experts.hits > 0
+        assert eng.reader.io.bytes["experts"] == read
+    with Engine.open(tiny, preset="max", context=64, preload=False) as eng:
+        assert not eng.experts.tensors
+        eng.generate([[1, 2, 3]], max_tokens=4)
+        assert eng.experts.misses > 0
+    with Engine.open(tiny, preset="ultra", context=64) as eng:  # not all fit: read on use
+        assert not eng.experts.tensors
+
+
 # -- failures and exit codes --------------------------------------------------------------------
 def test_failed_expert_reads_are_recorded_and_generation_finishes(tiny, tmp_path):
     d = tmp_path / "cut"
@@ -348,7 +364,7 @@ def test_failed_expert_reads_are_recorded_and_generation_finishes(tiny, tmp_path
     fam = family(ck.config)
     expert_names = functools.partial(fam.expert_tensor_names, fam.Config.from_dict(ck.config))
     first = min(ck.tensors[n].start for n in expert_names(5, 0))
-    with Engine.open(d, preset="max", context=64) as eng:  # trunk pinned, experts lazy
+    with Engine.open(d, preset="max", context=64, preload=False) as eng:  # experts lazy
         shard = ck.tensors[expert_names(5, 0)[0]].file
         os.truncate(shard, first + 10)  # every expert stored after it becomes unreadable
         gen = eng.generate([[1, 2, 3]], max_tokens=3)[0]

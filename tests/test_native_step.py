@@ -124,6 +124,19 @@ def test_native_decode_is_thread_batch_and_budget_invariant(models, dtype, monke
     assert torch.equal(_logits(path, dtype, monkeypatch, preset="ultra"), one)
 
 
+def test_portable_loops_equal_the_avx512_ones(models, monkeypatch):
+    """The library built without AVX-512 (the loops every x86-64 CPU runs) gives the same
+    logits bit for bit: one order of operations on every CPU."""
+    portable = step_kernel.build(("-mno-avx512f",))
+    assert portable is not None
+    for dtype in ("float32", "bfloat16"):
+        path = models["mixtral", dtype]
+        want = _logits(path, dtype, monkeypatch)
+        monkeypatch.setattr(step_kernel, "_LIB", [portable])
+        assert torch.equal(_logits(path, dtype, monkeypatch, threads=2), want)
+        monkeypatch.undo()
+
+
 def test_native_decode_declines_what_it_does_not_reproduce(models, tmp_path, monkeypatch):
     """Attention biases (no `native_layer`) and fp32 weights computed in bf16 (torch rounds
     each weight first) run the torch path; so do multi-token chunks."""

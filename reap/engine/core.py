@@ -111,10 +111,13 @@ class Engine:
         max_generation: int = 4096,
         available: int | None = None,
         baseline: int | None = None,
+        preload: bool = True,
     ) -> Engine:
         """Bind `model` (a checkpoint directory or URL; None = the bundled default), plan memory
         for `batch` sequences of `context` positions under `budget` (bytes or "8GB") or `preset`,
-        refuse a plan above 95 % of available memory (exit 2), then read the pinned trunk.
+        refuse a plan above 95 % of available memory (exit 2), then read the pinned trunk (and
+        every routed expert when the expert cache holds them all, as at `--preset max`, unless
+        `preload` is False: then each is read on first use).
 
         The budget covers the whole process: `baseline` (default: this process's RSS now, so a
         second engine in the same process sees the first one's memory as already used) plus
@@ -131,7 +134,7 @@ class Engine:
         mb = model_bytes(ckpt.tensors, b, costs, fam.top_k(cfg), torch_dtype)
         plan = _make_plan(mb, budget, preset, context, batch, prefill_chunk, available, baseline)
         memory.check_available(plan, available)
-        reader, trunk, experts = _stores(ckpt, fam, cfg, b, plan, direct, device)
+        reader, trunk, experts = _stores(ckpt, fam, cfg, b, plan, direct, device, preload)
         eng = cls(
             plan_bytes=mb, path=str(model), config=ckpt.config, fam=fam, cfg=cfg, binding=b,
             plan=plan, reader=reader, trunk=trunk, experts=experts, device=device,
@@ -311,7 +314,9 @@ def _open_checkpoint(model):
     return ckpt, model
 
 
-def _stores(ckpt, fam, cfg, b: Binding, plan: memory.MemoryPlan, direct: bool, device: str):
+def _stores(
+    ckpt, fam, cfg, b: Binding, plan: memory.MemoryPlan, direct: bool, device: str, preload: bool
+):
     """The reader, the trunk store (pinned units read now) and the expert cache (slab held)."""
     reader = BufferReader(ckpt, direct=direct, kinds=IO_KINDS)
     try:
@@ -324,7 +329,10 @@ def _stores(ckpt, fam, cfg, b: Binding, plan: memory.MemoryPlan, direct: bool, d
         raise
     names = functools.partial(fam.expert_tensor_names, cfg)  # (layer, expert) -> stored names
     experts = ExpertCache(reader, plan.expert_cache, names, fam.expert_matrices, device=device)
-    experts.reserve((layer, e) for layer in b.expert_layers for e in range(b.n_experts))
+    keys = [(layer, e) for layer in b.expert_layers for e in range(b.n_experts)]
+    experts.reserve(keys)
+    if preload:
+        experts.preload(keys)  # when the cache holds every expert, read them all now
     return reader, trunk, experts
 
 

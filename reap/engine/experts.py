@@ -4,6 +4,7 @@ layer's experts can start in background threads as soon as its routing is known.
 
     names = functools.partial(fam.expert_tensor_names, cfg)  # (layer, expert) -> stored names
     cache = ExpertCache(reader, capacity_bytes, names, fam.expert_matrices)
+    cache.preload(keys)                # optional: read them all now if they all fit
     cache.prefetch(layer, ids)         # optional: start all reads now
     tensors = cache.get(layer, expert)  # short name -> tensor, or None if it failed to load
     cache.release()                     # the layer is done: its experts may be evicted
@@ -88,13 +89,35 @@ class ExpertCache:
         a slot, re-read on every use."""
         span = raw = 0
         for key in keys:
-            names = self.names_of(*key)
-            if not all(n in self.reader.tensors for n in names):
+            if not self._stored(key):
                 continue  # a layer with fewer experts (pruned per layer)
-            infos = [self.reader.info(n) for n in names]
+            infos = [self.reader.info(n) for n in self.names_of(*key)]
             span = max(span, self.reader.span(infos))
             raw = max(raw, sum(t.nbytes for t in infos))
         self._ensure_slab(span, raw)
+
+    def preload(self, keys: Iterable[tuple[int, int]]) -> int:
+        """Read every listed (layer, expert) now, in background threads, if the cache holds
+        them all (nothing is ever evicted then); else nothing. One that fails to read is left
+        for `get` to retry and report. Returns the number read."""
+        keys = [k for k in keys if k not in self.tensors and self._stored(k)]
+        if not keys or len(keys) + len(self.tensors) > self.n_slots:
+            return 0
+        started = [(k, self._start(k, background=True)) for k in keys]
+        done = 0
+        for key, fut in started:
+            try:
+                fut.result()
+            except ReapError:
+                if fut.slot is not None:
+                    self._free.append(fut.slot)
+                continue
+            self._install(key, fut, count=False)
+            done += 1
+        return done
+
+    def _stored(self, key: tuple[int, int]) -> bool:
+        return all(n in self.reader.tensors for n in self.names_of(*key))
 
     def prefetch(self, layer: int, experts: Sequence[int]) -> None:
         """Start reading every listed expert that is not resident, in background threads (the

@@ -45,12 +45,14 @@ def library():
     with _LOCK:
         if not _LIB:
             off = os.environ.get("REAP_NO_CKERNEL") or os.environ.get("REAP_NO_NATIVE")
-            _LIB.append(None if off else _build())
+            _LIB.append(None if off else build())
         return _LIB[0]
 
 
-def _build():
-    lib = ckernel.compile_cached(_SOURCE, "step", ("-pthread",))
+def build(flags: tuple[str, ...] = ()):
+    """The step kernels compiled with extra compiler `flags` (e.g. "-mno-avx512f": the portable
+    loops, for the tests), signatures declared; None when they cannot be built."""
+    lib = ckernel.compile_cached(_SOURCE, "step", ("-pthread", *flags))
     if lib is None:
         return None
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64

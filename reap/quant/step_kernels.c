@@ -4,10 +4,9 @@
 
    Arithmetic: activations are fp32 buffers; with `rnd` every value is rounded to bf16 where the
    engine's torch path (bf16 compute) rounds it, so the two paths differ only in the order of a
-   few reductions (norm means, attention). Every dot product is `dot()` below: 16 fp32 lanes
-   over the columns in order (fmaf), lanes summed pairwise, the tail added in order; it is the
-   same arithmetic as `dense_kernels.c`, so an expert's or a projection's output equals the
-   compiled GEMV's. No result depends on the thread count or on how rows are split. */
+   few reductions (norm means, attention). Every dot product is `dot()` below, one fixed order
+   of fp32 operations whatever the CPU (AVX-512 or portable C): no result depends on the thread
+   count, on how rows are split, or on the batch. */
 #include <math.h>
 #include <pthread.h>
 #include <sched.h>
@@ -156,49 +155,71 @@ static inline float round_bf16(float f) {
 
 static inline float rb(float f, int rnd) { return rnd ? round_bf16(f) : f; }
 
+#if defined(__AVX512F__)
+static inline __m512 widen16(const uint16_t *p) {
+    __m256i h = _mm256_loadu_si256((const __m256i *)p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+#endif
+
 static float lanes_sum(float *s) {
     for (int w = 8; w > 0; w >>= 1)
         for (int j = 0; j < w; j++) s[j] += s[j + w];
     return s[0];
 }
 
-/* w (bf16 if wbf16, else fp32) . x over n columns */
+static inline float load(const void *p, int bf16, int64_t i) {
+    return bf16 ? widen(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+/* w (bf16 if wbf16, else fp32) . x over n columns: two sets of 16 fp32 lanes take alternate
+   blocks of 16 columns (fmaf; a last odd block goes to the first set), the sets are added lane
+   by lane, the lanes summed pairwise, then the tail of n % 16 columns added in order. The rows
+   two ahead of w are prefetched (a matrix-vector product walks rows in order). */
 static float dot(const void *w, int wbf16, const float *x, int64_t n) {
     float s[16];
     int64_t c = 0;
 #if defined(__AVX512F__)
-    __m512 a = _mm512_setzero_ps();
+    __m512 a = _mm512_setzero_ps(), b = _mm512_setzero_ps();
     if (wbf16) {
         const uint16_t *p = (const uint16_t *)w;
-        for (; c + 16 <= n; c += 16) {
-            __m256i h = _mm256_loadu_si256((const __m256i *)(p + c));
-            __m512 wf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-            a = _mm512_fmadd_ps(wf, _mm512_loadu_ps(x + c), a);
+        for (; c + 32 <= n; c += 32) {
+            _mm_prefetch((const char *)(p + 2 * n + c), _MM_HINT_T0);
+            a = _mm512_fmadd_ps(widen16(p + c), _mm512_loadu_ps(x + c), a);
+            b = _mm512_fmadd_ps(widen16(p + c + 16), _mm512_loadu_ps(x + c + 16), b);
+        }
+        if (c + 16 <= n) {
+            a = _mm512_fmadd_ps(widen16(p + c), _mm512_loadu_ps(x + c), a);
+            c += 16;
         }
     } else {
         const float *p = (const float *)w;
-        for (; c + 16 <= n; c += 16) a = _mm512_fmadd_ps(_mm512_loadu_ps(p + c), _mm512_loadu_ps(x + c), a);
-    }
-    _mm512_storeu_ps(s, a);
-#else
-    for (int j = 0; j < 16; j++) s[j] = 0.0f;
-    for (; c + 16 <= n; c += 16)
-        for (int j = 0; j < 16; j++) {
-            float wj = wbf16 ? widen(((const uint16_t *)w)[c + j]) : ((const float *)w)[c + j];
-            s[j] = fmaf(wj, x[c + j], s[j]);
+        for (; c + 32 <= n; c += 32) {
+            _mm_prefetch((const char *)(p + 2 * n + c), _MM_HINT_T0);
+            _mm_prefetch((const char *)(p + 2 * n + c + 16), _MM_HINT_T0);
+            a = _mm512_fmadd_ps(_mm512_loadu_ps(p + c), _mm512_loadu_ps(x + c), a);
+            b = _mm512_fmadd_ps(_mm512_loadu_ps(p + c + 16), _mm512_loadu_ps(x + c + 16), b);
         }
+        if (c + 16 <= n) {
+            a = _mm512_fmadd_ps(_mm512_loadu_ps(p + c), _mm512_loadu_ps(x + c), a);
+            c += 16;
+        }
+    }
+    _mm512_storeu_ps(s, _mm512_add_ps(a, b));
+#else
+    float t[16];
+    for (int j = 0; j < 16; j++) s[j] = t[j] = 0.0f;
+    for (; c + 16 <= n; c += 16) {
+        float *acc = (c / 16) % 2 ? t : s;
+        for (int j = 0; j < 16; j++) acc[j] = fmaf(load(w, wbf16, c + j), x[c + j], acc[j]);
+    }
+    for (int j = 0; j < 16; j++) s[j] += t[j];
 #endif
     float v = lanes_sum(s);
-    for (; c < n; c++) {
-        float wc = wbf16 ? widen(((const uint16_t *)w)[c]) : ((const float *)w)[c];
-        v = fmaf(wc, x[c], v);
-    }
+    for (; c < n; c++) v = fmaf(load(w, wbf16, c), x[c], v);
     return v;
 }
 
-static inline float load(const void *p, int bf16, int64_t i) {
-    return bf16 ? widen(((const uint16_t *)p)[i]) : ((const float *)p)[i];
-}
 
 static inline void store(void *p, int bf16, int64_t i, float v) {
     if (bf16) {
