@@ -36,6 +36,32 @@ def test_kv_cache_grows_in_place_and_matches_whole_attention():
     torch.testing.assert_close(torch.cat(parts, 1), whole, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 5])
+def test_fused_gqa_attention_matches_the_op_by_op_reference(dtype, window):
+    """torch's fused attention (no sinks) against `gqa_attention_reference`: a prefill chunk
+    of 20 then single tokens over the cache; fp32 within 1e-5, bf16 within a bf16 step (the
+    reference rounds its scores and probabilities to bf16, the fused kernel keeps fp32); the
+    fused result does not depend on the thread count."""
+    from reap.models.attention import gqa_attention_reference
+
+    g = torch.Generator().manual_seed(3)
+    B, S, H, Hkv, D = 2, 30, 8, 2, 16
+    q, k, v = (torch.randn(B, S, h, D, generator=g).to(dtype) for h in (H, Hkv, Hkv))
+    outs = []
+    for fn, threads in ((gqa_attention, 1), (gqa_attention_reference, 1), (gqa_attention, 3)):
+        cache, parts = KVCache(), []
+        saved = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        for lo, hi in itertools.pairwise([0, 20, *range(21, S + 1)]):
+            parts.append(fn(q[:, lo:hi], k[:, lo:hi], v[:, lo:hi], cache, 0.25, window=window))
+        torch.set_num_threads(saved)
+        outs.append(torch.cat(parts, 1).float())
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(outs[0], outs[1], atol=tol, rtol=tol)
+    assert torch.equal(outs[0], outs[2])
+
+
 def test_mla_cache_append_equals_concatenation():
     torch.manual_seed(2)
     c, pe = torch.randn(2, 270, 12), torch.randn(2, 270, 4)

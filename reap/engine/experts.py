@@ -19,6 +19,7 @@ from concurrent.futures import Future
 import torch
 
 from reap.checkpoint import BufferReader
+from reap.engine.pages import weight_buffer
 from reap.engine.store import _to
 from reap.errors import ReapError
 from reap.models.base import expert_short_names
@@ -79,7 +80,7 @@ class ExpertCache:
             self.slot_bytes = span
             self.n_slots = self.capacity_bytes // raw if raw else 0
             if self.n_slots:
-                self.slab = torch.zeros(self.n_slots * span, dtype=torch.uint8)
+                self.slab = weight_buffer(self.n_slots * span)
             self._free = list(range(self.n_slots))[::-1]
 
     def reserve(self, keys: Iterable[tuple[int, int]]) -> None:

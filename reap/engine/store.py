@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from reap.checkpoint import BufferReader
+from reap.engine.pages import weight_buffer
 from reap.errors import EXIT_FAILURE, ReapError
 
 IO_KINDS = ("trunk", "experts", "embed")  # the engine's byte counters, reported even when zero
@@ -48,15 +49,17 @@ class TrunkStore:
         self.pinned: dict[int, dict[str, torch.Tensor]] = {}
         self.streamed = [i for i in range(len(units)) if i not in set(pinned)]
         for i in pinned:
-            self.pinned[i] = _to(reader.read(units[i], "trunk"), device)
+            infos = [reader.info(n) for n in units[i]]
+            if str(device) == "cpu":  # read straight into huge pages
+                raw = reader.read_into(infos, weight_buffer(reader.span(infos), False), "trunk")
+            else:
+                raw = reader.read(units[i], "trunk")
+            self.pinned[i] = _to(raw, device)
             self.check(self.pinned[i])
         self._infos = [[reader.info(n) for n in names] for names in units]
         need = max((reader.span(self._infos[i]) for i in self.streamed), default=0)
         self.slots = [
-            # touched: no page faults later; page-locked for a GPU, so each copy is one DMA
-            torch.zeros(max(need, slot_bytes), dtype=torch.uint8,
-                        pin_memory=str(device).startswith("cuda"))
-            for _ in range(slots if self.streamed else 0)
+            _slot(max(need, slot_bytes), device) for _ in range(slots if self.streamed else 0)
         ]
         self._slot_of: dict[int, int] = {}  # streamed unit -> slot holding (or reading) it
         self._ready: dict[int, threading.Event] = {}
@@ -132,6 +135,14 @@ class TrunkStore:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
         self.slots, self.pinned = [], {}
+
+
+def _slot(nbytes: int, device: str) -> torch.Tensor:
+    """A ring slot, touched (no page faults later): page-locked for a GPU, so each copy is one
+    DMA; on huge pages for the CPU (`reap.engine.pages`)."""
+    if str(device).startswith("cuda"):
+        return torch.zeros(nbytes, dtype=torch.uint8, pin_memory=True)
+    return weight_buffer(nbytes)
 
 
 def _to(tensors: dict[str, torch.Tensor], device: str) -> dict[str, torch.Tensor]:

@@ -214,7 +214,50 @@ def gqa_attention(
 
     q [B, T, H, Dk], k [B, T, Hkv, Dk], v [B, T, Hkv, Dv] -> [B, T, H, Dv]; appends k/v to
     `cache`. `window`: a query at position p sees keys p-window+1..p. `sinks` [H]: a per-head
-    logit joining each softmax row as an extra column that receives probability but no value."""
+    logit joining each softmax row as an extra column that receives probability but no value.
+    Chunks of FUSED_MIN_QUERIES or more queries without sinks (prefill) run torch's fused
+    `scaled_dot_product_attention` (fp32 softmax, no [T, S] score tensor in the compute dtype);
+    the others `gqa_attention_reference`, the op-by-op form (torch's fused kernel for a few
+    fp32 queries gives results that depend on the thread count)."""
+    if sinks is not None or q.shape[1] < FUSED_MIN_QUERIES:
+        return gqa_attention_reference(q, k, v, cache, scale, sinks, window)
+    T = q.shape[1]
+    k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hkv, T, D]
+    if cache is not None:
+        k, v = cache.append(k, v)  # [B, Hkv, S, D]
+    mask = _visible(T, k.shape[2], window)
+    o = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), k, v, attn_mask=mask, scale=scale, enable_gqa=True
+    )  # [B, H, T, Dv]
+    return o.transpose(1, 2)
+
+
+FUSED_MIN_QUERIES = 16
+
+
+def _visible(T: int, S: int, window: int | None) -> Tensor | None:
+    """[T, S] bool: which keys each of the last T queries sees (None: all of them)."""
+    if T == 1 and (window is None or window >= S):  # one query, no window: sees every key
+        return None
+    qpos = torch.arange(S - T, S)[:, None]  # [T, 1] absolute positions of the new queries
+    kpos = torch.arange(S)[None]  # [1, S]
+    visible = kpos <= qpos
+    if window is not None:
+        visible &= kpos > qpos - window
+    return visible
+
+
+def gqa_attention_reference(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cache: KVCache | None,
+    scale: float,
+    sinks: Tensor | None = None,
+    window: int | None = None,
+) -> Tensor:
+    """`gqa_attention` op by op: scores in the compute dtype, masked, softmax in fp32 (with the
+    sink column), probabilities cast back, times the values."""
     Bn, T, H, _ = q.shape
     k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hkv, T, D]
     if cache is not None:
@@ -223,12 +266,8 @@ def gqa_attention(
     qg = q.transpose(1, 2).reshape(Bn, k.shape[1], group * T, -1)  # [B, Hkv, group*T, Dk]
     scores = (qg @ k.transpose(-1, -2)).float() * scale  # [B, Hkv, group*T, S]
     scores = scores.reshape(Bn, H, T, S)
-    if T > 1 or (window is not None and window < S):  # one query, no window: sees every key
-        qpos = torch.arange(S - T, S)[:, None]  # [T, 1] absolute positions of the new queries
-        kpos = torch.arange(S)[None]  # [1, S]
-        visible = kpos <= qpos
-        if window is not None:
-            visible &= kpos > qpos - window
+    visible = _visible(T, S, window)
+    if visible is not None:
         scores = scores.masked_fill(~visible, float("-inf"))
     if sinks is not None:
         sink = sinks.float().reshape(1, H, 1, 1).expand(Bn, H, T, 1)
