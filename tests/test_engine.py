@@ -412,6 +412,13 @@ def test_run_json_output_and_bad_arguments(tiny, capsys, tmp_path):
     code, out, err = _run(tiny, "--prompts", str(prompts), "--json", "--quiet", capsys=capsys)
     assert code == 0, err
     assert [len(g["ids"]) for g in json.loads(out)["generations"]] == [64, 2]
+    # --warmup: the same generation once before; only the second run is reported
+    args = ("--prompt-ids", "1,2,3", "--max-tokens", "4", "--json", "--quiet")
+    code, out, err = _run(tiny, *args, "--warmup", capsys=capsys)
+    assert code == 0, err
+    warm = json.loads(out)
+    assert warm["generations"] == json.loads(_run(tiny, *args, capsys=capsys)[1])["generations"]
+    assert warm["metrics"]["decode"]["tokens"] == 3 and warm["metrics"]["prefill"]["tokens"] == 3
 
 
 def test_run_exit_1_on_a_missing_trunk_tensor(tiny, tmp_path, capsys):

@@ -112,6 +112,13 @@ def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
         help="print the memory plan and stop, reading no weight (works on a URL or a "
         "directory holding only config.json)",
     )
+    p.add_argument(
+        "--warmup",
+        action="store_true",
+        help="generate once, unmeasured, before the reported run (as llama-bench's warm-up "
+        "run): one-time costs such as kernel builds and first use of each matrix shape stay "
+        "out of the rates",
+    )
     p.add_argument("--json", action="store_true", help="print text, token ids, plan and metrics")
     p.add_argument("--out", help="also write the JSON result to this file")
     p.add_argument("--quiet", action="store_true", help="do not print the plan and metrics")
@@ -235,6 +242,8 @@ def run(args: argparse.Namespace) -> int:
             print(engine.plan.describe(), file=sys.stderr)
         if args.plan_only:
             return 0
+        if args.warmup:
+            generate(engine, None, requests=_requests(args, engine))
         gens, metrics = generate(engine, None, requests=_requests(args, engine))
         result = {
             "model": engine.path,
