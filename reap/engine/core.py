@@ -177,13 +177,16 @@ class Engine:
         sizes = [len(c) for c in chunks]
         for i in range(n_layers):
             t0 = time.perf_counter()
-            get = _getter(self.trunk.get(i), self.binding.unit_names[i])
+            units = self.trunk.get(i)
+            get = _getter(units, self.binding.unit_names[i])
             xs = []
             for k, s in enumerate(seqs):
                 states[k], x = m.attn_block(i, get, states[k], cache=s.caches[i])
                 xs.append(x.reshape(-1, x.shape[-1]))
             x = torch.cat(xs)[None]  # [1, N, D] every sequence's tokens
-            y = m.mlp_block(i, get, x, experts=self._source)[0]  # [N, D]
+            y = self._native.moe(i, units, x)  # [N, D] compiled, or None: the family's
+            if y is None:
+                y = m.mlp_block(i, get, x, experts=self._source)[0]
             self.experts.release()
             for k, y_k in enumerate(y.split(sizes)):
                 states[k] = m.finish_layer(i, states[k], y_k[None])

@@ -20,6 +20,7 @@ import time
 
 import torch
 
+from reap.models import blocks
 from reap.quant import step_kernel
 
 ENABLED = True  # False: every step through the torch path (the reference), for the tests
@@ -131,6 +132,51 @@ class NativeDecoder:
             a[_A[k]] = v
         self._static[i] = (units, a)
         return a
+
+    # -- the routed experts of many tokens (prefill chunks) --------------------------------------
+    def moe(self, i: int, units: dict, x: torch.Tensor) -> torch.Tensor | None:
+        """Layer i's routed experts for the tokens x [1, N, D] -> [N, D] in x's dtype, in one
+        library call (expert-major, row blocks over the thread pool); the router runs in
+        torch as the family runs it. None where this path does not serve the layer (dense
+        MLP, path off, more experts used than the cache holds: the call needs every used
+        expert in memory at once): the family's `mlp_block` then runs."""
+        spec = self.specs[i] if self.lib is not None and ENABLED else None
+        if spec is None or spec.router is None:
+            return None
+        flat = x.reshape(-1, x.shape[-1])  # [N, D]
+        router = units[spec.prefix + spec.router].to(self.eng.dtype)
+        logits = blocks.linear(flat, router)
+        ids, weights, _ = blocks.softmax_topk(logits, spec.top_k, spec.renormalize)  # [N, K]
+        used = sorted(set(ids.reshape(-1).tolist()))
+        if len(used) > self.eng.experts.n_slots:  # they would not all stay in the cache at once
+            return None
+        self.eng.experts.prefetch(i, used)
+        table = torch.zeros(router.shape[0], 3, dtype=torch.int64)  # [E, 3] pointers
+        F, held = 0, []  # held: the tensors stay alive until the call returns
+        for e in used:
+            t = self._expert(i, e)
+            if t is not None:  # failed to load: contributes nothing (recorded, exit 4)
+                held.append(t)
+                table[e] = torch.tensor([t[n].data_ptr() for n in spec.mlp])
+                F = t[spec.mlp[0]].shape[0]
+        return self._moe_call(flat, ids, weights, table, F).to(x.dtype)
+
+    def _moe_call(self, flat, ids, weights, table, F: int) -> torch.Tensor:
+        (N, D), (K, E) = flat.shape, (ids.shape[1], table.shape[0])
+        y = torch.zeros(N, D, dtype=torch.float32)
+        if not table.any():
+            return y
+        sizes = (ctypes.c_int64 * 2)()
+        self.lib.reap_moe_prefill_scratch(N, K, E, F, D, sizes)
+        ints, floats = torch.empty(sizes[0], dtype=torch.int64), torch.empty(sizes[1])
+        xf, ids, w = flat.float().contiguous(), ids.contiguous(), weights.float().contiguous()
+        args = (ctypes.c_int64 * 14)(
+            xf.data_ptr(), y.data_ptr(), ids.data_ptr(), w.data_ptr(), table.data_ptr(), N, K,
+            E, F, D, int(self.wbf16), int(self.rnd), floats.data_ptr(), ints.data_ptr(),
+        )  # fmt: skip
+        self.lib.reap_pool_size(torch.get_num_threads())
+        self.lib.reap_moe_prefill(args)
+        return y
 
     def _scratch_of(self, floats: int) -> torch.Tensor:
         """The working buffer of one library call, grown to `floats` when needed."""

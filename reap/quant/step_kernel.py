@@ -10,6 +10,7 @@ like the other kernels (`reap.quant.ckernel.compile_cached`); `REAP_NO_CKERNEL=1
     lib.reap_attn_step(args, floats)      # args: int64[ATTN_ARGS] (indices ATTN), floats: eps, scale
     lib.reap_moe_step(args)               # args: int64[MOE_ARGS] (indices MOE)
     lib.reap_head_step(h, norm, head, V, D, wbf16, rnd, eps, x, logits)
+    lib.reap_moe_prefill(args)            # args: int64[14]: the routed experts of N tokens
 
 Arithmetic and rounding are documented in the C source: every dot product is the compiled
 GEMV's (`dense_kernels.c`), results never depend on the thread count.
@@ -62,6 +63,10 @@ def build(flags: tuple[str, ...] = ()):
     lib.reap_attn_step.argtypes = [ptr, ptr]
     lib.reap_moe_step.restype = None
     lib.reap_moe_step.argtypes = [ptr]
+    lib.reap_moe_prefill.restype = None
+    lib.reap_moe_prefill.argtypes = [ptr]
+    lib.reap_moe_prefill_scratch.restype = None
+    lib.reap_moe_prefill_scratch.argtypes = [i64] * 5 + [ptr]
     lib.reap_head_step.restype = None
     lib.reap_head_step.argtypes = [ptr] * 3 + [i64] * 4 + [ctypes.c_double, ptr, ptr]
     return lib
