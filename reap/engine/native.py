@@ -24,6 +24,9 @@ from reap.models import blocks
 from reap.quant import step_kernel
 
 ENABLED = True  # False: every step through the torch path (the reference), for the tests
+# bf16 prefill: the library's fp32-FMA tiles beat torch's bf16 matmuls up to about this many
+# tokens per expert (experiments/bench_llamacpp.py, 1 B model, 1 thread); torch above it
+BF16_TOKENS_PER_EXPERT = 4
 _A, _M = step_kernel.ATTN, step_kernel.MOE
 
 
@@ -139,7 +142,8 @@ class NativeDecoder:
         library call (expert-major, row blocks over the thread pool); the router runs in
         torch as the family runs it. None where this path does not serve the layer (dense
         MLP, path off, more experts used than the cache holds: the call needs every used
-        expert in memory at once): the family's `mlp_block` then runs."""
+        expert in memory at once; in bf16, more than BF16_TOKENS_PER_EXPERT tokens per expert
+        on average): the family's `mlp_block` then runs."""
         spec = self.specs[i] if self.lib is not None and ENABLED else None
         if spec is None or spec.router is None:
             return None
@@ -150,6 +154,8 @@ class NativeDecoder:
         used = sorted(set(ids.reshape(-1).tolist()))
         if len(used) > self.eng.experts.n_slots:  # they would not all stay in the cache at once
             return None
+        if self.rnd and ids.numel() > BF16_TOKENS_PER_EXPERT * len(used):
+            return None  # torch's bf16 matmul (dot-product instructions) is faster here
         self.eng.experts.prefetch(i, used)
         table = torch.zeros(router.shape[0], 3, dtype=torch.int64)  # [E, 3] pointers
         F, held = 0, []  # held: the tensors stay alive until the call returns
