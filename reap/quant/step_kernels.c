@@ -297,10 +297,16 @@ static void gemv_task(const void *ctx, int64_t a, int64_t b) {
     }
 }
 
+#define SERIAL_BYTES (512 << 10) /* products reading less stay on the calling thread */
+
 static void run_gemv(gemv_t *g) {
     int64_t total = 0;
     for (int k = 0; k < g->nseg; k++) total += g->s[k].rows;
-    parallel(gemv_task, g, total, 32);
+    int64_t bytes = total * g->cols * (g->wbf16 ? 2 : 4) * (g->s[0].w2 ? 2 : 1);
+    if (bytes < SERIAL_BYTES) /* a hand-off costs more than it saves, more so under load */
+        gemv_task(g, 0, total);
+    else
+        parallel(gemv_task, g, total, 32);
 }
 
 static seg_t seg(const void *w, const float *x, float *y, int64_t rows) {
