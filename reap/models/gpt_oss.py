@@ -32,7 +32,6 @@ from reap.models import base, blocks, validate
 from reap.models.attention import KVCache, Rope, gqa_attention, rope_settings
 from reap.models.base import ExpertSource, Weights, decoder_specs, dtype_code
 from reap.quant import mxfp4
-from reap.quant.matrix import stored_matrices as expert_matrices  # noqa: F401 - family hook
 
 DENSE_TENSORS = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
 MXFP4_TENSORS = (
@@ -258,14 +257,33 @@ def sanitize(t: Mapping[str, torch.Tensor], dtype: torch.dtype) -> dict[str, tor
     return out
 
 
+def expert_matrices(t: Mapping[str, torch.Tensor]) -> dict:
+    """The family hook: one expert's stored slices with each MXFP4 pair (blocks [R, C/32, 16],
+    scales [R, C/32]) as one `MXFP4Matrix` W [R, C] named `gate_up` / `down` (rows are outputs),
+    which the engine multiplies with its kernels (fused, without decoding, for a few bf16
+    tokens); dense matrices and biases unchanged."""
+    out = dict(t)
+    for n in ("gate_up", "down"):
+        if f"{n}_proj_blocks" in t:
+            codes = out.pop(f"{n}_proj_blocks")
+            packed = codes.reshape(codes.shape[0], -1)  # [R, C/2]
+            out[n] = mxfp4.MXFP4Matrix(packed, out.pop(f"{n}_proj_scales"))
+    return out
+
+
 def expert_mlp(x: torch.Tensor, t: Mapping[str, torch.Tensor], alpha: float, limit: float):
-    """One expert on its tokens: x [M, D] -> [M, D] (t: stored slices by short name)."""
-    w = sanitize(t, x.dtype)
-    gate_up = x @ w["gate_up"].to(x.device) + w["gate_up_bias"].to(x.device)  # [M, 2F]
+    """One expert on its tokens: x [M, D] -> [M, D] (t: stored slices by short name, or
+    `expert_matrices` of them)."""
+    if isinstance(t.get("gate_up"), mxfp4.MXFP4Matrix):
+        gate_up = blocks.linear(x, t["gate_up"]) + t["gate_up_proj_bias"].to(x.device, x.dtype)
+        down = lambda h: blocks.linear(h, t["down"]) + t["down_proj_bias"].to(x.device, x.dtype)
+    else:
+        w = sanitize(t, x.dtype)
+        gate_up = x @ w["gate_up"].to(x.device) + w["gate_up_bias"].to(x.device)  # [M, 2F]
+        down = lambda h: h @ w["down"].to(x.device) + w["down_bias"].to(x.device)
     gate = gate_up[:, 0::2].clamp(max=limit)  # [M, F]
     up = gate_up[:, 1::2].clamp(-limit, limit)
-    h = (up + 1) * gate * torch.sigmoid(gate * alpha)
-    return h @ w["down"].to(x.device) + w["down_bias"].to(x.device)
+    return down((up + 1) * gate * torch.sigmoid(gate * alpha))
 
 
 def router(logits: torch.Tensor, top_k: int):
