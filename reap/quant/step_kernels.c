@@ -529,49 +529,57 @@ static float dot1(const void *w, int wbf16, const float *x, int64_t n) {
 }
 
 #define TR 4 /* rows per tile */
-#define TT 4 /* tokens per tile */
-/* y[t * ldy + r] = dot1(w row r0 + r, x row t) for a full TR x TT tile (w rows of n columns,
-   x rows of n floats, ldx apart) */
-static void tile(const char *w, int64_t esz, int wbf16, const float *x, int64_t ldx, int64_t n,
-                 float *y, int64_t ldy) {
+/* y[t * ldy + r] = dot1(w row r, x row t) for r < TR, t < TT (w rows of n columns, x rows of
+   n floats, ldx apart); TT = 6 or 4 tokens (24 or 16 accumulators) */
 #if defined(__AVX512F__)
-    __m512 acc[TR][TT];
-    for (int r = 0; r < TR; r++)
-        for (int t = 0; t < TT; t++) acc[r][t] = _mm512_setzero_ps();
-    int64_t c = 0;
-    for (; c + 16 <= n; c += 16) {
-        __m512 wv[TR];
-        for (int r = 0; r < TR; r++) {
-            const char *p = w + (r * n + c) * esz;
-            _mm_prefetch(p + TR * n * esz, _MM_HINT_T0); /* the next tile's rows */
-            wv[r] = wbf16 ? widen16((const uint16_t *)p) : _mm512_loadu_ps((const float *)p);
-        }
-        for (int t = 0; t < TT; t++) {
-            __m512 xv = _mm512_loadu_ps(x + t * ldx + c);
-            for (int r = 0; r < TR; r++) acc[r][t] = _mm512_fmadd_ps(wv[r], xv, acc[r][t]);
-        }
-    }
-    for (int r = 0; r < TR; r++)
-        for (int t = 0; t < TT; t++) {
-            float v = lanes_sum16(acc[r][t]);
-            const char *p = w + r * n * esz;
-            for (int64_t k = c; k < n; k++) v = fmaf(load(p, wbf16, k), x[t * ldx + k], v);
-            y[t * ldy + r] = v;
-        }
-#else
-    for (int r = 0; r < TR; r++)
-        for (int t = 0; t < TT; t++) y[t * ldy + r] = dot1(w + r * n * esz, wbf16, x + t * ldx, n);
-#endif
+#define TILE(NAME, TT)                                                                        \
+static void NAME(const char *w, int64_t esz, int wbf16, const float *x, int64_t ldx,         \
+                 int64_t n, float *y, int64_t ldy) {                                          \
+    __m512 acc[TR][TT];                                                                       \
+    for (int r = 0; r < TR; r++)                                                              \
+        for (int t = 0; t < TT; t++) acc[r][t] = _mm512_setzero_ps();                         \
+    int64_t c = 0;                                                                            \
+    for (; c + 16 <= n; c += 16) {                                                            \
+        __m512 wv[TR];                                                                        \
+        for (int r = 0; r < TR; r++) {                                                        \
+            const char *p = w + (r * n + c) * esz;                                            \
+            _mm_prefetch(p + TR * n * esz, _MM_HINT_T0); /* the next tile's rows */           \
+            wv[r] = wbf16 ? widen16((const uint16_t *)p) : _mm512_loadu_ps((const float *)p); \
+        }                                                                                     \
+        for (int t = 0; t < TT; t++) {                                                        \
+            __m512 xv = _mm512_loadu_ps(x + t * ldx + c);                                     \
+            for (int r = 0; r < TR; r++) acc[r][t] = _mm512_fmadd_ps(wv[r], xv, acc[r][t]);   \
+        }                                                                                     \
+    }                                                                                         \
+    for (int r = 0; r < TR; r++)                                                              \
+        for (int t = 0; t < TT; t++) {                                                        \
+            float v = lanes_sum16(acc[r][t]);                                                 \
+            const char *p = w + r * n * esz;                                                  \
+            for (int64_t k = c; k < n; k++) v = fmaf(load(p, wbf16, k), x[t * ldx + k], v);  \
+            y[t * ldy + r] = v;                                                               \
+        }                                                                                     \
 }
+#else
+#define TILE(NAME, TT)                                                                        \
+static void NAME(const char *w, int64_t esz, int wbf16, const float *x, int64_t ldx,         \
+                 int64_t n, float *y, int64_t ldy) {                                          \
+    for (int r = 0; r < TR; r++)                                                              \
+        for (int t = 0; t < TT; t++)                                                          \
+            y[t * ldy + r] = dot1(w + r * n * esz, wbf16, x + t * ldx, n);                    \
+}
+#endif
+TILE(tile6, 6)
+TILE(tile4, 4)
 
 /* y[t, r] for rows [r0, r1) and tokens [0, m) of one matrix: tiles, then dot1 at the edges */
 static void block(const void *w, int wbf16, const float *x, int64_t m, int64_t n, int64_t r0,
                   int64_t r1, float *y, int64_t ldy) {
     int64_t esz = wbf16 ? 2 : 4, r = r0;
     for (; r + TR <= r1; r += TR) {
+        const char *wr = (const char *)w + r * n * esz;
         int64_t t = 0;
-        for (; t + TT <= m; t += TT)
-            tile((const char *)w + r * n * esz, esz, wbf16, x + t * n, n, n, y + t * ldy + r, ldy);
+        for (; t + 6 <= m; t += 6) tile6(wr, esz, wbf16, x + t * n, n, n, y + t * ldy + r, ldy);
+        for (; t + 4 <= m; t += 4) tile4(wr, esz, wbf16, x + t * n, n, n, y + t * ldy + r, ldy);
         for (; t < m; t++)
             for (int64_t q = r; q < r + TR; q++)
                 y[t * ldy + q] = dot1((const char *)w + q * n * esz, wbf16, x + t * n, n);
