@@ -26,7 +26,7 @@ from reap.quant import step_kernel
 ENABLED = True  # False: every step through the torch path (the reference), for the tests
 # bf16 prefill: the library's fp32-FMA tiles beat torch's bf16 matmuls up to about this many
 # tokens per expert (experiments/bench_llamacpp.py, 1 B model, 1 thread); torch above it
-BF16_TOKENS_PER_EXPERT = 4
+BF16_TOKENS_PER_EXPERT = 16
 _A, _M = step_kernel.ATTN, step_kernel.MOE
 
 

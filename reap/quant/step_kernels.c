@@ -532,9 +532,10 @@ static float dot1(const void *w, int wbf16, const float *x, int64_t n) {
 /* y[t * ldy + r] = dot1(w row r, x row t) for r < TR, t < TT (w rows of n columns, x rows of
    n floats, ldx apart); TT = 6 or 4 tokens (24 or 16 accumulators) */
 #if defined(__AVX512F__)
-#define TILE(NAME, TT)                                                                        \
+#define TILE(NAME, TT, BF16)                                                                  \
 static void NAME(const char *w, int64_t esz, int wbf16, const float *x, int64_t ldx,         \
                  int64_t n, float *y, int64_t ldy) {                                          \
+    (void)wbf16;                                                                              \
     __m512 acc[TR][TT];                                                                       \
     for (int r = 0; r < TR; r++)                                                              \
         for (int t = 0; t < TT; t++) acc[r][t] = _mm512_setzero_ps();                         \
@@ -544,10 +545,11 @@ static void NAME(const char *w, int64_t esz, int wbf16, const float *x, int64_t 
         for (int r = 0; r < TR; r++) {                                                        \
             const char *p = w + (r * n + c) * esz;                                            \
             _mm_prefetch(p + TR * n * esz, _MM_HINT_T0); /* the next tile's rows */           \
-            wv[r] = wbf16 ? widen16((const uint16_t *)p) : _mm512_loadu_ps((const float *)p); \
+            wv[r] = BF16 ? widen16((const uint16_t *)p) : _mm512_loadu_ps((const float *)p);  \
         }                                                                                     \
         for (int t = 0; t < TT; t++) {                                                        \
             __m512 xv = _mm512_loadu_ps(x + t * ldx + c);                                     \
+            __asm__("" : "+v"(xv)); /* one load per token, kept in a register */             \
             for (int r = 0; r < TR; r++) acc[r][t] = _mm512_fmadd_ps(wv[r], xv, acc[r][t]);   \
         }                                                                                     \
     }                                                                                         \
@@ -555,12 +557,12 @@ static void NAME(const char *w, int64_t esz, int wbf16, const float *x, int64_t 
         for (int t = 0; t < TT; t++) {                                                        \
             float v = lanes_sum16(acc[r][t]);                                                 \
             const char *p = w + r * n * esz;                                                  \
-            for (int64_t k = c; k < n; k++) v = fmaf(load(p, wbf16, k), x[t * ldx + k], v);  \
+            for (int64_t k = c; k < n; k++) v = fmaf(load(p, BF16, k), x[t * ldx + k], v);   \
             y[t * ldy + r] = v;                                                               \
         }                                                                                     \
 }
 #else
-#define TILE(NAME, TT)                                                                        \
+#define TILE(NAME, TT, BF16)                                                                  \
 static void NAME(const char *w, int64_t esz, int wbf16, const float *x, int64_t ldx,         \
                  int64_t n, float *y, int64_t ldy) {                                          \
     for (int r = 0; r < TR; r++)                                                              \
@@ -568,8 +570,10 @@ static void NAME(const char *w, int64_t esz, int wbf16, const float *x, int64_t 
             y[t * ldy + r] = dot1(w + r * n * esz, wbf16, x + t * ldx, n);                    \
 }
 #endif
-TILE(tile6, 6)
-TILE(tile4, 4)
+TILE(tile6_f32, 6, 0)
+TILE(tile4_f32, 4, 0)
+TILE(tile6_bf16, 6, 1)
+TILE(tile4_bf16, 4, 1)
 
 /* y[t, r] for rows [r0, r1) and tokens [0, m) of one matrix: tiles, then dot1 at the edges */
 static void block(const void *w, int wbf16, const float *x, int64_t m, int64_t n, int64_t r0,
@@ -578,8 +582,10 @@ static void block(const void *w, int wbf16, const float *x, int64_t m, int64_t n
     for (; r + TR <= r1; r += TR) {
         const char *wr = (const char *)w + r * n * esz;
         int64_t t = 0;
-        for (; t + 6 <= m; t += 6) tile6(wr, esz, wbf16, x + t * n, n, n, y + t * ldy + r, ldy);
-        for (; t + 4 <= m; t += 4) tile4(wr, esz, wbf16, x + t * n, n, n, y + t * ldy + r, ldy);
+        for (; t + 6 <= m; t += 6)
+            (wbf16 ? tile6_bf16 : tile6_f32)(wr, esz, wbf16, x + t * n, n, n, y + t * ldy + r, ldy);
+        for (; t + 4 <= m; t += 4)
+            (wbf16 ? tile4_bf16 : tile4_f32)(wr, esz, wbf16, x + t * n, n, n, y + t * ldy + r, ldy);
         for (; t < m; t++)
             for (int64_t q = r; q < r + TR; q++)
                 y[t * ldy + q] = dot1((const char *)w + q * n * esz, wbf16, x + t * n, n);
