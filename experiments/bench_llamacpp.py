@@ -1,23 +1,31 @@
-"""reap's engine against llama.cpp on the same checkpoint and threads -> reports/llamacpp.md and
+"""reap's engine against llama.cpp on the same checkpoints and threads -> reports/llamacpp.md and
 reports/llamacpp.json.
 
-    python experiments/bench_llamacpp.py [--work /tmp/reap-llamacpp] [--tools /work/tools]
-        [--reps 3] [--threads 1,2] [--prompts 32,512] [--dtypes float32,bfloat16]
+    python experiments/bench_llamacpp.py [--models 1b,big,gptoss]
+        [--sections agreement,speed,perplexity] [--reps 3] [--threads 1,2] [--prompts 32,512]
+        [--dtypes float32,bfloat16] [--decode 32] [--work /tmp/reap-llamacpp] [--tools /work/tools]
 
-1. llama.cpp: the tools under `--tools`/llama.cpp/build/bin (llama-bench), else built there from
-   the `llama-cpp-python` source package (`pip download --no-binary`, cmake, CPU only).
-2. The checkpoint: a random-weight Qwen3-MoE saved by transformers (the config below: 1.0 B
-   parameters, 178 M active), in float32 and a bfloat16 copy, each converted to GGUF (F32,
-   BF16) by llama.cpp's own `convert_hf_to_gguf.py`. The byte-level tokenizer reap writes is not
-   one the converter knows by hash, and it has no merges (256 byte tokens), which llama.cpp
-   refuses; the converter is run with its pre-tokenizer lookup answered "default" and one
-   placeholder merge added (every comparison here feeds token ids, never text).
-3. Agreement in float32: 16 greedy tokens after 3 prompts, reap vs llama.cpp (its Python
-   bindings from the same source package over the library built in 1, F32 KV cache).
-4. Speed: `reap run --preset max` (fresh process; its prefill and decode tok/s) and
-   `llama-bench -p P -n 0` / `-n N -p 0`, at each thread count and prompt length, the two
-   engines interleaved, median of `--reps`; /proc/loadavg recorded around every run (the
-   machine is shared: ratios measured side by side are the signal).
+    # harness check (minutes): one rep, one cell per model
+    python experiments/bench_llamacpp.py --reps 1 --threads 1 --prompts 32 --dtypes float32 \
+        --decode 8 --out reports/llamacpp-draft
+
+1. llama.cpp: the tools under `--tools`/llama.cpp/build/bin (llama-bench, llama-perplexity),
+   else built there from the `llama-cpp-python` source package (`pip download --no-binary`,
+   cmake, CPU only); its Python bindings come from the same package.
+2. The models (`llamacpp_models`): `1b` and `big` random Qwen3-MoE (1.0 B and 2.07 B
+   parameters) saved by transformers in float32 and bfloat16, `gptoss` a random GPT-OSS with
+   MXFP4 experts in the release's layout; each converted to GGUF (F32, BF16; gptoss's experts
+   stay MXFP4) by llama.cpp's own `convert_hf_to_gguf.py` (under `--work`; big under
+   `--work`-big). Made once and kept.
+3. agreement: 16 greedy tokens after 3 prompts in float32, reap vs llama.cpp (its bindings,
+   token ids in, argmax of its logits out, F32 KV cache).
+4. speed: `reap run --preset max` (fresh process; its prefill and decode tok/s) and
+   `llama-bench -p P -n 0` / `-n N -d P` at each dtype, thread count and prompt length.
+5. perplexity (`llamacpp_ppl`): reap's perplexity pass vs `llama-perplexity` on the same
+   4096 token ids (8 chunks of 512, 4 in parallel), both perplexities and tokens/s.
+Every cell runs the two engines interleaved (order alternating between repetitions), median
+of `--reps`; /proc/loadavg is recorded around every run (the machine is shared: ratios
+measured side by side are the signal).
 """
 
 from __future__ import annotations
@@ -29,20 +37,19 @@ import statistics
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
+from experiments import llamacpp_ppl as ppl
+from experiments.llamacpp_models import LLAMA_CPP_PYTHON, Model, bindings, prepare, run_python
+from experiments.llamacpp_mxfp4 import decode_check
+from experiments.llamacpp_report import report
+
 ROOT = Path(__file__).resolve().parent.parent
-LLAMA_CPP_PYTHON = "0.3.36"
-QWEN = {
-    "vocab_size": 32000, "hidden_size": 1024, "intermediate_size": 3072,
-    "moe_intermediate_size": 384, "num_hidden_layers": 12, "num_attention_heads": 16,
-    "num_key_value_heads": 4, "head_dim": 64, "num_experts": 64, "num_experts_per_tok": 8,
-    "norm_topk_prob": True, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6,
-    "rope_theta": 10000.0, "tie_word_embeddings": False,
-}  # fmt: skip
 PROMPTS = [
     [(97 * i + 13 * j) % 31000 + 300 for j in range(n)] for i, n in ((1, 8), (2, 12), (3, 5))
 ]
+SECTIONS = ("agreement", "speed", "perplexity")
 
 
 def load() -> str:
@@ -53,44 +60,31 @@ def load() -> str:
 def ensure_llamacpp(tools: Path) -> Path:
     """The llama.cpp tree under `tools` with its tools built (build/bin); builds it if absent."""
     tree = tools / "llama.cpp"
-    bench = tree / "build" / "bin" / "llama-bench"
-    if bench.is_file():
+    targets = ["llama-bench", "llama-perplexity", "llama-simple", "llama-completion"]
+    if all((tree / "build" / "bin" / t).is_file() for t in targets):
         return tree
     src = tools / "src"
     src.mkdir(parents=True, exist_ok=True)
-    pkg = f"llama_cpp_python-{LLAMA_CPP_PYTHON}"
-    if not (src / pkg).is_dir():
+    pkg = bindings(tools)
+    if not pkg.is_dir():
         subprocess.run(
             [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
              f"llama-cpp-python=={LLAMA_CPP_PYTHON}", "-d", str(src)], check=True,
         )  # fmt: skip
-        subprocess.run(["tar", "xzf", f"{pkg}.tar.gz"], cwd=src, check=True)
+        subprocess.run(["tar", "xzf", f"{pkg.name}.tar.gz"], cwd=src, check=True)
     if not tree.is_dir():
-        subprocess.run(["cp", "-r", str(src / pkg / "vendor" / "llama.cpp"), str(tree)], check=True)
+        subprocess.run(["cp", "-r", str(pkg / "vendor" / "llama.cpp"), str(tree)], check=True)
     print(f"building llama.cpp in {tree} (minutes)", flush=True)
     subprocess.run(
         ["cmake", "-S", ".", "-B", "build", "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON",
          "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
          "-DLLAMA_BUILD_SERVER=OFF"], cwd=tree, check=True,
     )  # fmt: skip
-    targets = ["llama-bench", "llama-perplexity", "llama-simple", "llama-completion"]
     subprocess.run(["cmake", "--build", "build", "-j2", "--target", *targets], cwd=tree, check=True)
     return tree
 
 
-CONVERT = """
-import convert_hf_to_gguf as c
-import gguf
-from conversion import base
-base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "default"
-add = gguf.SpecialVocab.add_to_gguf
-def add_to_gguf(self, gw, quiet=False):
-    self.merges = self.merges or ["\u0100 \u0100"]  # llama.cpp refuses a BPE without merges
-    return add(self, gw, quiet)
-gguf.SpecialVocab.add_to_gguf = add_to_gguf
-c.sys.argv = ["convert_hf_to_gguf.py", {src!r}, "--outtype", {outtype!r}, "--outfile", {out!r}]
-c.main()
-"""
+# -- agreement ---------------------------------------------------------------------------------
 GREEDY = """
 import json
 import llama_cpp
@@ -101,103 +95,71 @@ out = []
 for prompt in {prompts!r}:
     llm.reset()
     llm.eval(prompt)
-    ids = []
+    ids, first = [], np.asarray(llm.scores[llm.n_tokens - 1]).tolist()
     for _ in range({n}):
         ids.append(int(np.argmax(np.asarray(llm.scores[llm.n_tokens - 1]))))
         llm.eval([ids[-1]])
-    out.append(ids)
+    out.append({{"ids": ids, "logits": first}})
 print(json.dumps(out))
 """
 
 
-def _python(code: str, pythonpath: list[Path], env: dict | None = None) -> str:
-    """Run `code` in a fresh interpreter with `pythonpath` first on its path; its stdout."""
-    path = os.pathsep.join(map(str, pythonpath))
-    env = dict(os.environ, PYTHONPATH=path, **(env or {}))
-    p = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=False
-    )
-    if p.returncode != 0:
-        raise SystemExit(f"subprocess failed ({p.returncode}): {p.stderr.strip()[-800:]}")
-    return p.stdout
-
-
-def convert(tree: Path, src: Path, out: Path, outtype: str) -> Path:
-    """`convert_hf_to_gguf.py SRC --outtype OUTTYPE` (see the module docstring)."""
-    if not out.is_file():
-        code = CONVERT.format(src=str(src), outtype=outtype, out=str(out))
-        _python(code, [tree, tree / "gguf-py"])
-    return out
-
-
-# -- the checkpoint ----------------------------------------------------------------------------
-def make_checkpoint(work: Path) -> dict[str, Path]:
-    """float32 and bfloat16 saves of the random Qwen3-MoE (made once, kept under `work`)."""
-    out = {"float32": work / "qwen3moe-f32", "bfloat16": work / "qwen3moe-bf16"}
-    if all((p / "config.json").is_file() for p in out.values()):
-        return out
-    import torch
-    import transformers
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    from reap.tokenizer import byte_tokenizer_files
-
-    transformers.logging.set_verbosity_error()
-    torch.manual_seed(0)
-    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**QWEN)).float().eval()
-    with torch.no_grad():  # random weights of a trained model's scale, not transformers' init
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
-            else:
-                p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5)
-    for dtype, path in out.items():
-        model.to(getattr(torch, dtype)).save_pretrained(path)
-        cfg = json.loads((path / "config.json").read_text())
-        cfg.update(num_experts=QWEN["num_experts"], rope_theta=QWEN["rope_theta"])
-        (path / "config.json").write_text(json.dumps(cfg, indent=2))
-        for name, text in byte_tokenizer_files().items():
-            (path / name).write_text(text)
-    return out
-
-
-# -- agreement ---------------------------------------------------------------------------------
-def reap_greedy(path: Path, prompt: list[int], n: int) -> list[int]:
+def reap_greedy(path: Path, n: int) -> list[dict]:
+    """reap's greedy ids after every prompt, and its logits at each prompt's last position."""
     from reap.engine import Engine
 
+    out = []
     with Engine.open(path, preset="max", context=256, dtype="float32") as eng:
-        return eng.generate([prompt], max_tokens=n)[0].ids
+        for p in PROMPTS:
+            ids = eng.generate([p], max_tokens=n)[0].ids
+            out.append({"ids": ids, "logits": eng.logits([p])[0][-1].tolist()})
+    return out
 
 
-def llama_greedy(tools: Path, tree: Path, gguf: Path, n: int) -> list[list[int]]:
+def llama_greedy(tools: Path, tree: Path, gguf: Path, n: int) -> list[dict]:
     """Greedy ids from llama.cpp for every prompt: token ids in, argmax of its logits out (F32
-    KV cache), through llama-cpp-python's bindings (same source package) over the library
-    built in `tree`."""
+    KV cache), through llama-cpp-python's bindings over the library built in `tree`."""
     code = GREEDY.format(gguf=str(gguf), prompts=PROMPTS, n=n)
-    pkg = tools / "src" / f"llama_cpp_python-{LLAMA_CPP_PYTHON}"
     env = {"LLAMA_CPP_LIB_PATH": str(tree / "build" / "bin")}
-    return json.loads(_python(code, [pkg], env))
+    return json.loads(run_python(code, [bindings(tools)], env))
 
 
-def agreement(tools: Path, tree: Path, ckpt: Path, gguf: Path, n: int = 16) -> list[dict]:
+def greedy_rows(tools: Path, tree: Path, ckpt: Path, gguf: Path, n: int = 16) -> list[dict]:
+    """Per prompt: both greedy continuations, how many first tokens agree, and the largest
+    |logit difference| after the prompt."""
     rows = []
-    for p, theirs in zip(PROMPTS, llama_greedy(tools, tree, gguf, n)):
-        ours = reap_greedy(ckpt, p, n)
-        same = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), n)
-        rows.append({"prompt": p, "reap": ours, "llama.cpp": theirs, "agree_first": same})
-        print(f"prompt of {len(p)}: first {same}/{n} greedy tokens agree", flush=True)
+    for p, ours, theirs in zip(PROMPTS, reap_greedy(ckpt, n), llama_greedy(tools, tree, gguf, n)):
+        same = next((i for i, (a, b) in enumerate(zip(ours["ids"], theirs["ids"])) if a != b), n)
+        diff = max(abs(a - b) for a, b in zip(ours["logits"], theirs["logits"]))
+        scale = max(map(abs, ours["logits"]))
+        rows.append({"prompt": p, "reap": ours["ids"], "llama.cpp": theirs["ids"],
+                     "agree_first": same, "max_logit_diff": diff, "max_logit": scale})  # fmt: skip
+        print(f"{gguf.name}: prompt of {len(p)}: first {same}/{n} greedy tokens agree, "
+              f"max |logit diff| {diff:.2e}", flush=True)  # fmt: skip
     return rows
+
+
+def agreement(tools: Path, tree: Path, model: Model) -> dict:
+    """Greedy agreement in float32; for gptoss also llama.cpp's MXFP4 decoding against reap's
+    and the agreement on the experts-decoded copy (see `llamacpp_mxfp4`)."""
+    res = {"rows": greedy_rows(tools, tree, model.ckpts["float32"], model.ggufs["float32"])}
+    if model.dense is not None:
+        res["mxfp4_decode"] = decode_check(tree, model.ckpts["float32"], model.ggufs["float32"])
+        print(f"{model.name}: MXFP4 decode check {res['mxfp4_decode']}", flush=True)
+        res["dense_rows"] = greedy_rows(tools, tree, *model.dense)
+    return res
 
 
 # -- speed -------------------------------------------------------------------------------------
 def reap_speed(path: Path, dtype: str, threads: int, prompt: int, decode: int) -> dict:
     """`reap run --preset max` in a fresh process: prefill and decode tok/s."""
     ids = ",".join(str(300 + (7 * i) % 30000) for i in range(prompt))
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONPATH=str(ROOT))
+    env = {"OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "reap.cli", "run", str(path), "--preset", "max", "--dtype",
            dtype, "--prompt-ids", ids, "--max-tokens", str(decode), "--ignore-eos",
            "--threads", str(threads), "--context", str(prompt + decode + 8), "--json", "--quiet"]  # fmt: skip
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800, check=False)
+    p = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True,
+                       timeout=1800, check=False)  # fmt: skip
     if p.returncode != 0:
         raise SystemExit(f"reap run failed ({p.returncode}): {p.stderr.strip()[-500:]}")
     m = json.loads(p.stdout)["metrics"]
@@ -223,21 +185,34 @@ def llama_speed(tree: Path, gguf: Path, threads: int, prompt: int, decode: int) 
     return out
 
 
-def speed(tree, ckpts, ggufs, args) -> list[dict]:
-    """Every (dtype, threads, prompt) cell: reap and llama.cpp interleaved, `reps` times."""
+def interleaved(reps: int, ours, theirs) -> list[dict]:
+    """`reps` runs of the two thunks, reap first on even repetitions and llama.cpp first on
+    odd ones, each run with the 1-minute load before, between and after."""
+    runs = []
+    for r in range(reps):
+        order = [("reap", ours), ("llama.cpp", theirs)]
+        run, loads = {}, [load()]
+        for who, thunk in order if r % 2 == 0 else order[::-1]:
+            run[who] = thunk()
+            loads.append(load())
+        runs.append({**run, "load": loads})
+    return runs
+
+
+def speed(tree: Path, model: Model, args) -> list[dict]:
+    """Every (dtype, threads, prompt) cell of `model`: reap and llama.cpp interleaved."""
     rows = []
     for dtype in args.dtypes.split(","):
         for threads in map(int, args.threads.split(",")):
             for prompt in map(int, args.prompts.split(",")):
-                runs = []
-                for _ in range(args.reps):
-                    l0 = load()
-                    ours = reap_speed(ckpts[dtype], dtype, threads, prompt, args.decode)
-                    l1 = load()
-                    theirs = llama_speed(tree, ggufs[dtype], threads, prompt, args.decode)
-                    runs.append({"reap": ours, "llama.cpp": theirs, "load": [l0, l1, load()]})
+                runs = interleaved(
+                    args.reps,
+                    partial(reap_speed, model.ckpts[dtype], dtype, threads, prompt, args.decode),
+                    partial(llama_speed, tree, model.ggufs[dtype], threads, prompt, args.decode),
+                )
                 row = summarize(dtype, threads, prompt, runs)
-                print(json.dumps({k: v for k, v in row.items() if k != "runs"}), flush=True)
+                print(model.name, json.dumps({k: v for k, v in row.items() if k != "runs"}),
+                      flush=True)  # fmt: skip
                 rows.append(row)
     return rows
 
@@ -254,58 +229,33 @@ def summarize(dtype, threads, prompt, runs) -> dict:
     return row
 
 
-# -- report ------------------------------------------------------------------------------------
-def report(res: dict) -> str:
-    lines = [
-        "# reap vs llama.cpp on the same checkpoint and threads",
-        "",
-        (
-            f"Command: `{res['command']}` ({res['minutes']:.1f} min; code {res['code_version']}; "
-            f"load average {res['load'][0]} -> {res['load'][1]} on a shared 2-core machine: "
-            "other helpers ran at the same time, so absolute rates are noisy; each ratio comes "
-            "from runs interleaved in the same minutes)."
-        ),
-        "",
-        (
-            f"Checkpoint: random-weight Qwen3-MoE saved by transformers ({res['params']}); GGUF "
-            f"by llama.cpp's `convert_hf_to_gguf.py` (llama-cpp-python {LLAMA_CPP_PYTHON} "
-            "source, CPU build, -DGGML_NATIVE=ON). reap: `reap run --preset max` (fresh "
-            f"process); llama.cpp: `llama-bench -r 1` (prefill `-p P -n 0`, decode "
-            f"`-n {res['decode']} -d P`). Median of {res['reps']}."
-        ),
-        "",
-        "## Greedy agreement (float32, llama.cpp with an F32 KV cache)",
-        "",
-        "| prompt | agreeing of 16 | reap | llama.cpp |",
-        "|---|---|---|---|",
-    ]
-    for a in res["agreement"]:
-        lines.append(f"| {len(a['prompt'])} tokens | {a['agree_first']} | {a['reap']} | "
-                     f"{a['llama.cpp']} |")  # fmt: skip
-    lines += [
-        "",
-        "## Speed (tokens/s, median; ratio = reap / llama.cpp)",
-        "",
-        (
-            "| dtype | threads | prompt | prefill reap | llama.cpp | ratio | decode reap | "
-            "llama.cpp | ratio | expert hit | load (1-min) |"
-        ),
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in res["speed"]:
-        p, d = r["prefill"], r["decode"]
-        loads = sorted(float(x) for run in r["runs"] for x in run["load"])
-        lines.append(
-            f"| {r['dtype']} | {r['threads']} | {r['prompt']} | {p['reap']:.1f} | "
-            f"{p['llama.cpp']:.1f} | **{p['ratio']:.2f}** | {d['reap']:.1f} | "
-            f"{d['llama.cpp']:.1f} | **{d['ratio']:.2f}** | {r['hit']:.2f} | "
-            f"{loads[0]:.1f}-{loads[-1]:.1f} |"
-        )
-    return "\n".join(lines) + "\n"
+# -- perplexity --------------------------------------------------------------------------------
+def perplexity(work: Path, tools: Path, tree: Path, model: Model, args) -> dict:
+    """reap's perplexity pass vs llama-perplexity on the same ids, per dtype and threads."""
+    text = ppl.prepare(work, tools, tree, model)
+    rows = []
+    for dtype in args.dtypes.split(","):
+        for threads in map(int, args.threads.split(",")):
+            f32_cache = dtype == "float32"
+            runs = interleaved(
+                args.reps,
+                partial(ppl.reap_ppl, ROOT, model.ckpts[dtype], dtype, threads, text["ids"]),
+                partial(ppl.llama_ppl, tree, model.ggufs[dtype], text["text"], threads, f32_cache),
+            )
+            row = ppl.summarize(dtype, threads, runs)
+            print(model.name, json.dumps({k: v for k, v in row.items() if k != "runs"}),
+                  flush=True)  # fmt: skip
+            rows.append(row)
+    return {**{k: v for k, v in text.items() if k in ("same_tokens", "add_bos", "chunks")},
+            "n_ctx": ppl.N_CTX, "parallel": ppl.PARALLEL, "rows": rows}  # fmt: skip
 
 
-def main() -> None:
+# -- main --------------------------------------------------------------------------------------
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="1b,big,gptoss", help="comma-separated: 1b, big, gptoss")
+    ap.add_argument("--sections", default=",".join(SECTIONS), help="comma-separated: "
+                    + ", ".join(SECTIONS))  # fmt: skip
     ap.add_argument("--work", default="/tmp/reap-llamacpp")
     ap.add_argument("--tools", default="/work/tools")
     ap.add_argument("--reps", type=int, default=3)
@@ -313,8 +263,31 @@ def main() -> None:
     ap.add_argument("--prompts", default="32,512")
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--decode", type=int, default=32)
-    ap.add_argument("--no-agreement", action="store_true")
-    args = ap.parse_args()
+    ap.add_argument("--out", default="reports/llamacpp", help="report path without suffix")
+    args = ap.parse_args(argv)
+    bad = set(args.sections.split(",")) - set(SECTIONS)
+    if bad:
+        ap.error(f"--sections: unknown {sorted(bad)}")
+    return args
+
+
+def run_model(name: str, work: Path, tools: Path, tree: Path, args) -> dict:
+    """Every asked section for model `name`, with its timing."""
+    t0, sections = time.time(), args.sections.split(",")
+    model = prepare(name, work, tree)
+    res: dict = {"params": model.params, "ggufs": {k: str(v) for k, v in model.ggufs.items()}}
+    if "agreement" in sections:
+        res["agreement"] = agreement(tools, tree, model)
+    if "speed" in sections:
+        res["speed"] = speed(tree, model, args)
+    if "perplexity" in sections:
+        res["perplexity"] = perplexity(work, tools, tree, model, args)
+    res["minutes"] = (time.time() - t0) / 60
+    return res
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     from reap.fileio import write_atomic
     from reap.provenance import code_version
 
@@ -322,22 +295,16 @@ def main() -> None:
     work, tools = Path(args.work), Path(args.tools)
     work.mkdir(parents=True, exist_ok=True)
     tree = ensure_llamacpp(tools)
-    ckpts = make_checkpoint(work)
-    ggufs = {
-        "float32": convert(tree, ckpts["float32"], work / "qwen3moe-f32.gguf", "f32"),
-        "bfloat16": convert(tree, ckpts["bfloat16"], work / "qwen3moe-bf16.gguf", "bf16"),
-    }
-    agree = [] if args.no_agreement else agreement(tools, tree, ckpts["float32"], ggufs["float32"])
-    rows = speed(tree, ckpts, ggufs, args)
+    models = {name: run_model(name, work, tools, tree, args) for name in args.models.split(",")}
     res = {
         "command": "python experiments/bench_llamacpp.py " + " ".join(sys.argv[1:]),
         "minutes": (time.time() - t0) / 60, "code_version": code_version(), "load": [l0, load()],
-        "params": "vocab 32000, hidden 1024, 12 layers, 64 experts top-8, moe_intermediate "
-                  "384, 16/4 heads: 1.0 B parameters, 178 M active",
-        "decode": args.decode, "reps": args.reps, "agreement": agree, "speed": rows,
+        "llama_cpp_python": LLAMA_CPP_PYTHON, "decode": args.decode, "reps": args.reps,
+        "models": models,
     }  # fmt: skip
-    write_atomic(ROOT / "reports" / "llamacpp.json", json.dumps(res, indent=1).encode())
-    write_atomic(ROOT / "reports" / "llamacpp.md", report(res).encode())
+    out = ROOT / args.out
+    write_atomic(out.with_suffix(".json"), json.dumps(res, indent=1).encode())
+    write_atomic(out.with_suffix(".md"), report(res).encode())
     print(report(res))
 
 
