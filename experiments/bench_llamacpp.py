@@ -6,8 +6,8 @@ reports/llamacpp.json.
         [--dtypes float32,bfloat16] [--decode 32] [--work /tmp/reap-llamacpp] [--tools /work/tools]
 
     # harness check (minutes): one rep, one cell per model
-    python experiments/bench_llamacpp.py --reps 1 --threads 1 --prompts 32 --dtypes float32 \
-        --decode 8 --out reports/llamacpp-draft
+    python experiments/bench_llamacpp.py --draft --reps 1 --threads 1 --prompts 32 \
+        --dtypes float32 --decode 8
 
 1. llama.cpp: the tools under `--tools`/llama.cpp/build/bin (llama-bench, llama-perplexity),
    else built there from the `llama-cpp-python` source package (`pip download --no-binary`,
@@ -264,7 +264,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--decode", type=int, default=32)
     ap.add_argument("--out", default="reports/llamacpp", help="report path without suffix")
+    ap.add_argument("--draft", action="store_true",
+                    help="a harness check: write reports/llamacpp-draft.{md,json}, marked so")  # fmt: skip
     args = ap.parse_args(argv)
+    if args.draft:
+        args.out = "reports/llamacpp-draft"
     bad = set(args.sections.split(",")) - set(SECTIONS)
     if bad:
         ap.error(f"--sections: unknown {sorted(bad)}")
@@ -272,16 +276,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def run_model(name: str, work: Path, tools: Path, tree: Path, args) -> dict:
-    """Every asked section for model `name`, with its timing."""
-    t0, sections = time.time(), args.sections.split(",")
+    """Every asked section for model `name`, with the minutes each took."""
+    t0 = time.time()
     model = prepare(name, work, tree)
     res: dict = {"params": model.params, "ggufs": {k: str(v) for k, v in model.ggufs.items()}}
-    if "agreement" in sections:
-        res["agreement"] = agreement(tools, tree, model)
-    if "speed" in sections:
-        res["speed"] = speed(tree, model, args)
-    if "perplexity" in sections:
-        res["perplexity"] = perplexity(work, tools, tree, model, args)
+    run = {
+        "agreement": lambda: agreement(tools, tree, model),
+        "speed": lambda: speed(tree, model, args),
+        "perplexity": lambda: perplexity(work, tools, tree, model, args),
+    }
+    res["section_minutes"] = {"prepare": (time.time() - t0) / 60}
+    for section in args.sections.split(","):
+        t1 = time.time()
+        res[section] = run[section]()
+        res["section_minutes"][section] = (time.time() - t1) / 60
     res["minutes"] = (time.time() - t0) / 60
     return res
 
@@ -300,6 +308,7 @@ def main(argv: list[str] | None = None) -> None:
         "command": "python experiments/bench_llamacpp.py " + " ".join(sys.argv[1:]),
         "minutes": (time.time() - t0) / 60, "code_version": code_version(), "load": [l0, load()],
         "llama_cpp_python": LLAMA_CPP_PYTHON, "decode": args.decode, "reps": args.reps,
+        "draft": args.draft,
         "models": models,
     }  # fmt: skip
     out = ROOT / args.out

@@ -43,7 +43,7 @@ GPTOSS = {
     "vocab_size": 32000, "hidden_size": 1024, "intermediate_size": 1024, "num_hidden_layers": 12,
     "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 64,
     "num_local_experts": 32, "num_experts_per_tok": 4, "sliding_window": 128,
-    "layer_types": ["sliding_attention", "full_attention"] * 6, "max_position_embeddings": 8192,
+    "layer_types": ["sliding_attention", "full_attention"] * 6, "max_position_embeddings": 131072,
     "rope_parameters": {
         "rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
         "beta_slow": 1.0, "original_max_position_embeddings": 4096, "truncate": True,

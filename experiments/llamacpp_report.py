@@ -11,12 +11,20 @@ NOTE = {
     "release's layout); GGUF trunk F32 or BF16, experts MXFP4 on both sides; reap computes "
     "in the dtype of the row from the MXFP4 codes",
 }
+DRAFT = [
+    (
+        "> **Harness check, not final numbers**: one repetition of a subset of the cells, run "
+        "while other work shared the 2 cores, to show that every section runs and what it reports."
+    ),
+    "",
+]
 
 
 def report(res: dict) -> str:
     lines = [
         "# reap vs llama.cpp on the same checkpoints and threads",
         "",
+        *DRAFT * res.get("draft", False),
         (
             f"Command: `{res['command']}` ({res['minutes']:.1f} min; code {res['code_version']}; "
             f"load average {res['load'][0]} -> {res['load'][1]} on a shared 2-core machine: "
@@ -35,7 +43,8 @@ def report(res: dict) -> str:
         *summary(res),
     ]
     for name, m in res["models"].items():
-        note = f"{NOTE.get(name, '')} ({m['minutes']:.1f} min)."
+        took = ", ".join(f"{k} {v:.1f}" for k, v in m.get("section_minutes", {}).items())
+        note = f"{NOTE.get(name, '')} ({m['minutes']:.1f} min: {took})."
         lines += ["", f"## {name}: {m['params']}", "", note, ""]
         if "agreement" in m:
             lines += agreement_table(m["agreement"])
