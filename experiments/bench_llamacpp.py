@@ -1,12 +1,12 @@
 """reap's engine against llama.cpp on the same checkpoints and threads -> reports/llamacpp.md and
 reports/llamacpp.json.
 
-    python experiments/bench_llamacpp.py [--models 1b,big,gptoss]
+    python -m experiments.bench_llamacpp [--models 1b,big,gptoss]
         [--sections agreement,speed,perplexity] [--reps 3] [--threads 1,2] [--prompts 32,512]
         [--dtypes float32,bfloat16] [--decode 32] [--work /tmp/reap-llamacpp] [--tools /work/tools]
 
     # harness check (minutes): one rep, one cell per model
-    python experiments/bench_llamacpp.py --draft --reps 1 --threads 1 --prompts 32 \
+    python -m experiments.bench_llamacpp --draft --reps 1 --threads 1 --prompts 32 \
         --dtypes float32 --decode 8
 
 1. llama.cpp: the tools under `--tools`/llama.cpp/build/bin (llama-bench, llama-perplexity),
@@ -305,7 +305,7 @@ def main(argv: list[str] | None = None) -> None:
     tree = ensure_llamacpp(tools)
     models = {name: run_model(name, work, tools, tree, args) for name in args.models.split(",")}
     res = {
-        "command": "python experiments/bench_llamacpp.py " + " ".join(sys.argv[1:]),
+        "command": "python -m experiments.bench_llamacpp " + " ".join(sys.argv[1:]),
         "minutes": (time.time() - t0) / 60, "code_version": code_version(), "load": [l0, load()],
         "llama_cpp_python": LLAMA_CPP_PYTHON, "decode": args.decode, "reps": args.reps,
         "draft": args.draft,

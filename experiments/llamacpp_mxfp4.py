@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 from pathlib import Path
 
 GGUF_EXPERTS = {"ffn_gate_exps": ("gate_up_proj", 0), "ffn_up_exps": ("gate_up_proj", 1),
@@ -35,19 +34,28 @@ def _reap_decoded(tensors: dict, layer: int, name: str, half: int | None):
 
 
 def decode_check(tree: Path, ckpt: Path, gguf: Path) -> dict:
-    """Max |llama.cpp's decoded expert weight - reap's| over every MXFP4 expert tensor."""
+    """`compare` in a fresh interpreter that imports llama.cpp's own gguf-py (from `tree`)."""
+    from experiments.llamacpp_models import run_python
+
+    root = Path(__file__).resolve().parent.parent
+    code = (
+        "import json; from experiments.llamacpp_mxfp4 import compare; "
+        f"print(json.dumps(compare({str(ckpt)!r}, {str(gguf)!r})))"
+    )
+    return json.loads(run_python(code, [tree / "gguf-py", root]).strip().splitlines()[-1])
+
+
+def compare(ckpt: str, gguf: str) -> dict:
+    """Max |llama.cpp's decoded expert weight - reap's| over every MXFP4 expert tensor of
+    `gguf` (needs llama.cpp's gguf-py importable)."""
     import numpy as np
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
     from safetensors.torch import load_file
 
-    sys.path.insert(0, str(tree / "gguf-py"))
-    try:
-        from gguf import GGUFReader
-        from gguf.quants import dequantize
-    finally:
-        sys.path.remove(str(tree / "gguf-py"))
-    tensors = load_file(ckpt / "model.safetensors")
+    tensors = load_file(Path(ckpt) / "model.safetensors")
     worst, count = 0.0, 0
-    for t in GGUFReader(str(gguf)).tensors:
+    for t in GGUFReader(gguf).tensors:
         parts = t.name.split(".")  # blk.{layer}.{kind}.weight
         if len(parts) != 4 or parts[2] not in GGUF_EXPERTS or t.tensor_type.name != "MXFP4":
             continue
