@@ -5,9 +5,13 @@ reports/llamacpp.json.
         [--sections agreement,speed,perplexity] [--reps 3] [--threads 1,2] [--prompts 32,512]
         [--dtypes float32,bfloat16] [--decode 32] [--work /tmp/reap-llamacpp] [--tools /work/tools]
 
-    # harness check (minutes): one rep, one cell per model
-    python -m experiments.bench_llamacpp --draft --reps 1 --threads 1 --prompts 32 \
-        --dtypes float32 --decode 8
+    # harness check -> reports/llamacpp-draft.{md,json} (10 min here): one rep, 2 cells a model
+    python -m experiments.bench_llamacpp --draft --reps 1 --threads 1 --prompts 32 --decode 8
+
+The full default run takes about an hour on this 2-core machine when quiet (per model, minutes:
+1b agreement 0.3, speed 4-5, perplexity 6; big 0.6, 9-10, 13; gptoss 2, 12, 8; every model and
+section can be run alone with --models / --sections). Disk: 1b 12 GB, big 25 GB (under
+`--work`-big), gptoss 8 GB; peak memory about 9 GB (reap holding the big float32 model).
 
 1. llama.cpp: the tools under `--tools`/llama.cpp/build/bin (llama-bench, llama-perplexity),
    else built there from the `llama-cpp-python` source package (`pip download --no-binary`,
