@@ -23,7 +23,8 @@ section can be run alone with --models / --sections). Disk: 1b 12 GB, big 25 GB 
    `--work`-big). Made once and kept.
 3. agreement: 16 greedy tokens after 3 prompts in float32, reap vs llama.cpp (its bindings,
    token ids in, argmax of its logits out, F32 KV cache).
-4. speed: `reap run --preset max` (fresh process; its prefill and decode tok/s) and
+4. speed: `reap run --preset max --warmup` (fresh process; its prefill and decode tok/s after
+   one unmeasured generation, as llama-bench's warm-up run) and
    `llama-bench -p P -n 0` / `-n N -d P` at each dtype, thread count and prompt length.
 5. perplexity (`llamacpp_ppl`): reap's perplexity pass vs `llama-perplexity` on the same
    4096 token ids (8 chunks of 512, 4 in parallel), both perplexities and tokens/s.
@@ -161,7 +162,8 @@ def reap_speed(path: Path, dtype: str, threads: int, prompt: int, decode: int) -
     env = {"OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "reap.cli", "run", str(path), "--preset", "max", "--dtype",
            dtype, "--prompt-ids", ids, "--max-tokens", str(decode), "--ignore-eos",
-           "--threads", str(threads), "--context", str(prompt + decode + 8), "--json", "--quiet"]  # fmt: skip
+           "--threads", str(threads), "--context", str(prompt + decode + 8), "--warmup", "--json",
+           "--quiet"]  # fmt: skip
     p = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True,
                        timeout=1800, check=False)  # fmt: skip
     if p.returncode != 0:

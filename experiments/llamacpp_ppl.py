@@ -13,7 +13,8 @@ by reap the way `reap eval` scores documents (`reap.eval.quality`): the engine p
 chunks in lockstep, `Engine.step(..., all_positions=True)` in pieces of its plan's prefill
 chunk, and the next-token log-probabilities in float64 (as `chunk_sums` does), here over the
 positions llama-perplexity scores. One engine instead of `reap eval`'s reference + build (which
-would read every token twice). Timed on both sides: the whole pass after loading (evaluation
+would read every token twice). Both warm up with a 2-token step before the pass (llama-perplexity
+by default). Timed on both sides: the whole pass after loading (evaluation
 and log-probabilities); tokens/s = ids fed / seconds.
 """
 
@@ -43,6 +44,7 @@ chunks, first = json.load(open({ids!r})), {first}
 nll, count, seconds = 0.0, 0, 0.0
 with Engine.open({path!r}, preset="max", context={ctx}, dtype={dtype!r}, batch={par}) as eng:
     piece = eng.plan.prefill_chunk
+    eng.step([eng.new_sequence() for _ in range({par})], [c[:2] for c in chunks[:{par}]])  # warm-up
     for g in range(0, len(chunks), {par}):
         group = chunks[g : g + {par}]
         seqs = [eng.new_sequence() for _ in group]

@@ -35,7 +35,7 @@ def report(res: dict) -> str:
         (
             f"llama.cpp from the llama-cpp-python {res['llama_cpp_python']} source package "
             "(CPU build, -DGGML_NATIVE=ON); GGUFs by its own `convert_hf_to_gguf.py`. reap: "
-            "`reap run --preset max` (fresh process); llama.cpp: `llama-bench -r 1` (prefill "
+            "`reap run --preset max --warmup` (fresh process); llama.cpp: `llama-bench -r 1` (prefill "
             f"`-p P -n 0`, decode `-n {res['decode']} -d P`, F16 KV cache). Medians of "
             f"{res['reps']} interleaved runs; ratio = reap / llama.cpp."
         ),
