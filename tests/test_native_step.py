@@ -90,7 +90,8 @@ def _logits(path, dtype, monkeypatch, on=True, threads=1, preset="max", together
                 if len(chunk) == 1:  # one token: all sequences in one step
                     out.append(eng.step(seqs, [chunk] * len(seqs), all_positions=True)[0][-1])
                 else:  # the torch path's prefill depends on the batch: each sequence alone
-                    out.append([eng.step([s], [chunk], all_positions=True)[0][-1] for s in seqs][0])
+                    rows = [eng.step([s], [chunk], all_positions=True)[0][-1] for s in seqs]
+                    out.append(rows[0])
     finally:
         torch.set_num_threads(saved)
     assert len(calls) == (len(STEPS) + len(MORE) if on else 0)  # the path really ran (or not)

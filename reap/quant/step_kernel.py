@@ -26,15 +26,15 @@ from pathlib import Path
 from reap.quant import ckernel
 
 _SOURCE = Path(__file__).with_name("step_kernels.c")
-# argument indices, as the enums of step_kernels.c
-ATTN = {
-    n: i
-    for i, n in enumerate(
-        "h x2 scratch in_norm wq wk wv wo q_norm k_norm post_norm router cos sin kc vc cap pos "
-        "d heads kv_heads dh rot qk window e k renorm wbf16 rnd ids weights".split()
-    )
-}
-MOE = {n: i for i, n in enumerate("x2 h scratch k f d wbf16 rnd weights gate up down".split())}
+# argument names in index order, as the enums of step_kernels.c
+ATTN_ARGS = (
+    "h", "x2", "scratch", "in_norm", "wq", "wk", "wv", "wo", "q_norm", "k_norm", "post_norm",
+    "router", "cos", "sin", "kc", "vc", "cap", "pos", "d", "heads", "kv_heads", "dh", "rot", "qk",
+    "window", "e", "k", "renorm", "wbf16", "rnd", "ids", "weights",
+)  # fmt: skip
+MOE_ARGS = ("x2", "h", "scratch", "k", "f", "d", "wbf16", "rnd", "weights", "gate", "up", "down")
+ATTN = {n: i for i, n in enumerate(ATTN_ARGS)}  # name -> index
+MOE = {n: i for i, n in enumerate(MOE_ARGS)}
 _LIB: list = []
 _LOCK = threading.Lock()
 
