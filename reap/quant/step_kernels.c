@@ -23,8 +23,8 @@
 
 /* ---- thread pool ----------------------------------------------------------------------- */
 /* A job is split into chunks that the caller and the workers claim from a shared ticket
-   (job number << 32 | next chunk), so a worker that the OS does not run right now delays
-   nothing: the others take its chunks. Which thread computes a row never changes its value. */
+   (job number << 32 | next chunk), so a worker that the OS has not scheduled yet delays
+   nothing: the others take the chunks it has not claimed. Which thread computes a row never changes its value. */
 typedef void (*task_fn)(const void *ctx, int64_t a, int64_t b);
 #define MAX_THREADS 64
 #define SPINS 20000 /* pause loops before an idle worker sleeps */
