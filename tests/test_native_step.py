@@ -1,4 +1,4 @@
-"""The engine's compiled decode step (`reap.engine.native` over `reap.quant.step_kernels.c`)
+"""The engine's compiled decode step (`reap.engine.native` over `reap.quant.step_kernel`)
 against the torch path it replaces (`Engine._step`, the reference), on tiny checkpoints saved by
 transformers: Qwen3-MoE (per-head q/k norms, a dense layer, tied embeddings), OLMoE (q/k norms
 over the whole projection) and Mixtral (no q/k norms, a sliding window shorter than the run),

@@ -49,20 +49,23 @@ def machine_tag() -> str:
     return os.uname().machine + " " + " ".join(sorted(flags.split(":", 1)[-1].split()))
 
 
-def compile_cached(source: Path, prefix: str, flags: tuple[str, ...] = ()):
-    """Compile C `source` (with extra compiler `flags`) into the cache as `prefix-<tag>.so`,
-    the tag covering source, flags and CPU; the loaded library, or None without a compiler or
-    write access (the torch paths then do the work)."""
+def compile_cached(source, prefix: str, flags: tuple[str, ...] = ()):
+    """Compile C `source` (a path, or several compiled into one library; with extra compiler
+    `flags`) into the cache as `prefix-<tag>.so`, the tag covering the sources, the headers
+    beside them, the flags and the CPU; the loaded library, or None without a compiler or write
+    access (the torch paths then do the work)."""
     from reap.defaults import cache_dir
 
-    text = source.read_text()
+    sources = [source] if isinstance(source, Path) else list(source)
+    headers = sorted({h for s in sources for h in s.parent.glob("*.h")})
+    text = "".join(p.read_text() for p in (*sources, *headers))
     cc = [*_CC, *flags]
     tag = hashlib.sha256((text + " ".join(cc) + machine_tag()).encode()).hexdigest()[:16]
     so = cache_dir() / "kernels" / f"{prefix}-{tag}.so"
     try:
         if not so.is_file():
             with atomic_path(so) as tmp:  # concurrent builds leave one complete file
-                cmd = [*cc, "-o", tmp, str(source), "-lm"]
+                cmd = [*cc, "-o", tmp, *map(str, sources), "-lm"]
                 subprocess.run(cmd, check=True, capture_output=True, timeout=120)
         return ctypes.CDLL(str(so))
     except (OSError, subprocess.SubprocessError, WriteError):

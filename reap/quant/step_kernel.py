@@ -1,7 +1,8 @@
-"""The compiled decode step (source: `step_kernels.c` beside this file): one token through a
-pre-norm layer (RMSNorm, grouped-query RoPE attention over a KV cache, softmax top-k router,
-SwiGLU experts) in two calls, and the final norm and head in a third, with a persistent thread
-pool inside the library that splits every matrix-vector product by rows. Built on first use
+"""The compiled decode step (sources beside this file: `step_kernels.c`, the many-token experts
+in `prefill_kernels.c`, the pool in `step_pool.c`, shared arithmetic in `step_common.h`): one
+token through a pre-norm layer (RMSNorm, grouped-query RoPE attention over a KV cache, softmax
+top-k router, SwiGLU experts) in two calls, and the final norm and head in a third, with a
+persistent thread pool inside the library that splits every matrix-vector product by rows. Built on first use
 like the other kernels (`reap.quant.ckernel.compile_cached`); `REAP_NO_CKERNEL=1` or
 `REAP_NO_NATIVE=1` turns it off (the torch path then runs every step).
 
@@ -25,7 +26,8 @@ from pathlib import Path
 
 from reap.quant import ckernel
 
-_SOURCE = Path(__file__).with_name("step_kernels.c")
+_HERE = Path(__file__).parent
+_SOURCES = [_HERE / n for n in ("step_pool.c", "step_kernels.c", "prefill_kernels.c")]
 # argument names in index order, as the enums of step_kernels.c
 ATTN_ARGS = (
     "h", "x2", "scratch", "in_norm", "wq", "wk", "wv", "wo", "q_norm", "k_norm", "post_norm",
@@ -53,7 +55,7 @@ def library():
 def build(flags: tuple[str, ...] = ()):
     """The step kernels compiled with extra compiler `flags` (e.g. "-mno-avx512f": the portable
     loops, for the tests), signatures declared; None when they cannot be built."""
-    lib = ckernel.compile_cached(_SOURCE, "step", ("-pthread", *flags))
+    lib = ckernel.compile_cached(_SOURCES, "step", ("-pthread", *flags))
     if lib is None:
         return None
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64

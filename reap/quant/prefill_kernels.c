@@ -1,0 +1,200 @@
+/* The routed experts of many tokens (a prefill chunk) in one call: expert-major, (expert, row
+   block) work items over the pool. Every output is `dot1` (step_common.h): one set of 16 fp32
+   lanes over the columns in order, the lanes summed pairwise, the tail added in order; the
+   register tiles below compute several outputs at once with exactly that sequence each, so no
+   value depends on the batch, the tiling or the thread split. */
+#include "step_common.h"
+
+#define TR 4 /* rows per tile */
+/* y[t * ldy + r] = dot1(w row r, x row t) for r < TR, t < TT (w rows of n columns, x rows of
+   n floats, ldx apart); TT = 6 or 4 tokens (24 or 16 accumulators) */
+#if defined(__AVX512F__)
+#define TILE(NAME, TT, BF16)                                                                  \
+static void NAME(const char *w, int64_t esz, int wbf16, const float *x, int64_t ldx,         \
+                 int64_t n, float *y, int64_t ldy) {                                          \
+    (void)wbf16;                                                                              \
+    __m512 acc[TR][TT];                                                                       \
+    for (int r = 0; r < TR; r++)                                                              \
+        for (int t = 0; t < TT; t++) acc[r][t] = _mm512_setzero_ps();                         \
+    int64_t c = 0;                                                                            \
+    for (; c + 16 <= n; c += 16) {                                                            \
+        __m512 wv[TR];                                                                        \
+        for (int r = 0; r < TR; r++) {                                                        \
+            const char *p = w + (r * n + c) * esz;                                            \
+            _mm_prefetch(p + TR * n * esz, _MM_HINT_T0); /* the next tile's rows */           \
+            wv[r] = BF16 ? widen16((const uint16_t *)p) : _mm512_loadu_ps((const float *)p);  \
+        }                                                                                     \
+        for (int t = 0; t < TT; t++) {                                                        \
+            __m512 xv = _mm512_loadu_ps(x + t * ldx + c);                                     \
+            __asm__("" : "+v"(xv)); /* one load per token, kept in a register */             \
+            for (int r = 0; r < TR; r++) acc[r][t] = _mm512_fmadd_ps(wv[r], xv, acc[r][t]);   \
+        }                                                                                     \
+    }                                                                                         \
+    for (int r = 0; r < TR; r++)                                                              \
+        for (int t = 0; t < TT; t++) {                                                        \
+            float v = lanes_sum16(acc[r][t]);                                                 \
+            const char *p = w + r * n * esz;                                                  \
+            for (int64_t k = c; k < n; k++) v = fmaf(load(p, BF16, k), x[t * ldx + k], v);   \
+            y[t * ldy + r] = v;                                                               \
+        }                                                                                     \
+}
+#else
+#define TILE(NAME, TT, BF16)                                                                  \
+static void NAME(const char *w, int64_t esz, int wbf16, const float *x, int64_t ldx,         \
+                 int64_t n, float *y, int64_t ldy) {                                          \
+    for (int r = 0; r < TR; r++)                                                              \
+        for (int t = 0; t < TT; t++)                                                          \
+            y[t * ldy + r] = dot1(w + r * n * esz, wbf16, x + t * ldx, n);                    \
+}
+#endif
+TILE(tile6_f32, 6, 0)
+TILE(tile4_f32, 4, 0)
+TILE(tile6_bf16, 6, 1)
+TILE(tile4_bf16, 4, 1)
+
+/* y[t, r] for rows [r0, r1) and tokens [0, m) of one matrix: tiles, then dot1 at the edges */
+static void block(const void *w, int wbf16, const float *x, int64_t m, int64_t n, int64_t r0,
+                  int64_t r1, float *y, int64_t ldy) {
+    int64_t esz = wbf16 ? 2 : 4, r = r0;
+    for (; r + TR <= r1; r += TR) {
+        const char *wr = (const char *)w + r * n * esz;
+        int64_t t = 0;
+        for (; t + 6 <= m; t += 6)
+            (wbf16 ? tile6_bf16 : tile6_f32)(wr, esz, wbf16, x + t * n, n, n, y + t * ldy + r, ldy);
+        for (; t + 4 <= m; t += 4)
+            (wbf16 ? tile4_bf16 : tile4_f32)(wr, esz, wbf16, x + t * n, n, n, y + t * ldy + r, ldy);
+        for (; t < m; t++)
+            for (int64_t q = r; q < r + TR; q++)
+                y[t * ldy + q] = dot1((const char *)w + q * n * esz, wbf16, x + t * n, n);
+    }
+    for (; r < r1; r++)
+        for (int64_t t = 0; t < m; t++)
+            y[t * ldy + r] = dot1((const char *)w + r * n * esz, wbf16, x + t * n, n);
+}
+
+typedef struct {
+    const int64_t *table;  /* [E, 3] gate, up, down pointers (0: skipped) */
+    const int64_t *start;  /* [E + 1] first pair of each expert in the sorted order */
+    const int64_t *items;  /* [n_items, 2] (expert, row block) */
+    const float *xg;       /* [P, D] inputs gathered per pair */
+    float *g, *u, *o;      /* [P, F] gate, [P, F] up then hidden, [P, D] outputs */
+    int64_t F, D, rows;    /* rows per block */
+    int wbf16, rnd, phase; /* phase 0: gate/up/hidden, 1: down */
+} prefill_t;
+
+static void prefill_task(const void *ctx, int64_t a, int64_t b) {
+    const prefill_t *p = (const prefill_t *)ctx;
+    for (int64_t it = a; it < b; it++) {
+        int64_t e = p->items[2 * it], blk = p->items[2 * it + 1];
+        int64_t s = p->start[e], m = p->start[e + 1] - s;
+        const int64_t *w = p->table + 3 * e;
+        if (p->phase == 0) {
+            int64_t r0 = blk * p->rows, r1 = r0 + p->rows < p->F ? r0 + p->rows : p->F;
+            float *g = p->g + s * p->F, *u = p->u + s * p->F;
+            block((const void *)w[0], p->wbf16, p->xg + s * p->D, m, p->D, r0, r1, g, p->F);
+            block((const void *)w[1], p->wbf16, p->xg + s * p->D, m, p->D, r0, r1, u, p->F);
+            for (int64_t t = 0; t < m; t++)
+                for (int64_t r = r0; r < r1; r++) {
+                    float gv = rb(g[t * p->F + r], p->rnd);
+                    float sv = rb(gv / (1.0f + expf(-gv)), p->rnd);
+                    u[t * p->F + r] = rb(sv * rb(u[t * p->F + r], p->rnd), p->rnd);
+                }
+        } else {
+            int64_t r0 = blk * p->rows, r1 = r0 + p->rows < p->D ? r0 + p->rows : p->D;
+            float *o = p->o + s * p->D;
+            block((const void *)w[2], p->wbf16, p->u + s * p->F, m, p->F, r0, r1, o, p->D);
+            for (int64_t t = 0; t < m; t++)
+                for (int64_t r = r0; r < r1; r++) o[t * p->D + r] = rb(o[t * p->D + r], p->rnd);
+        }
+    }
+}
+
+#define ROWS_F 32 /* gate/up rows per work item */
+#define ROWS_D 64 /* down rows per work item */
+
+/* scratch sizes of reap_moe_prefill: ints[0] int64 and ints[1] floats */
+void reap_moe_prefill_scratch(int64_t N, int64_t K, int64_t E, int64_t F, int64_t D,
+                              int64_t *sizes) {
+    int64_t P = N * K, blocks = (F + ROWS_F - 1) / ROWS_F + (D + ROWS_D - 1) / ROWS_D;
+    sizes[0] = (E + 1) + 2 * P + 2 * E * blocks;
+    sizes[1] = P * (2 * D + 2 * F);
+}
+
+enum { /* reap_moe_prefill's int64 arguments */
+    P_X, P_Y, P_IDS, P_WEIGHTS, P_TABLE, P_N, P_K, P_E, P_F, P_D, P_WBF16, P_RND, P_FLOATS,
+    P_INTS, P_COUNT
+};
+
+typedef struct {
+    const int64_t *ids, *pos;
+    const float *wt, *o;
+    float *y;
+    int64_t K, D;
+} acc_t;
+
+/* y[t] = sum over t's routed slots, ascending expert id, of o[pair] * weight (fp32, product
+   then sum, as the torch path's index_add_ of out * weight expert after expert) */
+static void acc_task(const void *ctx, int64_t a, int64_t b) {
+    const acc_t *c = (const acc_t *)ctx;
+    for (int64_t t = a; t < b; t++) {
+        float *y = c->y + t * c->D;
+        for (int64_t d = 0; d < c->D; d++) y[d] = 0.0f;
+        int64_t done[256], n = 0; /* slots in ascending expert order */
+        for (int64_t k = 0; k < c->K; k++) {
+            if (c->pos[t * c->K + k] < 0) continue;
+            int64_t j = n++;
+            while (j > 0 && c->ids[t * c->K + done[j - 1]] > c->ids[t * c->K + k]) {
+                done[j] = done[j - 1];
+                j--;
+            }
+            done[j] = k;
+        }
+        for (int64_t j = 0; j < n; j++) {
+            const float *o = c->o + c->pos[t * c->K + done[j]] * c->D;
+            float w = c->wt[t * c->K + done[j]];
+            for (int64_t d = 0; d < c->D; d++) y[d] += o[d] * w;
+        }
+    }
+}
+
+/* The routed experts of N tokens: y [N, D] fp32 = per token the weighted sum (ascending expert
+   order) of its experts' SwiGLU outputs, each rounded to the activation dtype; experts whose
+   table entry is 0 contribute nothing. Work items are (expert, row block) pairs. */
+void reap_moe_prefill(const int64_t *a) {
+    int64_t N = a[P_N], K = a[P_K], E = a[P_E], F = a[P_F], D = a[P_D], P = N * K;
+    const int64_t *ids = (const int64_t *)a[P_IDS], *table = (const int64_t *)a[P_TABLE];
+    const float *x = (const float *)a[P_X];
+    int64_t *start = (int64_t *)a[P_INTS], *order = start + E + 1, *pos = order + P;
+    int64_t *items = pos + P;
+    float *xg = (float *)a[P_FLOATS], *g = xg + P * D, *u = g + P * F, *o = u + P * F;
+    for (int64_t e = 0; e <= E; e++) start[e] = 0;
+    for (int64_t p = 0; p < P; p++)
+        if (table[3 * ids[p]]) start[ids[p] + 1]++;
+    for (int64_t e = 0; e < E; e++) start[e + 1] += start[e];
+    int64_t *fill = items; /* borrowed: next free position per expert */
+    for (int64_t e = 0; e < E; e++) fill[e] = start[e];
+    for (int64_t p = 0; p < P; p++) { /* pairs by expert, then token */
+        pos[p] = table[3 * ids[p]] ? fill[ids[p]]++ : -1;
+        if (pos[p] >= 0) order[pos[p]] = p;
+    }
+    for (int64_t q = 0; q < start[E]; q++)
+        memcpy(xg + q * D, x + (order[q] / K) * D, (size_t)D * sizeof(float));
+    prefill_t pf = {table, start, items, xg, g, u, o, F, D, ROWS_F, (int)a[P_WBF16],
+                    (int)a[P_RND], 0};
+    for (int phase = 0; phase < 2; phase++) {
+        int64_t rows = phase ? ROWS_D : ROWS_F, width = phase ? D : F, n = 0;
+        for (int64_t e = 0; e < E; e++)
+            if (start[e + 1] > start[e])
+                for (int64_t blk = 0; blk * rows < width; blk++) {
+                    items[2 * n] = e;
+                    items[2 * n + 1] = blk;
+                    n++;
+                }
+        pf.phase = phase;
+        pf.rows = rows;
+        reap_parallel(prefill_task, &pf, n, 1);
+    }
+    acc_t ac = {ids, pos, (const float *)a[P_WEIGHTS], o, (float *)a[P_Y], K, D};
+    reap_parallel(acc_task, &ac, N, 16);
+}
+

@@ -1,0 +1,166 @@
+/* What the step-kernel sources share (`step_pool.c`, `step_kernels.c`, `prefill_kernels.c`,
+   compiled into one library): the thread pool's entry point and the arithmetic every kernel
+   uses, one fixed order of fp32 operations whatever the CPU (AVX-512 or portable C). */
+#ifndef REAP_STEP_COMMON_H
+#define REAP_STEP_COMMON_H
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+/* fn(ctx, a, b) over [0, total) in chunks of at least `grain` items, shared by the caller and
+   the pool's workers (step_pool.c); returns when all are done */
+typedef void (*task_fn)(const void *ctx, int64_t a, int64_t b);
+void reap_parallel(task_fn fn, const void *ctx, int64_t total, int64_t grain);
+
+static inline float widen(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* bf16 rounding of an fp32 value (round to nearest even, as torch's .to(bfloat16)) */
+static inline float round_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return f;
+    u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline float rb(float f, int rnd) { return rnd ? round_bf16(f) : f; }
+
+#if defined(__AVX512F__)
+static inline __m512 widen16(const uint16_t *p) {
+    __m256i h = _mm256_loadu_si256((const __m256i *)p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+#endif
+
+#if defined(__AVX512F__)
+/* lanes_sum of a vector's 16 lanes, the same pairwise adds done lane-parallel */
+static inline float lanes_sum16(__m512 v) {
+    const __m512i s8 = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 15, 14, 13, 12, 11, 10, 9, 8);
+    const __m512i s4 = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 7, 6, 5, 4);
+    const __m512i s2 = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 3, 2);
+    const __m512i s1 = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 1);
+    v = _mm512_add_ps(v, _mm512_permutexvar_ps(s8, v));
+    v = _mm512_add_ps(v, _mm512_permutexvar_ps(s4, v));
+    v = _mm512_add_ps(v, _mm512_permutexvar_ps(s2, v));
+    v = _mm512_add_ps(v, _mm512_permutexvar_ps(s1, v));
+    return _mm512_cvtss_f32(v);
+}
+#endif
+
+static inline float lanes_sum(float *s) {
+    for (int w = 8; w > 0; w >>= 1)
+        for (int j = 0; j < w; j++) s[j] += s[j + w];
+    return s[0];
+}
+
+static inline float load(const void *p, int bf16, int64_t i) {
+    return bf16 ? widen(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+/* w (bf16 if wbf16, else fp32) . x over n columns: two sets of 16 fp32 lanes take alternate
+   blocks of 16 columns (fmaf; a last odd block goes to the first set), the sets are added lane
+   by lane, the lanes summed pairwise, then the tail of n % 16 columns added in order. The rows
+   two ahead of w are prefetched (a matrix-vector product walks rows in order). */
+static inline float dot(const void *w, int wbf16, const float *x, int64_t n) {
+    float s[16];
+    int64_t c = 0;
+#if defined(__AVX512F__)
+    __m512 a = _mm512_setzero_ps(), b = _mm512_setzero_ps();
+    if (wbf16) {
+        const uint16_t *p = (const uint16_t *)w;
+        for (; c + 32 <= n; c += 32) {
+            _mm_prefetch((const char *)(p + 2 * n + c), _MM_HINT_T0);
+            a = _mm512_fmadd_ps(widen16(p + c), _mm512_loadu_ps(x + c), a);
+            b = _mm512_fmadd_ps(widen16(p + c + 16), _mm512_loadu_ps(x + c + 16), b);
+        }
+        if (c + 16 <= n) {
+            a = _mm512_fmadd_ps(widen16(p + c), _mm512_loadu_ps(x + c), a);
+            c += 16;
+        }
+    } else {
+        const float *p = (const float *)w;
+        for (; c + 32 <= n; c += 32) {
+            _mm_prefetch((const char *)(p + 2 * n + c), _MM_HINT_T0);
+            _mm_prefetch((const char *)(p + 2 * n + c + 16), _MM_HINT_T0);
+            a = _mm512_fmadd_ps(_mm512_loadu_ps(p + c), _mm512_loadu_ps(x + c), a);
+            b = _mm512_fmadd_ps(_mm512_loadu_ps(p + c + 16), _mm512_loadu_ps(x + c + 16), b);
+        }
+        if (c + 16 <= n) {
+            a = _mm512_fmadd_ps(_mm512_loadu_ps(p + c), _mm512_loadu_ps(x + c), a);
+            c += 16;
+        }
+    }
+    _mm512_storeu_ps(s, _mm512_add_ps(a, b));
+#else
+    float t[16];
+    for (int j = 0; j < 16; j++) s[j] = t[j] = 0.0f;
+    for (; c + 16 <= n; c += 16) {
+        float *acc = (c / 16) % 2 ? t : s;
+        for (int j = 0; j < 16; j++) acc[j] = fmaf(load(w, wbf16, c + j), x[c + j], acc[j]);
+    }
+    for (int j = 0; j < 16; j++) s[j] += t[j];
+#endif
+    float v = lanes_sum(s);
+    for (; c < n; c++) v = fmaf(load(w, wbf16, c), x[c], v);
+    return v;
+}
+
+
+static inline void store(void *p, int bf16, int64_t i, float v) {
+    if (bf16) {
+        uint32_t u;
+        memcpy(&u, &v, 4); /* v is already a bf16 value */
+        ((uint16_t *)p)[i] = (uint16_t)(u >> 16);
+    } else {
+        ((float *)p)[i] = v;
+    }
+}
+
+/* y = rms_norm(x) * w over n (torch: x * rsqrt(mean(x^2) + eps), then * w, then rounded) */
+static inline void rms_norm(const float *x, const void *w, int wbf16, float eps, int64_t n, float *y,
+                     int rnd) {
+    float s[16] = {0};
+    int64_t c = 0;
+    for (; c + 16 <= n; c += 16)
+        for (int j = 0; j < 16; j++) s[j] = fmaf(x[c + j], x[c + j], s[j]);
+    float ss = lanes_sum(s);
+    for (; c < n; c++) ss = fmaf(x[c], x[c], ss);
+    float r = 1.0f / sqrtf(ss / (float)n + eps);
+    for (int64_t i = 0; i < n; i++) y[i] = rb(x[i] * r * load(w, wbf16, i), rnd);
+}
+
+
+/* w . x over n columns for the many-token products (prefill_kernels.c): one set of 16 fp32
+   lanes over the columns in order (fmaf), the lanes summed pairwise, the tail added in order. */
+static inline float dot1(const void *w, int wbf16, const float *x, int64_t n) {
+    float s[16];
+    int64_t c = 0;
+#if defined(__AVX512F__)
+    __m512 a = _mm512_setzero_ps();
+    for (; c + 16 <= n; c += 16) {
+        __m512 wv = wbf16 ? widen16((const uint16_t *)w + c) : _mm512_loadu_ps((const float *)w + c);
+        a = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + c), a);
+    }
+    _mm512_storeu_ps(s, a);
+#else
+    for (int j = 0; j < 16; j++) s[j] = 0.0f;
+    for (; c + 16 <= n; c += 16)
+        for (int j = 0; j < 16; j++) s[j] = fmaf(load(w, wbf16, c + j), x[c + j], s[j]);
+#endif
+    float v = lanes_sum(s);
+    for (; c < n; c++) v = fmaf(load(w, wbf16, c), x[c], v);
+    return v;
+}
+
+
+#endif
