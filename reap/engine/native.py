@@ -89,6 +89,7 @@ class NativeDecoder:
         """`Engine.step` for one token per sequence (see `usable`)."""
         eng = self.eng
         self.lib.reap_pool_size(torch.get_num_threads())
+        self.lib.reap_pool_spin(step_kernel.SPINS)  # many small jobs follow each other
         hs = [st.hidden.reshape(-1).float().contiguous() for st in eng._embed(chunks)]  # [D] each
         for i, spec in enumerate(self.specs):
             t0 = time.perf_counter()
@@ -181,7 +182,9 @@ class NativeDecoder:
             E, F, D, int(self.wbf16), int(self.rnd), floats.data_ptr(), ints.data_ptr(),
         )  # fmt: skip
         self.lib.reap_pool_size(torch.get_num_threads())
+        self.lib.reap_pool_spin(step_kernel.SPINS)
         self.lib.reap_moe_prefill(args)
+        self.lib.reap_pool_spin(0)  # torch's ops come next: leave them the cores
         return y
 
     def _scratch_of(self, floats: int) -> torch.Tensor:

@@ -7,7 +7,7 @@
 
 #define TR 4 /* rows per tile */
 /* y[t * ldy + r] = dot1(w row r, x row t) for r < TR, t < TT (w rows of n columns, x rows of
-   n floats, ldx apart); TT = 6 or 4 tokens (24 or 16 accumulators) */
+   n floats, ldx apart); TT = 6 tokens (24 accumulators) or the last 1-4 */
 #if defined(__AVX512F__)
 #define TILE(NAME, TT, BF16)                                                                  \
 static void NAME(const char *w, int64_t esz, int wbf16, const float *x, int64_t ldx,         \
@@ -49,8 +49,23 @@ static void NAME(const char *w, int64_t esz, int wbf16, const float *x, int64_t 
 #endif
 TILE(tile6_f32, 6, 0)
 TILE(tile4_f32, 4, 0)
+TILE(tile3_f32, 3, 0)
+TILE(tile2_f32, 2, 0)
+TILE(tile1_f32, 1, 0)
 TILE(tile6_bf16, 6, 1)
 TILE(tile4_bf16, 4, 1)
+TILE(tile3_bf16, 3, 1)
+TILE(tile2_bf16, 2, 1)
+TILE(tile1_bf16, 1, 1)
+
+typedef void (*tile_fn)(const char *, int64_t, int, const float *, int64_t, int64_t, float *,
+                        int64_t);
+/* the tile of up to 4 tokens: [tokens][bf16] (index 0 unused) */
+static const tile_fn REST[5][2] = {{0, 0},
+                                   {tile1_f32, tile1_bf16},
+                                   {tile2_f32, tile2_bf16},
+                                   {tile3_f32, tile3_bf16},
+                                   {tile4_f32, tile4_bf16}};
 
 /* y[t, r] for rows [r0, r1) and tokens [0, m) of one matrix: tiles, then dot1 at the edges */
 static void block(const void *w, int wbf16, const float *x, int64_t m, int64_t n, int64_t r0,
@@ -61,11 +76,10 @@ static void block(const void *w, int wbf16, const float *x, int64_t m, int64_t n
         int64_t t = 0;
         for (; t + 6 <= m; t += 6)
             (wbf16 ? tile6_bf16 : tile6_f32)(wr, esz, wbf16, x + t * n, n, n, y + t * ldy + r, ldy);
-        for (; t + 4 <= m; t += 4)
-            (wbf16 ? tile4_bf16 : tile4_f32)(wr, esz, wbf16, x + t * n, n, n, y + t * ldy + r, ldy);
-        for (; t < m; t++)
-            for (int64_t q = r; q < r + TR; q++)
-                y[t * ldy + q] = dot1((const char *)w + q * n * esz, wbf16, x + t * n, n);
+        for (; t < m; t += 4) { /* the last 1-4 tokens */
+            int64_t k = m - t < 4 ? m - t : 4;
+            REST[k][wbf16 != 0](wr, esz, wbf16, x + t * n, n, n, y + t * ldy + r, ldy);
+        }
     }
     for (; r < r1; r++)
         for (int64_t t = 0; t < m; t++)

@@ -8,6 +8,7 @@ like the other kernels (`reap.quant.ckernel.compile_cached`); `REAP_NO_CKERNEL=1
 
     lib = library()                       # None when unavailable
     lib.reap_pool_size(2)                 # threads (the caller included)
+    lib.reap_pool_spin(SPINS)             # idle workers spin this long, then sleep (0: at once)
     lib.reap_attn_step(args, floats)      # args: int64[ATTN_ARGS] (indices ATTN), floats: eps, scale
     lib.reap_moe_step(args)               # args: int64[MOE_ARGS] (indices MOE)
     lib.reap_head_step(h, norm, head, V, D, wbf16, rnd, eps, x, logits)
@@ -37,6 +38,7 @@ ATTN_ARGS = (
 MOE_ARGS = ("x2", "h", "scratch", "k", "f", "d", "wbf16", "rnd", "weights", "gate", "up", "down")
 ATTN = {n: i for i, n in enumerate(ATTN_ARGS)}  # name -> index
 MOE = {n: i for i, n in enumerate(MOE_ARGS)}
+SPINS = 20000  # pause loops idle workers spin between decode calls (0 after a prefill call)
 _LIB: list = []
 _LOCK = threading.Lock()
 
@@ -61,6 +63,8 @@ def build(flags: tuple[str, ...] = ()):
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.reap_pool_size.restype = ctypes.c_int
     lib.reap_pool_size.argtypes = [ctypes.c_int]
+    lib.reap_pool_spin.restype = None
+    lib.reap_pool_spin.argtypes = [ctypes.c_int]
     lib.reap_attn_step.restype = None
     lib.reap_attn_step.argtypes = [ptr, ptr]
     lib.reap_moe_step.restype = None

@@ -17,21 +17,26 @@
    (job number << 32 | next chunk), so a worker that the OS has not scheduled yet delays
    nothing: the others take the chunks it has not claimed. Which thread computes a row never changes its value. */
 #define MAX_THREADS 64
-#define SPINS 20000 /* pause loops before an idle worker sleeps */
+#define SPINS 20000 /* default pause loops before an idle worker sleeps */
 #define CLOSED 0xffffffffu
 
 static struct {
     int n; /* threads including the caller */
     pthread_t th[MAX_THREADS];
     atomic_uint_fast64_t gen, ticket;
-    atomic_int done, quit;
+    atomic_int done, quit, spins; /* spins: pause loops before an idle worker sleeps */
     int sleeping;
     pthread_mutex_t mu;
     pthread_cond_t cv;
     task_fn fn;
     const void *ctx;
     int64_t total, chunk, nchunks;
-} P = {.n = 1, .mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
+} P = {.n = 1, .spins = SPINS, .mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
+
+/* How long idle workers spin before they sleep: long between the many small jobs of a decode
+   step, 0 after a prefill call, so that the torch ops between two calls (with their own
+   OpenMP threads) get the cores. Read on every pause loop, so it acts at once. */
+void reap_pool_spin(int spins) { atomic_store_explicit(&P.spins, spins, memory_order_relaxed); }
 
 /* claim and run chunks of the open job until none is left */
 static void run_chunks(void) {
@@ -57,7 +62,7 @@ static void *worker(void *arg) {
         uint_fast64_t g;
         int spins = 0;
         while ((g = atomic_load_explicit(&P.gen, memory_order_acquire)) == seen) {
-            if (++spins < SPINS) {
+            if (++spins < atomic_load_explicit(&P.spins, memory_order_relaxed)) {
                 PAUSE();
                 continue;
             }
