@@ -220,14 +220,20 @@ class Engine:
         matrices multiplied by the engine's kernels (in bf16, few rows run fused without
         decoding; see `reap.quant.mxfp4_matmul.MXFP4Kernels`); an expert that failed to load is
         served as zeros (recorded; exit code 4)."""
+        t = self.stored_expert(layer, expert)
+        if t is None:
+            t = self._zero_expert(layer, expert)
+        return self._kernels.attach(self.fam.expert_matrices(t))
+
+    def stored_expert(self, layer: int, expert: int) -> dict[str, torch.Tensor] | None:
+        """The expert's stored tensors (short names) from the cache, or None if it failed to
+        load; a read on this thread counts as compute-thread I/O wait."""
         t0 = time.perf_counter()
         misses = self.experts.misses
         t = self.experts.get(layer, expert)
         if self.experts.misses != misses:
             self._sync_io += time.perf_counter() - t0
-        if t is None:
-            t = self._zero_expert(layer, expert)
-        return self._kernels.attach(self.fam.expert_matrices(t))
+        return t
 
     def _zero_expert(self, layer: int, expert: int) -> dict[str, torch.Tensor]:
         """All-zero bytes decode to all-zero weights: the expert contributes nothing."""

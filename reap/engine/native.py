@@ -25,7 +25,7 @@ from reap.quant import step_kernel
 
 ENABLED = True  # False: every step through the torch path (the reference), for the tests
 # bf16 prefill: the library's fp32-FMA tiles beat torch's bf16 matmuls up to about this many
-# tokens per expert (experiments/bench_llamacpp.py, 1 B model, 1 thread); torch above it
+# tokens per expert; torch above it (experiments/bench_step_kernels.py, reports/step-kernels.md)
 BF16_TOKENS_PER_EXPERT = 16
 _A, _M = step_kernel.ATTN, step_kernel.MOE
 
@@ -161,7 +161,7 @@ class NativeDecoder:
         table = torch.zeros(router.shape[0], 3, dtype=torch.int64)  # [E, 3] pointers
         F, held = 0, []  # held: the tensors stay alive until the call returns
         for e in used:
-            t = self._expert(i, e)
+            t = self.eng.stored_expert(i, e)
             if t is not None:  # failed to load: contributes nothing (recorded, exit 4)
                 held.append(t)
                 table[e] = torch.tensor([t[n].data_ptr() for n in spec.mlp])
@@ -221,7 +221,7 @@ class NativeDecoder:
             self.eng.experts.prefetch(i, ids)
             triples, weights = [], []
             for e, w in zip(ids, self._wts[: spec.top_k].tolist()):
-                t = self._expert(i, e)
+                t = self.eng.stored_expert(i, e)
                 if t is not None:  # failed to load: contributes nothing (recorded, exit 4)
                     triples.append(tuple(t[n] for n in spec.mlp))
                     weights.append(w)
@@ -242,16 +242,6 @@ class NativeDecoder:
                      ("down", ctypes.addressof(self._ptrs[2]))):  # fmt: skip
             m[_M[k]] = v
         self.lib.reap_moe_step(m)
-
-    def _expert(self, layer: int, expert: int):
-        """The expert's stored tensors from the engine's cache (read time counted as the
-        engine counts it), or None if it failed to load."""
-        eng, t0 = self.eng, time.perf_counter()
-        misses = eng.experts.misses
-        t = eng.experts.get(layer, expert)
-        if eng.experts.misses != misses:
-            eng._sync_io += time.perf_counter() - t0
-        return t
 
     def _head(self, units: dict, h: torch.Tensor) -> torch.Tensor:
         """Final norm and head of one sequence -> logits [V] fp32 (bf16 values with bf16
