@@ -4,22 +4,7 @@
    summed pairwise; a tail of cols % 16 columns is added in order after the lanes. Nothing
    depends on the token count or the row range, so a token's result is the same alone or in
    a batch and on any thread split. */
-#include <stdint.h>
-#include <string.h>
-#include <math.h>
-
-static float lanes_sum(float *s) {
-    for (int w = 8; w > 0; w >>= 1)
-        for (int j = 0; j < w; j++) s[j] += s[j + w];
-    return s[0];
-}
-
-static inline float widen(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
+#include "step_common.h" /* widen, round_bf16, lanes_sum: the step kernels' arithmetic */
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -107,16 +92,6 @@ void reap_f32_linear(const float *w, const float *x, float *y, int64_t r0, int64
         for (int64_t r = r0; r < r1; r++)
             rows_tile_f32(w + r * cols, x + t0 * cols, cols, tn, y + t0 * rows + r, rows);
     }
-}
-
-/* bf16 rounding of an fp32 value (round to nearest even, as torch's .to(bfloat16)) */
-static inline float round_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return f; /* NaN stays NaN */
-    u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
-    memcpy(&f, &u, 4);
-    return f;
 }
 
 /* The SwiGLU hidden of a few tokens for rows [r0, r1): h[t, r] = silu(gate_r . x_t) *

@@ -1,6 +1,7 @@
 /* What the step-kernel sources share (`step_pool.c`, `step_kernels.c`, `prefill_kernels.c`,
-   compiled into one library): the thread pool's entry point and the arithmetic every kernel
-   uses, one fixed order of fp32 operations whatever the CPU (AVX-512 or portable C). */
+   compiled into one library), and the arithmetic helpers `dense_kernels.c` uses too: the
+   thread pool's entry point and the arithmetic every kernel uses, one fixed order of fp32
+   operations whatever the CPU (AVX-512 or portable C). */
 #ifndef REAP_STEP_COMMON_H
 #define REAP_STEP_COMMON_H
 #include <math.h>
