@@ -41,6 +41,13 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "eval": ("reap.eval.cli", "compare builds side by side: perplexity, agreement, generations"),
 }
 
+# Commands whose compiled kernels (reap.quant.step_kernel's thread pool) take turns with torch's
+# OpenMP threads: those spin after each torch op (GNU OpenMP's default: 300,000 loops, several
+# ms) and hold the cores the pool's next call needs; set before torch is imported, a user's
+# own value wins (experiments/bench_llamacpp.py measures the engine commands with it)
+OPENMP_SPIN = ("run", "serve", "eval")
+GOMP_SPINCOUNT = "10000"
+
 EPILOG = """exit codes: 0 ok, 1 runtime failure, 2 bad arguments or input, 3 result not written,
 4 a routed expert failed to load (output untrustworthy), 5 interrupted"""
 
@@ -97,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the `reap` console script; returns the exit code."""
     argv = sys.argv[1:] if argv is None else argv
     only = next((a for a in argv if not a.startswith("-")), None)
+    if only in OPENMP_SPIN:
+        os.environ.setdefault("GOMP_SPINCOUNT", GOMP_SPINCOUNT)
     try:
         parser = build_parser(only if only in COMMANDS else None)
         args = parser.parse_args(argv)

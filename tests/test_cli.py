@@ -34,3 +34,28 @@ def test_every_available_command_has_help(capsys):
 
 def test_registry_names_are_modules():
     assert all(m.startswith("reap.") for m, _ in COMMANDS.values())
+
+
+SPIN_PROBE = """
+import os, sys
+from reap.cli import main
+try:
+    main(sys.argv[1:])
+except SystemExit:  # argparse's usage error
+    pass
+print(os.environ.get("GOMP_SPINCOUNT"))
+"""
+
+
+@pytest.mark.parametrize(("argv", "env", "want"), [
+    (["run", "/nonexistent-model"], {}, "10000"),  # the engine commands: set before torch loads
+    (["run", "/nonexistent-model"], {"GOMP_SPINCOUNT": "5"}, "5"),  # a user's own value wins
+    (["info", "/nonexistent-model"], {}, "None"),  # the others leave OpenMP alone
+])  # fmt: skip
+def test_engine_commands_shorten_openmp_spinning(argv, env, want):
+    """The engine commands set GNU OpenMP's spin count (read when torch loads, which happens
+    inside `main` when the subcommand's module is imported) unless the user set one."""
+    base = {k: v for k, v in __import__("os").environ.items() if k != "GOMP_SPINCOUNT"}
+    out = subprocess.run([sys.executable, "-c", SPIN_PROBE, *argv], capture_output=True,
+                         text=True, env={**base, **env})  # fmt: skip
+    assert out.stdout.strip().splitlines()[-1] == want

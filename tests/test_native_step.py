@@ -73,13 +73,17 @@ def _bf16_copy(path, out: Path) -> str:
     return str(out)
 
 
-def _logits(path, dtype, monkeypatch, on=True, threads=1, preset="max", together=False):
+def _logits(path, dtype, monkeypatch, on=True, threads=1, preset="max", together=False,
+            whole=None):
     """Logits [steps, V] of PROMPT, one-token STEPS, the CHUNK, one-token MORE (teacher
-    forced); `together`: a second sequence (the same tokens) decodes in lockstep beside it."""
+    forced); `together`: a second sequence (the same tokens) decodes in lockstep beside it.
+    `whole`: a list that gets one item per step run as a whole-token call."""
     monkeypatch.setattr(native, "ENABLED", on)
     calls = []
-    step = native.NativeDecoder.step
+    step, token = native.NativeDecoder.step, native.NativeDecoder._token
     monkeypatch.setattr(native.NativeDecoder, "step", lambda *a: calls.append(1) or step(*a))
+    if whole is not None:
+        monkeypatch.setattr(native.NativeDecoder, "_token", lambda *a: whole.append(1) or token(*a))
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -118,12 +122,17 @@ def test_native_decode_matches_the_torch_path(models, family, dtype, monkeypatch
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_native_decode_is_thread_batch_and_budget_invariant(models, dtype, monkeypatch):
     """Bit for bit: 1 or 3 threads, alone or in a lockstep batch of two, all weights resident
-    or streamed through the smallest preset (ring and expert evictions)."""
+    or streamed through the smallest preset (ring and expert evictions). Alone and resident,
+    each token is one call through every layer (`reap_token_step`); in a batch or streamed,
+    two calls per layer: the same arithmetic."""
     path = models["qwen3_moe", dtype]
-    one = _logits(path, dtype, monkeypatch)
+    whole, layered = [], []
+    one = _logits(path, dtype, monkeypatch, whole=whole)
+    assert len(whole) == len(STEPS) + len(MORE)
     assert torch.equal(_logits(path, dtype, monkeypatch, threads=3), one)
-    assert torch.equal(_logits(path, dtype, monkeypatch, together=True), one)
-    assert torch.equal(_logits(path, dtype, monkeypatch, preset="ultra"), one)
+    assert torch.equal(_logits(path, dtype, monkeypatch, together=True, whole=layered), one)
+    assert torch.equal(_logits(path, dtype, monkeypatch, preset="ultra", whole=layered), one)
+    assert not layered
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

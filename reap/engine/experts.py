@@ -141,6 +141,12 @@ class ExpertCache:
         self.misses += 1
         return self._install(key, self._pending.pop(key, None) or self._start(key, False))
 
+    def count_hits(self, n: int) -> None:
+        """n uses of resident experts served without `get` (a compiled token step, only while
+        every expert is resident: nothing can be evicted then, so scores no longer matter)."""
+        self.clock += n
+        self.hits += n
+
     def _start(self, key: tuple[int, int], background: bool) -> Future:
         """Claim a slot (or a transient buffer) for `key` and read it; a Future of the raw
         tensors with `.slot` and `.names` attached."""

@@ -27,7 +27,7 @@ ENABLED = True  # False: every step through the torch path (the reference), for 
 # bf16 prefill: the library's fp32-FMA tiles beat torch's bf16 matmuls up to about this many
 # tokens per expert; torch above it (experiments/bench_step_kernels.py, reports/step-kernels.md)
 BF16_TOKENS_PER_EXPERT = 16
-_A, _M = step_kernel.ATTN, step_kernel.MOE
+_A, _M, _T = step_kernel.ATTN, step_kernel.MOE, step_kernel.TOKEN
 
 
 class NativeDecoder:
@@ -57,6 +57,9 @@ class NativeDecoder:
         self._moe = (ctypes.c_int64 * len(_M))()
         self._ptrs = [(ctypes.c_int64 * k)() for _ in range(3)]  # gate, up, down pointers
         self._w = (ctypes.c_float * k)()
+        self._tok = None  # reap_token_step's lasting arguments, once every expert is resident
+        self._n_experts = sum(engine.reader.info(s.prefix + s.router).shape[0]
+                              for s in self.specs if s.router is not None)  # fmt: skip
 
     def usable(self, chunks: list[list[int]]) -> bool:
         return ENABLED and self.lib is not None and all(len(c) == 1 for c in chunks)
@@ -91,6 +94,17 @@ class NativeDecoder:
         self.lib.reap_pool_size(torch.get_num_threads())
         self.lib.reap_pool_spin(step_kernel.SPINS)  # many small jobs follow each other
         hs = [st.hidden.reshape(-1).float().contiguous() for st in eng._embed(chunks)]  # [D] each
+        if len(seqs) == 1 and self._resident():
+            out = [self._token(seqs[0], hs[0])]
+        else:
+            out = self._layers(seqs, hs, more)
+        for s in seqs:
+            s.length += 1
+        return [o[None] for o in out] if all_positions else out
+
+    def _layers(self, seqs, hs, more: bool) -> list[torch.Tensor]:
+        """Layer by layer, two calls per layer and sequence, then the head of each."""
+        eng = self.eng
         for i, spec in enumerate(self.specs):
             t0 = time.perf_counter()
             units = eng.trunk.get(i)
@@ -102,10 +116,8 @@ class NativeDecoder:
             eng.unit_seconds[i] += time.perf_counter() - t0
         t0 = time.perf_counter()
         out = [self._head(eng.trunk.get(len(self.specs), wrap=more), h) for h in hs]
-        for s in seqs:
-            s.length += 1
         eng.unit_seconds[-1] += time.perf_counter() - t0
-        return [o[None] for o in out] if all_positions else out
+        return out
 
     def _layer_args(self, i: int, spec, units: dict):
         """The layer's int64 argument block, its weight pointers refreshed when the unit's
@@ -196,20 +208,23 @@ class NativeDecoder:
     def _attention(self, spec, a, h: torch.Tensor, cache) -> None:
         """The attention half for one sequence: h updated in place, the MLP input in _x2, the
         routing in _ids/_wts; the cache advanced by the position written."""
+        a[_A["scratch"]] = self._scratch_of(self._bind(spec, a, h, cache)).data_ptr()
+        self._floats[0], self._floats[1] = spec.eps, spec.dk**-0.5
+        self.lib.reap_attn_step(a, self._floats)
+        cache.advance(1)
+
+    def _bind(self, spec, a, h: torch.Tensor, cache) -> int:
+        """Point the layer's arguments at one sequence's state (h, the cache's room for one
+        more position, the rope table); returns the scratch floats its attention half needs."""
         D, H, Hkv, Dh = a[_A["d"]], spec.heads, spec.kv_heads, spec.dk
         kc, vc = cache.room((1, Hkv, 1, Dh), (1, Hkv, 1, Dh), self.eng.dtype)
         pos = cache.length
         cos, sin = spec.rotary.table(pos + 1)
-        need = 2 * D + 2 * H * Dh + 2 * Hkv * Dh + max(H * (pos + 1), 2 * a[_A["e"]]) + 64
-        scratch = self._scratch_of(need)
-        for k, t in (("h", h), ("x2", self._x2), ("scratch", scratch), ("cos", cos),
-                     ("sin", sin), ("kc", kc), ("vc", vc), ("ids", self._ids),
-                     ("weights", self._wts)):  # fmt: skip
+        for k, t in (("h", h), ("x2", self._x2), ("cos", cos), ("sin", sin), ("kc", kc),
+                     ("vc", vc), ("ids", self._ids), ("weights", self._wts)):  # fmt: skip
             a[_A[k]] = t.data_ptr()
         a[_A["cap"]], a[_A["pos"]] = kc.shape[2], pos
-        self._floats[0], self._floats[1] = spec.eps, Dh**-0.5
-        self.lib.reap_attn_step(a, self._floats)
-        cache.advance(1)
+        return 2 * D + 2 * H * Dh + 2 * Hkv * Dh + max(H * (pos + 1), 2 * a[_A["e"]]) + 64
 
     def _mlp(self, i: int, spec, a, units: dict, h: torch.Tensor) -> None:
         """The MLP half for one sequence: h += the routed experts' weighted sum (or the dense
@@ -254,6 +269,81 @@ class NativeDecoder:
         self.lib.reap_head_step(h.data_ptr(), units[norm].data_ptr(), w.data_ptr(), V, D,
                                 int(self.wbf16), int(self.rnd), eps, x.data_ptr(),
                                 logits.data_ptr())  # fmt: skip
+        return logits
+
+    # -- a whole token in one call (every trunk unit pinned, every routed expert resident) ------
+    def _resident(self) -> bool:
+        """Whether a token can run as one library call: the trunk is pinned and every routed
+        expert resident (at `--preset max`, after preload). Nothing can be evicted then, so
+        the expert pointer tables, built once, stay valid."""
+        eng = self.eng
+        n = len(eng.experts.tensors)
+        if eng.trunk.streamed or n != self._n_experts:
+            return False
+        if self._tok is None:
+            self._tok = self._token_args()
+        return True
+
+    def _token_args(self) -> dict:
+        """The argument blocks of `reap_token_step` that do not change between tokens."""
+        eng, L = self.eng, len(self.specs)
+        tables, dense, widths, uses = [], [], [], 0
+        for i, s in enumerate(self.specs):
+            units = eng.trunk.get(i)
+            self._layer_args(i, s, units)
+            if s.router is None:
+                rows = [tuple(units[s.prefix + n] for n in s.mlp)]
+            else:
+                E = units[s.prefix + s.router].shape[0]
+                rows = [tuple(eng.experts.tensors[(i, e)][n] for n in s.mlp) for e in range(E)]
+                uses += s.top_k
+            tables.append(torch.tensor([[w.data_ptr() for w in r] for r in rows]))  # [E, 3]
+            dense.append(int(s.router is None))
+            widths.append(rows[0][0].shape[0])
+        units = eng.trunk.get(L)
+        norm, head, eps = self.head_names
+        t = (ctypes.c_int64 * len(_T))()
+        keep = {
+            "args": t, "tables": tables, "uses": uses, "head": units[head],
+            "attn": (ctypes.c_int64 * L)(*(ctypes.addressof(self._static[i][1]) for i in range(L))),
+            "tabs": (ctypes.c_int64 * L)(*(x.data_ptr() for x in tables)),
+            "dense": (ctypes.c_int64 * L)(*dense), "f": (ctypes.c_int64 * L)(*widths),
+            "times": (ctypes.c_double * (L + 1))(), "x": torch.empty(units[head].shape[1]),
+            "floats": (ctypes.c_double * (2 * L + 1))(
+                *(v for s in self.specs for v in (s.eps, s.dk**-0.5)), eps),
+            "scratch": max(k * (f + self._x2.shape[0])
+                           for k, f in zip((1 if d else s.top_k for d, s in zip(dense, self.specs)),
+                                           widths)),
+        }  # fmt: skip
+        for k in ("attn", "tabs", "dense", "f", "times"):
+            t[_T["tables" if k == "tabs" else k]] = ctypes.addressof(keep[k])
+        t[_T["layers"]], t[_T["moe"]] = L, ctypes.addressof(self._moe)
+        t[_T["norm"]], t[_T["head"]] = units[norm].data_ptr(), units[head].data_ptr()
+        t[_T["v"]], t[_T["x"]] = units[head].shape[0], keep["x"].data_ptr()
+        return keep
+
+    def _token(self, seq, h: torch.Tensor) -> torch.Tensor:
+        """One sequence's token through every layer and the head in one call -> logits [V]."""
+        eng, tok, L = self.eng, self._tok, len(self.specs)
+        need = [self._bind(s, self._static[i][1], h, seq.caches[i]) for i, s in enumerate(self.specs)]
+        scratch = self._scratch_of(max(*need, tok["scratch"]))
+        for i in range(L):
+            self._static[i][1][_A["scratch"]] = scratch.data_ptr()
+        m = self._moe
+        for k, v in (("x2", self._x2.data_ptr()), ("h", h.data_ptr()),
+                     ("scratch", scratch.data_ptr()), ("d", h.shape[0]),
+                     ("wbf16", int(self.wbf16)), ("rnd", int(self.rnd))):  # fmt: skip
+            m[_M[k]] = v
+        logits = torch.empty(tok["head"].shape[0], dtype=torch.float32)
+        tok["args"][_T["logits"]] = logits.data_ptr()
+        times = tok["times"]
+        ctypes.memset(times, 0, ctypes.sizeof(times))
+        self.lib.reap_token_step(tok["args"], tok["floats"])
+        for c in seq.caches:
+            c.advance(1)
+        eng.experts.count_hits(tok["uses"])
+        for i, t in enumerate(times):
+            eng.unit_seconds[i] += t
         return logits
 
 

@@ -1,9 +1,10 @@
 """The compiled decode step (sources beside this file: `step_kernels.c`, the many-token experts
 in `prefill_kernels.c`, the pool in `step_pool.c`, shared arithmetic in `step_common.h`): one
 token through a pre-norm layer (RMSNorm, grouped-query RoPE attention over a KV cache, softmax
-top-k router, SwiGLU experts) in two calls, and the final norm and head in a third, with a
-persistent thread pool inside the library that splits every matrix-vector product by rows. Built on first use
-like the other kernels (`reap.quant.ckernel.compile_cached`); `REAP_NO_CKERNEL=1` or
+top-k router, SwiGLU experts) in two calls, and the final norm and head in a third (or a
+whole token, every layer and the head, in one call), with a persistent thread pool inside the
+library that splits every matrix-vector product by rows. Built on first use like the other
+kernels (`reap.quant.ckernel.compile_cached`); `REAP_NO_CKERNEL=1` or
 `REAP_NO_NATIVE=1` turns it off (the torch path then runs every step).
 
     lib = library()                       # None when unavailable
@@ -12,6 +13,7 @@ like the other kernels (`reap.quant.ckernel.compile_cached`); `REAP_NO_CKERNEL=1
     lib.reap_attn_step(args, floats)      # args: int64[ATTN_ARGS] (indices ATTN), floats: eps, scale
     lib.reap_moe_step(args)               # args: int64[MOE_ARGS] (indices MOE)
     lib.reap_head_step(h, norm, head, V, D, wbf16, rnd, eps, x, logits)
+    lib.reap_token_step(args, floats)     # args: int64[TOKEN_ARGS]: every layer and the head
     lib.reap_moe_prefill(args)            # args: int64[14]: the routed experts of N tokens
 
 Arithmetic and rounding are documented in the C source: every dot product is the compiled
@@ -35,9 +37,12 @@ ATTN_ARGS = (
     "router", "cos", "sin", "kc", "vc", "cap", "pos", "d", "heads", "kv_heads", "dh", "rot", "qk",
     "window", "e", "k", "renorm", "wbf16", "rnd", "ids", "weights",
 )  # fmt: skip
+TOKEN_ARGS = ("layers", "attn", "tables", "dense", "f", "moe", "times", "norm", "head", "v", "x",
+              "logits")  # fmt: skip
 MOE_ARGS = ("x2", "h", "scratch", "k", "f", "d", "wbf16", "rnd", "weights", "gate", "up", "down")
 ATTN = {n: i for i, n in enumerate(ATTN_ARGS)}  # name -> index
 MOE = {n: i for i, n in enumerate(MOE_ARGS)}
+TOKEN = {n: i for i, n in enumerate(TOKEN_ARGS)}
 SPINS = 20000  # pause loops idle workers spin between decode calls (0 after a prefill call)
 _LIB: list = []
 _LOCK = threading.Lock()
@@ -69,6 +74,8 @@ def build(flags: tuple[str, ...] = ()):
     lib.reap_attn_step.argtypes = [ptr, ptr]
     lib.reap_moe_step.restype = None
     lib.reap_moe_step.argtypes = [ptr]
+    lib.reap_token_step.restype = None
+    lib.reap_token_step.argtypes = [ptr, ptr]
     lib.reap_moe_prefill.restype = None
     lib.reap_moe_prefill.argtypes = [ptr]
     lib.reap_moe_prefill_scratch.restype = None

@@ -7,6 +7,8 @@
    few reductions (norm means, attention). Every dot product is `dot()` below, one fixed order
    of fp32 operations whatever the CPU (AVX-512 or portable C): no result depends on the thread
    count, on how rows are split, or on the batch. */
+#include <time.h>
+
 #include "step_common.h"
 
 /* ---- row-split products ------------------------------------------------------------------ */
@@ -253,3 +255,56 @@ void reap_head_step(const float *h, const void *norm, const void *head, int64_t 
     run_gemv(&g);
 }
 
+
+/* ---- one token through every layer and the head ------------------------------------------- */
+
+enum { /* reap_token_step's int64 arguments */
+    T_LAYERS, T_ATTN, T_TABLES, T_DENSE, T_F, T_MOE, T_TIMES, T_NORM, T_HEAD, T_V, T_X, T_LOGITS,
+    T_N
+};
+#define MAX_K 256
+
+static double seconds(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* A decode token of one sequence through all L layers, then the head: per layer exactly
+   reap_attn_step(attn[i], f + 2i) then reap_moe_step over the routed experts' rows of
+   tables[i] ([E, 3] gate/up/down pointers, every expert resident), or over the dense MLP
+   (dense[i]: tables[i] holds its one triple); f_mlp[i] its width. moe: the MLP argument block
+   (x2, h, scratch, d, wbf16, rnd set; the rest filled here). times[i] += layer i's seconds,
+   times[L] += the head's; f[2L] is the final norm's eps. */
+void reap_token_step(const int64_t *t, const double *f) {
+    int64_t L = t[T_LAYERS];
+    const int64_t *const *attn = (const int64_t *const *)t[T_ATTN];
+    const int64_t *const *tables = (const int64_t *const *)t[T_TABLES];
+    const int64_t *dense = (const int64_t *)t[T_DENSE], *width = (const int64_t *)t[T_F];
+    double *times = (double *)t[T_TIMES];
+    int64_t m[M_N], gp[MAX_K], up[MAX_K], dp[MAX_K];
+    float w[MAX_K];
+    memcpy(m, (const int64_t *)t[T_MOE], sizeof m);
+    m[M_GATE] = (int64_t)gp, m[M_UP] = (int64_t)up, m[M_DOWN] = (int64_t)dp;
+    m[M_WEIGHTS] = (int64_t)w;
+    for (int64_t i = 0; i < L; i++) {
+        double t0 = seconds();
+        const int64_t *a = attn[i], *tab = tables[i];
+        reap_attn_step(a, f + 2 * i);
+        int64_t K = dense[i] ? 1 : a[A_K];
+        const int64_t *ids = (const int64_t *)a[A_IDS];
+        const float *wts = (const float *)a[A_WEIGHTS];
+        for (int64_t k = 0; k < K; k++) {
+            int64_t e = dense[i] ? 0 : ids[k];
+            gp[k] = tab[3 * e], up[k] = tab[3 * e + 1], dp[k] = tab[3 * e + 2];
+            w[k] = dense[i] ? 1.0f : wts[k];
+        }
+        m[M_K] = K, m[M_F] = width[i];
+        reap_moe_step(m);
+        times[i] += seconds() - t0;
+    }
+    double t0 = seconds();
+    reap_head_step((const float *)m[M_H], (const void *)t[T_NORM], (const void *)t[T_HEAD], t[T_V],
+                   m[M_D], m[M_WBF16], m[M_RND], f[2 * L], (float *)t[T_X], (float *)t[T_LOGITS]);
+    times[L] += seconds() - t0;
+}
