@@ -73,7 +73,6 @@ static inline float load(const void *p, int bf16, int64_t i) {
    by lane, the lanes summed pairwise, then the tail of n % 16 columns added in order. The rows
    two ahead of w are prefetched (a matrix-vector product walks rows in order). */
 static inline float dot(const void *w, int wbf16, const float *x, int64_t n) {
-    float s[16];
     int64_t c = 0;
 #if defined(__AVX512F__)
     __m512 a = _mm512_setzero_ps(), b = _mm512_setzero_ps();
@@ -101,17 +100,17 @@ static inline float dot(const void *w, int wbf16, const float *x, int64_t n) {
             c += 16;
         }
     }
-    _mm512_storeu_ps(s, _mm512_add_ps(a, b));
+    float v = lanes_sum16(_mm512_add_ps(a, b)); /* = lanes_sum of the stored lanes */
 #else
-    float t[16];
+    float s[16], t[16];
     for (int j = 0; j < 16; j++) s[j] = t[j] = 0.0f;
     for (; c + 16 <= n; c += 16) {
         float *acc = (c / 16) % 2 ? t : s;
         for (int j = 0; j < 16; j++) acc[j] = fmaf(load(w, wbf16, c + j), x[c + j], acc[j]);
     }
     for (int j = 0; j < 16; j++) s[j] += t[j];
-#endif
     float v = lanes_sum(s);
+#endif
     for (; c < n; c++) v = fmaf(load(w, wbf16, c), x[c], v);
     return v;
 }

@@ -76,6 +76,29 @@ typedef struct {
     int rnd;
 } attn_t;
 
+/* o[d] = sum over j in order of p[j] * v[j][d] (a product, then an add: no fma), n rows of
+   dh values (bf16 if bf16, else fp32) */
+static void weighted_rows(const float *p, const void *v, int64_t n, int64_t dh, int bf16,
+                          float *o) {
+    int64_t d = 0;
+#if defined(__AVX512F__)
+    for (; d + 16 <= dh; d += 16) {
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t j = 0; j < n; j++) {
+            __m512 r = bf16 ? widen16((const uint16_t *)v + j * dh + d)
+                            : _mm512_loadu_ps((const float *)v + j * dh + d);
+            acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_set1_ps(p[j]), r));
+        }
+        _mm512_storeu_ps(o + d, acc);
+    }
+#endif
+    for (; d < dh; d++) {
+        float acc = 0.0f;
+        for (int64_t j = 0; j < n; j++) acc += p[j] * load(v, bf16, j * dh + d);
+        o[d] = acc;
+    }
+}
+
 static void attn_task(const void *ctx, int64_t a, int64_t b) {
     const attn_t *t = (const attn_t *)ctx;
     int64_t esz = t->rnd ? 2 : 4;
@@ -90,13 +113,9 @@ static void attn_task(const void *ctx, int64_t a, int64_t b) {
             if (s[j] > m) m = s[j];
         }
         for (int64_t j = t->first; j < t->S; j++) sum += (s[j] = expf(s[j] - m));
+        for (int64_t j = t->first; j < t->S; j++) s[j] = rb(s[j] / sum, t->rnd);
         float *o = t->o + h * t->dh;
-        for (int64_t d = 0; d < t->dh; d++) o[d] = 0.0f;
-        for (int64_t j = t->first; j < t->S; j++) {
-            float p = rb(s[j] / sum, t->rnd);
-            const char *v = vb + j * t->dh * esz;
-            for (int64_t d = 0; d < t->dh; d++) o[d] += p * load(v, t->rnd, d);
-        }
+        weighted_rows(s + t->first, vb + t->first * t->dh * esz, t->S - t->first, t->dh, t->rnd, o);
         for (int64_t d = 0; d < t->dh; d++) o[d] = rb(o[d], t->rnd);
     }
 }
