@@ -4,7 +4,7 @@ experts of a prefill chunk in one library call) against the torch path's expert-
 64 random experts top-8, hidden 1024, expert width 384 (the 1 B model of
 `experiments/bench_llamacpp.py`), fp32 and bf16 weights, at several chunk sizes (tokens per
 expert = 8 x tokens / 64). Each pair is checked to agree before it is timed. This is where
-`reap.engine.native.BF16_TOKENS_PER_EXPERT` comes from: in bf16 torch's matmul (the CPU's bf16
+`reap.quant.step_kernel.BF16_ROWS` comes from: in bf16 torch's matmul (the CPU's bf16
 dot-product instructions) overtakes the library's fp32-FMA tiles as chunks grow.
 
     python -m experiments.bench_step_kernels [--reps 3]   # reports/step-kernels.{md,json}

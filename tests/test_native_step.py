@@ -202,3 +202,28 @@ def _declines_bias(path) -> bool:
 
     cfg = Config.from_dict(json.loads((Path(path) / "config.json").read_text()))
     return Model(cfg).native_layer(0) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_many_row_products_use_the_tiles_and_do_not_depend_on_the_rows(dtype):
+    """Prefill projections (`blocks.linear` inside the engine): more rows than the few-row
+    kernel takes run the step library's tiles (any number in fp32, up to BF16_ROWS in bf16;
+    torch's bf16 matmul above), within rounding of torch's matmul, and each row's result is
+    the same bit for bit alone, among a few rows (the few-row kernel) or among many (tiles)."""
+    from reap.quant import dense_kernel
+
+    g = torch.Generator().manual_seed(3)
+    w = (torch.randn(70, 1030, generator=g) / 30).to(dtype)  # 70 rows: a 32-row block's tail
+    many = 200 if dtype == torch.float32 else step_kernel.BF16_ROWS
+    x = torch.randn(many, 1030, generator=g).to(dtype)
+    with dense_kernel.enabled():
+        assert dense_kernel.usable(x, w)
+        if dtype == torch.bfloat16:
+            assert not dense_kernel.usable(torch.zeros(many + 1, 1030, dtype=dtype), w)
+        y = dense_kernel.dense_linear(x, w)
+        few = dense_kernel.dense_linear(x[:5], w)
+        one = dense_kernel.dense_linear(x[many - 3 : many - 2], w)
+    ref = x.float() @ w.float().T
+    tol = 1e-5 if dtype == torch.float32 else 2.0**-7
+    assert (y.float() - ref).abs().max() <= tol * ref.abs().max()
+    assert torch.equal(few, y[:5]) and torch.equal(one[0], y[many - 3])

@@ -199,7 +199,9 @@ def test_global_plan_prunes_to_per_layer_counts(src, tmp_path):
     from reap.engine import Engine  # the streaming engine runs per-layer counts too
 
     with Engine.open(str(out), budget="2GB", dtype="float32") as engine:
-        torch.testing.assert_close(engine.logits([ids[0].tolist()])[0], got[0], rtol=0, atol=1e-5)
+        # its prefill products run the compiled tiles (another fp32 summation order)
+        tol = 2e-5 * float(got[0].abs().max())
+        torch.testing.assert_close(engine.logits([ids[0].tolist()])[0], got[0], rtol=0, atol=tol)
 
 
 def test_verify_passes_and_catches_flipped_bytes(src, pruned, tmp_path, capsys):

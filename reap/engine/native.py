@@ -24,9 +24,7 @@ from reap.models import blocks
 from reap.quant import step_kernel
 
 ENABLED = True  # False: every step through the torch path (the reference), for the tests
-# bf16 prefill: the library's fp32-FMA tiles beat torch's bf16 matmuls up to about this many
-# tokens per expert; torch above it (experiments/bench_step_kernels.py, reports/step-kernels.md)
-BF16_TOKENS_PER_EXPERT = 16
+BF16_TOKENS_PER_EXPERT = step_kernel.BF16_ROWS  # bf16 prefill: tiles up to this, torch above
 _A, _M, _T = step_kernel.ATTN, step_kernel.MOE, step_kernel.TOKEN
 
 

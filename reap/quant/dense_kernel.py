@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from reap.quant import ckernel
+from reap.quant import ckernel, step_kernel
 
 _SOURCE = Path(__file__).with_name("dense_kernels.c")
 MAX_ROWS = 8  # x rows (tokens) up to which the kernel beats torch's bf16 matmul
@@ -70,8 +70,21 @@ def _build():
 
 
 def usable(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Inside `enabled()`: bf16 or fp32 weights [out, in] (contiguous, on the CPU) times a few
-    rows of the same dtype."""
+    """Inside `enabled()`: bf16 or fp32 weights [out, in] (contiguous, on the CPU) times rows
+    of the same dtype: a few (this library), or more (the step library's tiles: any number in
+    fp32, up to `step_kernel.BF16_ROWS` in bf16)."""
+    return _shapes_ok(x, w) and (
+        x.numel() // w.shape[1] <= MAX_ROWS and library() is not None or _many_rows(x, w)
+    )
+
+
+def _many_rows(x: torch.Tensor, w: torch.Tensor) -> bool:
+    rows = x.numel() // w.shape[1]
+    lib = step_kernel.library()
+    return lib is not None and (w.dtype == torch.float32 or rows <= step_kernel.BF16_ROWS)
+
+
+def _shapes_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
     return (
         _ENABLED[0] > 0
         and w.dtype in (torch.bfloat16, torch.float32)
@@ -80,19 +93,22 @@ def usable(x: torch.Tensor, w: torch.Tensor) -> bool:
         and x.device.type == "cpu"
         and w.device.type == "cpu"
         and w.is_contiguous()
+        and w.shape[1] > 0
         and x.shape[-1] == w.shape[1]
-        and x.numel() // max(1, w.shape[1]) <= MAX_ROWS
-        and library() is not None
     )
 
 
 def dense_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [..., in] @ w[out, in].T (w bf16 or fp32, x any float dtype) in fp32 accumulation ->
-    [..., out] in x's dtype (see `usable`); rows split over torch's intra-op threads for large
-    `out`."""
+    [..., out] in x's dtype (see `usable`); a few rows split over torch's intra-op threads for
+    large `out`, more rows in the step library's tiles over its pool (the same arithmetic per
+    output, so a row's result does not depend on how many came with it)."""
     rows, cols = w.shape
     xf = x.reshape(-1, cols).float().contiguous()  # [M, in]
     y = torch.empty(xf.shape[0], rows, dtype=torch.float32)  # [M, out]
+    if xf.shape[0] > MAX_ROWS or library() is None:
+        _tiles(xf, w, y)
+        return y.to(x.dtype).reshape(*x.shape[:-1], rows)
     lib, ptrs = library(), (w.data_ptr(), xf.data_ptr(), y.data_ptr())
     fn = lib.reap_bf16_linear if w.dtype == torch.bfloat16 else lib.reap_f32_linear
 
@@ -103,6 +119,15 @@ def dense_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return y.to(x.dtype).reshape(*x.shape[:-1], rows)
 
 
+def _tiles(xf: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> None:
+    lib = step_kernel.library()
+    lib.reap_pool_size(torch.get_num_threads())
+    lib.reap_pool_spin(step_kernel.SPINS)
+    lib.reap_linear(xf.data_ptr(), w.data_ptr(), y.data_ptr(), xf.shape[0], *w.shape,
+                    int(w.dtype == torch.bfloat16))  # fmt: skip
+    lib.reap_pool_spin(0)  # torch's ops come next: leave them the cores
+
+
 def swiglu_usable(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down) -> bool:
     """Whether `swiglu` takes this call: a few rows x [.., D] and dense gate/up [F, D], down
     [D, F] that `usable` accepts."""
@@ -111,6 +136,8 @@ def swiglu_usable(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down) -
         and gate.shape == up.shape
         and down.shape == gate.shape[::-1]
         and usable(x, gate)
+        and x.numel() // gate.shape[1] <= MAX_ROWS
+        and library() is not None
         and up.dtype == gate.dtype
         and down.dtype == gate.dtype
         and up.device.type == down.device.type == "cpu"

@@ -212,3 +212,36 @@ void reap_moe_prefill(const int64_t *a) {
     reap_parallel(acc_task, &ac, N, 16);
 }
 
+
+/* ---- a dense matrix times many rows (prefill projections) ---------------------------------- */
+#define LIN_ROWS 32   /* weight rows per work item */
+#define LIN_TOKENS 64 /* x rows per work item: a block of x stays in L2 while W rows stream */
+
+typedef struct {
+    const void *w;
+    const float *x;
+    float *y;
+    int64_t n, rows, cols, row_blocks;
+    int wbf16;
+} linear_t;
+
+static void linear_task(const void *ctx, int64_t a, int64_t b) {
+    const linear_t *l = (const linear_t *)ctx;
+    for (int64_t it = a; it < b; it++) { /* token block major: consecutive items share x */
+        int64_t t0 = it / l->row_blocks * LIN_TOKENS, r0 = it % l->row_blocks * LIN_ROWS;
+        int64_t m = l->n - t0 < LIN_TOKENS ? l->n - t0 : LIN_TOKENS;
+        int64_t r1 = r0 + LIN_ROWS < l->rows ? r0 + LIN_ROWS : l->rows;
+        block(l->w, l->wbf16, l->x + t0 * l->cols, m, l->cols, r0, r1, l->y + t0 * l->rows,
+              l->rows);
+    }
+}
+
+/* y [n, rows] fp32 = x [n, cols] fp32 @ W[rows, cols].T (W bf16 if wbf16, else fp32), over
+   the pool: every output is dot1 (step_common.h), as the decode kernels' few-row products
+   (dense_kernels.c), so a row's result does not depend on n, the blocking or the threads. */
+void reap_linear(const float *x, const void *w, float *y, int64_t n, int64_t rows, int64_t cols,
+                 int64_t wbf16) {
+    int64_t row_blocks = (rows + LIN_ROWS - 1) / LIN_ROWS;
+    linear_t l = {w, x, y, n, rows, cols, row_blocks, (int)wbf16};
+    reap_parallel(linear_task, &l, row_blocks * ((n + LIN_TOKENS - 1) / LIN_TOKENS), 1);
+}

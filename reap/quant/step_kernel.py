@@ -15,6 +15,7 @@ kernels (`reap.quant.ckernel.compile_cached`); `REAP_NO_CKERNEL=1` or
     lib.reap_head_step(h, norm, head, V, D, wbf16, rnd, eps, x, logits)
     lib.reap_token_step(args, floats)     # args: int64[TOKEN_ARGS]: every layer and the head
     lib.reap_moe_prefill(args)            # args: int64[14]: the routed experts of N tokens
+    lib.reap_linear(x, w, y, n, rows, cols, wbf16)  # y = x @ w.T over the pool, fp32 x and y
 
 Arithmetic and rounding are documented in the C source: every dot product is the compiled
 GEMV's (`dense_kernels.c`), results never depend on the thread count.
@@ -43,6 +44,11 @@ MOE_ARGS = ("x2", "h", "scratch", "k", "f", "d", "wbf16", "rnd", "weights", "gat
 ATTN = {n: i for i, n in enumerate(ATTN_ARGS)}  # name -> index
 MOE = {n: i for i, n in enumerate(MOE_ARGS)}
 TOKEN = {n: i for i, n in enumerate(TOKEN_ARGS)}
+# bf16 weights times many rows: the library's tiles (bf16 widened, fp32 FMAs) beat torch's bf16
+# matmul (the CPU's bf16 dot-product instructions) up to about this many rows per weight
+# matrix, torch above it (experiments/bench_step_kernels.py, reports/step-kernels.md); in fp32
+# the tiles are ahead at every size there
+BF16_ROWS = 16
 SPINS = 20000  # pause loops idle workers spin between decode calls (0 after a prefill call)
 _LIB: list = []
 _LOCK = threading.Lock()
@@ -76,6 +82,8 @@ def build(flags: tuple[str, ...] = ()):
     lib.reap_moe_step.argtypes = [ptr]
     lib.reap_token_step.restype = None
     lib.reap_token_step.argtypes = [ptr, ptr]
+    lib.reap_linear.restype = None
+    lib.reap_linear.argtypes = [ptr] * 3 + [i64] * 4
     lib.reap_moe_prefill.restype = None
     lib.reap_moe_prefill.argtypes = [ptr]
     lib.reap_moe_prefill_scratch.restype = None
