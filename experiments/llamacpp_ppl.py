@@ -12,8 +12,9 @@ only) is checked to equal reap's tokenizer's, then the chunks llama-perplexity r
 by reap the way `reap eval` scores documents (`reap.eval.quality`): the engine prefills 4
 chunks in lockstep, `Engine.step(..., all_positions=True)` in pieces of its plan's prefill
 chunk, and the next-token log-probabilities in float64 (as `chunk_sums` does), here over the
-positions llama-perplexity scores. One engine instead of `reap eval`'s reference + build (which
-would read every token twice). Both warm up with a 2-token step before the pass (llama-perplexity
+positions llama-perplexity scores (the head runs on those positions only, `first=`, as
+llama-perplexity asks for their logits only). One engine instead of `reap eval`'s reference +
+build (which would read every token twice). Both warm up with a 2-token step before the pass (llama-perplexity
 by default). Timed on both sides: the whole pass after loading (evaluation
 and log-probabilities); tokens/s = ids fed / seconds.
 """
@@ -27,6 +28,7 @@ import subprocess
 from pathlib import Path
 
 from experiments.llamacpp_models import bindings, run_python
+from reap.cli import GOMP_SPINCOUNT
 
 N_CTX, CHUNKS, PARALLEL = 512, 8, 4
 TOKENIZE = """
@@ -52,11 +54,11 @@ with Engine.open({path!r}, preset="max", context={ctx}, dtype={dtype!r}, batch={
         t0 = time.perf_counter()
         for a in range(0, len(group[0]) - 1, piece):
             out = eng.step(seqs, [c[a : min(a + piece, len(c) - 1)] for c in group],
-                           all_positions=True)
+                           all_positions=True, first=max(0, first - a))  # scored rows only
             for k, x in enumerate(out):
                 logits[k].append(x)
         for k, c in enumerate(group):
-            lg = torch.cat(logits[k])[first:].double()  # [C - 1 - first, V]
+            lg = torch.cat(logits[k]).double()  # [C - 1 - first, V]
             tg = torch.tensor(c[first + 1 :])  # [C - 1 - first]
             nll -= float(torch.log_softmax(lg, -1).gather(1, tg[:, None]).sum())
             count += len(tg)
@@ -119,7 +121,8 @@ def reap_ppl(root: Path, ckpt: Path, dtype: str, threads: int, ids: Path) -> dic
     """reap's perplexity pass over the chunks in `ids` (JSON), in a fresh process."""
     code = REAP_PPL.format(threads=threads, ids=str(ids), first=N_CTX // 2, path=str(ckpt),
                            ctx=N_CTX + 8, dtype=dtype, par=PARALLEL)  # fmt: skip
-    env = {"OMP_NUM_THREADS": str(threads)}
+    # OpenMP's spin as `reap eval` sets it (reap.cli: the engine commands)
+    env = {"OMP_NUM_THREADS": str(threads), "GOMP_SPINCOUNT": GOMP_SPINCOUNT}
     return json.loads(run_python(code, [root], env).strip().splitlines()[-1])
 
 

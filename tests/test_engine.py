@@ -271,6 +271,23 @@ def test_engine_logits_equal_the_in_memory_forward(tiny, ref):
         torch.testing.assert_close(eng.logits([ids])[0], want, rtol=1e-4, atol=1e-4)
 
 
+def test_logits_from_a_first_position_are_those_rows_of_all_positions(tiny):
+    """`first=`: the head runs on the chunk's positions from `first` on only; those rows are
+    the all-positions rows (to rounding: K3's final block mix is a torch op over all rows);
+    a one-token step honours it too; a negative first is bad input."""
+    ids = [5, 17, 200, 31, 7, 7, 90, 1, 44]
+    with Engine.open(tiny, preset="max", context=64, dtype="float32") as eng:
+        s, t = eng.new_sequence(), eng.new_sequence()
+        full = eng.step([s], [ids], all_positions=True)[0]
+        part = eng.step([t], [ids], all_positions=True, first=6)[0]
+        assert part.shape == (3, full.shape[1])
+        torch.testing.assert_close(part, full[6:], rtol=1e-6, atol=1e-6)
+        one = eng.step([s, t], [[3], [3]], all_positions=True, first=1)
+        assert [o.shape[0] for o in one] == [0, 0]
+        with pytest.raises(ReapError, match="first position"):
+            eng.step([eng.new_sequence()], [ids], all_positions=True, first=-1)
+
+
 def test_greedy_tokens_equal_reference_and_are_identical_across_budgets(tiny, ref):
     prompt = [72, 101, 108, 108, 111]
     want = ref_greedy(ref, prompt, 12)

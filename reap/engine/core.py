@@ -156,22 +156,29 @@ class Engine:
         chunks: list[list[int]],
         all_positions: bool = False,
         more: bool = True,
+        first: int = 0,
     ) -> list[torch.Tensor]:
         """Advance each sequence by its chunk of token ids (all in lockstep). Returns per
         sequence the next-token logits, float32 on CPU: [T_s, V] if `all_positions` else [V].
-        `more`: another step follows (lets the ring read the first layer during the head)."""
+        `more`: another step follows (lets the ring read the first layer during the head).
+        `first`: with `all_positions`, only the chunk's positions from `first` on get logits
+        ([T_s - first, V]; the head skips the others, as a perplexity pass that scores the
+        later part of a window wants)."""
+        if first < 0:
+            raise ReapError(f"first position {first}: need >= 0")
         try:
             with torch.inference_mode(), dense_kernel.enabled():
                 if self._native.usable(chunks):
-                    return self._native.step(seqs, chunks, all_positions, more)
-                return self._step(seqs, chunks, all_positions, more)
+                    out = self._native.step(seqs, chunks, all_positions, more)
+                    return [o[first:] for o in out] if all_positions else out
+                return self._step(seqs, chunks, all_positions, more, first)
         except ReapError:
             raise
         except (RuntimeError, ValueError, IndexError, KeyError) as e:
             msg = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise ReapError(f"forward failed: {msg}", EXIT_FAILURE) from None
 
-    def _step(self, seqs, chunks, all_positions, more):
+    def _step(self, seqs, chunks, all_positions, more, first=0):
         m, n_layers = self.model, len(self.binding.units) - 1
         states = self._embed(chunks)
         sizes = [len(c) for c in chunks]
@@ -196,7 +203,7 @@ class Engine:
         out = []
         for k, s in enumerate(seqs):
             s.length += sizes[k]
-            st = states[k] if all_positions else _last(states[k])
+            st = _positions(states[k], first if all_positions else -1)
             out.append(m.head(get, st)[0].float().cpu())  # [T, V]
         self.unit_seconds[n_layers] += time.perf_counter() - t0
         return out if all_positions else [o[-1] for o in out]
@@ -402,6 +409,6 @@ def _getter(tensors: dict[str, torch.Tensor], where: str):
     return get
 
 
-def _last(state):
-    """The state of the last position only (the head works per position)."""
-    return type(state)(state.hidden[:, -1:], [b[:, -1:] for b in state.blocks])
+def _positions(state, start: int):
+    """The state of positions start.. only (-1: the last; the head works per position)."""
+    return type(state)(state.hidden[:, start:], [b[:, start:] for b in state.blocks])
