@@ -2,8 +2,10 @@
 sequence of a step advances by one token, on the CPU, and the family describes each layer as a
 `reap.models.blocks.NativeLayer` with dense bf16/fp32 weights, a layer costs two library calls
 per sequence (attention half, then the MLP half with the routed experts' weights) and the head
-one, instead of some fifty torch ops and Python calls; matrix-vector products are split over a
-persistent pool of the engine's thread count.
+one, instead of some fifty torch ops and Python calls; a sequence decoding alone with the trunk
+pinned and every expert resident takes one call for the whole token (`reap_token_step`, the
+same two halves per layer). Matrix-vector products are split over a persistent pool of the
+engine's thread count.
 
 Everything else is the engine's own: the trunk store and ring (`get`), the expert cache (reads,
 prefetch, hit counts, failures: a failed expert contributes nothing, as the zeros the torch
@@ -285,6 +287,33 @@ class NativeDecoder:
     def _token_args(self) -> dict:
         """The argument blocks of `reap_token_step` that do not change between tokens."""
         eng, L = self.eng, len(self.specs)
+        tables, dense, widths, uses = self._expert_tables()
+        units = eng.trunk.get(L)
+        norm, head, eps = self.head_names
+        keep = {
+            "args": (ctypes.c_int64 * len(_T))(), "tables": tables, "uses": uses,
+            "head": units[head], "x": torch.empty(units[head].shape[1]),
+            "attn": (ctypes.c_int64 * L)(*(ctypes.addressof(self._static[i][1]) for i in range(L))),
+            "tabs": (ctypes.c_int64 * L)(*(x.data_ptr() for x in tables)),
+            "dense": (ctypes.c_int64 * L)(*dense), "f": (ctypes.c_int64 * L)(*widths),
+            "times": (ctypes.c_double * (L + 1))(),
+            "floats": (ctypes.c_double * (2 * L + 1))(
+                *(v for s in self.specs for v in (s.eps, s.dk**-0.5)), eps),
+            "scratch": max((1 if d else s.top_k) * (f + self._x2.shape[0])
+                           for d, s, f in zip(dense, self.specs, widths)),
+        }  # fmt: skip
+        t = keep["args"]
+        for k in ("attn", "tabs", "dense", "f", "times"):
+            t[_T["tables" if k == "tabs" else k]] = ctypes.addressof(keep[k])
+        t[_T["layers"]], t[_T["moe"]] = L, ctypes.addressof(self._moe)
+        t[_T["norm"]], t[_T["head"]] = units[norm].data_ptr(), units[head].data_ptr()
+        t[_T["v"]], t[_T["x"]] = units[head].shape[0], keep["x"].data_ptr()
+        return keep
+
+    def _expert_tables(self):
+        """Per layer the [E, 3] gate/up/down pointers of its resident experts (a dense MLP: its
+        one triple), whether it is dense, its MLP width; and the expert uses per token."""
+        eng = self.eng
         tables, dense, widths, uses = [], [], [], 0
         for i, s in enumerate(self.specs):
             units = eng.trunk.get(i)
@@ -295,30 +324,10 @@ class NativeDecoder:
                 E = units[s.prefix + s.router].shape[0]
                 rows = [tuple(eng.experts.tensors[(i, e)][n] for n in s.mlp) for e in range(E)]
                 uses += s.top_k
-            tables.append(torch.tensor([[w.data_ptr() for w in r] for r in rows]))  # [E, 3]
+            tables.append(torch.tensor([[w.data_ptr() for w in r] for r in rows]))
             dense.append(int(s.router is None))
             widths.append(rows[0][0].shape[0])
-        units = eng.trunk.get(L)
-        norm, head, eps = self.head_names
-        t = (ctypes.c_int64 * len(_T))()
-        keep = {
-            "args": t, "tables": tables, "uses": uses, "head": units[head],
-            "attn": (ctypes.c_int64 * L)(*(ctypes.addressof(self._static[i][1]) for i in range(L))),
-            "tabs": (ctypes.c_int64 * L)(*(x.data_ptr() for x in tables)),
-            "dense": (ctypes.c_int64 * L)(*dense), "f": (ctypes.c_int64 * L)(*widths),
-            "times": (ctypes.c_double * (L + 1))(), "x": torch.empty(units[head].shape[1]),
-            "floats": (ctypes.c_double * (2 * L + 1))(
-                *(v for s in self.specs for v in (s.eps, s.dk**-0.5)), eps),
-            "scratch": max(k * (f + self._x2.shape[0])
-                           for k, f in zip((1 if d else s.top_k for d, s in zip(dense, self.specs)),
-                                           widths)),
-        }  # fmt: skip
-        for k in ("attn", "tabs", "dense", "f", "times"):
-            t[_T["tables" if k == "tabs" else k]] = ctypes.addressof(keep[k])
-        t[_T["layers"]], t[_T["moe"]] = L, ctypes.addressof(self._moe)
-        t[_T["norm"]], t[_T["head"]] = units[norm].data_ptr(), units[head].data_ptr()
-        t[_T["v"]], t[_T["x"]] = units[head].shape[0], keep["x"].data_ptr()
-        return keep
+        return tables, dense, widths, uses
 
     def _token(self, seq, h: torch.Tensor) -> torch.Tensor:
         """One sequence's token through every layer and the head in one call -> logits [V]."""
