@@ -227,3 +227,26 @@ def test_many_row_products_use_the_tiles_and_do_not_depend_on_the_rows(dtype):
     tol = 1e-5 if dtype == torch.float32 else 2.0**-7
     assert (y.float() - ref).abs().max() <= tol * ref.abs().max()
     assert torch.equal(few, y[:5]) and torch.equal(one[0], y[many - 3])
+
+
+def test_the_pool_serves_callers_on_several_threads():
+    """Products asked from several Python threads at once (the pool runs one job at a time;
+    the others run on their own thread): every result equals the same product alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from reap.quant import dense_kernel
+
+    g = torch.Generator().manual_seed(5)
+    ws = [torch.randn(300, 256, generator=g) for _ in range(6)]
+    x = torch.randn(40, 256, generator=g)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with dense_kernel.enabled():
+            alone = [dense_kernel.dense_linear(x, w) for w in ws]
+            with ThreadPoolExecutor(6) as pool:
+                for _ in range(20):
+                    got = list(pool.map(lambda w: dense_kernel.dense_linear(x, w), ws))
+                    assert all(torch.equal(a, b) for a, b in zip(got, alone))
+    finally:
+        torch.set_num_threads(saved)

@@ -105,14 +105,17 @@ int reap_pool_size(int n) {
     return P.n;
 }
 
+static atomic_flag busy = ATOMIC_FLAG_INIT; /* a job is open (the pool runs one at a time) */
+
 /* fn(ctx, a, b) over [0, total) in chunks of at least `grain` items (about four per thread),
-   shared by the caller and the workers; returns when all are done. */
+   shared by the caller and the workers; returns when all are done. Safe to call from several
+   threads at once: while one caller's job holds the pool, the others run theirs alone. */
 void reap_parallel(task_fn fn, const void *ctx, int64_t total, int64_t grain) {
     if (total <= 0) return;
     int64_t chunk = total / (4 * (int64_t)P.n);
     chunk = chunk > grain ? chunk : grain;
-    if (P.n == 1 || chunk >= total) {
-        fn(ctx, 0, total);
+    if (P.n == 1 || chunk >= total || atomic_flag_test_and_set(&busy)) {
+        fn(ctx, 0, total); /* alone, or another thread's job holds the pool: on this thread */
         return;
     }
     uint_fast64_t job = (atomic_load(&P.ticket) >> 32) + 1;
@@ -128,4 +131,5 @@ void reap_parallel(task_fn fn, const void *ctx, int64_t total, int64_t grain) {
     run_chunks();
     for (int spins = 0; atomic_load_explicit(&P.done, memory_order_acquire) < P.nchunks;)
         if (++spins < 256) PAUSE(); else sched_yield();
+    atomic_flag_clear(&busy);
 }
