@@ -182,7 +182,8 @@ def test_portable_loops_equal_the_avx512_ones(models, monkeypatch):
 
 def test_native_decode_declines_what_it_does_not_reproduce(models, tmp_path, monkeypatch):
     """Attention biases (no `native_layer`) and fp32 weights computed in bf16 (torch rounds
-    each weight first) run the torch path; so do multi-token chunks."""
+    each weight first) run the torch path; so do multi-token chunks and routers choosing more
+    experts per token than the kernels hold."""
     biased = R.with_config(models["qwen3_moe", "float32"], tmp_path / "b", attention_bias=True)
     with Engine.open(models["qwen3_moe", "float32"], preset="max", context=16) as eng:
         assert eng._native.usable([[1]]) and not eng._native.usable([[1, 2]])
@@ -192,6 +193,9 @@ def test_native_decode_declines_what_it_does_not_reproduce(models, tmp_path, mon
     with Engine.open(models["qwen3_moe", "bfloat16"], preset="max", context=16,
                      dtype="float32") as eng:  # fmt: skip
         assert eng._native.usable([[1]])  # bf16 weights widen exactly
+    monkeypatch.setattr(step_kernel, "MAX_TOP_K", 2)  # more routed experts than the C arrays
+    with Engine.open(models["qwen3_moe", "float32"], preset="max", context=16) as eng:
+        assert not eng._native.usable([[1]])
     assert _declines_bias(biased)
 
 

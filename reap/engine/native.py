@@ -43,7 +43,9 @@ class NativeDecoder:
             return
         self.specs = [layer_of(i) for i in range(n_layers)]
         self.head_names = model.native_head()
-        if any(s is None for s in self.specs) or not self._dtypes_ok():
+        if any(s is None or s.top_k > step_kernel.MAX_TOP_K for s in self.specs):
+            return
+        if not self._dtypes_ok():
             return
         self.lib = step_kernel.library()
         self.rnd = _ROUNDS[engine.dtype]
@@ -193,10 +195,7 @@ class NativeDecoder:
             xf.data_ptr(), y.data_ptr(), ids.data_ptr(), w.data_ptr(), table.data_ptr(), N, K,
             E, F, D, int(self.wbf16), int(self.rnd), floats.data_ptr(), ints.data_ptr(),
         )  # fmt: skip
-        self.lib.reap_pool_size(torch.get_num_threads())
-        self.lib.reap_pool_spin(step_kernel.SPINS)
-        self.lib.reap_moe_prefill(args)
-        self.lib.reap_pool_spin(0)  # torch's ops come next: leave them the cores
+        step_kernel.pooled(self.lib, self.lib.reap_moe_prefill, args)
         return y
 
     def _scratch_of(self, floats: int) -> torch.Tensor:
@@ -248,15 +247,21 @@ class NativeDecoder:
         for k, (g, u, d) in enumerate(triples):
             self._ptrs[0][k], self._ptrs[1][k] = g.data_ptr(), u.data_ptr()
             self._ptrs[2][k], self._w[k] = d.data_ptr(), weights[k]
-        for k, v in (("x2", self._x2.data_ptr()), ("h", h.data_ptr()),
-                     ("scratch", scratch.data_ptr()), ("k", len(triples)), ("f", F), ("d", D),
-                     ("wbf16", int(self.wbf16)), ("rnd", int(self.rnd)),
-                     ("weights", ctypes.addressof(self._w)),
+        self._point_mlp(h, scratch)
+        for k, v in (("k", len(triples)), ("f", F), ("weights", ctypes.addressof(self._w)),
                      ("gate", ctypes.addressof(self._ptrs[0])),
                      ("up", ctypes.addressof(self._ptrs[1])),
                      ("down", ctypes.addressof(self._ptrs[2]))):  # fmt: skip
             m[_M[k]] = v
         self.lib.reap_moe_step(m)
+
+    def _point_mlp(self, h: torch.Tensor, scratch: torch.Tensor) -> None:
+        """The MLP argument block's fields for one sequence: its input (_x2), the residual h,
+        the scratch, the width and rounding (the experts and their count are set per call)."""
+        for k, v in (("x2", self._x2.data_ptr()), ("h", h.data_ptr()),
+                     ("scratch", scratch.data_ptr()), ("d", h.shape[0]),
+                     ("wbf16", int(self.wbf16)), ("rnd", int(self.rnd))):  # fmt: skip
+            self._moe[_M[k]] = v
 
     def _head(self, units: dict, h: torch.Tensor) -> torch.Tensor:
         """Final norm and head of one sequence -> logits [V] fp32 (bf16 values with bf16
@@ -332,15 +337,12 @@ class NativeDecoder:
     def _token(self, seq, h: torch.Tensor) -> torch.Tensor:
         """One sequence's token through every layer and the head in one call -> logits [V]."""
         eng, tok, L = self.eng, self._tok, len(self.specs)
-        need = [self._bind(s, self._static[i][1], h, seq.caches[i]) for i, s in enumerate(self.specs)]
+        args = [self._static[i][1] for i in range(L)]
+        need = [self._bind(s, a, h, c) for s, a, c in zip(self.specs, args, seq.caches)]
         scratch = self._scratch_of(max(*need, tok["scratch"]))
-        for i in range(L):
-            self._static[i][1][_A["scratch"]] = scratch.data_ptr()
-        m = self._moe
-        for k, v in (("x2", self._x2.data_ptr()), ("h", h.data_ptr()),
-                     ("scratch", scratch.data_ptr()), ("d", h.shape[0]),
-                     ("wbf16", int(self.wbf16)), ("rnd", int(self.rnd))):  # fmt: skip
-            m[_M[k]] = v
+        for a in args:
+            a[_A["scratch"]] = scratch.data_ptr()
+        self._point_mlp(h, scratch)
         logits = torch.empty(tok["head"].shape[0], dtype=torch.float32)
         tok["args"][_T["logits"]] = logits.data_ptr()
         times = tok["times"]

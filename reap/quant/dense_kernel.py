@@ -73,9 +73,11 @@ def usable(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Inside `enabled()`: bf16 or fp32 weights [out, in] (contiguous, on the CPU) times rows
     of the same dtype: a few (this library), or more (the step library's tiles: any number in
     fp32, up to `step_kernel.BF16_ROWS` in bf16)."""
-    return _shapes_ok(x, w) and (
-        x.numel() // w.shape[1] <= MAX_ROWS and library() is not None or _many_rows(x, w)
-    )
+    return _shapes_ok(x, w) and (_few_rows(x, w) or _many_rows(x, w))
+
+
+def _few_rows(x: torch.Tensor, w: torch.Tensor) -> bool:
+    return x.numel() // w.shape[1] <= MAX_ROWS and library() is not None
 
 
 def _many_rows(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -121,11 +123,8 @@ def dense_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def _tiles(xf: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> None:
     lib = step_kernel.library()
-    lib.reap_pool_size(torch.get_num_threads())
-    lib.reap_pool_spin(step_kernel.SPINS)
-    lib.reap_linear(xf.data_ptr(), w.data_ptr(), y.data_ptr(), xf.shape[0], *w.shape,
-                    int(w.dtype == torch.bfloat16))  # fmt: skip
-    lib.reap_pool_spin(0)  # torch's ops come next: leave them the cores
+    step_kernel.pooled(lib, lib.reap_linear, xf.data_ptr(), w.data_ptr(), y.data_ptr(),
+                       xf.shape[0], *w.shape, int(w.dtype == torch.bfloat16))  # fmt: skip
 
 
 def swiglu_usable(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down) -> bool:
@@ -135,9 +134,8 @@ def swiglu_usable(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down) -
         isinstance(down, torch.Tensor)
         and gate.shape == up.shape
         and down.shape == gate.shape[::-1]
-        and usable(x, gate)
-        and x.numel() // gate.shape[1] <= MAX_ROWS
-        and library() is not None
+        and _shapes_ok(x, gate)
+        and _few_rows(x, gate)
         and up.dtype == gate.dtype
         and down.dtype == gate.dtype
         and up.device.type == down.device.type == "cpu"

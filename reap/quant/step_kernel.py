@@ -10,12 +10,13 @@ kernels (`reap.quant.ckernel.compile_cached`); `REAP_NO_CKERNEL=1` or
     lib = library()                       # None when unavailable
     lib.reap_pool_size(2)                 # threads (the caller included)
     lib.reap_pool_spin(SPINS)             # idle workers spin this long, then sleep (0: at once)
-    lib.reap_attn_step(args, floats)      # args: int64[ATTN_ARGS] (indices ATTN), floats: eps, scale
+    lib.reap_attn_step(args, floats)      # int64[ATTN_ARGS] (indices ATTN), floats: eps, scale
     lib.reap_moe_step(args)               # args: int64[MOE_ARGS] (indices MOE)
     lib.reap_head_step(h, norm, head, V, D, wbf16, rnd, eps, x, logits)
     lib.reap_token_step(args, floats)     # args: int64[TOKEN_ARGS]: every layer and the head
     lib.reap_moe_prefill(args)            # args: int64[14]: the routed experts of N tokens
-    lib.reap_linear(x, w, y, n, rows, cols, wbf16)  # y = x @ w.T over the pool, fp32 x and y
+    lib.reap_linear(x, w, y, n, rows, cols, wbf16)  # y = x @ w.T over the pool, fp32 x, y
+    pooled(lib, lib.reap_linear, *args)  # a many-token call between torch ops
 
 Arithmetic and rounding are documented in the C source: every dot product is the compiled
 GEMV's (`dense_kernels.c`), results never depend on the thread count.
@@ -27,6 +28,8 @@ import ctypes
 import os
 import threading
 from pathlib import Path
+
+import torch
 
 from reap.quant import ckernel
 
@@ -49,6 +52,7 @@ TOKEN = {n: i for i, n in enumerate(TOKEN_ARGS)}
 # matrix, torch above it (experiments/bench_step_kernels.py, reports/step-kernels.md); in fp32
 # the tiles are ahead at every size there
 BF16_ROWS = 16
+MAX_TOP_K = 256  # routed experts per token the kernels hold on the stack (route, MAX_K, done)
 SPINS = 20000  # pause loops idle workers spin between decode calls (0 after a prefill call)
 _LIB: list = []
 _LOCK = threading.Lock()
@@ -63,6 +67,16 @@ def library():
             off = os.environ.get("REAP_NO_CKERNEL") or os.environ.get("REAP_NO_NATIVE")
             _LIB.append(None if off else build())
         return _LIB[0]
+
+
+def pooled(lib, fn, *args) -> None:
+    """fn(*args), a library call that splits its work over the pool (a prefill call, between
+    torch ops): the pool at torch's thread count, its workers spinning while it runs and
+    sleeping at once after it, so that torch's OpenMP threads get the cores next."""
+    lib.reap_pool_size(torch.get_num_threads())
+    lib.reap_pool_spin(SPINS)
+    fn(*args)
+    lib.reap_pool_spin(0)
 
 
 def build(flags: tuple[str, ...] = ()):
