@@ -281,7 +281,8 @@ def test_logits_from_a_first_position_are_those_rows_of_all_positions(tiny):
         full = eng.step([s], [ids], all_positions=True)[0]
         part = eng.step([t], [ids], all_positions=True, first=6)[0]
         assert part.shape == (3, full.shape[1])
-        torch.testing.assert_close(part, full[6:], rtol=1e-6, atol=1e-6)
+        tol = 1e-5 * float(full.abs().max())  # 1.4e-6 of 3.8 measured; another row: O(1)
+        torch.testing.assert_close(part, full[6:], rtol=0, atol=tol)
         one = eng.step([s, t], [[3], [3]], all_positions=True, first=1)
         assert [o.shape[0] for o in one] == [0, 0]
         with pytest.raises(ReapError, match="first position"):
