@@ -199,8 +199,10 @@ def test_global_plan_prunes_to_per_layer_counts(src, tmp_path):
     from reap.engine import Engine  # the streaming engine runs per-layer counts too
 
     with Engine.open(str(out), budget="2GB", dtype="float32") as engine:
-        # its prefill products run the compiled tiles (another fp32 summation order)
-        tol = 2e-5 * float(got[0].abs().max())
+        # its prefill products run the compiled tiles (another fp32 summation order than the
+        # forward's torch matmuls, whose own order depends on the CPU: 3.7e-5 of 3.9 measured
+        # here); a routing or renumbering mistake moves logits by far more
+        tol = 1e-4 * float(got[0].abs().max())
         torch.testing.assert_close(engine.logits([ids[0].tolist()])[0], got[0], rtol=0, atol=tol)
 
 
