@@ -12,7 +12,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from reap.checkpoint import Checkpoint, CheckpointWriter, TensorSpec
+from reap.checkpoint import BufferReader, Checkpoint, CheckpointWriter, TensorSpec
+from reap.checkpoint.files import adjacent_runs
 from reap.errors import CheckpointError, ReapError, WriteError
 
 P = "language_model."
@@ -204,6 +205,39 @@ def test_read_many_coalesces_adjacent_ranges(tmp_path):
         # w1 of expert 5 and w1 of expert 2 are not adjacent: two reads
         ck.read_many([specs[0].name, specs[6].name, specs[1].name])
         assert ck.reads == 3
+
+
+def test_buffered_reads_put_every_tensor_on_a_cache_line(tmp_path, monkeypatch):
+    """safetensors packs tensors at any byte offset; a buffered read_into places each one on a
+    64-byte boundary of the buffer with one scattered read per run, contents as `safetensors`
+    reads them, also through short reads and with more tensors than one preadv call takes."""
+    g = torch.Generator().manual_seed(0)
+    data = {f"t.{i:04d}": torch.randn(1 + i % 7, generator=g) for i in range(700)}
+    data["w"] = torch.randn(5, 33, generator=g).to(torch.bfloat16)
+    save_file(data, str(tmp_path / "m.safetensors"))
+    ck = Checkpoint.open(tmp_path / "m.safetensors")
+    reader = BufferReader(ck)
+    infos = sorted((reader.info(n) for n in data), key=lambda t: t.start)
+    assert len(adjacent_runs(infos)) == 1 and len({t.start % 64 for t in infos}) > 1
+    real = os.preadv
+
+    def short(fd, bufs, offset):  # at most 100 bytes a call, cut anywhere in a buffer
+        room, cut = 100, []
+        for b in bufs:
+            cut.append(b[: max(room, 0)])
+            room -= len(cut[-1])
+        return real(fd, [c for c in cut if len(c)], offset)
+
+    monkeypatch.setattr(os, "preadv", short)
+    buf = torch.empty(reader.span(infos) + 3, dtype=torch.uint8)[3:]  # not aligned itself
+    got = reader.read_into(infos, buf)
+    assert reader.io.reads == 1
+    with safe_open(str(tmp_path / "m.safetensors"), "pt") as f:
+        for n in data:
+            assert got[n].data_ptr() % 64 == 0, n
+            assert torch.equal(got[n], f.get_tensor(n)), n
+    with pytest.raises(CheckpointError, match="read buffer too small"):
+        reader.read_into(infos, buf[: reader.span(infos) - 64])
 
 
 def test_direct_reads_match_buffered(tmp_path):

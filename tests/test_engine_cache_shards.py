@@ -106,3 +106,16 @@ def test_engine_at_max_reads_each_expert_once_and_matches_a_single_file_copy(sha
             assert c["expert_hits"] + c["expert_misses"] > 3 * 8
             out[p] = toks
     assert out[path] == out[single]
+
+
+def test_resident_weights_start_on_cache_lines(sharded):
+    """The checkpoint's tensors sit at any byte offset of their files; the engine's pinned
+    trunk and cached experts start on 64-byte boundaries (whole cache lines per row for the
+    matrix-vector products)."""
+    path, _ = sharded
+    assert any(t.start % 64 for t in Checkpoint.open(path).tensors.values())
+    with Engine.open(path, preset="max", context=64) as eng:
+        eng.generate([[3, 100, 7]], max_tokens=2)
+        tensors = [t for unit in eng.trunk.pinned.values() for t in unit.values()]
+        tensors += [t for e in eng.experts.tensors.values() for t in e.values()]
+        assert len(tensors) > 3 * 8 * 3 and all(t.data_ptr() % 64 == 0 for t in tensors)

@@ -19,7 +19,8 @@ from reap.errors import CheckpointError
 
 ALIGN = 4096  # O_DIRECT alignment of file offsets, lengths and buffer addresses
 HAS_DIRECT = hasattr(os, "O_DIRECT")
-_BUFFERED_ALIGN = 64  # where buffered runs start inside a buffer (cache-line aligned)
+_BUFFERED_ALIGN = 64  # where buffered reads place each tensor inside a buffer (a cache line)
+_IOV_MAX = 512  # buffers per preadv call (Linux allows 1024)
 
 
 def open_regular(path: str | os.PathLike, what: str) -> tuple[int, int]:
@@ -51,15 +52,21 @@ def read_regular(path: str | os.PathLike, what: str, limit: int) -> bytes:
         os.close(fd)
 
 
-def pread_full(fd: int, buf: torch.Tensor, offset: int) -> int:
-    """Fill uint8 `buf` from file `offset` with positioned reads; short only at end of file.
-    Returns the bytes read."""
-    view, done = memoryview(buf.numpy()).cast("B"), 0
-    while done < len(view):
-        n = os.preadv(fd, [view[done:]], offset + done)
+def pread_full(fd: int, bufs: torch.Tensor | Sequence[torch.Tensor], offset: int) -> int:
+    """Fill uint8 `bufs` (one buffer, or several filled in order from one byte range) from file
+    `offset` with positioned reads; short only at end of file. Returns the bytes read."""
+    views = [memoryview(b.numpy()).cast("B") for b in ([bufs] if torch.is_tensor(bufs) else bufs)]
+    done, i = 0, 0
+    while i < len(views):
+        n = os.preadv(fd, views[i : i + _IOV_MAX], offset + done)
         if n == 0:
             break
         done += n
+        while i < len(views) and n >= len(views[i]):
+            n -= len(views[i])
+            i += 1
+        if n:
+            views[i] = views[i][n:]
     return done
 
 
@@ -85,6 +92,10 @@ def tensor_view(buf: torch.Tensor, offset: int, info: TensorInfo) -> torch.Tenso
     if raw.data_ptr() % DTYPE_SIZES[info.dtype]:
         raw = raw.clone()
     return raw.view(dtype).reshape(info.shape)
+
+
+def _padded(nbytes: int) -> int:
+    return -(-nbytes // _BUFFERED_ALIGN) * _BUFFERED_ALIGN
 
 
 class RunReader:
@@ -123,37 +134,62 @@ class RunReader:
 
     def span(self, infos: Sequence[TensorInfo]) -> int:
         """Buffer bytes `read_into` needs for these tensors (alignment slack included)."""
-        align = ALIGN if self.direct else _BUFFERED_ALIGN
-        return sum(r[-1].end - r[0].start + 2 * align for r in adjacent_runs(infos)) + align
+        if not self.direct:
+            return sum(_padded(t.nbytes) for t in infos) + _BUFFERED_ALIGN
+        return sum(r[-1].end - r[0].start + 2 * ALIGN for r in adjacent_runs(infos)) + ALIGN
 
     def read_into(
         self, infos: Sequence[TensorInfo], buf: torch.Tensor, kind: str = ""
     ) -> dict[str, torch.Tensor]:
         """Read tensors into `buf` (uint8 [n] with n >= span(infos)); name -> view of `buf`.
-        `kind` names the bytes for `_count`."""
+        Buffered, every tensor starts on a cache line of `buf` (one read per run scatters it:
+        safetensors packs tensors at any offset, and a matrix-vector product streams an
+        unaligned row more slowly); with O_DIRECT the buffer keeps the file's alignment mod
+        4096. `kind` names the bytes for `_count`."""
         out: dict[str, torch.Tensor] = {}
-        direct = self.direct
-        align = ALIGN if direct else _BUFFERED_ALIGN
-        pos = -buf.data_ptr() % align  # aligned start (O_DIRECT needs 4096)
+        place = self._place_direct if self.direct else self._place_buffered
+        pos = -buf.data_ptr() % (ALIGN if self.direct else _BUFFERED_ALIGN)
         for run in adjacent_runs(infos):
-            start, end = run[0].start, run[-1].end
-            lo = start - start % align  # the buffer keeps the file's alignment mod `align`
-            hi = -(-end // ALIGN) * ALIGN if direct else end
-            if pos + hi - lo > buf.numel():
-                raise CheckpointError(
-                    f"read buffer too small for {run[0].name} ({hi - lo} bytes)",
-                    self.read_failure_code,
-                )
-            first = lo if direct else start  # O_DIRECT reads whole blocks, buffered the run
-            if end > start:
-                self._read(run, buf[pos + first - lo : pos + hi - lo], first, end - first, kind)
-            for t in run:
-                out[t.name] = tensor_view(buf, pos + t.start - lo, t)
-            pos += -(-(hi - lo) // align) * align
+            pos = place(run, buf, pos, kind, out)
         return out
 
+    def _place_buffered(self, run, buf: torch.Tensor, pos: int, kind: str, out: dict) -> int:
+        """Read one run into `buf` from `pos` on, each tensor at the next cache line; returns
+        the position after it."""
+        places = []
+        for t in run:
+            places.append(pos)
+            pos += _padded(t.nbytes)
+        self._check_room(run, pos, buf)
+        views = [buf[p : p + t.nbytes] for p, t in zip(places, run) if t.nbytes]
+        if views:
+            self._read(run, views, run[0].start, run[-1].end - run[0].start, kind)
+        for p, t in zip(places, run):
+            out[t.name] = tensor_view(buf, p, t)
+        return pos
+
+    def _place_direct(self, run, buf: torch.Tensor, pos: int, kind: str, out: dict) -> int:
+        """Read one run with O_DIRECT: whole 4096-byte blocks into a 4096-aligned place of
+        `buf` (the buffered fallback reads the same blocks there)."""
+        start, end = run[0].start, run[-1].end
+        lo, hi = start - start % ALIGN, -(-end // ALIGN) * ALIGN
+        self._check_room(run, pos + hi - lo, buf)
+        if end > start:
+            self._read(run, [buf[pos : pos + hi - lo]], lo, end - lo, kind)
+        for t in run:
+            out[t.name] = tensor_view(buf, pos + t.start - lo, t)
+        return pos + hi - lo
+
+    def _check_room(self, run, end: int, buf: torch.Tensor) -> None:
+        if end > buf.numel():
+            raise CheckpointError(
+                f"read buffer too small for {run[0].name} ({end} bytes needed, {buf.numel()}"
+                " given)",
+                self.read_failure_code,
+            )
+
     def _read(
-        self, run: list[TensorInfo], dst: torch.Tensor, offset: int, need: int, kind: str
+        self, run: list[TensorInfo], dst: list[torch.Tensor], offset: int, need: int, kind: str
     ) -> None:
         file = run[0].file
         what = f"tensors {run[0].key}..{run[-1].key}" if len(run) > 1 else f"tensor {run[0].key}"
