@@ -4,6 +4,7 @@ brute-force LFU, `reap.quant.mxfp4`'s decoders, a naive sampler), on a k3-tiny f
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -111,6 +112,20 @@ def test_presets_are_ordered_and_scaled_to_the_model():
     assert len(top.pinned) == 5 and top.expert_cache == mb.experts_total
     with pytest.raises(ReapError, match="unknown preset"):
         memory.preset_budget(mb, "huge", 16)
+
+
+def test_the_embedding_table_is_pinned_last_and_only_whole():
+    mb = dataclasses.replace(_mb(), embed_table=40)
+    top = memory.preset_budget(mb, "max", 16, 1, 4)
+    assert top == memory.preset_budget(_mb(), "max", 16, 1, 4) + 40
+    plan = memory.plan_memory(mb, top, 16, 1, 4)
+    assert plan.embed_table == 40 and plan.expert_cache == mb.experts_total
+    assert plan.total == top and "embedding table" in plan.describe()
+    short = memory.plan_memory(mb, top - 1, 16, 1, 4)  # all experts, not the whole table
+    assert short.embed_table == 0 and short.expert_cache == mb.experts_total
+    assert "read by rows" in short.describe()
+    below = memory.plan_memory(mb, top - 60, 16, 1, 4)  # room for the table, not every expert
+    assert below.embed_table == 0 and below.expert_cache == mb.experts_total - 20
 
 
 def test_refusal_names_the_shortfall_and_parse_bytes():
@@ -366,6 +381,15 @@ def test_preset_max_reads_every_expert_at_open_and_then_only_hits(tiny):
         eng.generate([[1, 2, 3]], max_tokens=4)
         assert eng.experts.misses == 0 and eng.experts.hits > 0
         assert eng.reader.io.bytes["experts"] == read
+    prompt = [1, 2, 3, 200, 7]
+    with Engine.open(tiny, preset="max", context=64) as eng:  # the embedding table too
+        table = eng.reader.info(eng.binding.embed)
+        assert eng.plan.embed_table == table.nbytes == eng.reader.io.bytes["embed"]
+        pinned = eng.generate([prompt], max_tokens=6)[0].ids
+        assert eng.reader.io.bytes["embed"] == table.nbytes  # no row read after open
+    with Engine.open(tiny, preset="server", context=64) as eng:  # rows read per step
+        assert eng.plan.embed_table == 0 and eng.generate([prompt], max_tokens=6)[0].ids == pinned
+        assert eng.reader.io.bytes["embed"] == 10 * table.nbytes // table.shape[0]
     with Engine.open(tiny, preset="max", context=64, preload=False) as eng:
         assert not eng.experts.tensors
         eng.generate([[1, 2, 3]], max_tokens=4)

@@ -75,8 +75,14 @@ class BufferReader(RunReader):
                 raise ReapError(f"row {r} outside {name} with {t.shape[0]} rows")
             start = t.start + r * width
             infos.append(t._replace(shape=(t.shape[1],), start=start, end=start + width))
+        out = torch.empty((len(rows), t.shape[1]), dtype=TORCH_DTYPES[t.dtype])
         if not infos:
-            return torch.empty((0, t.shape[1]), dtype=TORCH_DTYPES[t.dtype])
-        out = torch.empty((len(rows), self.span(infos[:1])), dtype=torch.uint8)
-        views = [self.read_into([info], out[i], kind)[t.name] for i, info in enumerate(infos)]
-        return torch.stack(views)  # [len(rows), C]
+            return out
+        if not self.direct:  # straight into the result (a decode step reads one row)
+            raw = out.view(torch.uint8).reshape(len(rows), width)
+            for i, info in enumerate(infos):
+                self._read([info], [raw[i]], info.start, width, kind)
+            return out
+        buf = torch.empty((len(rows), self.span(infos[:1])), dtype=torch.uint8)
+        views = [self.read_into([info], buf[i], kind)[t.name] for i, info in enumerate(infos)]
+        return torch.stack(views, out=out)  # [len(rows), C]

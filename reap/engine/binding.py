@@ -119,6 +119,7 @@ def model_bytes(
         top_k=top_k,
         resident=0,
         embed_row=row.nbytes // row.shape[0],
+        embed_table=0 if b.embed in b.units[-1] else row.nbytes,  # tied: the head's weight
         cast_bytes=cast,
         decoded_expert_bytes=b.expert_weights * size,
         state_per_position=costs[0],

@@ -31,7 +31,7 @@ from reap.engine.binding import Binding, bind, model_bytes, state_costs
 from reap.engine.experts import ExpertCache
 from reap.engine.native import NativeDecoder
 from reap.engine.run_metrics import RunMetrics
-from reap.engine.store import IO_KINDS, TrunkStore
+from reap.engine.store import IO_KINDS, TrunkStore, embedding_table
 from reap.errors import EXIT_FAILURE, ReapError
 from reap.memstat import available_memory, current_rss
 from reap.models.base import Family, expert_short_names
@@ -83,6 +83,7 @@ class Engine:
     _fused: bool = field(init=False)  # bf16 on CPU: fused expert matmuls
     _kernels: MXFP4Kernels = field(init=False)  # expert matmuls (reap.quant)
     _native: NativeDecoder = field(init=False)  # compiled one-token steps (reap.engine.native)
+    _table: torch.Tensor | None = field(init=False)  # the resident embedding table, or None
 
     def __post_init__(self) -> None:
         self.metrics = RunMetrics()
@@ -94,6 +95,8 @@ class Engine:
         self._fused = fused_available(self.dtype, self.device)
         self._kernels = MXFP4Kernels(self.dtype, self._decoded, self._fused)
         self._native = NativeDecoder(self)  # one-token steps through compiled kernels
+        pin = self.plan.embed_table > 0  # read now (the plan has room for it)
+        self._table = embedding_table(self.reader, self.binding.embed, pin, self.trunk)
 
     @classmethod
     def open(
@@ -209,15 +212,18 @@ class Engine:
         return out if all_positions else [o[-1] for o in out]
 
     def _embed(self, chunks: list[list[int]]) -> list:
-        """Embed each chunk, reading only the embedding rows the chunks use."""
+        """Embed each chunk: the rows the chunks use, from the resident table or read."""
         uniq = sorted({t for c in chunks for t in c})
         vocab = self.reader.info(self.binding.embed).shape[0]
         bad = [t for t in uniq if not 0 <= t < vocab]
         if bad:
             raise ReapError(f"token id {bad[0]} outside the vocabulary of {vocab}")
-        t0 = time.perf_counter()
-        rows = self.reader.read_rows(self.binding.embed, uniq).to(self.device)  # [U, D]
-        self._sync_io += time.perf_counter() - t0
+        if self._table is not None:  # resident
+            rows = self._table[torch.tensor(uniq, device=self._table.device)].to(self.device)
+        else:
+            t0 = time.perf_counter()
+            rows = self.reader.read_rows(self.binding.embed, uniq).to(self.device)  # [U, D]
+            self._sync_io += time.perf_counter() - t0
         where = {t: j for j, t in enumerate(uniq)}
         get = _getter({self.binding.embed: rows}, "embedding")
         return [self.model.embed(get, torch.tensor([[where[t] for t in c]])) for c in chunks]

@@ -10,7 +10,9 @@ recurrent state) that grows with the declared context. The plan gives the budget
    64 MB of allocator and library slack);
 2. the streamed-layer ring (2 slots of the largest streamed unit: one computing, one being read);
 3. pinned trunk units (never re-read), because every unit is read on every token;
-4. the routed-expert cache (whatever is left).
+4. the routed-expert cache (whatever is left);
+5. the embedding table, once every expert is cached and it fits in what is still left (else a
+   step reads just the rows of its tokens; a table tied to a pinned head is resident anyway).
 
 Trunk before experts: a pinned byte of trunk saves one byte of reading on every token, a cached
 byte of experts only when that expert is chosen again. A plan above 95 % of the memory actually
@@ -74,6 +76,7 @@ class ModelBytes:
     state_per_sequence: int  # recurrent (KDA) state bytes per sequence
     act_per_token: int  # activation bytes per in-flight token (fp32 residual + snapshots)
     attn_per_pair: int = 0  # attention-score bytes per (query, key) pair during prefill
+    embed_table: int = 0  # the whole embedding table, when it is not also the head's weight
 
     @property
     def trunk(self) -> int:
@@ -102,6 +105,7 @@ class MemoryPlan:
     prefill_chunk: int
     unit_names: list[str] = field(default_factory=list)
     units: list[int] = field(default_factory=list)
+    embed_table: int = 0  # the embedding table held resident (0: read by rows)
 
     @property
     def pinned_bytes(self) -> int:
@@ -129,6 +133,7 @@ class MemoryPlan:
             + self.pinned_bytes
             + self.ring_bytes
             + self.expert_cache
+            + self.embed_table
         )
 
     def describe(self) -> str:
@@ -139,6 +144,7 @@ class MemoryPlan:
             (f"pinned trunk: {len(self.pinned)}/{len(self.units)} units", self.pinned_bytes),
             (f"streamed-layer ring: {self.ring_slots} x {_size(self.slot_bytes)}", self.ring_bytes),
             ("routed-expert cache", self.expert_cache),
+            ("embedding table" + ("" if self.embed_table else " (read by rows)"), self.embed_table),
             (f"KV cache + recurrent state ({self.batch} x {self.context} positions)", self.state),
             (f"scratch (prefill chunk {self.prefill_chunk})", self.scratch),
         ]
@@ -162,6 +168,7 @@ class MemoryPlan:
             "ring_slots": self.ring_slots,
             "slot_bytes": self.slot_bytes,
             "expert_cache": self.expert_cache,
+            "embed_table": self.embed_table,
             "streamed_bytes": self.streamed_bytes,
             "context": self.context,
             "batch": self.batch,
@@ -227,6 +234,8 @@ def preset_budget(
     base = minimum_budget(mb, context, batch, prefill_chunk, baseline)
     if f_trunk >= 1.0:  # a pinned trunk needs no ring
         base -= RING_SLOTS * max(mb.units)
+    if f_trunk >= 1.0 and f_experts >= 1.0:  # the whole model: the embedding table too
+        base += mb.embed_table
     return base + int(f_trunk * mb.trunk) + int(f_experts * mb.experts_total)
 
 
@@ -238,7 +247,8 @@ def plan_memory(
     prefill_chunk: int = 512,
     baseline: int = 0,
 ) -> MemoryPlan:
-    """Split `budget` bytes: fixed costs, then the ring, then pinned trunk, then expert cache.
+    """Split `budget` bytes: fixed costs, then the ring, then pinned trunk, then expert cache,
+    then the embedding table.
 
     Raises ReapError (exit 2) if the budget cannot hold the smallest runnable plan."""
     state, scratch = fixed_costs(mb, context, batch, prefill_chunk)
@@ -255,6 +265,7 @@ def plan_memory(
     slot = max(rest) if rest else 0
     left = free - slots * slot - sum(mb.units[i] for i in pinned)
     cache = max(0, min(left, mb.experts_total))
+    table = mb.embed_table if cache == mb.experts_total and left - cache >= mb.embed_table else 0
     return MemoryPlan(
         budget,
         baseline,
@@ -270,6 +281,7 @@ def plan_memory(
         prefill_chunk,
         list(mb.unit_names),
         list(mb.units),
+        table,
     )
 
 

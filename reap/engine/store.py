@@ -4,6 +4,7 @@ with a background reader (the routed-expert cache is in `reap.engine.experts`).
     reader = BufferReader(checkpoint, direct=False, kinds=IO_KINDS)  # reap.checkpoint
     trunk = TrunkStore(reader, units, pinned, slots=2, slot_bytes=...)
     weights = trunk.get(i)                           # unit i's tensors; unit i+1.. read meanwhile
+    table = embedding_table(reader, name, pin, trunk)  # resident embedding table, or None
 
 Reads go straight into long-lived ring slots so steady-state decoding allocates nothing and the
 resident set stays inside the memory plan; how bytes are read is `reap.checkpoint`'s business.
@@ -135,6 +136,21 @@ class TrunkStore:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
         self.slots, self.pinned = [], {}
+
+
+def embedding_table(
+    reader: BufferReader, name: str, pin: bool, trunk: TrunkStore
+) -> torch.Tensor | None:
+    """The embedding table when it is resident: part of a pinned unit (a table tied to the
+    head) or, when the plan pins it (`pin`), read now onto huge pages; None: each step reads
+    the rows of its tokens."""
+    for unit in trunk.pinned.values():
+        if name in unit:
+            return unit[name]
+    if not pin:
+        return None
+    info = reader.info(name)
+    return reader.read_into([info], weight_buffer(reader.span([info]), False), "embed")[name]
 
 
 def _slot(nbytes: int, device: str) -> torch.Tensor:
