@@ -26,9 +26,9 @@ from reap.engine.generate import StopMatcher, generate, sample
 from reap.engine.store import TrunkStore
 from reap.errors import ReapError
 from reap.memstat import available_memory
-from reap.quant import dense_kernel
 from reap.models import family
 from reap.models.base import dict_weights
+from reap.quant import dense_kernel
 from reap.quant.mxfp4_decode import decode_mxfp4
 from reap.units import parse_bytes
 
