@@ -74,20 +74,27 @@ def _bf16_copy(path, out: Path) -> str:
 
 
 def _logits(path, dtype, monkeypatch, on=True, threads=1, preset="max", together=False,
-            whole=None):
+            whole=None, budget=None, tables=None):
     """Logits [steps, V] of PROMPT, one-token STEPS, the CHUNK, one-token MORE (teacher
     forced); `together`: a second sequence (the same tokens) decodes in lockstep beside it.
-    `whole`: a list that gets one item per step run as a whole-token call."""
+    `whole`: a list that gets one item per step run as a whole-token call; `tables`: per
+    compiled prefill MoE call, whether its expert table was the resident one. `budget`: bytes
+    beyond the process (instead of `preset`)."""
     monkeypatch.setattr(native, "ENABLED", on)
     calls = []
     step, token = native.NativeDecoder.step, native.NativeDecoder._token
     monkeypatch.setattr(native.NativeDecoder, "step", lambda *a: calls.append(1) or step(*a))
     if whole is not None:
         monkeypatch.setattr(native.NativeDecoder, "_token", lambda *a: whole.append(1) or token(*a))
+    if tables is not None:
+        et = native.NativeDecoder._expert_table
+        monkeypatch.setattr(native.NativeDecoder, "_expert_table",
+                            lambda self, *a: tables.append(self._resident()) or et(self, *a))
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
+    size = {"budget": budget, "baseline": 0} if budget else {"preset": preset}
     try:
-        with Engine.open(path, preset=preset, context=64, dtype=dtype, batch=2) as eng:
+        with Engine.open(path, context=64, dtype=dtype, batch=2, **size) as eng:
             seqs = [eng.new_sequence() for _ in range(2 if together else 1)]
             out = []
             for chunk in (PROMPT, *[[t] for t in STEPS], CHUNK, *[[t] for t in MORE]):
@@ -133,6 +140,14 @@ def test_native_decode_is_thread_batch_and_budget_invariant(models, dtype, monke
     assert torch.equal(_logits(path, dtype, monkeypatch, together=True, whole=layered), one)
     assert torch.equal(_logits(path, dtype, monkeypatch, preset="ultra", whole=layered), one)
     assert not layered
+    # prefill experts in the library, their pointers gathered from a cache still filling (its
+    # room is a few experts short of the whole model's), or from the resident table
+    with Engine.open(path, preset="max", context=64, dtype=dtype, batch=2, baseline=0) as eng:
+        budget = eng.plan.total - 3 * max(eng.plan_bytes.expert_bytes)
+    gathered, resident = [], []
+    assert torch.equal(_logits(path, dtype, monkeypatch, budget=budget, tables=gathered), one)
+    assert torch.equal(_logits(path, dtype, monkeypatch, tables=resident), one)
+    assert False in gathered and resident and all(resident)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -171,16 +171,26 @@ class NativeDecoder:
             return None
         if self.rnd and ids.numel() > BF16_TOKENS_PER_EXPERT * len(used):
             return None  # torch's bf16 matmul (dot-product instructions) is faster here
+        table, F = self._expert_table(i, spec, used, router.shape[0])
+        return self._moe_call(flat, ids, weights, table, F).to(x.dtype)
+
+    def _expert_table(self, i: int, spec, used: list[int], E: int) -> tuple[torch.Tensor, int]:
+        """Layer i's [E, 3] gate/up/down pointers of the experts in `used` (0 elsewhere, and for
+        an expert that failed to load: it contributes nothing, recorded, exit 4) and the
+        experts' width; with every expert resident, the whole-token path's table, built once
+        (the call reads the rows of the used experts only)."""
+        if self._resident():
+            self.eng.experts.count_hits(len(used))
+            return self._tok["tables"][i], self._tok["f"][i]
         self.eng.experts.prefetch(i, used)
-        table = torch.zeros(router.shape[0], 3, dtype=torch.int64)  # [E, 3] pointers
-        F, held = 0, []  # held: the tensors stay alive until the call returns
-        for e in used:
+        table = torch.zeros(E, 3, dtype=torch.int64)
+        F = 0
+        for e in used:  # the cache holds every used expert until release(): pointers stay valid
             t = self.eng.stored_expert(i, e)
-            if t is not None:  # failed to load: contributes nothing (recorded, exit 4)
-                held.append(t)
+            if t is not None:
                 table[e] = torch.tensor([t[n].data_ptr() for n in spec.mlp])
                 F = t[spec.mlp[0]].shape[0]
-        return self._moe_call(flat, ids, weights, table, F).to(x.dtype)
+        return table, F
 
     def _moe_call(self, flat, ids, weights, table, F: int) -> torch.Tensor:
         (N, D), (K, E) = flat.shape, (ids.shape[1], table.shape[0])
