@@ -52,10 +52,10 @@ def read_regular(path: str | os.PathLike, what: str, limit: int) -> bytes:
         os.close(fd)
 
 
-def pread_full(fd: int, bufs: torch.Tensor | Sequence[torch.Tensor], offset: int) -> int:
-    """Fill uint8 `bufs` (one buffer, or several filled in order from one byte range) from file
-    `offset` with positioned reads; short only at end of file. Returns the bytes read."""
-    views = [memoryview(b.numpy()).cast("B") for b in ([bufs] if torch.is_tensor(bufs) else bufs)]
+def pread_full(fd: int, bufs: Sequence[torch.Tensor], offset: int) -> int:
+    """Fill uint8 buffers `bufs`, in order, from one byte range starting at file `offset` with
+    positioned reads; short only at end of file. Returns the bytes read."""
+    views = [memoryview(b.numpy()).cast("B") for b in bufs]
     done, i = 0, 0
     while i < len(views):
         n = os.preadv(fd, views[i : i + _IOV_MAX], offset + done)
