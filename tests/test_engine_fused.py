@@ -60,18 +60,22 @@ def test_fused_linear_is_its_reference_bit_for_bit(rows, cols, m):
 
 
 @needs_c
-def test_portable_build_equals_the_vector_build(tmp_path, monkeypatch):
-    """The C source's plain-C branch (compiled without AVX-512) does the same arithmetic."""
+@pytest.mark.parametrize("flags", [("-mno-avx2",), ("-mno-avx512f",)])
+def test_every_vector_width_does_the_same_arithmetic(flags, tmp_path, monkeypatch):
+    """The C source built without AVX2 (plain C) or without AVX-512 (AVX2 where the CPU has
+    it) gives the vector build's values bit for bit, on one token and on several."""
     monkeypatch.setenv("REAP_CACHE", str(tmp_path))
-    portable = ckernel.build(("-mno-avx512f",))
-    if portable is None:
-        pytest.skip("compiler refuses -mno-avx512f")
+    other = ckernel.build(flags)
+    if other is None:
+        pytest.skip(f"compiler refuses {flags}")
+    if flags == ("-mno-avx2",):
+        assert other.reap_mxfp4_split_x() == 0  # really the plain C loops
     packed, scales = _matrix(70, 160, 1)
-    x = _x(5, 160, 2).float()
-    assert portable.reap_mxfp4_split_x() == 0
-    got = mxfp4_linear(x, packed, scales, lib=portable)
-    assert torch.equal(got, mxfp4_linear(x, packed, scales))
-    assert torch.equal(got, mxfp4_linear_reference(x, packed, scales))
+    for m in (1, 5):
+        x = _x(m, 160, 2).float()
+        got = mxfp4_linear(x, packed, scales, lib=other)
+        assert torch.equal(got, mxfp4_linear(x, packed, scales))
+        assert torch.equal(got, mxfp4_linear_reference(x, packed, scales))
 
 
 @needs_c

@@ -182,16 +182,60 @@ def test_many_token_experts_match_dispatch_and_do_not_depend_on_the_batch(dtype)
         assert torch.equal(alone[0], got[t])
 
 
-def test_portable_loops_equal_the_avx512_ones(models, monkeypatch):
-    """The library built without AVX-512 (the loops every x86-64 CPU runs) gives the same
-    logits bit for bit: one order of operations on every CPU."""
-    portable = step_kernel.build(("-mno-avx512f",))
-    assert portable is not None
+def _widths(flags):
+    """The step and dense libraries built with extra compiler `flags` (another vector width)."""
+    from reap.quant import dense_kernel
+
+    step, dense = step_kernel.build(flags), dense_kernel._build(flags)
+    if step is None or dense is None:
+        pytest.skip(f"compiler refuses {flags}")
+    return step, dense
+
+
+def _kernel_outputs(dtype):
+    """What the compiled kernels give on fixed inputs: the prefill experts of 37 tokens, a
+    many-row product (tiles), a few-row one, the fused SwiGLU of one token."""
+    from reap.models import blocks
+    from reap.quant import dense_kernel
+
+    g = torch.Generator().manual_seed(5)
+    N, K, E, D, F = 37, 3, 8, 72, 40
+    ws = [[(torch.randn(*sh, generator=g) / 6).to(dtype) for sh in ((F, D), (F, D), (D, F))]
+          for _ in range(E)]  # fmt: skip
+    x = torch.randn(N, D, generator=g).to(dtype)
+    ids, weights, _ = blocks.softmax_topk(torch.randn(N, E, generator=g), K, True)
+    nd = native.NativeDecoder.__new__(native.NativeDecoder)
+    nd.lib, nd.wbf16 = step_kernel.library(), dtype == torch.bfloat16
+    nd.rnd = nd.wbf16
+    table = torch.tensor([[w.data_ptr() for w in ws[e]] for e in range(E)])
+    w = (torch.randn(70, 1030, generator=g) / 30).to(dtype)
+    xs = torch.randn(20, 1030, generator=g).to(dtype)
+    with dense_kernel.enabled():
+        out = [nd._moe_call(x, ids, weights, table, F), dense_kernel.dense_linear(xs, w),
+               dense_kernel.dense_linear(xs[:3], w)]  # fmt: skip
+        assert dense_kernel.swiglu_usable(x[:1], *ws[0])
+        out.append(dense_kernel.swiglu(x[:1], *ws[0]))
+    return out
+
+
+@pytest.mark.parametrize("flags", [("-mno-avx2",), ("-mno-avx512f",)])
+def test_every_vector_width_gives_the_same_values(flags, models, monkeypatch):
+    """The libraries built without AVX2 (the plain C loops any x86-64 CPU runs) or without
+    AVX-512 (AVX2 where the CPU has it) give the native build's logits and kernel outputs bit
+    for bit: one order of operations on every CPU."""
+    from reap.quant import dense_kernel
+
+    step, dense = _widths(flags)
+    assert step.reap_simd() == 0 if flags == ("-mno-avx2",) else step.reap_simd() < 512
     for dtype in ("float32", "bfloat16"):
         path = models["mixtral", dtype]
         want = _logits(path, dtype, monkeypatch)
-        monkeypatch.setattr(step_kernel, "_LIB", [portable])
+        kernels = _kernel_outputs(getattr(torch, dtype))
+        monkeypatch.setattr(step_kernel, "_LIB", [step])
+        monkeypatch.setattr(dense_kernel, "_LIB", [dense])
         assert torch.equal(_logits(path, dtype, monkeypatch, threads=2), want)
+        for got, ref in zip(_kernel_outputs(getattr(torch, dtype)), kernels, strict=True):
+            assert torch.equal(got, ref)
         monkeypatch.undo()
 
 

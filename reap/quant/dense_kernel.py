@@ -56,8 +56,10 @@ def library():
         return _LIB[0]
 
 
-def _build():
-    lib = ckernel.compile_cached(_SOURCE, "dense")
+def _build(flags: tuple[str, ...] = ()):
+    """The kernels compiled with extra compiler `flags` (the tests build other vector widths),
+    signatures declared; None when they cannot be built."""
+    lib = ckernel.compile_cached(_SOURCE, "dense", flags)
     if lib is None:
         return None
     for name in ("reap_bf16_linear", "reap_f32_linear"):

@@ -4,75 +4,45 @@
    summed pairwise; a tail of cols % 16 columns is added in order after the lanes. Nothing
    depends on the token count or the row range, so a token's result is the same alone or in
    a batch and on any thread split. */
-#include "step_common.h" /* widen, round_bf16, lanes_sum: the step kernels' arithmetic */
+#include "step_common.h" /* v16, widen, round_bf16, lanes_sum: the step kernels' arithmetic */
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
 #define TN_MAX 4
-static void rows_tile(const uint16_t *w, const float *x, int64_t cols, int64_t tn, float *y,
-                      int64_t ldy) {
-    __m512 a[TN_MAX];
-    for (int t = 0; t < tn; t++) a[t] = _mm512_setzero_ps();
-    int64_t c = 0;
-    for (; c + 16 <= cols; c += 16) {
-        __m256i h = _mm256_loadu_si256((const __m256i *)(w + c));
-        __m512 wf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-        for (int t = 0; t < tn; t++)
-            a[t] = _mm512_fmadd_ps(wf, _mm512_loadu_ps(x + t * cols + c), a[t]);
-    }
-    float s[16];
-    for (int t = 0; t < tn; t++) {
-        _mm512_storeu_ps(s, a[t]);
-        float v = lanes_sum(s);
-        for (int64_t k = c; k < cols; k++) v = fmaf(widen(w[k]), x[t * cols + k], v);
-        y[t * ldy] = v;
-    }
-}
-static void rows_tile_f32(const float *w, const float *x, int64_t cols, int64_t tn, float *y,
-                          int64_t ldy) {
-    __m512 a[TN_MAX];
-    for (int t = 0; t < tn; t++) a[t] = _mm512_setzero_ps();
-    int64_t c = 0;
-    for (; c + 16 <= cols; c += 16) {
-        __m512 wf = _mm512_loadu_ps(w + c);
-        for (int t = 0; t < tn; t++)
-            a[t] = _mm512_fmadd_ps(wf, _mm512_loadu_ps(x + t * cols + c), a[t]);
-    }
-    float s[16];
-    for (int t = 0; t < tn; t++) {
-        _mm512_storeu_ps(s, a[t]);
-        float v = lanes_sum(s);
-        for (int64_t k = c; k < cols; k++) v = fmaf(w[k], x[t * cols + k], v);
-        y[t * ldy] = v;
-    }
+/* y[t * ldy] = W row . x[t] for t < tn (W bf16 if BF16, else fp32) */
+#if defined(REAP_SIMD)
+#define ROWS_TILE(NAME, T, BF16)                                                            \
+static void NAME(const T *w, const float *x, int64_t cols, int64_t tn, float *y,            \
+                 int64_t ldy) {                                                             \
+    v16 a[TN_MAX];                                                                          \
+    for (int t = 0; t < tn; t++) a[t] = v16_zero();                                         \
+    int64_t c = 0;                                                                          \
+    for (; c + 16 <= cols; c += 16) {                                                       \
+        v16 wf = v16_w(w, BF16, c);                                                         \
+        for (int t = 0; t < tn; t++) a[t] = v16_fma(wf, v16_f32(x + t * cols + c), a[t]);   \
+    }                                                                                       \
+    for (int t = 0; t < tn; t++) {                                                          \
+        float v = v16_sum(a[t]);                                                            \
+        for (int64_t k = c; k < cols; k++) v = fmaf(load(w, BF16, k), x[t * cols + k], v);  \
+        y[t * ldy] = v;                                                                     \
+    }                                                                                       \
 }
 #else
-#define TN_MAX 4
-static void rows_tile_f32(const float *w, const float *x, int64_t cols, int64_t tn, float *y,
-                          int64_t ldy) {
-    for (int t = 0; t < tn; t++) {
-        float a[16] = {0};
-        int64_t c = 0;
-        for (; c + 16 <= cols; c += 16)
-            for (int j = 0; j < 16; j++) a[j] = fmaf(w[c + j], x[t * cols + c + j], a[j]);
-        float v = lanes_sum(a);
-        for (int64_t k = c; k < cols; k++) v = fmaf(w[k], x[t * cols + k], v);
-        y[t * ldy] = v;
-    }
-}
-static void rows_tile(const uint16_t *w, const float *x, int64_t cols, int64_t tn, float *y,
-                      int64_t ldy) {
-    for (int t = 0; t < tn; t++) {
-        float a[16] = {0};
-        int64_t c = 0;
-        for (; c + 16 <= cols; c += 16)
-            for (int j = 0; j < 16; j++) a[j] = fmaf(widen(w[c + j]), x[t * cols + c + j], a[j]);
-        float v = lanes_sum(a);
-        for (int64_t k = c; k < cols; k++) v = fmaf(widen(w[k]), x[t * cols + k], v);
-        y[t * ldy] = v;
-    }
+#define ROWS_TILE(NAME, T, BF16)                                                            \
+static void NAME(const T *w, const float *x, int64_t cols, int64_t tn, float *y,            \
+                 int64_t ldy) {                                                             \
+    for (int t = 0; t < tn; t++) {                                                          \
+        float a[16] = {0};                                                                  \
+        int64_t c = 0;                                                                      \
+        for (; c + 16 <= cols; c += 16)                                                     \
+            for (int j = 0; j < 16; j++)                                                    \
+                a[j] = fmaf(load(w, BF16, c + j), x[t * cols + c + j], a[j]);               \
+        float v = lanes_sum(a);                                                             \
+        for (int64_t k = c; k < cols; k++) v = fmaf(load(w, BF16, k), x[t * cols + k], v);  \
+        y[t * ldy] = v;                                                                     \
+    }                                                                                       \
 }
 #endif
+ROWS_TILE(rows_tile, uint16_t, 1)
+ROWS_TILE(rows_tile_f32, float, 0)
 
 /* rows [r0, r1) of y [tokens, rows] = x [tokens, cols] @ W[rows, cols].T */
 void reap_bf16_linear(const uint16_t *w, const float *x, float *y, int64_t r0, int64_t r1,

@@ -5,54 +5,62 @@
    value depends on the batch, the tiling or the thread split. */
 #include "step_common.h"
 
-#define TR 4 /* rows per tile */
-/* y[t * ldy + r] = dot1(w row r, x row t) for r < TR, t < TT (w rows of n columns, x rows of
-   n floats, ldx apart); TT = 6 tokens (24 accumulators) or the last 1-4 */
-#if defined(__AVX512F__)
-#define TILE(NAME, TT, BF16)                                                                  \
+/* Tile shapes: rows per tile and tokens per full tile, sized to the vector registers (32
+   AVX-512 registers hold 4 x 6 accumulators; 16 AVX2 ones hold 2 x 3 accumulator pairs). */
+#if REAP_SIMD == 512
+#define TR 4
+#define TT 6
+#else
+#define TR 2
+#define TT 3
+#endif
+/* y[t * ldy + r] = dot1(w row r, x row t) for r < TR, t < NT (w rows of n columns, x rows of
+   n floats, ldx apart); NT = TT tokens or the last 1-4 */
+#if defined(REAP_SIMD)
+#define TILE(NAME, NT, BF16)                                                                  \
 static void NAME(const char *w, int64_t esz, int wbf16, const float *x, int64_t ldx,         \
                  int64_t n, float *y, int64_t ldy) {                                          \
     (void)wbf16;                                                                              \
-    __m512 acc[TR][TT];                                                                       \
+    v16 acc[TR][NT];                                                                          \
     for (int r = 0; r < TR; r++)                                                              \
-        for (int t = 0; t < TT; t++) acc[r][t] = _mm512_setzero_ps();                         \
+        for (int t = 0; t < NT; t++) acc[r][t] = v16_zero();                                  \
     int64_t c = 0;                                                                            \
     for (; c + 16 <= n; c += 16) {                                                            \
-        __m512 wv[TR];                                                                        \
+        v16 wv[TR];                                                                           \
         for (int r = 0; r < TR; r++) {                                                        \
             const char *p = w + (r * n + c) * esz;                                            \
             _mm_prefetch(p + TR * n * esz, _MM_HINT_T0); /* the next tile's rows */           \
-            wv[r] = BF16 ? widen16((const uint16_t *)p) : _mm512_loadu_ps((const float *)p);  \
+            wv[r] = v16_w(p, BF16, 0);                                                        \
         }                                                                                     \
-        for (int t = 0; t < TT; t++) {                                                        \
-            __m512 xv = _mm512_loadu_ps(x + t * ldx + c);                                     \
-            __asm__("" : "+v"(xv)); /* one load per token, kept in a register */             \
-            for (int r = 0; r < TR; r++) acc[r][t] = _mm512_fmadd_ps(wv[r], xv, acc[r][t]);   \
+        for (int t = 0; t < NT; t++) {                                                        \
+            v16 xv = v16_f32(x + t * ldx + c);                                                \
+            V16_PIN(xv); /* one load per token, kept in a register */                         \
+            for (int r = 0; r < TR; r++) acc[r][t] = v16_fma(wv[r], xv, acc[r][t]);           \
         }                                                                                     \
     }                                                                                         \
     for (int r = 0; r < TR; r++)                                                              \
-        for (int t = 0; t < TT; t++) {                                                        \
-            float v = lanes_sum16(acc[r][t]);                                                 \
+        for (int t = 0; t < NT; t++) {                                                        \
+            float v = v16_sum(acc[r][t]);                                                     \
             const char *p = w + r * n * esz;                                                  \
             for (int64_t k = c; k < n; k++) v = fmaf(load(p, BF16, k), x[t * ldx + k], v);   \
             y[t * ldy + r] = v;                                                               \
         }                                                                                     \
 }
 #else
-#define TILE(NAME, TT, BF16)                                                                  \
+#define TILE(NAME, NT, BF16)                                                                  \
 static void NAME(const char *w, int64_t esz, int wbf16, const float *x, int64_t ldx,         \
                  int64_t n, float *y, int64_t ldy) {                                          \
     for (int r = 0; r < TR; r++)                                                              \
-        for (int t = 0; t < TT; t++)                                                          \
+        for (int t = 0; t < NT; t++)                                                          \
             y[t * ldy + r] = dot1(w + r * n * esz, wbf16, x + t * ldx, n);                    \
 }
 #endif
-TILE(tile6_f32, 6, 0)
+TILE(tileT_f32, TT, 0)
 TILE(tile4_f32, 4, 0)
 TILE(tile3_f32, 3, 0)
 TILE(tile2_f32, 2, 0)
 TILE(tile1_f32, 1, 0)
-TILE(tile6_bf16, 6, 1)
+TILE(tileT_bf16, TT, 1)
 TILE(tile4_bf16, 4, 1)
 TILE(tile3_bf16, 3, 1)
 TILE(tile2_bf16, 2, 1)
@@ -74,9 +82,9 @@ static void block(const void *w, int wbf16, const float *x, int64_t m, int64_t n
     for (; r + TR <= r1; r += TR) {
         const char *wr = (const char *)w + r * n * esz;
         int64_t t = 0;
-        for (; t + 6 <= m; t += 6)
-            (wbf16 ? tile6_bf16 : tile6_f32)(wr, esz, wbf16, x + t * n, n, n, y + t * ldy + r, ldy);
-        for (; t < m; t += 4) { /* the last 1-4 tokens */
+        for (; t + TT <= m; t += TT)
+            (wbf16 ? tileT_bf16 : tileT_f32)(wr, esz, wbf16, x + t * n, n, n, y + t * ldy + r, ldy);
+        for (; t < m; t += 4) { /* the last tokens, at most 4 a tile */
             int64_t k = m - t < 4 ? m - t : 4;
             REST[k][wbf16 != 0](wr, esz, wbf16, x + t * n, n, n, y + t * ldy + r, ldy);
         }

@@ -1,7 +1,7 @@
 /* What the step-kernel sources share (`step_pool.c`, `step_kernels.c`, `prefill_kernels.c`,
    compiled into one library), and the arithmetic helpers `dense_kernels.c` uses too: the
    thread pool's entry point and the arithmetic every kernel uses, one fixed order of fp32
-   operations whatever the CPU (AVX-512 or portable C). */
+   operations whatever the CPU (AVX-512, AVX2 or portable C). */
 #ifndef REAP_STEP_COMMON_H
 #define REAP_STEP_COMMON_H
 #include <math.h>
@@ -36,16 +36,26 @@ static inline float round_bf16(float f) {
 
 static inline float rb(float f, int rnd) { return rnd ? round_bf16(f) : f; }
 
+/* v16: 16 fp32 lanes, the unit every kernel's arithmetic is written in. One AVX-512 register,
+   or two AVX2 registers (lanes 0-7, 8-15) on CPUs without AVX-512: the same operations lane by
+   lane, so both compute the portable loops' values bit for bit (REAP_SIMD unset: plain C). */
 #if defined(__AVX512F__)
-static inline __m512 widen16(const uint16_t *p) {
+#define REAP_SIMD 512
+typedef __m512 v16;
+static inline v16 v16_zero(void) { return _mm512_setzero_ps(); }
+static inline v16 v16_set1(float f) { return _mm512_set1_ps(f); }
+static inline v16 v16_f32(const float *p) { return _mm512_loadu_ps(p); }
+static inline v16 v16_bf16(const uint16_t *p) {
     __m256i h = _mm256_loadu_si256((const __m256i *)p);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
-#endif
-
-#if defined(__AVX512F__)
-/* lanes_sum of a vector's 16 lanes, the same pairwise adds done lane-parallel */
-static inline float lanes_sum16(__m512 v) {
+static inline v16 v16_fma(v16 a, v16 b, v16 c) { return _mm512_fmadd_ps(a, b, c); }
+static inline v16 v16_add(v16 a, v16 b) { return _mm512_add_ps(a, b); }
+static inline v16 v16_mul(v16 a, v16 b) { return _mm512_mul_ps(a, b); }
+static inline void v16_store(float *p, v16 v) { _mm512_storeu_ps(p, v); }
+#define V16_PIN(v) __asm__("" : "+v"(v)) /* keep a loaded value in a register */
+/* lanes_sum of the 16 lanes: the same pairwise adds, done lane-parallel */
+static inline float v16_sum(v16 v) {
     const __m512i s8 = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 15, 14, 13, 12, 11, 10, 9, 8);
     const __m512i s4 = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 7, 6, 5, 4);
     const __m512i s2 = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 3, 2);
@@ -55,6 +65,48 @@ static inline float lanes_sum16(__m512 v) {
     v = _mm512_add_ps(v, _mm512_permutexvar_ps(s2, v));
     v = _mm512_add_ps(v, _mm512_permutexvar_ps(s1, v));
     return _mm512_cvtss_f32(v);
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+#define REAP_SIMD 256
+typedef struct {
+    __m256 lo, hi;
+} v16;
+static inline __m256 widen8(const uint16_t *p) {
+    __m128i h = _mm_loadu_si128((const __m128i *)p);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+static inline v16 v16_zero(void) { return (v16){_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+static inline v16 v16_set1(float f) { return (v16){_mm256_set1_ps(f), _mm256_set1_ps(f)}; }
+static inline v16 v16_f32(const float *p) { return (v16){_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+static inline v16 v16_bf16(const uint16_t *p) { return (v16){widen8(p), widen8(p + 8)}; }
+static inline v16 v16_fma(v16 a, v16 b, v16 c) {
+    return (v16){_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
+}
+static inline v16 v16_add(v16 a, v16 b) {
+    return (v16){_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)};
+}
+static inline v16 v16_mul(v16 a, v16 b) {
+    return (v16){_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)};
+}
+static inline void v16_store(float *p, v16 v) {
+    _mm256_storeu_ps(p, v.lo);
+    _mm256_storeu_ps(p + 8, v.hi);
+}
+#define V16_PIN(v) ((void)0) /* 16 registers: the compiler places the loads */
+/* lanes_sum of the 16 lanes: s[j] += s[j + 8], then + 4, + 2, + 1, as the plain C loop */
+static inline float v16_sum(v16 v) {
+    __m256 s = _mm256_add_ps(v.lo, v.hi);
+    __m128 q = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+    q = _mm_add_ps(q, _mm_movehl_ps(q, q));
+    q = _mm_add_ss(q, _mm_movehdup_ps(q));
+    return _mm_cvtss_f32(q);
+}
+#endif
+
+#if defined(REAP_SIMD)
+/* 16 weights from a bf16 or fp32 row */
+static inline v16 v16_w(const void *p, int bf16, int64_t c) {
+    return bf16 ? v16_bf16((const uint16_t *)p + c) : v16_f32((const float *)p + c);
 }
 #endif
 
@@ -76,31 +128,27 @@ static inline float load(const void *p, int bf16, int64_t i) {
    buffers, `reap.checkpoint.files`) 3-5 % faster without the extra instructions. */
 static inline float dot(const void *w, int wbf16, const float *x, int64_t n) {
     int64_t c = 0;
-#if defined(__AVX512F__)
-    __m512 a = _mm512_setzero_ps(), b = _mm512_setzero_ps();
+#if defined(REAP_SIMD)
+    v16 a = v16_zero(), b = v16_zero();
     if (wbf16) {
         const uint16_t *p = (const uint16_t *)w;
         for (; c + 32 <= n; c += 32) {
             _mm_prefetch((const char *)(p + 2 * n + c), _MM_HINT_T0);
-            a = _mm512_fmadd_ps(widen16(p + c), _mm512_loadu_ps(x + c), a);
-            b = _mm512_fmadd_ps(widen16(p + c + 16), _mm512_loadu_ps(x + c + 16), b);
-        }
-        if (c + 16 <= n) {
-            a = _mm512_fmadd_ps(widen16(p + c), _mm512_loadu_ps(x + c), a);
-            c += 16;
+            a = v16_fma(v16_bf16(p + c), v16_f32(x + c), a);
+            b = v16_fma(v16_bf16(p + c + 16), v16_f32(x + c + 16), b);
         }
     } else {
         const float *p = (const float *)w;
         for (; c + 32 <= n; c += 32) {
-            a = _mm512_fmadd_ps(_mm512_loadu_ps(p + c), _mm512_loadu_ps(x + c), a);
-            b = _mm512_fmadd_ps(_mm512_loadu_ps(p + c + 16), _mm512_loadu_ps(x + c + 16), b);
-        }
-        if (c + 16 <= n) {
-            a = _mm512_fmadd_ps(_mm512_loadu_ps(p + c), _mm512_loadu_ps(x + c), a);
-            c += 16;
+            a = v16_fma(v16_f32(p + c), v16_f32(x + c), a);
+            b = v16_fma(v16_f32(p + c + 16), v16_f32(x + c + 16), b);
         }
     }
-    float v = lanes_sum16(_mm512_add_ps(a, b)); /* = lanes_sum of the stored lanes */
+    if (c + 16 <= n) {
+        a = v16_fma(v16_w(w, wbf16, c), v16_f32(x + c), a);
+        c += 16;
+    }
+    float v = v16_sum(v16_add(a, b)); /* = lanes_sum of the stored lanes */
 #else
     float s[16], t[16];
     for (int j = 0; j < 16; j++) s[j] = t[j] = 0.0f;
@@ -145,13 +193,10 @@ static inline void rms_norm(const float *x, const void *w, int wbf16, float eps,
 static inline float dot1(const void *w, int wbf16, const float *x, int64_t n) {
     float s[16];
     int64_t c = 0;
-#if defined(__AVX512F__)
-    __m512 a = _mm512_setzero_ps();
-    for (; c + 16 <= n; c += 16) {
-        __m512 wv = wbf16 ? widen16((const uint16_t *)w + c) : _mm512_loadu_ps((const float *)w + c);
-        a = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + c), a);
-    }
-    _mm512_storeu_ps(s, a);
+#if defined(REAP_SIMD)
+    v16 a = v16_zero();
+    for (; c + 16 <= n; c += 16) a = v16_fma(v16_w(w, wbf16, c), v16_f32(x + c), a);
+    v16_store(s, a);
 #else
     for (int j = 0; j < 16; j++) s[j] = 0.0f;
     for (; c + 16 <= n; c += 16)

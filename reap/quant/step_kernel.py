@@ -80,12 +80,15 @@ def pooled(lib, fn, *args) -> None:
 
 
 def build(flags: tuple[str, ...] = ()):
-    """The step kernels compiled with extra compiler `flags` (e.g. "-mno-avx512f": the portable
-    loops, for the tests), signatures declared; None when they cannot be built."""
+    """The step kernels compiled with extra compiler `flags` (for the tests: "-mno-avx512f"
+    runs AVX2 where the CPU has it, "-mno-avx2" the plain C loops), signatures declared; None
+    when they cannot be built."""
     lib = ckernel.compile_cached(_SOURCES, "step", ("-pthread", *flags))
     if lib is None:
         return None
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.reap_simd.restype = ctypes.c_int
+    lib.reap_simd.argtypes = []
     lib.reap_pool_size.restype = ctypes.c_int
     lib.reap_pool_size.argtypes = [ctypes.c_int]
     lib.reap_pool_spin.restype = None

@@ -5,11 +5,20 @@
    Arithmetic: activations are fp32 buffers; with `rnd` every value is rounded to bf16 where the
    engine's torch path (bf16 compute) rounds it, so the two paths differ only in the order of a
    few reductions (norm means, attention). Every dot product is `dot()` below, one fixed order
-   of fp32 operations whatever the CPU (AVX-512 or portable C): no result depends on the thread
-   count, on how rows are split, or on the batch. */
+   of fp32 operations whatever the CPU (AVX-512, AVX2 or portable C): no result depends on the
+   thread count, on how rows are split, or on the batch. */
 #include <time.h>
 
 #include "step_common.h"
+
+/* the vector width the arithmetic runs in: 512 (AVX-512), 256 (AVX2) or 0 (plain C) */
+int reap_simd(void) {
+#if defined(REAP_SIMD)
+    return REAP_SIMD;
+#else
+    return 0;
+#endif
+}
 
 /* ---- row-split products ------------------------------------------------------------------ */
 #define MAX_SEG 64
@@ -81,15 +90,12 @@ typedef struct {
 static void weighted_rows(const float *p, const void *v, int64_t n, int64_t dh, int bf16,
                           float *o) {
     int64_t d = 0;
-#if defined(__AVX512F__)
+#if defined(REAP_SIMD)
     for (; d + 16 <= dh; d += 16) {
-        __m512 acc = _mm512_setzero_ps();
-        for (int64_t j = 0; j < n; j++) {
-            __m512 r = bf16 ? widen16((const uint16_t *)v + j * dh + d)
-                            : _mm512_loadu_ps((const float *)v + j * dh + d);
-            acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_set1_ps(p[j]), r));
-        }
-        _mm512_storeu_ps(o + d, acc);
+        v16 acc = v16_zero();
+        for (int64_t j = 0; j < n; j++)
+            acc = v16_add(acc, v16_mul(v16_set1(p[j]), v16_w(v, bf16, j * dh + d)));
+        v16_store(o + d, acc);
     }
 #endif
     for (; d < dh; d++) {
