@@ -61,6 +61,23 @@ def load() -> str:
     return Path("/proc/loadavg").read_text().split()[0]
 
 
+def cpu() -> str:
+    """The CPU in words, with the vector width reap's kernels run in (results differ by CPU:
+    the kernels are AVX-512, AVX2 or plain C, and so are llama.cpp's)."""
+    from reap.quant import step_kernel
+
+    info = {}
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        key, _, val = line.partition(":")
+        info.setdefault(key.strip(), val.strip())
+    flags = set(info.get("flags", "").split())
+    isa = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
+    lib = step_kernel.library()
+    width = f"{lib.reap_simd()}-bit" if lib is not None and lib.reap_simd() else "plain C"
+    return (f"{info.get('model name', '?')} (family {info.get('cpu family', '?')} model "
+            f"{info.get('model', '?')}), {isa}; reap's kernels {width}")  # fmt: skip
+
+
 # -- llama.cpp ---------------------------------------------------------------------------------
 def ensure_llamacpp(tools: Path) -> Path:
     """The llama.cpp tree under `tools` with its tools built (build/bin); builds it if absent."""
@@ -314,7 +331,7 @@ def main(argv: list[str] | None = None) -> None:
         "command": "python -m experiments.bench_llamacpp " + " ".join(sys.argv[1:]),
         "minutes": (time.time() - t0) / 60, "code_version": code_version(), "load": [l0, load()],
         "llama_cpp_python": LLAMA_CPP_PYTHON, "decode": args.decode, "reps": args.reps,
-        "draft": args.draft,
+        "draft": args.draft, "cpu": cpu(),
         "models": models,
     }  # fmt: skip
     out = ROOT / args.out

@@ -31,6 +31,7 @@ def report(res: dict) -> str:
             "other processes may run at the same time, so absolute rates are noisy; each ratio "
             "comes from runs interleaved in the same minutes)."
         ),
+        *([f"CPU: {res['cpu']}."] * ("cpu" in res)),
         "",
         (
             f"llama.cpp from the llama-cpp-python {res['llama_cpp_python']} source package "

@@ -150,6 +150,33 @@ def test_native_decode_is_thread_batch_and_budget_invariant(models, dtype, monke
     assert False in gathered and resident and all(resident)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_many_token_steps_leave_torch_one_thread_when_the_kernels_do_the_products(
+    models, dtype, monkeypatch
+):
+    """At 3 threads, a many-token step whose weight products all run in the kernels (fp32, or
+    bf16 up to BF16_ROWS tokens; every expert resident) runs torch's own ops on one thread and
+    the kernels on 3, and gives the logits of torch on 3 threads bit for bit; a longer bf16
+    chunk (torch's matmul takes its products) and a streamed preset keep torch's threads."""
+    from reap.engine import core
+    from reap.quant import ckernel
+
+    path, seen = models["qwen3_moe", dtype], []
+    step = core.Engine._step
+    monkeypatch.setattr(core.Engine, "_step", lambda *a, **k: seen.append(
+        (torch.get_num_threads(), ckernel.threads())) or step(*a, **k))  # fmt: skip
+    got = _logits(path, dtype, monkeypatch, threads=3)
+    assert seen and set(seen) == {(1, 3)}
+    monkeypatch.setattr(native.NativeDecoder, "covers_products", lambda *a: False)
+    assert torch.equal(_logits(path, dtype, monkeypatch, threads=3), got)
+    monkeypatch.undo()
+    n = step_kernel.BF16_ROWS
+    for preset, covered in (("max", [True, dtype == "float32"]), ("ultra", [False, False])):
+        with Engine.open(path, preset=preset, context=64, dtype=dtype) as eng:
+            eng.generate([[3, 4]], max_tokens=1)  # at max: every expert read, tables built
+            assert [eng._native.covers_products([[7] * k]) for k in (n, n + 1)] == covered
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_many_token_experts_match_dispatch_and_do_not_depend_on_the_batch(dtype):
     """`NativeDecoder._moe_call` (the routed experts of a prefill chunk in one call) against

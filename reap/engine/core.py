@@ -35,7 +35,7 @@ from reap.engine.store import IO_KINDS, TrunkStore, embedding_table
 from reap.errors import EXIT_FAILURE, ReapError
 from reap.memstat import available_memory, current_rss
 from reap.models.base import Family, expert_short_names
-from reap.quant import dense_kernel
+from reap.quant import ckernel, dense_kernel
 from reap.quant.mxfp4_decode import BufferPool
 from reap.quant.mxfp4_matmul import MXFP4Kernels, fused_available
 from reap.units import parse_bytes
@@ -174,7 +174,8 @@ class Engine:
                 if self._native.usable(chunks):
                     out = self._native.step(seqs, chunks, all_positions, more)
                     return [o[first:] for o in out] if all_positions else out
-                return self._step(seqs, chunks, all_positions, more, first)
+                with ckernel.torch_serial(self._native.covers_products(chunks)):
+                    return self._step(seqs, chunks, all_positions, more, first)
         except ReapError:
             raise
         except (RuntimeError, ValueError, IndexError, KeyError) as e:

@@ -23,7 +23,7 @@ import time
 import torch
 
 from reap.models import blocks
-from reap.quant import step_kernel
+from reap.quant import ckernel, step_kernel
 
 ENABLED = True  # False: every step through the torch path (the reference), for the tests
 BF16_TOKENS_PER_EXPERT = step_kernel.BF16_ROWS  # bf16 prefill: tiles up to this, torch above
@@ -66,6 +66,15 @@ class NativeDecoder:
     def usable(self, chunks: list[list[int]]) -> bool:
         return ENABLED and self.lib is not None and all(len(c) == 1 for c in chunks)
 
+    def covers_products(self, chunks: list[list[int]]) -> bool:
+        """Whether every weight product of a many-token step of `chunks` runs in the kernels:
+        every expert resident (no layer's experts fall back to torch), fp32 weights (the tiles
+        take any number of rows) or bf16 ones with at most BF16_ROWS tokens. torch is then left
+        only small ops (`ckernel.torch_serial`)."""
+        n = sum(len(c) for c in chunks)
+        return (ENABLED and self.lib is not None and self._resident()
+                and (not self.wbf16 or n <= step_kernel.BF16_ROWS))  # fmt: skip
+
     # -- eligibility ----------------------------------------------------------------------------
     def _names(self):
         """Every stored tensor the native path reads (trunk weights, experts, head)."""
@@ -93,7 +102,7 @@ class NativeDecoder:
     def step(self, seqs, chunks, all_positions: bool, more: bool) -> list[torch.Tensor]:
         """`Engine.step` for one token per sequence (see `usable`)."""
         eng = self.eng
-        self.lib.reap_pool_size(torch.get_num_threads())
+        self.lib.reap_pool_size(ckernel.threads())
         self.lib.reap_pool_spin(step_kernel.SPINS)  # many small jobs follow each other
         hs = [st.hidden.reshape(-1).float().contiguous() for st in eng._embed(chunks)]  # [D] each
         if len(seqs) == 1 and self._resident():

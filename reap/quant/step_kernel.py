@@ -73,7 +73,7 @@ def pooled(lib, fn, *args) -> None:
     """fn(*args), a library call that splits its work over the pool (a prefill call, between
     torch ops): the pool at torch's thread count, its workers spinning while it runs and
     sleeping at once after it, so that torch's OpenMP threads get the cores next."""
-    lib.reap_pool_size(torch.get_num_threads())
+    lib.reap_pool_size(ckernel.threads())
     lib.reap_pool_spin(SPINS)
     fn(*args)
     lib.reap_pool_spin(0)
