@@ -170,7 +170,7 @@ def test_many_token_steps_leave_torch_one_thread_when_the_kernels_do_the_product
     monkeypatch.setattr(native.NativeDecoder, "covers_products", lambda *a: False)
     assert torch.equal(_logits(path, dtype, monkeypatch, threads=3), got)
     monkeypatch.undo()
-    n = step_kernel.BF16_ROWS
+    monkeypatch.setattr(step_kernel, "BF16_ROWS", n := 16)  # as on a CPU with bf16 dot products
     for preset, covered in (("max", [True, dtype == "float32"]), ("ultra", [False, False])):
         with Engine.open(path, preset=preset, context=64, dtype=dtype) as eng:
             eng.generate([[3, 4]], max_tokens=1)  # at max: every expert read, tables built
@@ -295,7 +295,7 @@ def _declines_bias(path) -> bool:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_many_row_products_use_the_tiles_and_do_not_depend_on_the_rows(dtype):
+def test_many_row_products_use_the_tiles_and_do_not_depend_on_the_rows(dtype, monkeypatch):
     """Prefill projections (`blocks.linear` inside the engine): more rows than the few-row
     kernel takes run the step library's tiles (any number in fp32, up to BF16_ROWS in bf16;
     torch's bf16 matmul above), within rounding of torch's matmul, and each row's result is
@@ -304,6 +304,8 @@ def test_many_row_products_use_the_tiles_and_do_not_depend_on_the_rows(dtype):
 
     g = torch.Generator().manual_seed(3)
     w = (torch.randn(70, 1030, generator=g) / 30).to(dtype)  # 70 rows: a 32-row block's tail
+    if dtype == torch.bfloat16:  # as on a CPU with bf16 dot products (else: every size)
+        monkeypatch.setattr(step_kernel, "BF16_ROWS", 16)
     many = 200 if dtype == torch.float32 else step_kernel.BF16_ROWS
     x = torch.randn(many, 1030, generator=g).to(dtype)
     with dense_kernel.enabled():
@@ -317,6 +319,17 @@ def test_many_row_products_use_the_tiles_and_do_not_depend_on_the_rows(dtype):
     tol = 1e-5 if dtype == torch.float32 else 2.0**-7
     assert (y.float() - ref).abs().max() <= tol * ref.abs().max()
     assert torch.equal(few, y[:5]) and torch.equal(one[0], y[many - 3])
+
+
+def test_bf16_products_go_to_torch_above_a_few_rows_only_with_bf16_dot_products(monkeypatch):
+    from reap.quant import ckernel
+
+    monkeypatch.setattr(ckernel, "machine_tag", lambda: "x86_64 avx2 avx512_bf16 avx512f fma")
+    assert step_kernel.bf16_dot()
+    monkeypatch.setattr(ckernel, "machine_tag", lambda: "x86_64 avx avx2 f16c fma")
+    assert not step_kernel.bf16_dot()
+    monkeypatch.undo()
+    assert step_kernel.BF16_ROWS == (16 if step_kernel.bf16_dot() else 1 << 40)
 
 
 def test_the_pool_serves_callers_on_several_threads():

@@ -26,7 +26,6 @@ from reap.models import blocks
 from reap.quant import ckernel, step_kernel
 
 ENABLED = True  # False: every step through the torch path (the reference), for the tests
-BF16_TOKENS_PER_EXPERT = step_kernel.BF16_ROWS  # bf16 prefill: tiles up to this, torch above
 _A, _M, _T = step_kernel.ATTN, step_kernel.MOE, step_kernel.TOKEN
 
 
@@ -166,7 +165,7 @@ class NativeDecoder:
         library call (expert-major, row blocks over the thread pool); the router runs in
         torch as the family runs it. None where this path does not serve the layer (dense
         MLP, path off, more experts used than the cache holds: the call needs every used
-        expert in memory at once; in bf16, more than BF16_TOKENS_PER_EXPERT tokens per expert
+        expert in memory at once; in bf16, more than step_kernel.BF16_ROWS tokens per expert
         on average): the family's `mlp_block` then runs."""
         spec = self.specs[i] if self.lib is not None and ENABLED else None
         if spec is None or spec.router is None:
@@ -178,7 +177,7 @@ class NativeDecoder:
         used = sorted(set(ids.reshape(-1).tolist()))
         if len(used) > self.eng.experts.n_slots:  # they would not all stay in the cache at once
             return None
-        if self.rnd and ids.numel() > BF16_TOKENS_PER_EXPERT * len(used):
+        if self.rnd and ids.numel() > step_kernel.BF16_ROWS * len(used):
             return None  # torch's bf16 matmul (dot-product instructions) is faster here
         table, F = self._expert_table(i, spec, used, router.shape[0])
         return self._moe_call(flat, ids, weights, table, F).to(x.dtype)

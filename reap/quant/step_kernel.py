@@ -47,11 +47,21 @@ MOE_ARGS = ("x2", "h", "scratch", "k", "f", "d", "wbf16", "rnd", "weights", "gat
 ATTN = {n: i for i, n in enumerate(ATTN_ARGS)}  # name -> index
 MOE = {n: i for i, n in enumerate(MOE_ARGS)}
 TOKEN = {n: i for i, n in enumerate(TOKEN_ARGS)}
+
+
+def bf16_dot() -> bool:
+    """Whether the CPU has bf16 dot-product instructions (AVX512_BF16, AMX), which torch's bf16
+    matmul runs on."""
+    return bool({"avx512_bf16", "amx_bf16"} & set(ckernel.machine_tag().split()))
+
+
 # bf16 weights times many rows: the library's tiles (bf16 widened, fp32 FMAs) beat torch's bf16
-# matmul (the CPU's bf16 dot-product instructions) up to about this many rows per weight
-# matrix, torch above it (experiments/bench_step_kernels.py, reports/step-kernels.md); in fp32
-# the tiles are ahead at every size there
-BF16_ROWS = 16
+# matmul on the CPU's bf16 dot-product instructions up to about this many rows per weight
+# matrix, torch above it (experiments/bench_step_kernels.py, reports/step-kernels.md). Without
+# those instructions torch's bf16 matmul took 3.4-5.6x the tiles' time at every size measured
+# (17-512 rows, 1 and 2 threads, AVX2 Zen 3): the tiles take every size. In fp32 the tiles are
+# ahead at every size on both.
+BF16_ROWS = 16 if bf16_dot() else 1 << 40
 MAX_TOP_K = 256  # routed experts per token the kernels hold on the stack (route, MAX_K, done)
 SPINS = 20000  # pause loops idle workers spin between decode calls (0 after a prefill call)
 _LIB: list = []
