@@ -29,8 +29,6 @@ import os
 import threading
 from pathlib import Path
 
-import torch
-
 from reap.quant import ckernel
 
 _HERE = Path(__file__).parent
