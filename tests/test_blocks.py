@@ -62,6 +62,23 @@ def test_short_conv_streamed_equals_whole_and_naive():
     torch.testing.assert_close(torch.cat(parts, 1), y)
 
 
+def test_short_conv_in_bf16_rounds_the_fp32_conv_once():
+    """bf16 inputs: the fp32 conv rounded to bf16, within one bf16 step of torch's own bf16
+    conv (which accumulates in fp32 too) and of the exact sum, then SiLU in bf16."""
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(1, 7, 40, generator=g).bfloat16()
+    w = torch.randn(40, 1, 4, generator=g).bfloat16()
+    y, tail = kda.short_conv(x, w, None)
+    assert y.dtype == torch.bfloat16 and torch.equal(tail, x[:, -3:])
+    xp = torch.cat([torch.zeros(1, 3, 40), x.float()], 1).double()
+    exact = torch.stack([(xp[:, t : t + 4] * w[:, 0].T.double()).sum(1) for t in range(7)], 1)
+    own = torch.nn.functional.conv1d(torch.cat([torch.zeros(1, 3, 40).bfloat16(), x], 1)
+                                     .transpose(1, 2), w, groups=40).transpose(1, 2)  # fmt: skip
+    for ref in (exact.bfloat16(), own):
+        want = torch.nn.functional.silu(ref)
+        torch.testing.assert_close(y.float(), want.float(), atol=2e-2, rtol=2**-7)
+
+
 def _mla_weights(d: A.MLADims, D=48, seed=0):
     g = torch.Generator().manual_seed(seed)
     r = lambda *s: torch.randn(*s, generator=g) / math.sqrt(s[-1])
