@@ -177,6 +177,25 @@ def test_many_token_steps_leave_torch_one_thread_when_the_kernels_do_the_product
             assert [eng._native.covers_products([[7] * k]) for k in (n, n + 1)] == covered
 
 
+def _moe_case(dtype, seed: int):
+    """A prefill MoE call's inputs: 37 tokens (tiles and edges; 72 and 40 columns leave tails),
+    8 experts, top 3, and a NativeDecoder around the step library: (decoder, x, ids, weights,
+    expert weights, [E, 3] pointer table, F)."""
+    from reap.models import blocks
+
+    g = torch.Generator().manual_seed(seed)
+    N, K, E, D, F = 37, 3, 8, 72, 40
+    ws = [[(torch.randn(*sh, generator=g) / 6).to(dtype) for sh in ((F, D), (F, D), (D, F))]
+          for _ in range(E)]  # fmt: skip
+    x = torch.randn(N, D, generator=g).to(dtype)
+    ids, weights, _ = blocks.softmax_topk(torch.randn(N, E, generator=g), K, True)
+    nd = native.NativeDecoder.__new__(native.NativeDecoder)
+    nd.lib, nd.wbf16 = step_kernel.library(), dtype == torch.bfloat16
+    nd.rnd = nd.wbf16
+    table = torch.tensor([[w.data_ptr() for w in ws[e]] for e in range(E)])
+    return nd, x, ids, weights, ws, table, F
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_many_token_experts_match_dispatch_and_do_not_depend_on_the_batch(dtype):
     """`NativeDecoder._moe_call` (the routed experts of a prefill chunk in one call) against
@@ -185,20 +204,8 @@ def test_many_token_experts_match_dispatch_and_do_not_depend_on_the_batch(dtype)
     contribute nothing); each token's row equals the same token run alone, bit for bit."""
     from reap.models import blocks
 
-    g = torch.Generator().manual_seed(4)
-    N, K, E, D, F = 37, 3, 8, 72, 40
-    ws = [[(torch.randn(*sh, generator=g) / 6).to(dtype) for sh in ((F, D), (F, D), (D, F))]
-          for _ in range(E)]  # fmt: skip
-    x = torch.randn(N, D, generator=g).to(dtype)
-    ids, weights, _ = blocks.softmax_topk(torch.randn(N, E, generator=g), K, True)
-    table = torch.tensor([[w.data_ptr() for w in ws[e]] for e in range(E)])
+    nd, x, ids, weights, ws, table, F = _moe_case(dtype, seed=4)
     table[5] = 0
-    nd = native.NativeDecoder.__new__(native.NativeDecoder)
-    nd.lib, nd.wbf16, nd.rnd = (
-        step_kernel.library(),
-        dtype == torch.bfloat16,
-        dtype == torch.bfloat16,
-    )
     got = nd._moe_call(x, ids, weights, table, F)
     run = lambda e, xs: blocks.silu_glu_reference(xs, *ws[e]) * (e != 5)
     want, _ = blocks.dispatch_reference(x, ids, weights, run)
@@ -222,19 +229,10 @@ def _widths(flags):
 def _kernel_outputs(dtype):
     """What the compiled kernels give on fixed inputs: the prefill experts of 37 tokens, a
     many-row product (tiles), a few-row one, the fused SwiGLU of one token."""
-    from reap.models import blocks
     from reap.quant import dense_kernel
 
-    g = torch.Generator().manual_seed(5)
-    N, K, E, D, F = 37, 3, 8, 72, 40
-    ws = [[(torch.randn(*sh, generator=g) / 6).to(dtype) for sh in ((F, D), (F, D), (D, F))]
-          for _ in range(E)]  # fmt: skip
-    x = torch.randn(N, D, generator=g).to(dtype)
-    ids, weights, _ = blocks.softmax_topk(torch.randn(N, E, generator=g), K, True)
-    nd = native.NativeDecoder.__new__(native.NativeDecoder)
-    nd.lib, nd.wbf16 = step_kernel.library(), dtype == torch.bfloat16
-    nd.rnd = nd.wbf16
-    table = torch.tensor([[w.data_ptr() for w in ws[e]] for e in range(E)])
+    nd, x, ids, weights, ws, table, F = _moe_case(dtype, seed=5)
+    g = torch.Generator().manual_seed(6)
     w = (torch.randn(70, 1030, generator=g) / 30).to(dtype)
     xs = torch.randn(20, 1030, generator=g).to(dtype)
     with dense_kernel.enabled():

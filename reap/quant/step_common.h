@@ -77,7 +77,9 @@ static inline __m256 widen8(const uint16_t *p) {
 }
 static inline v16 v16_zero(void) { return (v16){_mm256_setzero_ps(), _mm256_setzero_ps()}; }
 static inline v16 v16_set1(float f) { return (v16){_mm256_set1_ps(f), _mm256_set1_ps(f)}; }
-static inline v16 v16_f32(const float *p) { return (v16){_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+static inline v16 v16_f32(const float *p) {
+    return (v16){_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)};
+}
 static inline v16 v16_bf16(const uint16_t *p) { return (v16){widen8(p), widen8(p + 8)}; }
 static inline v16 v16_fma(v16 a, v16 b, v16 c) {
     return (v16){_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
