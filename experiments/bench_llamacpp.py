@@ -64,13 +64,13 @@ def load() -> str:
 def cpu() -> str:
     """The CPU in words, with the vector width reap's kernels run in (results differ by CPU:
     the kernels are AVX-512, AVX2 or plain C, and so are llama.cpp's)."""
-    from reap.quant import step_kernel
+    from reap.quant import ckernel, step_kernel
 
     info = {}
     for line in Path("/proc/cpuinfo").read_text().splitlines():
         key, _, val = line.partition(":")
         info.setdefault(key.strip(), val.strip())
-    flags = set(info.get("flags", "").split())
+    flags = set(ckernel.machine_tag().split())
     isa = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
     lib = step_kernel.library()
     width = f"{lib.reap_simd()}-bit" if lib is not None and lib.reap_simd() else "plain C"

@@ -7,14 +7,12 @@
 
 /* Tile shapes: rows per tile and tokens per full tile, sized to the vector registers (32
    AVX-512 registers hold 4 x 6 accumulators; 16 AVX2 ones hold 2 x 3 accumulator pairs). */
-#if !defined(TR) /* (-DTR=.. -DTT=.. build other shapes, to measure them) */
 #if REAP_SIMD == 512
 #define TR 4
 #define TT 6
 #else
 #define TR 2
 #define TT 3
-#endif
 #endif
 /* y[t * ldy + r] = dot1(w row r, x row t) for r < TR, t < NT (w rows of n columns, x rows of
    n floats, ldx apart); NT = TT tokens or the last 1-4 */

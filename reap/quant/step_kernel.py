@@ -79,8 +79,9 @@ def library():
 
 def pooled(lib, fn, *args) -> None:
     """fn(*args), a library call that splits its work over the pool (a prefill call, between
-    torch ops): the pool at torch's thread count, its workers spinning while it runs and
-    sleeping at once after it, so that torch's OpenMP threads get the cores next."""
+    torch ops): the pool at the kernels' thread count (`ckernel.threads`), its workers spinning
+    while it runs and sleeping at once after it, so that torch's OpenMP threads get the cores
+    next."""
     lib.reap_pool_size(ckernel.threads())
     lib.reap_pool_spin(SPINS)
     fn(*args)
