@@ -228,13 +228,14 @@ def _widths(flags):
 
 def _kernel_outputs(dtype):
     """What the compiled kernels give on fixed inputs: the prefill experts of 37 tokens, a
-    many-row product (tiles), a few-row one, the fused SwiGLU of one token."""
+    many-row product (tiles; 1100 columns: whole and part column blocks, a tail), a few-row
+    one, the fused SwiGLU of one token."""
     from reap.quant import dense_kernel
 
     nd, x, ids, weights, ws, table, F = _moe_case(dtype, seed=5)
     g = torch.Generator().manual_seed(6)
-    w = (torch.randn(70, 1030, generator=g) / 30).to(dtype)
-    xs = torch.randn(20, 1030, generator=g).to(dtype)
+    w = (torch.randn(70, 1100, generator=g) / 30).to(dtype)
+    xs = torch.randn(20, 1100, generator=g).to(dtype)
     with dense_kernel.enabled():
         out = [nd._moe_call(x, ids, weights, table, F), dense_kernel.dense_linear(xs, w),
                dense_kernel.dense_linear(xs[:3], w)]  # fmt: skip
@@ -301,15 +302,15 @@ def test_many_row_products_use_the_tiles_and_do_not_depend_on_the_rows(dtype, mo
     from reap.quant import dense_kernel
 
     g = torch.Generator().manual_seed(3)
-    w = (torch.randn(70, 1030, generator=g) / 30).to(dtype)  # 70 rows: a 32-row block's tail
+    w = (torch.randn(70, 1100, generator=g) / 30).to(dtype)  # 70 rows: a 32-row block's tail
     if dtype == torch.bfloat16:  # as on a CPU with bf16 dot products (else: every size)
         monkeypatch.setattr(step_kernel, "BF16_ROWS", 16)
     many = 200 if dtype == torch.float32 else step_kernel.BF16_ROWS
-    x = torch.randn(many, 1030, generator=g).to(dtype)
+    x = torch.randn(many, 1100, generator=g).to(dtype)
     with dense_kernel.enabled():
         assert dense_kernel.usable(x, w)
         if dtype == torch.bfloat16:
-            assert not dense_kernel.usable(torch.zeros(many + 1, 1030, dtype=dtype), w)
+            assert not dense_kernel.usable(torch.zeros(many + 1, 1100, dtype=dtype), w)
         y = dense_kernel.dense_linear(x, w)
         few = dense_kernel.dense_linear(x[:5], w)
         one = dense_kernel.dense_linear(x[many - 3 : many - 2], w)
