@@ -201,7 +201,9 @@ def test_many_token_experts_match_dispatch_and_do_not_depend_on_the_batch(dtype)
     """`NativeDecoder._moe_call` (the routed experts of a prefill chunk in one call) against
     the torch path's expert-major dispatch over the op-by-op SwiGLU, on 37 tokens (tiles and
     edges; 72 and 40 columns leave tails) with one expert missing from the table (it must
-    contribute nothing); each token's row equals the same token run alone, bit for bit."""
+    contribute nothing); each token's row equals the same token run alone and among four
+    copies of the batch (about 14 and 55 tokens an expert: both kinds of AVX2 tile), bit for
+    bit."""
     from reap.models import blocks
 
     nd, x, ids, weights, ws, table, F = _moe_case(dtype, seed=4)
@@ -214,6 +216,8 @@ def test_many_token_experts_match_dispatch_and_do_not_depend_on_the_batch(dtype)
     for t in (0, 17, 36):
         alone = nd._moe_call(x[t : t + 1], ids[t : t + 1], weights[t : t + 1], table, F)
         assert torch.equal(alone[0], got[t])
+    four = nd._moe_call(x.repeat(4, 1), ids.repeat(4, 1), weights.repeat(4, 1), table, F)
+    assert torch.equal(four, got.repeat(4, 1))
 
 
 def _widths(flags):
@@ -227,17 +231,19 @@ def _widths(flags):
 
 
 def _kernel_outputs(dtype):
-    """What the compiled kernels give on fixed inputs: the prefill experts of 37 tokens, a
-    many-row product (tiles; 1100 columns: whole and part column blocks, a tail), a few-row
-    one, the fused SwiGLU of one token."""
+    """What the compiled kernels give on fixed inputs: the prefill experts of 37 and 148
+    tokens, many-row products (tiles of both AVX2 kinds: 20 and 40 rows; 1100 columns: whole
+    and part column blocks, a tail), a few-row one, the fused SwiGLU of one token."""
     from reap.quant import dense_kernel
 
     nd, x, ids, weights, ws, table, F = _moe_case(dtype, seed=5)
     g = torch.Generator().manual_seed(6)
     w = (torch.randn(70, 1100, generator=g) / 30).to(dtype)
-    xs = torch.randn(20, 1100, generator=g).to(dtype)
+    xs = torch.randn(40, 1100, generator=g).to(dtype)
+    four = [t.repeat(4, 1) for t in (x, ids, weights)]
     with dense_kernel.enabled():
-        out = [nd._moe_call(x, ids, weights, table, F), dense_kernel.dense_linear(xs, w),
+        out = [nd._moe_call(x, ids, weights, table, F), nd._moe_call(*four, table, F),
+               dense_kernel.dense_linear(xs, w), dense_kernel.dense_linear(xs[:20], w),
                dense_kernel.dense_linear(xs[:3], w)]  # fmt: skip
         assert dense_kernel.swiglu_usable(x[:1], *ws[0])
         out.append(dense_kernel.swiglu(x[:1], *ws[0]))

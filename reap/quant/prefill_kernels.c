@@ -5,71 +5,19 @@
    value depends on the batch, the tiling or the thread split. */
 #include "step_common.h"
 
-/* Tile shapes: rows per tile and tokens per full tile, sized to the vector registers. 32
-   AVX-512 registers hold 4 x 6 accumulators. 16 AVX2 ones hold 4 x 3 accumulators of 8 lanes,
-   half of an output's 16: an AVX2 tile takes the columns in blocks of KB, each in two passes
-   (lanes 0-7, then 8-15; the second pass reads the block from L1), and holds 3 tokens' x in
-   registers while the 4 rows stream (about 1.3x the 2 x 3 tile of 16-lane pairs, whose x
-   operands took a load per FMA). */
+/* Tile shapes: rows per tile and tokens per full tile, sized to the vector registers (32
+   AVX-512 registers hold 4 x 6 accumulators; 16 AVX2 ones hold 2 x 3 accumulator pairs) */
 #if REAP_SIMD == 512
 #define TR 4
 #define TT 6
-#elif REAP_SIMD == 256
-#define TR 4
-#define TT 3
-#define KB 512
 #else
 #define TR 2
 #define TT 3
 #endif
 #if REAP_SIMD == 256
-/* 8 weights of a row, widened */
-static inline __m256 w8(const char *p, int bf16) {
-    return bf16 ? widen8((const uint16_t *)p) : _mm256_loadu_ps((const float *)p);
-}
-/* acc[h][r][t] (lanes 8h to 8h + 7 of each output) over the 16-column groups in [c0, c1) */
-#define HALF_PASS(NT, BF16, h)                                                                \
-    do {                                                                                      \
-        __m256 a[TR][NT];                                                                     \
-        for (int r = 0; r < TR; r++)                                                          \
-            for (int t = 0; t < NT; t++) a[r][t] = acc[h][r][t];                              \
-        for (int64_t c = c0 + 8 * (h); c < c1; c += 16) {                                     \
-            __m256 xv[NT];                                                                    \
-            for (int t = 0; t < NT; t++) { /* loaded once, kept in a register */              \
-                xv[t] = _mm256_loadu_ps(x + t * ldx + c);                                     \
-                __asm__("" : "+x"(xv[t]));                                                    \
-            }                                                                                 \
-            for (int r = 0; r < TR; r++) {                                                    \
-                __m256 wv = w8(w + (r * n + c) * esz, BF16); /* (prefetching: slower) */       \
-                for (int t = 0; t < NT; t++) a[r][t] = _mm256_fmadd_ps(wv, xv[t], a[r][t]);   \
-            }                                                                                 \
-        }                                                                                     \
-        for (int r = 0; r < TR; r++)                                                          \
-            for (int t = 0; t < NT; t++) acc[h][r][t] = a[r][t];                              \
-    } while (0)
-#define TILE(NAME, NT, BF16)                                                                  \
-static void NAME(const char *w, int64_t esz, int wbf16, const float *x, int64_t ldx,         \
-                 int64_t n, float *y, int64_t ldy) {                                          \
-    (void)wbf16;                                                                              \
-    __m256 acc[2][TR][NT];                                                                    \
-    for (int h = 0; h < 2; h++)                                                               \
-        for (int r = 0; r < TR; r++)                                                          \
-            for (int t = 0; t < NT; t++) acc[h][r][t] = _mm256_setzero_ps();                  \
-    int64_t end = n / 16 * 16;                                                                \
-    for (int64_t c0 = 0; c0 < end; c0 += KB) {                                                \
-        int64_t c1 = c0 + KB < end ? c0 + KB : end;                                           \
-        HALF_PASS(NT, BF16, 0);                                                               \
-        HALF_PASS(NT, BF16, 1);                                                               \
-    }                                                                                         \
-    for (int r = 0; r < TR; r++)                                                              \
-        for (int t = 0; t < NT; t++) { /* the halves' lanes summed as v16_sum, the tail */    \
-            float v = v16_sum((v16){acc[0][r][t], acc[1][r][t]});                             \
-            const char *p = w + r * n * esz;                                                  \
-            for (int64_t k = end; k < n; k++) v = fmaf(load(p, BF16, k), x[t * ldx + k], v); \
-            y[t * ldy + r] = v;                                                               \
-        }                                                                                     \
-}
-#elif defined(REAP_SIMD)
+#include "prefill_avx2.h" /* the half-lane tiles AVX2 takes for many tokens */
+#endif
+#if defined(REAP_SIMD)
 #define TILE(NAME, NT, BF16)                                                                  \
 static void NAME(const char *w, int64_t esz, int wbf16, const float *x, int64_t ldx,         \
                  int64_t n, float *y, int64_t ldy) {                                          \
@@ -121,25 +69,37 @@ TILE(tile1_bf16, 1, 1)
 
 typedef void (*tile_fn)(const char *, int64_t, int, const float *, int64_t, int64_t, float *,
                         int64_t);
-/* the tile of up to 4 tokens: [tokens][bf16] (index 0 unused) */
-static const tile_fn REST[5][2] = {{0, 0},
-                                   {tile1_f32, tile1_bf16},
-                                   {tile2_f32, tile2_bf16},
-                                   {tile3_f32, tile3_bf16},
-                                   {tile4_f32, tile4_bf16}};
+
+/* the full tile and the tiles of the last 1-4 tokens ([tokens][bf16], index 0 unused) of the
+   16-lane tiles and, on AVX2, of the half-lane ones (prefill_avx2.h) */
+typedef struct {
+    int64_t rows, tokens;
+    tile_fn full[2], rest[5][2];
+} tiles_t;
+static const tiles_t PAIRS = {TR, TT, {tileT_f32, tileT_bf16},
+                              {{0, 0}, {tile1_f32, tile1_bf16}, {tile2_f32, tile2_bf16},
+                               {tile3_f32, tile3_bf16}, {tile4_f32, tile4_bf16}}};
+#if REAP_SIMD == 256
+static const tiles_t HALVES = {HTR, HTT, {htile3_f32, htile3_bf16},
+                               {{0, 0}, {htile1_f32, htile1_bf16}, {htile2_f32, htile2_bf16}}};
+#endif
 
 /* y[t, r] for rows [r0, r1) and tokens [0, m) of one matrix: tiles, then dot1 at the edges */
 static void block(const void *w, int wbf16, const float *x, int64_t m, int64_t n, int64_t r0,
                   int64_t r1, float *y, int64_t ldy) {
-    int64_t esz = wbf16 ? 2 : 4, r = r0;
-    for (; r + TR <= r1; r += TR) {
+    const tiles_t *k = &PAIRS;
+#if REAP_SIMD == 256
+    if (m >= HALF_TOKENS) k = &HALVES;
+#endif
+    int64_t esz = wbf16 ? 2 : 4, r = r0, b = wbf16 != 0;
+    for (; r + k->rows <= r1; r += k->rows) {
         const char *wr = (const char *)w + r * n * esz;
         int64_t t = 0;
-        for (; t + TT <= m; t += TT)
-            (wbf16 ? tileT_bf16 : tileT_f32)(wr, esz, wbf16, x + t * n, n, n, y + t * ldy + r, ldy);
-        for (; t < m; t += 4) { /* the last tokens, at most 4 a tile */
-            int64_t k = m - t < 4 ? m - t : 4;
-            REST[k][wbf16 != 0](wr, esz, wbf16, x + t * n, n, n, y + t * ldy + r, ldy);
+        for (; t + k->tokens <= m; t += k->tokens)
+            k->full[b](wr, esz, wbf16, x + t * n, n, n, y + t * ldy + r, ldy);
+        for (; t < m; t += 4) { /* the last tokens (fewer than a full tile), at most 4 a tile */
+            int64_t left = m - t < 4 ? m - t : 4;
+            k->rest[left][b](wr, esz, wbf16, x + t * n, n, n, y + t * ldy + r, ldy);
         }
     }
     for (; r < r1; r++)

@@ -88,11 +88,13 @@ def pooled(lib, fn, *args) -> None:
     lib.reap_pool_spin(0)
 
 
-def build(flags: tuple[str, ...] = ()):
+def build(flags: tuple[str, ...] = (), where: Path = _HERE):
     """The step kernels compiled with extra compiler `flags` (for the tests: "-mno-avx512f"
-    runs AVX2 where the CPU has it, "-mno-avx2" the plain C loops), signatures declared; None
-    when they cannot be built."""
-    lib = ckernel.compile_cached(_SOURCES, "step", ("-pthread", *flags))
+    runs AVX2 where the CPU has it, "-mno-avx2" the plain C loops) from the sources in `where`
+    (a benchmark's copy of another version), signatures declared; None when they cannot be
+    built."""
+    sources = [where / p.name for p in _SOURCES]
+    lib = ckernel.compile_cached(sources, "step", ("-pthread", *flags))
     if lib is None:
         return None
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
