@@ -517,6 +517,12 @@ def test_run_exit_4_when_an_expert_is_corrupt(tiny, tmp_path, capsys):
     assert code == 4 and "not trustworthy" in err and "layer 1" in err and out
 
 
+def _sigint_default() -> None:
+    """In the child before exec: Ctrl-C's default action, as under a terminal. A test run
+    started as a background job inherits SIGINT ignored, and Python keeps an ignored SIGINT."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _subprocess(*args):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     return subprocess.Popen(
@@ -525,6 +531,7 @@ def _subprocess(*args):
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=_sigint_default,
     )
 
 
