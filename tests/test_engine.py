@@ -531,7 +531,7 @@ def _subprocess(*args):
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        preexec_fn=_sigint_default,
+        preexec_fn=_sigint_default,  # noqa: PLW1509 (one signal call between fork and exec)
     )
 
 
