@@ -17,6 +17,8 @@
 #if REAP_SIMD == 256
 #include "prefill_avx2.h" /* the half-lane tiles AVX2 takes for many tokens */
 #endif
+/* y[t * ldy + r] = dot1(w row r, x row t) for r < TR, t < NT (w rows of n columns, x rows of
+   n floats, ldx apart); NT = TT tokens or the last 1-4 */
 #if defined(REAP_SIMD)
 #define TILE(NAME, NT, BF16)                                                                  \
 static void NAME(const char *w, int64_t esz, int wbf16, const float *x, int64_t ldx,         \
@@ -71,7 +73,8 @@ typedef void (*tile_fn)(const char *, int64_t, int, const float *, int64_t, int6
                         int64_t);
 
 /* the full tile and the tiles of the last 1-4 tokens ([tokens][bf16], index 0 unused) of the
-   16-lane tiles and, on AVX2, of the half-lane ones (prefill_avx2.h) */
+   16-lane tiles and, on AVX2, of the half-lane ones (prefill_avx2.h: 3 tokens a full tile, so
+   only 1-2 are ever left) */
 typedef struct {
     int64_t rows, tokens;
     tile_fn full[2], rest[5][2];
