@@ -154,17 +154,27 @@ def test_native_decode_is_thread_batch_and_budget_invariant(models, dtype, monke
 def test_many_token_steps_leave_torch_one_thread_when_the_kernels_do_the_products(
     models, dtype, monkeypatch
 ):
-    """At 3 threads, a many-token step whose weight products all run in the kernels (fp32, or
-    bf16 up to BF16_ROWS tokens; every expert resident) runs torch's own ops on one thread and
-    the kernels on 3, and gives the logits of torch on 3 threads bit for bit; a longer bf16
+    """At 3 threads a many-token step runs torch's own ops on one thread and the kernels on 3:
+    through the compiled layers (`native_prefill`), and through the torch path when its weight
+    products all run in the kernels (fp32, or bf16 up to BF16_ROWS tokens; every expert
+    resident), which then gives the logits of torch on 3 threads bit for bit; a longer bf16
     chunk (torch's matmul takes its products) and a streamed preset keep torch's threads."""
-    from reap.engine import core
+    from reap.engine import core, native_prefill
     from reap.quant import ckernel
 
     path, seen = models["qwen3_moe", dtype], []
-    step = core.Engine._step
-    monkeypatch.setattr(core.Engine, "_step", lambda *a, **k: seen.append(
-        (torch.get_num_threads(), ckernel.threads())) or step(*a, **k))  # fmt: skip
+
+    def spy(fn):
+        return lambda *a, **k: (
+            seen.append((torch.get_num_threads(), ckernel.threads())) or fn(*a, **k)
+        )
+
+    monkeypatch.setattr(native_prefill, "step", spy(native_prefill.step))
+    _logits(path, dtype, monkeypatch, threads=3)
+    assert seen and set(seen) == {(1, 3)}
+    seen.clear()
+    monkeypatch.setattr(native_prefill, "usable", lambda *a: False)
+    monkeypatch.setattr(core.Engine, "_step", spy(core.Engine._step))
     got = _logits(path, dtype, monkeypatch, threads=3)
     assert seen and set(seen) == {(1, 3)}
     monkeypatch.setattr(native.NativeDecoder, "covers_products", lambda *a: False)
@@ -175,6 +185,63 @@ def test_many_token_steps_leave_torch_one_thread_when_the_kernels_do_the_product
         with Engine.open(path, preset=preset, context=64, dtype=dtype) as eng:
             eng.generate([[3, 4]], max_tokens=1)  # at max: every expert read, tables built
             assert [eng._native.covers_products([[7] * k]) for k in (n, n + 1)] == covered
+
+
+LONG = [[(7 * i + 3) % 300 + 10 for i in range(40)], [(11 * i + 5) % 300 + 10 for i in range(33)]]
+WINDOWS = [
+    [(13 * i + 1) % 300 + 10 for i in range(20)],
+    [(5 * i + 2) % 300 + 10 for i in range(17)],
+]
+
+
+def _prefill_logits(path, dtype, monkeypatch, on=True, threads=1, preset="max", together=True):
+    """Logits of two sequences: a prompt (40 and 33 tokens, every position) then a window (20
+    and 17 tokens, positions 4.. as a perplexity pass scores them), both sequences in one step
+    or each alone; checks the compiled layers ran (or not)."""
+    from reap.engine import native_prefill
+
+    monkeypatch.setattr(native, "ENABLED", on)
+    calls, step = [], native_prefill.step
+    monkeypatch.setattr(native_prefill, "step", lambda *a: calls.append(1) or step(*a))
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with Engine.open(path, context=96, dtype=dtype, batch=2, preset=preset) as eng:
+            seqs, out = [eng.new_sequence() for _ in range(2)], []
+            for chunks, first in ((LONG, 0), (WINDOWS, 4)):
+                if together:
+                    out += eng.step(seqs, chunks, all_positions=True, first=first)
+                else:
+                    out += [eng.step([s], [c], all_positions=True, first=first)[0]
+                            for s, c in zip(seqs, chunks)]  # fmt: skip
+    finally:
+        torch.set_num_threads(saved)
+    assert len(calls) == (0 if not on else 2 if together else 4)
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_many_token_steps_through_the_compiled_layers(models, family, dtype, monkeypatch):
+    """Prompts long enough for the half-lane tiles and torch's fused attention (Mixtral: past
+    its 6-token window), then perplexity windows from position 4: every position's logits
+    within 2e-5 of the largest of the torch path's (bf16: 4 bf16 steps; the decode test's 2
+    over its 10 positions), the same greedy token (bf16: at 90 %
+    of the 102 positions at least; a random model's near ties flip); and bit for
+    bit the same at 1 or 3 threads, alone or two sequences in a step, with every weight
+    resident (max) or streamed (ultra: experts one call each, none cached)."""
+    path = models[family, dtype]
+    ref = _prefill_logits(path, dtype, monkeypatch, on=False)
+    got = _prefill_logits(path, dtype, monkeypatch)
+    assert got.shape == ref.shape == (40 + 33 + 16 + 13, 320)
+    scale = ref.abs().max()
+    tol = 2e-5 * scale if dtype == "float32" else 4 * 2.0**-7 * scale  # 102 rows, not 10
+    assert (got - ref).abs().max() <= tol
+    same = (got.argmax(-1) == ref.argmax(-1)).float().mean()  # bf16: near ties can flip
+    assert same == 1.0 if dtype == "float32" else same >= 0.9
+    assert torch.equal(_prefill_logits(path, dtype, monkeypatch, threads=3), got)
+    assert torch.equal(_prefill_logits(path, dtype, monkeypatch, together=False), got)
+    assert torch.equal(_prefill_logits(path, dtype, monkeypatch, preset="ultra"), got)
 
 
 def _moe_case(dtype, seed: int):

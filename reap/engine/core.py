@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from reap.checkpoint import BufferReader, open_checkpoint
-from reap.engine import memory
+from reap.engine import memory, native_prefill
 from reap.engine.binding import Binding, bind, model_bytes, state_costs
 from reap.engine.experts import ExpertCache
 from reap.engine.native import NativeDecoder
@@ -174,6 +174,11 @@ class Engine:
                 if self._native.usable(chunks):
                     out = self._native.step(seqs, chunks, all_positions, more)
                     return [o[first:] for o in out] if all_positions else out
+                if native_prefill.usable(self._native, chunks):  # torch: attention only
+                    with ckernel.torch_serial():
+                        return native_prefill.step(
+                            self._native, seqs, chunks, all_positions, more, first
+                        )
                 with ckernel.torch_serial(self._native.covers_products(chunks)):
                     return self._step(seqs, chunks, all_positions, more, first)
         except ReapError:

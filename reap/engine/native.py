@@ -164,9 +164,8 @@ class NativeDecoder:
         """Layer i's routed experts for the tokens x [1, N, D] -> [N, D] in x's dtype, in one
         library call (expert-major, row blocks over the thread pool); the router runs in
         torch as the family runs it. None where this path does not serve the layer (dense
-        MLP, path off, more experts used than the cache holds: the call needs every used
-        expert in memory at once; in bf16, more than step_kernel.BF16_ROWS tokens per expert
-        on average): the family's `mlp_block` then runs."""
+        MLP, path off; in bf16, more than step_kernel.BF16_ROWS tokens per expert on
+        average): the family's `mlp_block` then runs."""
         spec = self.specs[i] if self.lib is not None and ENABLED else None
         if spec is None or spec.router is None:
             return None
@@ -174,13 +173,29 @@ class NativeDecoder:
         router = units[spec.prefix + spec.router].to(self.eng.dtype)
         logits = blocks.linear(flat, router)
         ids, weights, _ = blocks.softmax_topk(logits, spec.top_k, spec.renormalize)  # [N, K]
+        y = self.routed(i, spec, flat, ids, weights, router.shape[0])
+        return None if y is None else y.to(x.dtype)
+
+    def routed(self, i: int, spec, flat, ids, weights, E: int) -> torch.Tensor | None:
+        """Layer i's routed experts of the tokens flat [N, D] routed to ids, weights [N, K]
+        (E experts) -> [N, D] fp32: one library call, or one per expert (ascending, each adding
+        to the sums: the same bits) when the used experts are more than the cache holds at
+        once. None in bf16 above BF16_ROWS tokens an expert (see `moe`)."""
         used = sorted(set(ids.reshape(-1).tolist()))
-        if len(used) > self.eng.experts.n_slots:  # they would not all stay in the cache at once
-            return None
         if self.rnd and ids.numel() > step_kernel.BF16_ROWS * len(used):
             return None  # torch's bf16 matmul (dot-product instructions) is faster here
-        table, F = self._expert_table(i, spec, used, router.shape[0])
-        return self._moe_call(flat, ids, weights, table, F).to(x.dtype)
+        if len(used) <= self.eng.experts.n_slots:
+            table, F = self._expert_table(i, spec, used, E)
+            return self._moe_call(flat, ids, weights, table, F)
+        self.eng.experts.prefetch(i, used)  # as the torch path's MoE: reads start at once
+        y = torch.zeros(flat.shape, dtype=torch.float32)
+        for e in used:
+            t = self.eng.stored_expert(i, e)  # held until the call returns
+            if t is not None:  # failed to load: contributes nothing (recorded, exit 4)
+                table = torch.zeros(E, 3, dtype=torch.int64)
+                table[e] = torch.tensor([t[n].data_ptr() for n in spec.mlp])
+                self._moe_call(flat, ids, weights, table, t[spec.mlp[0]].shape[0], y)
+        return y
 
     def _expert_table(self, i: int, spec, used: list[int], E: int) -> tuple[torch.Tensor, int]:
         """Layer i's [E, 3] gate/up/down pointers of the experts in `used` (0 elsewhere, and for
@@ -200,21 +215,31 @@ class NativeDecoder:
                 F = t[spec.mlp[0]].shape[0]
         return table, F
 
-    def _moe_call(self, flat, ids, weights, table, F: int) -> torch.Tensor:
+    def _moe_call(self, flat, ids, weights, table, F: int, y=None) -> torch.Tensor:
+        """The library's routed experts of flat [N, D] (pointers in table [E, 3]) -> [N, D]
+        fp32; with `y`, the sums continue from y's values, written in place."""
         (N, D), (K, E) = flat.shape, (ids.shape[1], table.shape[0])
-        y = torch.zeros(N, D, dtype=torch.float32)
+        add, y = y is not None, torch.zeros(N, D, dtype=torch.float32) if y is None else y
         if not table.any():
             return y
         sizes = (ctypes.c_int64 * 2)()
         self.lib.reap_moe_prefill_scratch(N, K, E, F, D, sizes)
-        ints, floats = torch.empty(sizes[0], dtype=torch.int64), torch.empty(sizes[1])
+        ints, floats = self._moe_scratch(sizes[0], sizes[1])
         xf, ids, w = flat.float().contiguous(), ids.contiguous(), weights.float().contiguous()
-        args = (ctypes.c_int64 * 14)(
+        args = (ctypes.c_int64 * 15)(
             xf.data_ptr(), y.data_ptr(), ids.data_ptr(), w.data_ptr(), table.data_ptr(), N, K,
-            E, F, D, int(self.wbf16), int(self.rnd), floats.data_ptr(), ints.data_ptr(),
+            E, F, D, int(self.wbf16), int(self.rnd), floats.data_ptr(), ints.data_ptr(), int(add),
         )  # fmt: skip
         step_kernel.pooled(self.lib, self.lib.reap_moe_prefill, args)
         return y
+
+    def _moe_scratch(self, ints: int, floats: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The many-token expert call's working buffers, kept between calls (tens of MB at a
+        few hundred tokens: fresh ones cost the kernel's page zeroing every layer)."""
+        held = getattr(self, "_moe_bufs", None)
+        if held is None or held[0].numel() < ints or held[1].numel() < floats:
+            held = self._moe_bufs = (torch.empty(ints, dtype=torch.int64), torch.empty(floats))
+        return held
 
     def _scratch_of(self, floats: int) -> torch.Tensor:
         """The working buffer of one library call, grown to `floats` when needed."""

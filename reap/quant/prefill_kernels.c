@@ -160,23 +160,25 @@ void reap_moe_prefill_scratch(int64_t N, int64_t K, int64_t E, int64_t F, int64_
 
 enum { /* reap_moe_prefill's int64 arguments */
     P_X, P_Y, P_IDS, P_WEIGHTS, P_TABLE, P_N, P_K, P_E, P_F, P_D, P_WBF16, P_RND, P_FLOATS,
-    P_INTS, P_COUNT
+    P_INTS, P_ADD, P_COUNT
 };
 
 typedef struct {
     const int64_t *ids, *pos;
     const float *wt, *o;
     float *y;
-    int64_t K, D;
+    int64_t K, D, add;
 } acc_t;
 
 /* y[t] = sum over t's routed slots, ascending expert id, of o[pair] * weight (fp32, product
-   then sum, as the torch path's index_add_ of out * weight expert after expert) */
+   then sum, as the torch path's index_add_ of out * weight expert after expert), added to y's
+   values if `add`, else from 0 */
 static void acc_task(const void *ctx, int64_t a, int64_t b) {
     const acc_t *c = (const acc_t *)ctx;
     for (int64_t t = a; t < b; t++) {
         float *y = c->y + t * c->D;
-        for (int64_t d = 0; d < c->D; d++) y[d] = 0.0f;
+        if (!c->add)
+            for (int64_t d = 0; d < c->D; d++) y[d] = 0.0f;
         int64_t done[256], n = 0; /* slots in ascending expert order */
         for (int64_t k = 0; k < c->K; k++) {
             if (c->pos[t * c->K + k] < 0) continue;
@@ -197,7 +199,9 @@ static void acc_task(const void *ctx, int64_t a, int64_t b) {
 
 /* The routed experts of N tokens: y [N, D] fp32 = per token the weighted sum (ascending expert
    order) of its experts' SwiGLU outputs, each rounded to the activation dtype; experts whose
-   table entry is 0 contribute nothing. Work items are (expert, row block) pairs. */
+   table entry is 0 contribute nothing. With a[P_ADD], the sums continue from y's values (one
+   expert per call, in ascending order, then gives one call's bits). Work items are (expert,
+   row block) pairs. */
 void reap_moe_prefill(const int64_t *a) {
     int64_t N = a[P_N], K = a[P_K], E = a[P_E], F = a[P_F], D = a[P_D], P = N * K;
     const int64_t *ids = (const int64_t *)a[P_IDS], *table = (const int64_t *)a[P_TABLE];
@@ -232,7 +236,7 @@ void reap_moe_prefill(const int64_t *a) {
         pf.rows = rows;
         reap_parallel(prefill_task, &pf, n, 1);
     }
-    acc_t ac = {ids, pos, (const float *)a[P_WEIGHTS], o, (float *)a[P_Y], K, D};
+    acc_t ac = {ids, pos, (const float *)a[P_WEIGHTS], o, (float *)a[P_Y], K, D, a[P_ADD]};
     reap_parallel(acc_task, &ac, N, 16);
 }
 
@@ -242,30 +246,44 @@ void reap_moe_prefill(const int64_t *a) {
 #define LIN_TOKENS 64 /* x rows per work item: a block of x stays in L2 while W rows stream */
 
 typedef struct {
-    const void *w;
     const float *x;
-    float *y;
-    int64_t n, rows, cols, row_blocks;
+    const lin_mat *mats;
+    int64_t n, cols, count, items[4]; /* items[j]: work items before matrix j */
     int wbf16;
 } linear_t;
 
 static void linear_task(const void *ctx, int64_t a, int64_t b) {
     const linear_t *l = (const linear_t *)ctx;
     for (int64_t it = a; it < b; it++) { /* token block major: consecutive items share x */
-        int64_t t0 = it / l->row_blocks * LIN_TOKENS, r0 = it % l->row_blocks * LIN_ROWS;
+        int64_t j = 0;
+        while (it >= l->items[j + 1]) j++;
+        const lin_mat *mt = l->mats + j;
+        int64_t i = it - l->items[j], row_blocks = (mt->rows + LIN_ROWS - 1) / LIN_ROWS;
+        int64_t t0 = i / row_blocks * LIN_TOKENS, r0 = i % row_blocks * LIN_ROWS;
         int64_t m = l->n - t0 < LIN_TOKENS ? l->n - t0 : LIN_TOKENS;
-        int64_t r1 = r0 + LIN_ROWS < l->rows ? r0 + LIN_ROWS : l->rows;
-        block(l->w, l->wbf16, l->x + t0 * l->cols, m, l->cols, r0, r1, l->y + t0 * l->rows,
-              l->rows);
+        int64_t r1 = r0 + LIN_ROWS < mt->rows ? r0 + LIN_ROWS : mt->rows;
+        block(mt->w, l->wbf16, l->x + t0 * l->cols, m, l->cols, r0, r1, mt->y + t0 * mt->rows,
+              mt->rows);
     }
 }
 
-/* y [n, rows] fp32 = x [n, cols] fp32 @ W[rows, cols].T (W bf16 if wbf16, else fp32), over
-   the pool: every output is dot1 (step_common.h), as the decode kernels' few-row products
-   (dense_kernels.c), so a row's result does not depend on n, the blocking or the threads. */
+/* For each of `count` (at most 3) matrices W [rows, cols] (bf16 if wbf16, else fp32):
+   y [n, rows] fp32 = x [n, cols] fp32 @ W.T, in one job over the pool. Every output is dot1
+   (step_common.h), as the decode kernels' few-row products (dense_kernels.c), so a row's result
+   does not depend on n, the blocking, the threads or the other matrices. */
+void reap_linears(const float *x, int64_t n, int64_t cols, int wbf16, const lin_mat *mats,
+                  int64_t count) {
+    linear_t l = {x, mats, n, cols, count, {0}, wbf16};
+    int64_t token_blocks = (n + LIN_TOKENS - 1) / LIN_TOKENS;
+    for (int64_t j = 0; j < count; j++)
+        l.items[j + 1] = l.items[j] + (mats[j].rows + LIN_ROWS - 1) / LIN_ROWS * token_blocks;
+    reap_parallel(linear_task, &l, l.items[count], 1);
+}
+
+/* y [n, rows] fp32 = x [n, cols] fp32 @ W[rows, cols].T (W bf16 if wbf16, else fp32): one
+   matrix of `reap_linears` */
 void reap_linear(const float *x, const void *w, float *y, int64_t n, int64_t rows, int64_t cols,
                  int64_t wbf16) {
-    int64_t row_blocks = (rows + LIN_ROWS - 1) / LIN_ROWS;
-    linear_t l = {w, x, y, n, rows, cols, row_blocks, (int)wbf16};
-    reap_parallel(linear_task, &l, row_blocks * ((n + LIN_TOKENS - 1) / LIN_TOKENS), 1);
+    lin_mat m = {w, y, rows};
+    reap_linears(x, n, cols, (int)wbf16, &m, 1);
 }

@@ -14,7 +14,10 @@ kernels (`reap.quant.ckernel.compile_cached`); `REAP_NO_CKERNEL=1` or
     lib.reap_moe_step(args)               # args: int64[MOE_ARGS] (indices MOE)
     lib.reap_head_step(h, norm, head, V, D, wbf16, rnd, eps, x, logits)
     lib.reap_token_step(args, floats)     # args: int64[TOKEN_ARGS]: every layer and the head
-    lib.reap_moe_prefill(args)            # args: int64[14]: the routed experts of N tokens
+    lib.reap_moe_prefill(args)            # args: int64[15]: the routed experts of N tokens
+    lib.reap_attn_prefill(args, floats, n)  # the attention half of n tokens (ATTN indices)
+    lib.reap_attn_prefill_scratch(args, n)  # the floats of scratch it needs
+    lib.reap_residual(h, y, n, rnd)       # h = rb(h + rb(y)) over n floats
     lib.reap_linear(x, w, y, n, rows, cols, wbf16)  # y = x @ w.T over the pool, fp32 x, y
     pooled(lib, lib.reap_linear, *args)  # a many-token call between torch ops
 
@@ -27,6 +30,7 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
+from contextlib import contextmanager
 from pathlib import Path
 
 from reap.quant import ckernel
@@ -64,6 +68,7 @@ MAX_TOP_K = 256  # routed experts per token the kernels hold on the stack (route
 SPINS = 20000  # pause loops idle workers spin between decode calls (0 after a prefill call)
 _LIB: list = []
 _LOCK = threading.Lock()
+_SPINNING = [0]  # open `spinning()` blocks
 
 
 def library():
@@ -80,12 +85,27 @@ def library():
 def pooled(lib, fn, *args) -> None:
     """fn(*args), a library call that splits its work over the pool (a prefill call, between
     torch ops): the pool at the kernels' thread count (`ckernel.threads`), its workers spinning
-    while it runs and sleeping at once after it, so that torch's OpenMP threads get the cores
-    next."""
+    while it runs and, outside `spinning()`, sleeping at once after it, so that torch's OpenMP
+    threads get the cores next."""
     lib.reap_pool_size(ckernel.threads())
     lib.reap_pool_spin(SPINS)
     fn(*args)
-    lib.reap_pool_spin(0)
+    if not _SPINNING[0]:
+        lib.reap_pool_spin(0)
+
+
+@contextmanager
+def spinning(lib):
+    """A step of many library calls with little torch work between them (on one thread): the
+    pool's workers keep spinning between the calls inside, and sleep at once after it."""
+    lib.reap_pool_size(ckernel.threads())
+    lib.reap_pool_spin(SPINS)
+    _SPINNING[0] += 1
+    try:
+        yield
+    finally:
+        _SPINNING[0] -= 1
+        lib.reap_pool_spin(0)
 
 
 def build(flags: tuple[str, ...] = (), where: Path = _HERE):
@@ -112,6 +132,12 @@ def build(flags: tuple[str, ...] = (), where: Path = _HERE):
     lib.reap_token_step.argtypes = [ptr, ptr]
     lib.reap_linear.restype = None
     lib.reap_linear.argtypes = [ptr] * 3 + [i64] * 4
+    lib.reap_attn_prefill.restype = None
+    lib.reap_attn_prefill.argtypes = [ptr, ptr, i64]
+    lib.reap_attn_prefill_scratch.restype = i64
+    lib.reap_attn_prefill_scratch.argtypes = [ptr, i64]
+    lib.reap_residual.restype = None
+    lib.reap_residual.argtypes = [ptr, ptr, i64, i64]
     lib.reap_moe_prefill.restype = None
     lib.reap_moe_prefill.argtypes = [ptr]
     lib.reap_moe_prefill_scratch.restype = None

@@ -7,6 +7,7 @@
    few reductions (norm means, attention). Every dot product is `dot()` below, one fixed order
    of fp32 operations whatever the CPU (AVX-512, AVX2 or portable C): no result depends on the
    thread count, on how rows are split, or on the batch. */
+#include <stdlib.h>
 #include <time.h>
 
 #include "step_common.h"
@@ -86,11 +87,26 @@ typedef struct {
 } attn_t;
 
 /* o[d] = sum over j in order of p[j] * v[j][d] (a product, then an add: no fma), n rows of
-   dh values (bf16 if bf16, else fp32) */
+   dh values (bf16 if bf16, else fp32); 64 columns a pass over the rows */
 static void weighted_rows(const float *p, const void *v, int64_t n, int64_t dh, int bf16,
                           float *o) {
     int64_t d = 0;
 #if defined(REAP_SIMD)
+    for (; d + 64 <= dh; d += 64) {
+        v16 a0 = v16_zero(), a1 = v16_zero(), a2 = v16_zero(), a3 = v16_zero();
+        for (int64_t j = 0; j < n; j++) {
+            v16 pj = v16_set1(p[j]);
+            int64_t r = j * dh + d;
+            a0 = v16_add(a0, v16_mul(pj, v16_w(v, bf16, r)));
+            a1 = v16_add(a1, v16_mul(pj, v16_w(v, bf16, r + 16)));
+            a2 = v16_add(a2, v16_mul(pj, v16_w(v, bf16, r + 32)));
+            a3 = v16_add(a3, v16_mul(pj, v16_w(v, bf16, r + 48)));
+        }
+        v16_store(o + d, a0);
+        v16_store(o + d + 16, a1);
+        v16_store(o + d + 32, a2);
+        v16_store(o + d + 48, a3);
+    }
     for (; d + 16 <= dh; d += 16) {
         v16 acc = v16_zero();
         for (int64_t j = 0; j < n; j++)
@@ -105,25 +121,72 @@ static void weighted_rows(const float *p, const void *v, int64_t n, int64_t dh, 
     }
 }
 
+/* ---- attention scores ------------------------------------------------------------------- */
+/* s[j] = k_j . q for keys j in [j0, j1) (rows of dh values dh apart, bf16 if bf16, else fp32):
+   8 fp32 lanes, lane l over the columns c = l mod 8 below dh - dh % 8 in order (fmaf), summed
+   ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)), then the last dh % 8 columns in order.
+   Eight keys at a time on CPUs with AVX2 (their sums one transposing add tree: no reduction
+   per key), the same values as the plain loop. */
+static inline float tree8(const float *l) {
+    return ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
+}
+#if defined(__AVX2__) && defined(__FMA__)
+static inline __m256 load8(const void *p, int bf16, int64_t i) {
+    if (!bf16) return _mm256_loadu_ps((const float *)p + i);
+    __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)p + i));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+static void scores8(const void *k, int bf16, const float *q, int64_t dh, int64_t j, float *s) {
+    int64_t end = dh / 8 * 8;
+    __m256 a[8];
+    for (int r = 0; r < 8; r++) a[r] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < end; c += 8) {
+        __m256 qv = _mm256_loadu_ps(q + c);
+        for (int r = 0; r < 8; r++) a[r] = _mm256_fmadd_ps(load8(k, bf16, (j + r) * dh + c), qv, a[r]);
+    }
+    __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    _mm256_storeu_ps(s + j, _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
+                                          _mm256_permute2f128_ps(u0, u1, 0x31)));
+}
+#endif
+static void scores(const void *k, int bf16, const float *q, int64_t dh, int64_t j0, int64_t j1,
+                   float *s) {
+    int64_t end = dh / 8 * 8, j = j0;
+#if defined(__AVX2__) && defined(__FMA__)
+    for (; j + 8 <= j1; j += 8) scores8(k, bf16, q, dh, j, s);
+#endif
+    for (; j < j1; j++) {
+        float l[8] = {0};
+        for (int64_t c = 0; c < end; c++)
+            l[c % 8] = fmaf(load(k, bf16, j * dh + c), q[c], l[c % 8]);
+        s[j] = tree8(l);
+    }
+    for (j = j0; j < j1; j++)
+        for (int64_t c = end; c < dh; c++) s[j] = fmaf(load(k, bf16, j * dh + c), q[c], s[j]);
+}
+
+/* head h's query (t->q + h * dh) over the keys first..S-1 -> t->o + h * dh; s: S scores */
+static void attend(const attn_t *t, int64_t h, float *s) {
+    int64_t esz = t->rnd ? 2 : 4, g = h / t->group;
+    const char *kb = (const char *)t->kc + g * t->cap * t->dh * esz;
+    const char *vb = (const char *)t->vc + g * t->cap * t->dh * esz;
+    float m = -INFINITY, sum = 0.0f;
+    scores(kb, t->rnd, t->q + h * t->dh, t->dh, t->first, t->S, s);
+    for (int64_t j = t->first; j < t->S; j++) {
+        s[j] = rb(s[j], t->rnd) * t->scale;
+        if (s[j] > m) m = s[j];
+    }
+    for (int64_t j = t->first; j < t->S; j++) sum += (s[j] = expf(s[j] - m));
+    for (int64_t j = t->first; j < t->S; j++) s[j] = rb(s[j] / sum, t->rnd);
+    float *o = t->o + h * t->dh;
+    weighted_rows(s + t->first, vb + t->first * t->dh * esz, t->S - t->first, t->dh, t->rnd, o);
+    for (int64_t d = 0; d < t->dh; d++) o[d] = rb(o[d], t->rnd);
+}
+
 static void attn_task(const void *ctx, int64_t a, int64_t b) {
     const attn_t *t = (const attn_t *)ctx;
-    int64_t esz = t->rnd ? 2 : 4;
-    for (int64_t h = a; h < b; h++) {
-        int64_t g = h / t->group;
-        const char *kb = (const char *)t->kc + g * t->cap * t->dh * esz;
-        const char *vb = (const char *)t->vc + g * t->cap * t->dh * esz;
-        const float *q = t->q + h * t->dh;
-        float *s = t->scores + h * t->S, m = -INFINITY, sum = 0.0f;
-        for (int64_t j = t->first; j < t->S; j++) {
-            s[j] = rb(dot(kb + j * t->dh * esz, t->rnd, q, t->dh), t->rnd) * t->scale;
-            if (s[j] > m) m = s[j];
-        }
-        for (int64_t j = t->first; j < t->S; j++) sum += (s[j] = expf(s[j] - m));
-        for (int64_t j = t->first; j < t->S; j++) s[j] = rb(s[j] / sum, t->rnd);
-        float *o = t->o + h * t->dh;
-        weighted_rows(s + t->first, vb + t->first * t->dh * esz, t->S - t->first, t->dh, t->rnd, o);
-        for (int64_t d = 0; d < t->dh; d++) o[d] = rb(o[d], t->rnd);
-    }
+    for (int64_t h = a; h < b; h++) attend(t, h, t->scores + h * t->S);
 }
 
 /* rotate-half RoPE of `heads` heads [heads, dh] at one position (first `rot` dims) */
@@ -234,6 +297,134 @@ void reap_attn_step(const int64_t *a, const double *f) {
     run_gemv(&gr);
     route(logits, a[A_E], a[A_K], (int)a[A_RENORM], probs, (int64_t *)a[A_IDS],
           (float *)a[A_WEIGHTS]);
+}
+
+/* ---- the attention half of many tokens of one sequence (a prefill chunk) ------------------ */
+static void round_all(float *x, int64_t n, int rnd) {
+    if (rnd)
+        for (int64_t i = 0; i < n; i++) x[i] = round_bf16(x[i]);
+}
+
+typedef struct {
+    attn_t base; /* the chunk's first token (q, o), the cache, the widths */
+    int64_t n, heads, pos, window;
+} pattn_t;
+
+/* items h * n + t: token t's query of head h over the cache positions it sees (the keys and
+   values of the tokens before it and its own; a sliding window: the last `window`). The
+   scores of an item need pos + n floats, allocated per task (NaN outputs if that fails). */
+static void prefill_attn_task(const void *ctx, int64_t a, int64_t b) {
+    const pattn_t *p = (const pattn_t *)ctx;
+    float *s = (float *)malloc((size_t)(p->pos + p->n) * sizeof(float));
+    for (int64_t it = a; it < b; it++) {
+        int64_t h = it / p->n, t = it % p->n, S = p->pos + t + 1;
+        attn_t one = p->base;
+        one.q = p->base.q + t * p->heads * one.dh;
+        one.o = p->base.o + t * p->heads * one.dh;
+        one.S = S;
+        one.first = p->window > 0 && S > p->window ? S - p->window : 0;
+        if (s)
+            attend(&one, h, s);
+        else
+            for (int64_t d = 0; d < one.dh; d++) one.o[h * one.dh + d] = NAN;
+    }
+    free(s);
+}
+
+/* The per-token steps of reap_attn_prefill (stage 0: input norm; 1: rounding, q/k norms, RoPE
+   and the cache write of q, k, v; 2: residual and post norm; 3: the router's rounding and top
+   k), tokens [lo, hi) of a pool job */
+typedef struct {
+    const int64_t *a;
+    float *x, *q, *k, *v, *logits, *probs, eps;
+    int stage;
+} tok_t;
+
+static void token_task(const void *ctx, int64_t lo, int64_t hi) {
+    const tok_t *c = (const tok_t *)ctx;
+    const int64_t *a = c->a;
+    int64_t D = a[A_D], HD = a[A_H_] * a[A_DH], KV = a[A_HKV] * a[A_DH], Dh = a[A_DH];
+    int64_t E = a[A_E], K = a[A_K], half = a[A_ROT] / 2, pos = a[A_POS];
+    int wb = (int)a[A_WBF16], rnd = (int)a[A_RND];
+    float *h = (float *)a[A_H], *x2 = (float *)a[A_X2];
+    for (int64_t t = lo; t < hi; t++) {
+        float *qt = c->q + t * HD, *kt = c->k + t * KV, *vt = c->v + t * KV;
+        const float *cs = (const float *)a[A_COS] + (pos + t) * half;
+        const float *sn = (const float *)a[A_SIN] + (pos + t) * half;
+        switch (c->stage) {
+        case 0:
+            rms_norm(h + t * D, (const void *)a[A_IN_NORM], wb, c->eps, D, c->x + t * D, rnd);
+            break;
+        case 1:
+            round_all(qt, HD, rnd);
+            round_all(kt, KV, rnd);
+            round_all(vt, KV, rnd);
+            qk_norm(qt, kt, a, c->eps);
+            rope(qt, a[A_H_], Dh, a[A_ROT], cs, sn, rnd);
+            rope(kt, a[A_HKV], Dh, a[A_ROT], cs, sn, rnd);
+            for (int64_t i = 0; i < KV; i++) {
+                int64_t at = (i / Dh * a[A_CAP] + pos + t) * Dh + i % Dh;
+                store((void *)a[A_KC], rnd, at, kt[i]);
+                store((void *)a[A_VC], rnd, at, vt[i]);
+            }
+            break;
+        case 2:
+            for (int64_t i = t * D; i < (t + 1) * D; i++) h[i] = rb(h[i] + rb(c->x[i], rnd), rnd);
+            rms_norm(h + t * D, (const void *)a[A_POST_NORM], wb, c->eps, D, x2 + t * D, rnd);
+            break;
+        default:
+            round_all(c->logits + t * E, E, rnd);
+            route(c->logits + t * E, E, K, (int)a[A_RENORM], c->probs + t * E,
+                  (int64_t *)a[A_IDS] + t * K, (float *)a[A_WEIGHTS] + t * K);
+        }
+    }
+}
+
+static void tokens(tok_t *c, int stage, int64_t n) {
+    c->stage = stage;
+    reap_parallel(token_task, c, n, 8);
+}
+
+/* The attention half of a layer for n tokens of one sequence at cache positions pos.. (a
+   prefill chunk), each token's arithmetic reap_attn_step's with the products through the
+   many-token tiles (one job for q, k and v): h [n, D] += o_proj(attn(in_norm(h))), the keys
+   and values written into the cache, x2 [n, D] = post_norm(h) and, with a router, each
+   token's top-k ids and weights [n, K] (ascending ids). f = {eps, scale}. Scratch:
+   reap_attn_prefill_scratch floats. */
+void reap_attn_prefill(const int64_t *a, const double *f, int64_t n) {
+    int64_t D = a[A_D], H = a[A_H_], Hkv = a[A_HKV], Dh = a[A_DH], E = a[A_E], HD = H * Dh;
+    int wb = (int)a[A_WBF16];
+    float *x = (float *)a[A_SCRATCH], *q = x + n * D, *k = q + n * (HD > E ? HD : E);
+    float *v = k + n * Hkv * Dh, *o = v + n * Hkv * Dh, *probs = o + n * HD;
+    tok_t c = {a, x, q, k, v, q /* logits: q is done by then */, probs, (float)f[0], 0};
+    tokens(&c, 0, n);
+    lin_mat m[3] = {{(const void *)a[A_WQ], q, HD}, {(const void *)a[A_WK], k, Hkv * Dh},
+                    {(const void *)a[A_WV], v, Hkv * Dh}};
+    reap_linears(x, n, D, wb, m, 3);
+    tokens(&c, 1, n);
+    pattn_t pa = {{q, (const void *)a[A_KC], (const void *)a[A_VC], o, 0, H / Hkv, a[A_CAP], Dh,
+                   0, 0, (float)f[1], (int)a[A_RND]},
+                  n, H, a[A_POS], a[A_WINDOW]};
+    reap_parallel(prefill_attn_task, &pa, H * n, (1 << 15) / ((a[A_POS] + n) * Dh) + 1);
+    lin_mat mo = {(const void *)a[A_WO], x, D}; /* x is done by then */
+    reap_linears(o, n, HD, wb, &mo, 1);
+    tokens(&c, 2, n);
+    if (!a[A_ROUTER]) return;
+    lin_mat mr = {(const void *)a[A_ROUTER], c.logits, E};
+    reap_linears((const float *)a[A_X2], n, D, wb, &mr, 1);
+    tokens(&c, 3, n);
+}
+
+/* the scratch floats reap_attn_prefill needs for n tokens (its layer's arguments set) */
+int64_t reap_attn_prefill_scratch(const int64_t *a, int64_t n) {
+    int64_t HD = a[A_H_] * a[A_DH], KV = a[A_HKV] * a[A_DH], E = a[A_E];
+    int64_t q = n * HD > n * E ? n * HD : n * E;
+    return n * a[A_D] + q + 2 * n * KV + n * HD + n * E;
+}
+
+/* h[i] = rb(h[i] + rb(y[i])) for i < n: an MLP output y added to the residual stream */
+void reap_residual(float *h, const float *y, int64_t n, int64_t rnd) {
+    for (int64_t i = 0; i < n; i++) h[i] = rb(h[i] + rb(y[i], (int)rnd), (int)rnd);
 }
 
 enum { /* reap_moe_step's int64 arguments */
