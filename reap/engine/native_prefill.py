@@ -20,6 +20,7 @@ import time
 
 import torch
 
+from reap.engine import native
 from reap.models import base
 from reap.quant import step_kernel
 
@@ -30,8 +31,6 @@ def usable(nd, chunks: list[list[int]]) -> bool:
     """Whether `step` takes a step of these chunks: the native decoder serves the model, and in
     bf16 no more than BF16_ROWS tokens (above it torch's bf16 matmul on the CPU's bf16 dot-product
     instructions is faster; without them BF16_ROWS is unbounded)."""
-    from reap.engine import native
-
     n = sum(len(c) for c in chunks)
     return native.ENABLED and nd.lib is not None and (not nd.wbf16 or n <= step_kernel.BF16_ROWS)
 

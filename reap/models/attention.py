@@ -189,9 +189,9 @@ class KVCache:
         return self.k, self.v
 
     def room(self, k_shape, v_shape, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """The whole k and v buffers [B, Hkv, cap, D] with room for one more position after
-        `length` (grown as `append` grows them), for a compiled step that writes position
-        `length` itself and then calls `advance(1)`. k_shape/v_shape: [B, Hkv, 1, D]."""
+        """The whole k and v buffers [B, Hkv, cap, D] with room for T more positions after
+        `length` (grown as `append` grows them), for a compiled step that writes positions
+        `length`.. itself and then calls `advance(T)`. k_shape/v_shape: [B, Hkv, T, D]."""
         self._k = _grow(self._k, self.length, k_shape, 2, dtype)
         self._v = _grow(self._v, self.length, v_shape, 2, dtype)
         return self._k, self._v

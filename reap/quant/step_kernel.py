@@ -20,6 +20,7 @@ kernels (`reap.quant.ckernel.compile_cached`); `REAP_NO_CKERNEL=1` or
     lib.reap_residual(h, y, n, rnd)       # h = rb(h + rb(y)) over n floats
     lib.reap_linear(x, w, y, n, rows, cols, wbf16)  # y = x @ w.T over the pool, fp32 x, y
     pooled(lib, lib.reap_linear, *args)  # a many-token call between torch ops
+    with spinning(lib): ...               # many calls, little torch between (a prefill step)
 
 Arithmetic and rounding are documented in the C source: every dot product is the compiled
 GEMV's (`dense_kernels.c`), results never depend on the thread count.

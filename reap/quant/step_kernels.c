@@ -1,12 +1,14 @@
 /* One decode token of a pre-norm decoder layer (RMSNorm, grouped-query RoPE attention over a
    KV cache, softmax top-k router, SwiGLU experts) in two calls, with a persistent thread pool
-   that splits every matrix-vector product by rows.
+   that splits every matrix-vector product by rows; and the attention half of many tokens of
+   one sequence (a prefill chunk) in one call, its products through the many-token tiles.
 
    Arithmetic: activations are fp32 buffers; with `rnd` every value is rounded to bf16 where the
    engine's torch path (bf16 compute) rounds it, so the two paths differ only in the order of a
-   few reductions (norm means, attention). Every dot product is `dot()` below, one fixed order
-   of fp32 operations whatever the CPU (AVX-512, AVX2 or portable C): no result depends on the
-   thread count, on how rows are split, or on the batch. */
+   few reductions (norm means, attention). Every matrix-vector dot product is `dot()` below (the
+   many-token products `dot1`, the attention scores `scores`), each one fixed order of fp32
+   operations whatever the CPU (AVX-512, AVX2 or portable C): no result depends on the thread
+   count, on how rows are split, or on the batch. */
 #include <stdlib.h>
 #include <time.h>
 
