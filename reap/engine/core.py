@@ -174,7 +174,7 @@ class Engine:
                 if self._native.usable(chunks):
                     out = self._native.step(seqs, chunks, all_positions, more)
                     return [o[first:] for o in out] if all_positions else out
-                if native_prefill.usable(self._native, chunks):  # torch: attention only
+                if native_prefill.usable(self._native, chunks):  # torch: embedding and head
                     with ckernel.torch_serial():
                         return native_prefill.step(
                             self._native, seqs, chunks, all_positions, more, first

@@ -1,10 +1,10 @@
 """Many-token steps (prefill chunks, perplexity windows) through the compiled step kernels, for
-the layers `reap.engine.native` runs one token at a time: per layer and sequence, one library
-call before the attention (input norm, the q/k/v products in one job over the pool, q/k norms,
-RoPE at each token's position), torch's attention over the KV cache (`gqa_attention`, the
-torch path's own call: the same values), one call after it (output product, residual, post
-norm, router and top-k of every token); then the routed experts of every token of the step in
-one call (`NativeDecoder.routed`, a dense MLP as one expert of weight 1) and the residual.
+the layers `reap.engine.native` runs one token at a time: per layer, one library call per
+sequence for the attention half (`reap_attn_prefill`: input norm, the q/k/v products in one job
+over the pool, q/k norms, RoPE, the KV-cache write, causal attention, output product, residual,
+post norm, router and top-k of every token); then the routed experts of every token of the step
+in one call (`NativeDecoder.routed`, a dense MLP as one expert of weight 1) and the residual.
+torch is left the embedding and the head.
 
 The torch path runs some forty small ops a layer here (norms, rotations, casts, routing) on one
 thread between the kernels' products; on 1b float32 at 2 threads they were a tenth of a

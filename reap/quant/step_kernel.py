@@ -98,7 +98,8 @@ def pooled(lib, fn, *args) -> None:
 @contextmanager
 def spinning(lib):
     """A step of many library calls with little torch work between them (on one thread): the
-    pool's workers keep spinning between the calls inside, and sleep at once after it."""
+    pool's workers keep spinning between the calls inside, and sleep at once after the
+    outermost block."""
     lib.reap_pool_size(ckernel.threads())
     lib.reap_pool_spin(SPINS)
     _SPINNING[0] += 1
@@ -106,7 +107,8 @@ def spinning(lib):
         yield
     finally:
         _SPINNING[0] -= 1
-        lib.reap_pool_spin(0)
+        if not _SPINNING[0]:
+            lib.reap_pool_spin(0)
 
 
 def build(flags: tuple[str, ...] = (), where: Path = _HERE):

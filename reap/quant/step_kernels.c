@@ -145,6 +145,30 @@ static void qk_norm(float *q, float *k, const int64_t *a, float eps) {
     }
 }
 
+/* A token's rounded q [H, Dh] and k [Hkv, Dh] at position pos: q/k norms, RoPE; then its k
+   and v [Hkv, Dh] written into the cache at pos */
+static void rotate_and_cache(float *q, float *k, const float *v, const int64_t *a, float eps,
+                             int64_t pos) {
+    int64_t Dh = a[A_DH], half = a[A_ROT] / 2;
+    int rnd = (int)a[A_RND];
+    const float *cs = (const float *)a[A_COS] + pos * half;
+    const float *sn = (const float *)a[A_SIN] + pos * half;
+    qk_norm(q, k, a, eps);
+    rope(q, a[A_H_], Dh, a[A_ROT], cs, sn, rnd);
+    rope(k, a[A_HKV], Dh, a[A_ROT], cs, sn, rnd);
+    for (int64_t i = 0; i < a[A_HKV] * Dh; i++) {
+        int64_t at = (i / Dh * a[A_CAP] + pos) * Dh + i % Dh;
+        store((void *)a[A_KC], rnd, at, k[i]);
+        store((void *)a[A_VC], rnd, at, v[i]);
+    }
+}
+
+/* the first cache position a query at position S - 1 sees (a sliding window: the last
+   `window`; 0: every position) */
+static int64_t first_key(int64_t S, int64_t window) {
+    return window > 0 && S > window ? S - window : 0;
+}
+
 /* Attention half of a layer for one token at cache position pos: h += o_proj(attn(norm(h)));
    x2 = post_norm(h); with a router, the top-k ids and weights (ascending ids). The new key and
    value are written into the cache at pos. f = {eps, scale}. */
@@ -161,18 +185,8 @@ void reap_attn_step(const int64_t *a, const double *f) {
     g.s[1] = seg((const void *)a[A_WK], x, k, Hkv * Dh);
     g.s[2] = seg((const void *)a[A_WV], x, v, Hkv * Dh);
     run_gemv(&g);
-    qk_norm(q, k, a, eps);
-    int64_t half = a[A_ROT] / 2;
-    const float *cs = (const float *)a[A_COS] + pos * half, *sn = (const float *)a[A_SIN] + pos * half;
-    rope(q, H, Dh, a[A_ROT], cs, sn, rnd);
-    rope(k, Hkv, Dh, a[A_ROT], cs, sn, rnd);
-    for (int64_t gi = 0; gi < Hkv; gi++)
-        for (int64_t d = 0; d < Dh; d++) {
-            int64_t at = (gi * a[A_CAP] + pos) * Dh + d;
-            store((void *)a[A_KC], rnd, at, k[gi * Dh + d]);
-            store((void *)a[A_VC], rnd, at, v[gi * Dh + d]);
-        }
-    int64_t S = pos + 1, first = a[A_WINDOW] > 0 && S > a[A_WINDOW] ? S - a[A_WINDOW] : 0;
+    rotate_and_cache(q, k, v, a, eps, pos);
+    int64_t S = pos + 1, first = first_key(S, a[A_WINDOW]);
     attn_t t = {q, (const void *)a[A_KC], (const void *)a[A_VC], o, rest, H / Hkv, a[A_CAP],
                 Dh, first, S, (float)f[1], rnd};
     reap_parallel(attn_task, &t, H, (1 << 15) / ((S - first) * Dh) + 1);
@@ -213,7 +227,7 @@ static void prefill_attn_task(const void *ctx, int64_t a, int64_t b) {
         one.q = p->base.q + t * p->heads * one.dh;
         one.o = p->base.o + t * p->heads * one.dh;
         one.S = S;
-        one.first = p->window > 0 && S > p->window ? S - p->window : 0;
+        one.first = first_key(S, p->window);
         if (s)
             attend(&one, h, s);
         else
@@ -234,14 +248,12 @@ typedef struct {
 static void token_task(const void *ctx, int64_t lo, int64_t hi) {
     const tok_t *c = (const tok_t *)ctx;
     const int64_t *a = c->a;
-    int64_t D = a[A_D], HD = a[A_H_] * a[A_DH], KV = a[A_HKV] * a[A_DH], Dh = a[A_DH];
-    int64_t E = a[A_E], K = a[A_K], half = a[A_ROT] / 2, pos = a[A_POS];
+    int64_t D = a[A_D], HD = a[A_H_] * a[A_DH], KV = a[A_HKV] * a[A_DH];
+    int64_t E = a[A_E], K = a[A_K], pos = a[A_POS];
     int wb = (int)a[A_WBF16], rnd = (int)a[A_RND];
     float *h = (float *)a[A_H], *x2 = (float *)a[A_X2];
     for (int64_t t = lo; t < hi; t++) {
         float *qt = c->q + t * HD, *kt = c->k + t * KV, *vt = c->v + t * KV;
-        const float *cs = (const float *)a[A_COS] + (pos + t) * half;
-        const float *sn = (const float *)a[A_SIN] + (pos + t) * half;
         switch (c->stage) {
         case 0:
             rms_norm(h + t * D, (const void *)a[A_IN_NORM], wb, c->eps, D, c->x + t * D, rnd);
@@ -250,14 +262,7 @@ static void token_task(const void *ctx, int64_t lo, int64_t hi) {
             round_all(qt, HD, rnd);
             round_all(kt, KV, rnd);
             round_all(vt, KV, rnd);
-            qk_norm(qt, kt, a, c->eps);
-            rope(qt, a[A_H_], Dh, a[A_ROT], cs, sn, rnd);
-            rope(kt, a[A_HKV], Dh, a[A_ROT], cs, sn, rnd);
-            for (int64_t i = 0; i < KV; i++) {
-                int64_t at = (i / Dh * a[A_CAP] + pos + t) * Dh + i % Dh;
-                store((void *)a[A_KC], rnd, at, kt[i]);
-                store((void *)a[A_VC], rnd, at, vt[i]);
-            }
+            rotate_and_cache(qt, kt, vt, a, c->eps, pos + t);
             break;
         case 2:
             for (int64_t i = t * D; i < (t + 1) * D; i++) h[i] = rb(h[i] + rb(c->x[i], rnd), rnd);
