@@ -25,7 +25,9 @@ section can be run alone with --models / --sections). Disk: 1b 12 GB, big 25 GB 
    token ids in, argmax of its logits out, F32 KV cache).
 4. speed: `reap run --preset max --warmup` (fresh process; its prefill and decode tok/s after
    one unmeasured generation, as llama-bench's warm-up run) and
-   `llama-bench -p P -n 0` / `-n N -d P` at each dtype, thread count and prompt length.
+   `llama-bench -p P -n 0` / `-n N -d P` at each dtype, thread count and prompt length;
+   after each cell, the GB/s the same threads read from RAM (a torch sum over 1 GiB), against
+   which a decode rate is put as weight bytes a token reads x tokens/s.
 5. perplexity (`llamacpp_ppl`): reap's perplexity pass vs `llama-perplexity` on the same
    4096 token ids (8 chunks of 512, 4 in parallel), both perplexities and tokens/s.
 Every cell runs the two engines interleaved (order alternating between repetitions), median
@@ -234,10 +236,37 @@ def speed(tree: Path, model: Model, args) -> list[dict]:
                     partial(llama_speed, tree, model.ggufs[dtype], threads, prompt, args.decode),
                 )
                 row = summarize(dtype, threads, prompt, runs)
+                row["read_gbps"] = read_bandwidth(threads)
+                if dtype in model.token_bytes:
+                    row["token_bytes"] = model.token_bytes[dtype]
                 print(model.name, json.dumps({k: v for k, v in row.items() if k != "runs"}),
                       flush=True)  # fmt: skip
                 rows.append(row)
     return rows
+
+
+PROBE = """
+import statistics, sys, time, torch
+torch.set_num_threads(int(sys.argv[1]))
+a = torch.ones(1 << 28)  # 1 GiB of float32, far beyond any cache
+a.sum()
+ts = []
+for _ in range(5):
+    t = time.perf_counter()
+    a.sum()
+    ts.append(time.perf_counter() - t)
+print(a.numel() * 4 / statistics.median(ts) / 1e9)
+"""
+
+
+def read_bandwidth(threads: int) -> float:
+    """GB/s that `threads` threads read from RAM now: the median of 5 torch sums over 1 GiB
+    (the ceiling of a decode step, which reads every active weight once)."""
+    p = subprocess.run([sys.executable, "-c", PROBE, str(threads)], capture_output=True,
+                       text=True, timeout=600, check=False)  # fmt: skip
+    if p.returncode != 0:
+        raise SystemExit(f"bandwidth probe failed ({p.returncode}): {p.stderr.strip()[-500:]}")
+    return float(p.stdout)
 
 
 def summarize(dtype, threads, prompt, runs) -> dict:

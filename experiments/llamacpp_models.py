@@ -26,7 +26,7 @@ import json
 import os
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from experiments.llamacpp_mxfp4 import dense_copy
@@ -64,6 +64,9 @@ class Model:
     ggufs: dict[str, Path]
     params: str
     dense: tuple[Path, Path] | None = None  # gptoss: (checkpoint, F32 GGUF), experts decoded
+    # compute dtype -> weight bytes one decode token reads (active parameters at the stored
+    # width); empty where widths mix (gptoss: MXFP4 experts)
+    token_bytes: dict[str, int] = field(default_factory=dict)
 
 
 def param_counts(cfg: dict) -> tuple[int, int]:
@@ -304,4 +307,6 @@ def prepare(name: str, work: Path, tree: Path) -> Model:
         for dtype, short in (("float32", "f32"), ("bfloat16", "bf16"))
     }
     extra = (dense, dense_gguf) if name == "gptoss" else None
-    return Model(name, ck, ggufs, describe(cfg), extra)
+    active = param_counts(cfg)[1]
+    widths = {} if name == "gptoss" else {"float32": 4, "bfloat16": 2}
+    return Model(name, ck, ggufs, describe(cfg), extra, {k: active * w for k, w in widths.items()})

@@ -126,19 +126,38 @@ def speed_table(rows: list[dict]) -> list[str]:
         "",
         (
             "| dtype | threads | prompt | prefill reap | llama.cpp | ratio | decode reap | "
-            "llama.cpp | ratio | expert hit | load (1-min) |"
+            "llama.cpp | ratio | decode GB/s reap / llama.cpp (RAM) | expert hit | load (1-min) |"
         ),
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         p, d = r["prefill"], r["decode"]
         out.append(
             f"| {r['dtype']} | {r['threads']} | {r['prompt']} | {p['reap']:.1f} | "
             f"{p['llama.cpp']:.1f} | **{p['ratio']:.2f}** | {d['reap']:.1f} | "
-            f"{d['llama.cpp']:.1f} | **{d['ratio']:.2f}** | {r['hit']:.2f} | "
+            f"{d['llama.cpp']:.1f} | **{d['ratio']:.2f}** | {_gbps(r)} | {r['hit']:.2f} | "
             f"{_loads(r['runs'])} |"
         )
+    if any("token_bytes" in r for r in rows):
+        out += ["", GBPS_NOTE]
     return [*out, ""]
+
+
+GBPS_NOTE = (
+    "Decode GB/s: the weight bytes one token reads (active parameters at the stored width: "
+    "attention, router, the top-k experts, the head) times decode tokens/s; RAM: what the same "
+    "threads read from memory right after the cell (a torch sum over 1 GiB, median of 5). A "
+    "decode near the RAM figure is bound by memory, where both engines can only meet."
+)
+
+
+def _gbps(r: dict) -> str:
+    """decode weight GB/s of both engines and the machine's read GB/s, where known"""
+    ram = f" ({r['read_gbps']:.1f})" if "read_gbps" in r else ""
+    if "token_bytes" not in r:
+        return "-" + ram
+    reap, llama = (r["token_bytes"] * r["decode"][k] / 1e9 for k in ("reap", "llama.cpp"))
+    return f"{reap:.1f} / {llama:.1f}{ram}"
 
 
 def perplexity_table(p: dict) -> list[str]:
