@@ -244,6 +244,48 @@ def test_many_token_steps_through_the_compiled_layers(models, family, dtype, mon
     assert torch.equal(_prefill_logits(path, dtype, monkeypatch, preset="ultra"), got)
 
 
+@pytest.fixture(scope="module")
+def grouped(tmp_path_factory):
+    """A Qwen3-MoE with 6 query heads per key/value head (a group of 4 and 2 more; head_dim 20
+    leaves 8- and 16-column tails) and the same model with each key/value head repeated for
+    its queries (groups of 1): (grouped, repeated) paths per dtype."""
+    import transformers as T
+
+    root = tmp_path_factory.mktemp("grouped")
+    cfg = {**QWEN, "num_attention_heads": 12, "num_key_value_heads": 2, "head_dim": 20}
+    path, _ = R.save_hf_tiny(T.Qwen3MoeForCausalLM, T.Qwen3MoeConfig, cfg, root / "g", seed=3,
+                             config_extra={"num_experts": 8, "rope_theta": 1e4})  # fmt: skip
+    rep = root / "r"
+    rep.mkdir()
+    for f in Path(path).iterdir():
+        if f.suffix == ".safetensors":
+            t = load_file(f)
+            for k in [k for k in t if k.endswith(("k_proj.weight", "v_proj.weight"))]:
+                t[k] = t[k].reshape(2, 20, -1).repeat_interleave(6, dim=0).reshape(12 * 20, -1)
+            save_file(t, rep / f.name, metadata={"format": "pt"})
+        elif f.name == "config.json":
+            c = json.loads(f.read_text())
+            (rep / f.name).write_text(json.dumps({**c, "num_key_value_heads": 12}))
+        else:
+            (rep / f.name).write_bytes(f.read_bytes())
+    return {"float32": (path, str(rep)),
+            "bfloat16": (_bf16_copy(path, root / "g16"), _bf16_copy(rep, root / "r16"))}  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_query_heads_sharing_a_cache_head_give_the_per_head_values(grouped, dtype, monkeypatch):
+    """The attention kernels run the query heads of one key/value head together (4 queries
+    against each key row, 4 heads' sums from each value row): decode steps and many-token
+    steps give bit for bit the logits of the same model with every query head given its own
+    copy of the keys and values (each head alone), at 1 and 3 threads."""
+    path, rep = grouped[dtype]
+    want = (_logits(rep, dtype, monkeypatch), _prefill_logits(rep, dtype, monkeypatch))
+    assert torch.equal(_logits(path, dtype, monkeypatch), want[0])
+    assert torch.equal(_logits(path, dtype, monkeypatch, threads=3), want[0])
+    assert torch.equal(_prefill_logits(path, dtype, monkeypatch), want[1])
+    assert torch.equal(_prefill_logits(path, dtype, monkeypatch, threads=3), want[1])
+
+
 def _moe_case(dtype, seed: int):
     """A prefill MoE call's inputs: 37 tokens (tiles and edges; 72 and 40 columns leave tails),
     8 experts, top 3, and a NativeDecoder around the step library: (decoder, x, ids, weights,

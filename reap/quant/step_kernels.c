@@ -78,7 +78,7 @@ static seg_t seg(const void *w, const float *x, float *y, int64_t rows) {
     return s;
 }
 
-#include "step_attn.h" /* attn_t, attend, attn_task */
+#include "step_attn.h" /* attn_t, attend_group, attn_task */
 
 /* rotate-half RoPE of `heads` heads [heads, dh] at one position (first `rot` dims) */
 static void rope(float *x, int64_t heads, int64_t dh, int64_t rot, const float *cos,
@@ -189,7 +189,7 @@ void reap_attn_step(const int64_t *a, const double *f) {
     int64_t S = pos + 1, first = first_key(S, a[A_WINDOW]);
     attn_t t = {q, (const void *)a[A_KC], (const void *)a[A_VC], o, rest, H / Hkv, a[A_CAP],
                 Dh, first, S, (float)f[1], rnd};
-    reap_parallel(attn_task, &t, H, (1 << 15) / ((S - first) * Dh) + 1);
+    reap_parallel(attn_task, &t, Hkv, (1 << 15) / ((S - first) * Dh * (H / Hkv)) + 1);
     gemv_t go = {.nseg = 1, .wbf16 = wb, .rnd = rnd, .cols = H * Dh};
     go.s[0] = seg((const void *)a[A_WO], o, att, D);
     run_gemv(&go);
@@ -215,23 +215,25 @@ typedef struct {
     int64_t n, heads, pos, window;
 } pattn_t;
 
-/* items h * n + t: token t's query of head h over the cache positions it sees (the keys and
-   values of the tokens before it and its own; a sliding window: the last `window`). The
-   scores of an item need pos + n floats, allocated per task (NaN outputs if that fails). */
+/* items g * n + t: token t's queries of key/value head g over the cache positions they see
+   (the keys and values of the tokens before it and its own; a sliding window: the last
+   `window`). The scores of an item need group * (pos + n) floats, allocated per task (NaN
+   outputs if that fails). */
 static void prefill_attn_task(const void *ctx, int64_t a, int64_t b) {
     const pattn_t *p = (const pattn_t *)ctx;
-    float *s = (float *)malloc((size_t)(p->pos + p->n) * sizeof(float));
+    int64_t G = p->base.group, dh = p->base.dh;
+    float *s = (float *)malloc((size_t)(G * (p->pos + p->n)) * sizeof(float));
     for (int64_t it = a; it < b; it++) {
-        int64_t h = it / p->n, t = it % p->n, S = p->pos + t + 1;
+        int64_t g = it / p->n, t = it % p->n, S = p->pos + t + 1;
         attn_t one = p->base;
-        one.q = p->base.q + t * p->heads * one.dh;
-        one.o = p->base.o + t * p->heads * one.dh;
+        one.q = p->base.q + t * p->heads * dh;
+        one.o = p->base.o + t * p->heads * dh;
         one.S = S;
         one.first = first_key(S, p->window);
         if (s)
-            attend(&one, h, s);
+            attend_group(&one, g, s);
         else
-            for (int64_t d = 0; d < one.dh; d++) one.o[h * one.dh + d] = NAN;
+            for (int64_t d = 0; d < G * dh; d++) one.o[g * G * dh + d] = NAN;
     }
     free(s);
 }
@@ -301,7 +303,8 @@ void reap_attn_prefill(const int64_t *a, const double *f, int64_t n) {
     pattn_t pa = {{q, (const void *)a[A_KC], (const void *)a[A_VC], o, 0, H / Hkv, a[A_CAP], Dh,
                    0, 0, (float)f[1], (int)a[A_RND]},
                   n, H, a[A_POS], a[A_WINDOW]};
-    reap_parallel(prefill_attn_task, &pa, H * n, (1 << 15) / ((a[A_POS] + n) * Dh) + 1);
+    int64_t grain = (1 << 15) / ((a[A_POS] + n) * Dh * (H / Hkv)) + 1;
+    reap_parallel(prefill_attn_task, &pa, Hkv * n, grain);
     lin_mat mo = {(const void *)a[A_WO], x, D}; /* x is done by then */
     reap_linears(o, n, HD, wb, &mo, 1);
     tokens(&c, 2, n);
