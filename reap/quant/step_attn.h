@@ -154,6 +154,13 @@ static void scores2x4(const void *k, int bf16, const float *q, int64_t dh, int64
     }
 }
 #endif
+/* s[j] += the products of the columns past dh - dh % 8, in order, for keys j in [j0, j1) */
+static void score_tails(const void *k, int bf16, const float *q, int64_t dh, int64_t j0,
+                        int64_t j1, float *s) {
+    for (int64_t j = j0; j < j1; j++)
+        for (int64_t c = dh / 8 * 8; c < dh; c++)
+            s[j] = fmaf(load(k, bf16, j * dh + c), q[c], s[j]);
+}
 static void scores(const void *k, int bf16, const float *q, int64_t dh, int64_t j0, int64_t j1,
                    float *s) {
     int64_t end = dh / 8 * 8, j = j0;
@@ -166,8 +173,7 @@ static void scores(const void *k, int bf16, const float *q, int64_t dh, int64_t 
             l[c % 8] = fmaf(load(k, bf16, j * dh + c), q[c], l[c % 8]);
         s[j] = tree8(l);
     }
-    for (j = j0; j < j1; j++)
-        for (int64_t c = end; c < dh; c++) s[j] = fmaf(load(k, bf16, j * dh + c), q[c], s[j]);
+    score_tails(k, bf16, q, dh, j0, j1, s);
 }
 
 /* `scores` of 4 queries (q + i * dh) -> s + i * ss: two keys at a time against the 4 on CPUs
@@ -180,10 +186,7 @@ static void scores4(const void *k, int bf16, const float *q, int64_t dh, int64_t
         prefetch_rows(k, bf16, dh, j + PF_ROWS, 2, j1);
         scores2x4(k, bf16, q, dh, j, s, ss);
     }
-    for (int i = 0; i < 4; i++) /* the columns past dh - dh % 8 of the keys done above */
-        for (int64_t jj = j0; jj < j; jj++)
-            for (int64_t c = dh / 8 * 8; c < dh; c++)
-                s[i * ss + jj] = fmaf(load(k, bf16, jj * dh + c), q[i * dh + c], s[i * ss + jj]);
+    for (int i = 0; i < 4; i++) score_tails(k, bf16, q + i * dh, dh, j0, j, s + i * ss);
 #endif
     for (int i = 0; i < 4; i++) scores(k, bf16, q + i * dh, dh, j, j1, s + i * ss);
 }
