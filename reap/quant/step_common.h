@@ -133,10 +133,12 @@ static inline float load(const void *p, int bf16, int64_t i) {
 
 /* w (bf16 if wbf16, else fp32) . x over n columns: two sets of 16 fp32 lanes take alternate
    blocks of 16 columns (fmaf; a last odd block goes to the first set), the sets are added lane
-   by lane, the lanes summed pairwise, then the tail of n % 16 columns added in order. bf16: the
-   rows two ahead of w are prefetched (a matrix-vector product walks rows in order); fp32 rows
-   are left to the hardware prefetcher, which streams cache-line-aligned rows (the engine's
-   buffers, `reap.checkpoint.files`) 3-5 % faster without the extra instructions. */
+   by lane, the lanes summed pairwise, then the tail of n % 16 columns added in order. Rows are
+   left to the hardware prefetcher, which streams cache-line-aligned rows (the engine's
+   buffers, `reap.checkpoint.files`): fp32 3-5 % faster than with software prefetch on Zen 3
+   (AVX2), bf16 1.6x on Zen 4 (AVX-512: 1.14x llama.cpp's decode, was 0.74x). Only AVX2 bf16
+   prefetches the rows two ahead (a matrix-vector product walks rows in order): 6 % faster on
+   Zen 3 (reports/llamacpp-avx512.md). */
 static inline float dot(const void *w, int wbf16, const float *x, int64_t n) {
     int64_t c = 0;
 #if defined(REAP_SIMD)
@@ -144,7 +146,9 @@ static inline float dot(const void *w, int wbf16, const float *x, int64_t n) {
     if (wbf16) {
         const uint16_t *p = (const uint16_t *)w;
         for (; c + 32 <= n; c += 32) {
+#if REAP_SIMD == 256
             _mm_prefetch((const char *)(p + 2 * n + c), _MM_HINT_T0);
+#endif
             a = v16_fma(v16_bf16(p + c), v16_f32(x + c), a);
             b = v16_fma(v16_bf16(p + c + 16), v16_f32(x + c + 16), b);
         }
