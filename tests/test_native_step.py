@@ -201,7 +201,7 @@ def _prefill_logits(path, dtype, monkeypatch, on=True, threads=1, preset="max", 
     from reap.engine import native_prefill
 
     monkeypatch.setattr(native, "ENABLED", on)
-    monkeypatch.setattr(step_kernel, "BF16_ROWS", 1 << 40)  # the compiled layers on any CPU
+    monkeypatch.setattr(step_kernel, "PAIR_ROWS", 1 << 40)  # the compiled layers on any CPU
     calls, step = [], native_prefill.step
     monkeypatch.setattr(native_prefill, "step", lambda *a: calls.append(1) or step(*a))
     saved = torch.get_num_threads()
@@ -369,6 +369,8 @@ def test_every_vector_width_gives_the_same_values(flags, models, monkeypatch):
 
     step, dense = _widths(flags)
     assert step.reap_simd() == 0 if flags == ("-mno-avx2",) else step.reap_simd() < 512
+    if step_kernel.bf16_dot():  # the native build's bf16 experts take the pair order
+        monkeypatch.setattr(step_kernel, "_LIB", [_widths(("-mno-avx512bf16",))[0]])
     for family, dtype in (("mixtral", "float32"), ("mixtral", "bfloat16"), ("qwen3_moe", "float32"),
                           ("qwen3_moe", "bfloat16")):  # fmt: skip  # qwen3: no window, 8+ keys
         path = models[family, dtype]
@@ -380,6 +382,45 @@ def test_every_vector_width_gives_the_same_values(flags, models, monkeypatch):
         for got, ref in zip(_kernel_outputs(getattr(torch, dtype)), kernels, strict=True):
             assert torch.equal(got, ref)
         monkeypatch.undo()
+        if step_kernel.bf16_dot():
+            monkeypatch.setattr(step_kernel, "_LIB", [_widths(("-mno-avx512bf16",))[0]])
+
+
+def _pairs_reference(x, w):
+    """x [T, n] @ w [R, n].T of bf16 values in the pair order (prefill_bf16dot.h), op by op in
+    fp32 torch: per 32-column block each of 16 lanes adds the product of columns 2i + 1, then
+    of 2i (bf16 products are exact in fp32, so an add is one rounding, as fmaf); the lanes
+    summed pairwise (s[j] += s[j + w] for w = 8, 4, 2, 1), the tail added column by column."""
+    xf, wf = x.float(), w.float()
+    (T, n), R = xf.shape, wf.shape[0]
+    acc, full = torch.zeros(T, R, 16), n // 32 * 32
+    for c in range(0, full, 32):
+        xb, wb = xf[:, c : c + 32].reshape(T, 1, 16, 2), wf[:, c : c + 32].reshape(1, R, 16, 2)
+        acc = acc + xb[..., 1] * wb[..., 1]
+        acc = acc + xb[..., 0] * wb[..., 0]
+    for half in (8, 4, 2, 1):
+        acc = acc[..., :half] + acc[..., half : 2 * half]
+    v = acc[..., 0]
+    for k in range(full, n):
+        v = v + xf[:, k : k + 1] * wf[:, k].reshape(1, R)
+    return v
+
+
+@pytest.mark.parametrize("shape", [(13, 70, 1100), (1, 5, 64), (7, 9, 48), (6, 4, 2048)])
+def test_bf16_dot_products_follow_the_pair_order(shape):
+    """On a CPU with bf16 dot products the bf16 experts' many-token tiles (VDPBF16PS; every
+    tile shape, the rows past the last tile, 32-column blocks and tails) give the pair order's
+    values bit for bit, computed op by op in torch."""
+    if not step_kernel.bf16_dot():
+        pytest.skip("no bf16 dot products on this CPU (the tiles widen bf16 for fp32 FMAs)")
+    T, R, n = shape
+    g = torch.Generator().manual_seed(n)
+    w = (torch.randn(R, n, generator=g) / 30).bfloat16()
+    x = torch.randn(T, n, generator=g).bfloat16().float()
+    y = torch.full((T, R), float("nan"))
+    lib = step_kernel.library()
+    assert lib.reap_linear_pairs(x.data_ptr(), w.data_ptr(), y.data_ptr(), T, R, n) == 1
+    assert torch.equal(y, _pairs_reference(x, w))
 
 
 def test_native_decode_declines_what_it_does_not_reproduce(models, tmp_path, monkeypatch):

@@ -164,7 +164,7 @@ class NativeDecoder:
         """Layer i's routed experts for the tokens x [1, N, D] -> [N, D] in x's dtype, in one
         library call (expert-major, row blocks over the thread pool); the router runs in
         torch as the family runs it. None where this path does not serve the layer (dense
-        MLP, path off; in bf16, more than step_kernel.BF16_ROWS tokens per expert on
+        MLP, path off; in bf16, more than step_kernel.PAIR_ROWS tokens per expert on
         average): the family's `mlp_block` then runs."""
         spec = self.specs[i] if self.lib is not None and ENABLED else None
         if spec is None or spec.router is None:
@@ -180,9 +180,9 @@ class NativeDecoder:
         """Layer i's routed experts of the tokens flat [N, D] routed to ids, weights [N, K]
         (E experts) -> [N, D] fp32: one library call, or one per expert (ascending, each adding
         to the sums: the same bits) when the used experts are more than the cache holds at
-        once. None in bf16 above BF16_ROWS tokens an expert (see `moe`)."""
+        once. None in bf16 above PAIR_ROWS tokens an expert (see `moe`)."""
         used = sorted(set(ids.reshape(-1).tolist()))
-        if self.rnd and ids.numel() > step_kernel.BF16_ROWS * len(used):
+        if self.rnd and ids.numel() > step_kernel.PAIR_ROWS * len(used):
             return None  # torch's bf16 matmul (dot-product instructions) is faster here
         if len(used) <= self.eng.experts.n_slots:
             table, F = self._expert_table(i, spec, used, E)

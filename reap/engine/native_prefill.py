@@ -29,10 +29,10 @@ _A = step_kernel.ATTN
 
 def usable(nd, chunks: list[list[int]]) -> bool:
     """Whether `step` takes a step of these chunks: the native decoder serves the model, and in
-    bf16 no more than BF16_ROWS tokens (above it torch's bf16 matmul on the CPU's bf16 dot-product
-    instructions is faster; without them BF16_ROWS is unbounded)."""
+    bf16 no more than PAIR_ROWS tokens (above it torch's bf16 matmul on the CPU's bf16 dot-product
+    instructions is faster; without them PAIR_ROWS is unbounded)."""
     n = sum(len(c) for c in chunks)
-    return native.ENABLED and nd.lib is not None and (not nd.wbf16 or n <= step_kernel.BF16_ROWS)
+    return native.ENABLED and nd.lib is not None and (not nd.wbf16 or n <= step_kernel.PAIR_ROWS)
 
 
 def step(nd, seqs, chunks, all_positions: bool, more: bool, first: int) -> list[torch.Tensor]:

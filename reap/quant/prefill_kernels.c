@@ -2,7 +2,11 @@
    block) work items over the pool. Every output is `dot1` (step_common.h): one set of 16 fp32
    lanes over the columns in order, the lanes summed pairwise, the tail added in order; the
    register tiles below compute several outputs at once with exactly that sequence each, so no
-   value depends on the batch, the tiling or the thread split. */
+   value depends on the batch, the tiling or the thread split. Experts with bf16 weights and
+   bf16 activations on a CPU with bf16 dot products take the pair order instead
+   (prefill_bf16dot.h), as independent of the batch, tiling and threads. */
+#include <stdlib.h>
+
 #include "step_common.h"
 
 /* Tile shapes: rows per tile and tokens per full tile, sized to the vector registers (32
@@ -110,6 +114,8 @@ static void block(const void *w, int wbf16, const float *x, int64_t m, int64_t n
             y[t * ldy + r] = dot1((const char *)w + r * n * esz, wbf16, x + t * n, n);
 }
 
+#include "prefill_bf16dot.h" /* the pair-order tiles (bf16 dot products), where the CPU has them */
+
 typedef struct {
     const int64_t *table;  /* [E, 3] gate, up, down pointers (0: skipped) */
     const int64_t *start;  /* [E + 1] first pair of each expert in the sorted order */
@@ -118,7 +124,21 @@ typedef struct {
     float *g, *u, *o;      /* [P, F] gate, [P, F] up then hidden, [P, D] outputs */
     int64_t F, D, rows;    /* rows per block */
     int wbf16, rnd, phase; /* phase 0: gate/up/hidden, 1: down */
+    uint16_t *xg16, *u16;  /* bf16 bits of xg and of the hidden u (pair order), or 0 */
 } prefill_t;
+
+/* rows [r0, r1) of one matrix for tokens [0, m): the pair order where x16 is given */
+static void expert_block(const prefill_t *p, const void *w, const float *x, const uint16_t *x16,
+                         int64_t m, int64_t n, int64_t r0, int64_t r1, float *y, int64_t ldy) {
+#if defined(REAP_BF16_DOT)
+    if (x16) {
+        block_pairs((const uint16_t *)w, x16, x, m, n, r0, r1, y, ldy);
+        return;
+    }
+#endif
+    (void)x16;
+    block(w, p->wbf16, x, m, n, r0, r1, y, ldy);
+}
 
 static void prefill_task(const void *ctx, int64_t a, int64_t b) {
     const prefill_t *p = (const prefill_t *)ctx;
@@ -129,8 +149,10 @@ static void prefill_task(const void *ctx, int64_t a, int64_t b) {
         if (p->phase == 0) {
             int64_t r0 = blk * p->rows, r1 = r0 + p->rows < p->F ? r0 + p->rows : p->F;
             float *g = p->g + s * p->F, *u = p->u + s * p->F;
-            block((const void *)w[0], p->wbf16, p->xg + s * p->D, m, p->D, r0, r1, g, p->F);
-            block((const void *)w[1], p->wbf16, p->xg + s * p->D, m, p->D, r0, r1, u, p->F);
+            const float *x = p->xg + s * p->D;
+            const uint16_t *x16 = p->xg16 ? p->xg16 + s * p->D : 0;
+            expert_block(p, (const void *)w[0], x, x16, m, p->D, r0, r1, g, p->F);
+            expert_block(p, (const void *)w[1], x, x16, m, p->D, r0, r1, u, p->F);
             for (int64_t t = 0; t < m; t++)
                 for (int64_t r = r0; r < r1; r++) {
                     float gv = rb(g[t * p->F + r], p->rnd);
@@ -140,7 +162,8 @@ static void prefill_task(const void *ctx, int64_t a, int64_t b) {
         } else {
             int64_t r0 = blk * p->rows, r1 = r0 + p->rows < p->D ? r0 + p->rows : p->D;
             float *o = p->o + s * p->D;
-            block((const void *)w[2], p->wbf16, p->u + s * p->F, m, p->F, r0, r1, o, p->D);
+            const uint16_t *u16 = p->u16 ? p->u16 + s * p->F : 0;
+            expert_block(p, (const void *)w[2], p->u + s * p->F, u16, m, p->F, r0, r1, o, p->D);
             for (int64_t t = 0; t < m; t++)
                 for (int64_t r = r0; r < r1; r++) o[t * p->D + r] = rb(o[t * p->D + r], p->rnd);
         }
@@ -155,7 +178,7 @@ void reap_moe_prefill_scratch(int64_t N, int64_t K, int64_t E, int64_t F, int64_
                               int64_t *sizes) {
     int64_t P = N * K, blocks = (F + ROWS_F - 1) / ROWS_F + (D + ROWS_D - 1) / ROWS_D;
     sizes[0] = (E + 1) + 2 * P + 2 * E * blocks;
-    sizes[1] = P * (2 * D + 2 * F);
+    sizes[1] = P * (2 * D + 2 * F) + (P * (D + F) + 1) / 2; /* + bf16 copies of xg and u */
 }
 
 enum { /* reap_moe_prefill's int64 arguments */
@@ -222,8 +245,18 @@ void reap_moe_prefill(const int64_t *a) {
     for (int64_t q = 0; q < start[E]; q++)
         memcpy(xg + q * D, x + (order[q] / K) * D, (size_t)D * sizeof(float));
     prefill_t pf = {table, start, items, xg, g, u, o, F, D, ROWS_F, (int)a[P_WBF16],
-                    (int)a[P_RND], 0};
+                    (int)a[P_RND], 0, 0, 0};
+#if defined(REAP_BF16_DOT)
+    if (pf.wbf16 && pf.rnd) { /* bf16 weights and bf16 values: the pair order */
+        pf.xg16 = (uint16_t *)(o + P * D);
+        pf.u16 = pf.xg16 + P * D;
+        bf16_bits(xg, pf.xg16, start[E] * D);
+    }
+#endif
     for (int phase = 0; phase < 2; phase++) {
+#if defined(REAP_BF16_DOT)
+        if (phase == 1 && pf.u16) bf16_bits(u, pf.u16, start[E] * F);
+#endif
         int64_t rows = phase ? ROWS_D : ROWS_F, width = phase ? D : F, n = 0;
         for (int64_t e = 0; e < E; e++)
             if (start[e + 1] > start[e])
@@ -250,6 +283,7 @@ typedef struct {
     const lin_mat *mats;
     int64_t n, cols, count, items[4]; /* items[j]: work items before matrix j */
     int wbf16;
+    const uint16_t *x16; /* the bf16 bits of x: the pair order (prefill_bf16dot.h), or 0 */
 } linear_t;
 
 static void linear_task(const void *ctx, int64_t a, int64_t b) {
@@ -262,22 +296,38 @@ static void linear_task(const void *ctx, int64_t a, int64_t b) {
         int64_t t0 = i / row_blocks * LIN_TOKENS, r0 = i % row_blocks * LIN_ROWS;
         int64_t m = l->n - t0 < LIN_TOKENS ? l->n - t0 : LIN_TOKENS;
         int64_t r1 = r0 + LIN_ROWS < mt->rows ? r0 + LIN_ROWS : mt->rows;
-        block(mt->w, l->wbf16, l->x + t0 * l->cols, m, l->cols, r0, r1, mt->y + t0 * mt->rows,
-              mt->rows);
+        const float *x = l->x + t0 * l->cols;
+        float *y = mt->y + t0 * mt->rows;
+#if defined(REAP_BF16_DOT)
+        if (l->x16) {
+            block_pairs(mt->w, l->x16 + t0 * l->cols, x, m, l->cols, r0, r1, y, mt->rows);
+            continue;
+        }
+#endif
+        block(mt->w, l->wbf16, x, m, l->cols, r0, r1, y, mt->rows);
     }
 }
 
 /* For each of `count` (at most 3) matrices W [rows, cols] (bf16 if wbf16, else fp32):
    y [n, rows] fp32 = x [n, cols] fp32 @ W.T, in one job over the pool. Every output is dot1
    (step_common.h), as the decode kernels' few-row products (dense_kernels.c), so a row's result
-   does not depend on n, the blocking, the threads or the other matrices. */
+   does not depend on n, the blocking, the threads or the other matrices. wbf16 2: bf16 W and
+   bf16-valued x, which take the pair order where the CPU has bf16 dot products (else as 1). */
 void reap_linears(const float *x, int64_t n, int64_t cols, int wbf16, const lin_mat *mats,
                   int64_t count) {
-    linear_t l = {x, mats, n, cols, count, {0}, wbf16};
+    linear_t l = {x, mats, n, cols, count, {0}, wbf16 != 0, 0};
+    uint16_t *x16 = 0;
+#if defined(REAP_BF16_DOT)
+    if (wbf16 == 2 && (x16 = (uint16_t *)malloc((size_t)(n * cols) * sizeof(uint16_t)))) {
+        bf16_bits(x, x16, n * cols);
+        l.x16 = x16;
+    } /* (no memory for the copy: the widening tiles) */
+#endif
     int64_t token_blocks = (n + LIN_TOKENS - 1) / LIN_TOKENS;
     for (int64_t j = 0; j < count; j++)
         l.items[j + 1] = l.items[j] + (mats[j].rows + LIN_ROWS - 1) / LIN_ROWS * token_blocks;
     reap_parallel(linear_task, &l, l.items[count], 1);
+    free(x16);
 }
 
 /* y [n, rows] fp32 = x [n, cols] fp32 @ W[rows, cols].T (W bf16 if wbf16, else fp32): one
@@ -286,4 +336,19 @@ void reap_linear(const float *x, const void *w, float *y, int64_t n, int64_t row
                  int64_t wbf16) {
     lin_mat m = {w, y, rows};
     reap_linears(x, n, cols, (int)wbf16, &m, 1);
+}
+
+/* y [n, rows] = x [n, cols] @ W.T for bf16 W and bf16-valued fp32 x in the pair order
+   (prefill_bf16dot.h), over the pool: the order's check (tests). Returns 0, writing nothing,
+   where the build has no bf16 dot products. */
+int reap_linear_pairs(const float *x, const uint16_t *w, float *y, int64_t n, int64_t rows,
+                      int64_t cols) {
+#if defined(REAP_BF16_DOT)
+    lin_mat m = {w, y, rows};
+    reap_linears(x, n, cols, 2, &m, 1);
+    return 1;
+#else
+    (void)x, (void)w, (void)y, (void)n, (void)rows, (void)cols;
+    return 0;
+#endif
 }

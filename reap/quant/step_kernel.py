@@ -19,6 +19,7 @@ kernels (`reap.quant.ckernel.compile_cached`); `REAP_NO_CKERNEL=1` or
     lib.reap_attn_prefill_scratch(args, n)  # the floats of scratch it needs
     lib.reap_residual(h, y, n, rnd)       # h = rb(h + rb(y)) over n floats
     lib.reap_linear(x, w, y, n, rows, cols, wbf16)  # y = x @ w.T over the pool, fp32 x, y
+    lib.reap_linear_pairs(x, w, y, n, rows, cols)  # bf16 x, w in the pair order (0: no such)
     pooled(lib, lib.reap_linear, *args)  # a many-token call between torch ops
     with spinning(lib): ...               # many calls, little torch between (a prefill step)
 
@@ -65,6 +66,12 @@ def bf16_dot() -> bool:
 # (17-512 rows, 1 and 2 threads, AVX2 Zen 3): the tiles take every size. In fp32 the tiles are
 # ahead at every size on both.
 BF16_ROWS = 16 if bf16_dot() else 1 << 40
+# Many-token steps in bf16 on CPUs with bf16 dot products: the compiled layers (attention
+# products and routed experts in the pair order, prefill_bf16dot.h) take steps of up to this
+# many tokens and experts with up to this many tokens on average; torch above it. Measured on
+# Zen 4 (reports/llamacpp-avx512.md, 2 threads): 32-token prefill 1.06-1.08x torch's path,
+# 512 tokens 0.83-0.92x through the compiled layers. Without those instructions: every size.
+PAIR_ROWS = 32 if bf16_dot() else 1 << 40
 MAX_TOP_K = 256  # routed experts per token the kernels hold on the stack (route, MAX_K, done)
 SPINS = 20000  # pause loops idle workers spin between decode calls (0 after a prefill call)
 _LIB: list = []
@@ -143,6 +150,8 @@ def build(flags: tuple[str, ...] = (), where: Path = _HERE):
     lib.reap_residual.argtypes = [ptr, ptr, i64, i64]
     lib.reap_moe_prefill.restype = None
     lib.reap_moe_prefill.argtypes = [ptr]
+    lib.reap_linear_pairs.restype = ctypes.c_int
+    lib.reap_linear_pairs.argtypes = [ptr] * 3 + [i64] * 3
     lib.reap_moe_prefill_scratch.restype = None
     lib.reap_moe_prefill_scratch.argtypes = [i64] * 5 + [ptr]
     lib.reap_head_step.restype = None

@@ -291,7 +291,7 @@ static void tokens(tok_t *c, int stage, int64_t n) {
    reap_attn_prefill_scratch floats. */
 void reap_attn_prefill(const int64_t *a, const double *f, int64_t n) {
     int64_t D = a[A_D], H = a[A_H_], Hkv = a[A_HKV], Dh = a[A_DH], E = a[A_E], HD = H * Dh;
-    int wb = (int)a[A_WBF16];
+    int wb = a[A_WBF16] ? (a[A_RND] ? 2 : 1) : 0; /* 2: bf16 values, the pair order */
     float *x = (float *)a[A_SCRATCH], *q = x + n * D, *k = q + n * (HD > E ? HD : E);
     float *v = k + n * Hkv * Dh, *o = v + n * Hkv * Dh, *probs = o + n * HD;
     tok_t c = {a, x, q, k, v, q /* logits: q is done by then */, probs, (float)f[0], 0};
