@@ -91,9 +91,19 @@ static const tiles_t HALVES = {HTR, HTT, {htile3_f32, htile3_bf16},
                                {{0, 0}, {htile1_f32, htile1_bf16}, {htile2_f32, htile2_bf16}}};
 #endif
 
-/* y[t, r] for rows [r0, r1) and tokens [0, m) of one matrix: tiles, then dot1 at the edges */
-static void block(const void *w, int wbf16, const float *x, int64_t m, int64_t n, int64_t r0,
-                  int64_t r1, float *y, int64_t ldy) {
+#include "prefill_bf16dot.h" /* the pair-order tiles (bf16 dot products), where the CPU has them */
+
+/* y[t, r] for rows [r0, r1) and tokens [0, m) of one matrix: tiles, then dot1 at the edges; in
+   the pair order (block_pairs) where x16, the bf16 bits of x, is given */
+static void block(const void *w, int wbf16, const float *x, const uint16_t *x16, int64_t m,
+                  int64_t n, int64_t r0, int64_t r1, float *y, int64_t ldy) {
+#if defined(REAP_BF16_DOT)
+    if (x16) {
+        block_pairs((const uint16_t *)w, x16, x, m, n, r0, r1, y, ldy);
+        return;
+    }
+#endif
+    (void)x16;
     const tiles_t *k = &PAIRS;
 #if REAP_SIMD == 256
     if (m >= HALF_TOKENS) k = &HALVES;
@@ -114,8 +124,6 @@ static void block(const void *w, int wbf16, const float *x, int64_t m, int64_t n
             y[t * ldy + r] = dot1((const char *)w + r * n * esz, wbf16, x + t * n, n);
 }
 
-#include "prefill_bf16dot.h" /* the pair-order tiles (bf16 dot products), where the CPU has them */
-
 typedef struct {
     const int64_t *table;  /* [E, 3] gate, up, down pointers (0: skipped) */
     const int64_t *start;  /* [E + 1] first pair of each expert in the sorted order */
@@ -126,19 +134,6 @@ typedef struct {
     int wbf16, rnd, phase; /* phase 0: gate/up/hidden, 1: down */
     uint16_t *xg16, *u16;  /* bf16 bits of xg and of the hidden u (pair order), or 0 */
 } prefill_t;
-
-/* rows [r0, r1) of one matrix for tokens [0, m): the pair order where x16 is given */
-static void expert_block(const prefill_t *p, const void *w, const float *x, const uint16_t *x16,
-                         int64_t m, int64_t n, int64_t r0, int64_t r1, float *y, int64_t ldy) {
-#if defined(REAP_BF16_DOT)
-    if (x16) {
-        block_pairs((const uint16_t *)w, x16, x, m, n, r0, r1, y, ldy);
-        return;
-    }
-#endif
-    (void)x16;
-    block(w, p->wbf16, x, m, n, r0, r1, y, ldy);
-}
 
 static void prefill_task(const void *ctx, int64_t a, int64_t b) {
     const prefill_t *p = (const prefill_t *)ctx;
@@ -151,8 +146,8 @@ static void prefill_task(const void *ctx, int64_t a, int64_t b) {
             float *g = p->g + s * p->F, *u = p->u + s * p->F;
             const float *x = p->xg + s * p->D;
             const uint16_t *x16 = p->xg16 ? p->xg16 + s * p->D : 0;
-            expert_block(p, (const void *)w[0], x, x16, m, p->D, r0, r1, g, p->F);
-            expert_block(p, (const void *)w[1], x, x16, m, p->D, r0, r1, u, p->F);
+            block((const void *)w[0], p->wbf16, x, x16, m, p->D, r0, r1, g, p->F);
+            block((const void *)w[1], p->wbf16, x, x16, m, p->D, r0, r1, u, p->F);
             for (int64_t t = 0; t < m; t++)
                 for (int64_t r = r0; r < r1; r++) {
                     float gv = rb(g[t * p->F + r], p->rnd);
@@ -163,7 +158,7 @@ static void prefill_task(const void *ctx, int64_t a, int64_t b) {
             int64_t r0 = blk * p->rows, r1 = r0 + p->rows < p->D ? r0 + p->rows : p->D;
             float *o = p->o + s * p->D;
             const uint16_t *u16 = p->u16 ? p->u16 + s * p->F : 0;
-            expert_block(p, (const void *)w[2], p->u + s * p->F, u16, m, p->F, r0, r1, o, p->D);
+            block((const void *)w[2], p->wbf16, p->u + s * p->F, u16, m, p->F, r0, r1, o, p->D);
             for (int64_t t = 0; t < m; t++)
                 for (int64_t r = r0; r < r1; r++) o[t * p->D + r] = rb(o[t * p->D + r], p->rnd);
         }
@@ -296,15 +291,9 @@ static void linear_task(const void *ctx, int64_t a, int64_t b) {
         int64_t t0 = i / row_blocks * LIN_TOKENS, r0 = i % row_blocks * LIN_ROWS;
         int64_t m = l->n - t0 < LIN_TOKENS ? l->n - t0 : LIN_TOKENS;
         int64_t r1 = r0 + LIN_ROWS < mt->rows ? r0 + LIN_ROWS : mt->rows;
-        const float *x = l->x + t0 * l->cols;
-        float *y = mt->y + t0 * mt->rows;
-#if defined(REAP_BF16_DOT)
-        if (l->x16) {
-            block_pairs(mt->w, l->x16 + t0 * l->cols, x, m, l->cols, r0, r1, y, mt->rows);
-            continue;
-        }
-#endif
-        block(mt->w, l->wbf16, x, m, l->cols, r0, r1, y, mt->rows);
+        const uint16_t *x16 = l->x16 ? l->x16 + t0 * l->cols : 0;
+        block(mt->w, l->wbf16, l->x + t0 * l->cols, x16, m, l->cols, r0, r1,
+              mt->y + t0 * mt->rows, mt->rows);
     }
 }
 

@@ -136,9 +136,9 @@ static inline float load(const void *p, int bf16, int64_t i) {
    by lane, the lanes summed pairwise, then the tail of n % 16 columns added in order. Rows are
    left to the hardware prefetcher, which streams cache-line-aligned rows (the engine's
    buffers, `reap.checkpoint.files`): fp32 3-5 % faster than with software prefetch on Zen 3
-   (AVX2), bf16 1.6x on Zen 4 (AVX-512: 1.14x llama.cpp's decode, was 0.74x). Only AVX2 bf16
-   prefetches the rows two ahead (a matrix-vector product walks rows in order): 6 % faster on
-   Zen 3 (reports/llamacpp-avx512.md). */
+   (AVX2), bf16 1.5x on Zen 4 (AVX-512, 1 thread; reports/llamacpp-avx512.md, notes). Only
+   AVX2 bf16 prefetches the rows two ahead (a matrix-vector product walks rows in order): 6 %
+   faster on Zen 3. */
 static inline float dot(const void *w, int wbf16, const float *x, int64_t n) {
     int64_t c = 0;
 #if defined(REAP_SIMD)
