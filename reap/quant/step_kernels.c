@@ -37,26 +37,30 @@ typedef struct {
     int64_t cols;
 } gemv_t;
 
+/* rows [lo, hi) of one segment's matrix w: y[i] = rb(w_i . x) */
+static void rows_of(const gemv_t *g, const void *w, const seg_t *s, int64_t lo, int64_t hi) {
+    int64_t esz = g->wbf16 ? 2 : 4;
+    for (int64_t i = lo; i < hi; i++)
+        s->y[i] = rb(dot((const char *)w + i * g->cols * esz, g->wbf16, s->x, g->cols), g->rnd);
+}
+
 /* rows [a, b) of the concatenated segments: y = rb(W x), or with w2 the SwiGLU hidden
-   rb(rb(silu(rb(g))) * rb(u)) (torch's bf16 ops round each of these) */
+   rb(rb(silu(rb(g))) * rb(u)) (torch's bf16 ops round each of these). A pair reads its gate
+   rows first (into y), then its up rows: one stream at a time, which the hardware prefetcher
+   follows better than rows of the two matrices in turn (reports/llamacpp-avx512.md, notes). */
 static void gemv_task(const void *ctx, int64_t a, int64_t b) {
     const gemv_t *g = (const gemv_t *)ctx;
     int64_t base = 0, esz = g->wbf16 ? 2 : 4;
     for (int k = 0; k < g->nseg && base < b; base += g->s[k].rows, k++) {
         const seg_t *s = &g->s[k];
-        int64_t lo = a > base ? a : base, hi = b < base + s->rows ? b : base + s->rows;
-        for (int64_t r = lo; r < hi; r++) {
-            int64_t i = r - base;
-            const char *wr = (const char *)s->w + i * g->cols * esz;
-            float v = dot(wr, g->wbf16, s->x, g->cols);
-            if (s->w2) {
-                float u = dot((const char *)s->w2 + i * g->cols * esz, g->wbf16, s->x, g->cols);
-                float gv = rb(v, g->rnd);
-                v = rb(rb(gv / (1.0f + expf(-gv)), g->rnd) * rb(u, g->rnd), g->rnd);
-            } else {
-                v = rb(v, g->rnd);
-            }
-            s->y[i] = v;
+        int64_t lo = (a > base ? a : base) - base;
+        int64_t hi = (b < base + s->rows ? b : base + s->rows) - base;
+        rows_of(g, s->w, s, lo, hi);
+        if (!s->w2) continue;
+        for (int64_t i = lo; i < hi; i++) {
+            float u = dot((const char *)s->w2 + i * g->cols * esz, g->wbf16, s->x, g->cols);
+            float gv = s->y[i];
+            s->y[i] = rb(rb(gv / (1.0f + expf(-gv)), g->rnd) * rb(u, g->rnd), g->rnd);
         }
     }
 }
