@@ -361,6 +361,11 @@ def test_stop_matcher_finds_the_earliest_stop_across_tokens():
 def test_sampling_follows_the_distribution_and_is_seeded():
     logits = torch.tensor([2.0, 1.0, 0.5, -1.0, 2.0])
     assert sample(logits, 0.0, 1.0, None) == 0  # greedy: lowest id among equal maxima
+    nan, inf = float("nan"), float("inf")
+    for row in ([1.0, nan, 3.0, nan], [inf, 1.0, inf], [-inf] * 3, [0.0, -0.0, 5.0, 5.0]):
+        for dt in (torch.float32, torch.bfloat16, torch.float64):  # greedy: torch.argmax's pick
+            x = torch.tensor(row, dtype=dt)
+            assert sample(x, 0.0, 1.0, None) == int(torch.argmax(x)), (row, dt)
     g = torch.Generator().manual_seed(0)
     draws = torch.tensor([sample(logits, 0.7, 1.0, g) for _ in range(4000)])
     p = torch.softmax(logits.double() / 0.7, 0)

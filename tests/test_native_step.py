@@ -150,6 +150,40 @@ def test_native_decode_is_thread_batch_and_budget_invariant(models, dtype, monke
     assert False in gathered and resident and all(resident)
 
 
+def test_whole_token_bindings_follow_turns_lockstep_steps_and_growth(models, monkeypatch):
+    """A whole-token call keeps its sequence's binding to the next token (`_position`): two
+    sequences taking turns token by token, lockstep steps of both and a chunk of one between
+    (which point the blocks elsewhere), past the caches' and rope tables' growth at 256
+    positions, give each sequence the logits it gets decoding alone, bit for bit."""
+    path = models["qwen3_moe", "bfloat16"]
+    steps = {"a": [[(7 * i + 3) % 300 + 1] for i in range(270)],
+             "b": [[(11 * i) % 300] for i in range(30)]}  # fmt: skip
+    steps["b"][12] = CHUNK  # b's chunk between a's tokens
+
+    def alone(chunks):
+        with Engine.open(path, preset="max", context=300, dtype="bfloat16") as eng:
+            s = eng.new_sequence()
+            return torch.stack([eng.step([s], [c])[0] for c in chunks])
+
+    whole = []
+    token = native.NativeDecoder._token
+    monkeypatch.setattr(native.NativeDecoder, "_token", lambda *a: whole.append(1) or token(*a))
+    got = {"a": [], "b": []}
+    with Engine.open(path, preset="max", context=300, dtype="bfloat16", batch=2) as eng:
+        seqs = {k: eng.new_sequence() for k in steps}
+        for i in range(len(steps["a"])):
+            turn = ["a", "b"] if i < len(steps["b"]) else ["a"]
+            if i % 7 == 3 and len(turn) == 2:  # lockstep
+                outs = eng.step([seqs[k] for k in turn], [steps[k][i] for k in turn])
+            else:
+                outs = [eng.step([seqs[k]], [steps[k][i]])[0] for k in turn]
+            for k, o in zip(turn, outs):
+                got[k].append(o)
+    assert len(whole) == len(steps["a"]) + len(steps["b"]) - 1 - 2 * len(range(3, 30, 7))
+    for k, chunks in steps.items():
+        assert torch.equal(torch.stack(got[k]), alone(chunks)), k
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_many_token_steps_leave_torch_one_thread_when_the_kernels_do_the_products(
     models, dtype, monkeypatch

@@ -59,6 +59,7 @@ class NativeDecoder:
         self._ptrs = [(ctypes.c_int64 * k)() for _ in range(3)]  # gate, up, down pointers
         self._w = (ctypes.c_float * k)()
         self._tok = None  # reap_token_step's lasting arguments, once every expert is resident
+        self._held = None  # the whole-token binding (`_position`)
         self._n_experts = sum(engine.reader.info(s.prefix + s.router).shape[0]
                               for s in self.specs if s.router is not None)  # fmt: skip
 
@@ -103,10 +104,10 @@ class NativeDecoder:
         eng = self.eng
         self.lib.reap_pool_size(ckernel.threads())
         self.lib.reap_pool_spin(step_kernel.SPINS)  # many small jobs follow each other
-        hs = [st.hidden.reshape(-1).float().contiguous() for st in eng._embed(chunks)]  # [D] each
         if len(seqs) == 1 and self._resident():
-            out = [self._token(seqs[0], hs[0])]
+            out = [self._token(seqs[0], chunks[0][0])]
         else:
+            hs = [st.hidden.reshape(-1).float().contiguous() for st in eng._embed(chunks)]  # [D]
             out = self._layers(seqs, hs, more)
         for s in seqs:
             s.length += 1
@@ -132,6 +133,7 @@ class NativeDecoder:
     def _layer_args(self, i: int, spec, units: dict):
         """The layer's int64 argument block, its weight pointers refreshed when the unit's
         tensors are not the ones seen last (a streamed unit comes in a new dict each time)."""
+        self._held = None  # the caller points the blocks elsewhere: `_token` binds anew
         held = self._static[i]
         if held is not None and held[0] is units:
             return held[1]
@@ -250,14 +252,16 @@ class NativeDecoder:
     def _attention(self, spec, a, h: torch.Tensor, cache) -> None:
         """The attention half for one sequence: h updated in place, the MLP input in _x2, the
         routing in _ids/_wts; the cache advanced by the position written."""
-        a[_A["scratch"]] = self._scratch_of(self._bind(spec, a, h, cache)).data_ptr()
+        a[_A["scratch"]] = self._scratch_of(self._bind(spec, a, h, cache)[0]).data_ptr()
         self._floats[0], self._floats[1] = spec.eps, spec.dk**-0.5
         self.lib.reap_attn_step(a, self._floats)
         cache.advance(1)
 
-    def _bind(self, spec, a, h: torch.Tensor, cache) -> int:
+    def _bind(self, spec, a, h: torch.Tensor, cache) -> tuple[int, int, tuple]:
         """Point the layer's arguments at one sequence's state (h, the cache's room for one
-        more position, the rope table); returns the scratch floats its attention half needs."""
+        more position, the rope table). Returns the scratch floats its attention half needs
+        at any position the buffers hold, those positions (the room of both the cache and the
+        table) and the buffers (kept alive while a binding lasts)."""
         D, H, Hkv, Dh = a[_A["d"]], spec.heads, spec.kv_heads, spec.dk
         kc, vc = cache.room((1, Hkv, 1, Dh), (1, Hkv, 1, Dh), self.eng.dtype)
         pos = cache.length
@@ -266,7 +270,9 @@ class NativeDecoder:
                      ("vc", vc), ("ids", self._ids), ("weights", self._wts)):  # fmt: skip
             a[_A[k]] = t.data_ptr()
         a[_A["cap"]], a[_A["pos"]] = kc.shape[2], pos
-        return 2 * D + 2 * H * Dh + 2 * Hkv * Dh + max(H * (pos + 1), 2 * a[_A["e"]]) + 64
+        room = min(kc.shape[2], cos.shape[0])
+        need = 2 * D + 2 * H * Dh + 2 * Hkv * Dh + max(H * room, 2 * a[_A["e"]]) + 64
+        return need, room, (kc, vc, cos, sin)
 
     def _mlp(self, i: int, spec, a, units: dict, h: torch.Tensor) -> None:
         """The MLP half for one sequence: h += the routed experts' weighted sum (or the dense
@@ -349,6 +355,7 @@ class NativeDecoder:
                 *(v for s in self.specs for v in (s.eps, s.dk**-0.5)), eps),
             "scratch": max((1 if d else s.top_k) * (f + self._x2.shape[0])
                            for d, s, f in zip(dense, self.specs, widths)),
+            "h": torch.empty(self._x2.shape[0]), "table": self._lookup_table(),
         }  # fmt: skip
         t = keep["args"]
         for k in ("attn", "tabs", "dense", "f", "times"):
@@ -357,6 +364,15 @@ class NativeDecoder:
         t[_T["norm"]], t[_T["head"]] = units[norm].data_ptr(), units[head].data_ptr()
         t[_T["v"]], t[_T["x"]] = units[head].shape[0], keep["x"].data_ptr()
         return keep
+
+    def _lookup_table(self) -> torch.Tensor | None:
+        """The resident embedding table where the family embeds by plain lookup and cast
+        (`blocks.PreNormModel.embed`) and its rows are contiguous bf16 or fp32; else None."""
+        table, model = self.eng._table, self.eng.model
+        if table is None or type(model).embed is not blocks.PreNormModel.embed:
+            return None
+        ok = table.device.type == "cpu" and table.dim() == 2 and table.stride(1) == 1
+        return table if ok and table.dtype in (torch.bfloat16, torch.float32) else None
 
     def _expert_tables(self):
         """Per layer the [E, 3] gate/up/down pointers of its resident experts (a dense MLP: its
@@ -377,26 +393,63 @@ class NativeDecoder:
             widths.append(rows[0][0].shape[0])
         return tables, dense, widths, uses
 
-    def _token(self, seq, h: torch.Tensor) -> torch.Tensor:
+    def _token(self, seq, token: int) -> torch.Tensor:
         """One sequence's token through every layer and the head in one call -> logits [V]."""
-        eng, tok, L = self.eng, self._tok, len(self.specs)
-        args = [self._static[i][1] for i in range(L)]
-        need = [self._bind(s, a, h, c) for s, a, c in zip(self.specs, args, seq.caches)]
-        scratch = self._scratch_of(max(*need, tok["scratch"]))
-        for a in args:
-            a[_A["scratch"]] = scratch.data_ptr()
-        self._point_mlp(h, scratch)
+        eng, tok = self.eng, self._tok
+        args = tok["args"]
+        args[_T["emb"]], args[_T["emb_bf16"]] = self._embedding_row(token)
+        if not args[_T["emb"]]:  # the family's embedding (or the error of a bad id)
+            tok["h"].copy_(eng._embed([[token]])[0].hidden.reshape(-1))
+        args[_T["pos"]] = self._position(seq)
         logits = torch.empty(tok["head"].shape[0], dtype=torch.float32)
-        tok["args"][_T["logits"]] = logits.data_ptr()
+        args[_T["logits"]] = logits.data_ptr()
         times = tok["times"]
         ctypes.memset(times, 0, ctypes.sizeof(times))
-        self.lib.reap_token_step(tok["args"], tok["floats"])
+        self.lib.reap_token_step(args, tok["floats"])
         for c in seq.caches:
             c.advance(1)
         eng.experts.count_hits(tok["uses"])
         for i, t in enumerate(times):
             eng.unit_seconds[i] += t
         return logits
+
+    def _embedding_row(self, token: int) -> tuple[int, int]:
+        """The address of the token's row in the resident embedding table and whether it is
+        bf16, where the family embeds by lookup and cast (`reap_token_step` casts it); (0, 0)
+        elsewhere, and for an id outside the table."""
+        table = self._tok["table"]
+        if table is None or not 0 <= token < table.shape[0]:
+            return 0, 0
+        return table.data_ptr() + token * table.stride(0) * table.element_size(), int(
+            table.dtype == torch.bfloat16
+        )
+
+    def _position(self, seq) -> int:
+        """The cache position this token writes, every layer's block pointed at seq's caches
+        and rope tables, the token's h and the scratch. A binding lasts while the buffers have
+        room and no other step pointed the blocks elsewhere (`_layer_args` voids it): the next
+        token then sets only the position (in `reap_token_step`). Python between two tokens
+        runs with caches the weights just streamed through: the less of it, the faster."""
+        held = self._held
+        if not (held and held["seq"] is seq and held["length"] == seq.length
+                and held["pos"] < held["room"] and held["scratch"] is self._scratch):  # fmt: skip
+            held = self._bind_token(seq)
+        pos = held["pos"]
+        held["length"], held["pos"] = seq.length + 1, pos + 1
+        return pos
+
+    def _bind_token(self, seq) -> dict:
+        tok, L = self._tok, len(self.specs)
+        args = [self._static[i][1] for i in range(L)]
+        bound = [self._bind(s, a, tok["h"], c) for s, a, c in zip(self.specs, args, seq.caches)]
+        scratch = self._scratch_of(max(*(b[0] for b in bound), tok["scratch"]))
+        for a in args:
+            a[_A["scratch"]] = scratch.data_ptr()
+        self._point_mlp(tok["h"], scratch)
+        self._held = {"seq": seq, "length": seq.length, "pos": seq.caches[0].length,
+                      "room": min(b[1] for b in bound), "scratch": scratch,
+                      "buffers": [b[2] for b in bound]}  # fmt: skip
+        return self._held
 
 
 _ROUNDS = {torch.float32: False, torch.bfloat16: True}  # compute dtype -> round to bf16

@@ -300,23 +300,27 @@ static void linear_task(const void *ctx, int64_t a, int64_t b) {
 /* For each of `count` (at most 3) matrices W [rows, cols] (bf16 if wbf16, else fp32):
    y [n, rows] fp32 = x [n, cols] fp32 @ W.T, in one job over the pool. Every output is dot1
    (step_common.h), as the decode kernels' few-row products (dense_kernels.c), so a row's result
-   does not depend on n, the blocking, the threads or the other matrices. wbf16 2: bf16 W and
-   bf16-valued x, which take the pair order where the CPU has bf16 dot products (else as 1). */
-void reap_linears(const float *x, int64_t n, int64_t cols, int wbf16, const lin_mat *mats,
-                  int64_t count) {
-    linear_t l = {x, mats, n, cols, count, {0}, wbf16 != 0, 0};
-    uint16_t *x16 = 0;
-#if defined(REAP_BF16_DOT)
-    if (wbf16 == 2 && (x16 = (uint16_t *)malloc((size_t)(n * cols) * sizeof(uint16_t)))) {
-        bf16_bits(x, x16, n * cols);
-        l.x16 = x16;
-    } /* (no memory for the copy: the widening tiles) */
-#endif
+   does not depend on n, the blocking, the threads or the other matrices; with x16 (bf16 W and
+   bf16-valued x, the bits from reap_pair_bits) the pair order instead. */
+void reap_linears(const float *x, const uint16_t *x16, int64_t n, int64_t cols, int wbf16,
+                  const lin_mat *mats, int64_t count) {
+    linear_t l = {x, mats, n, cols, count, {0}, wbf16 != 0, x16};
     int64_t token_blocks = (n + LIN_TOKENS - 1) / LIN_TOKENS;
     for (int64_t j = 0; j < count; j++)
         l.items[j + 1] = l.items[j] + (mats[j].rows + LIN_ROWS - 1) / LIN_ROWS * token_blocks;
     reap_parallel(linear_task, &l, l.items[count], 1);
-    free(x16);
+}
+
+/* x16 = the bf16 bits of the bf16-valued x [n] where the build has bf16 dot products (the
+   pair order: pass it to reap_linears); else 0, nothing written (the widening order) */
+const uint16_t *reap_pair_bits(const float *x, int64_t n, uint16_t *x16) {
+#if defined(REAP_BF16_DOT)
+    bf16_bits(x, x16, n);
+    return x16;
+#else
+    (void)x, (void)n, (void)x16;
+    return 0;
+#endif
 }
 
 /* y [n, rows] fp32 = x [n, cols] fp32 @ W[rows, cols].T (W bf16 if wbf16, else fp32): one
@@ -324,17 +328,20 @@ void reap_linears(const float *x, int64_t n, int64_t cols, int wbf16, const lin_
 void reap_linear(const float *x, const void *w, float *y, int64_t n, int64_t rows, int64_t cols,
                  int64_t wbf16) {
     lin_mat m = {w, y, rows};
-    reap_linears(x, n, cols, (int)wbf16, &m, 1);
+    reap_linears(x, 0, n, cols, (int)wbf16, &m, 1);
 }
 
 /* y [n, rows] = x [n, cols] @ W.T for bf16 W and bf16-valued fp32 x in the pair order
    (prefill_bf16dot.h), over the pool: the order's check (tests). Returns 0, writing nothing,
-   where the build has no bf16 dot products. */
+   where the build has no bf16 dot products (-1: no memory for x's bf16 copy). */
 int reap_linear_pairs(const float *x, const uint16_t *w, float *y, int64_t n, int64_t rows,
                       int64_t cols) {
 #if defined(REAP_BF16_DOT)
+    uint16_t *x16 = (uint16_t *)malloc((size_t)(n * cols) * sizeof(uint16_t));
+    if (!x16) return -1;
     lin_mat m = {w, y, rows};
-    reap_linears(x, n, cols, 2, &m, 1);
+    reap_linears(x, reap_pair_bits(x, n * cols, x16), n, cols, 1, &m, 1);
+    free(x16);
     return 1;
 #else
     (void)x, (void)w, (void)y, (void)n, (void)rows, (void)cols;

@@ -17,14 +17,16 @@
 typedef void (*task_fn)(const void *ctx, int64_t a, int64_t b);
 void reap_parallel(task_fn fn, const void *ctx, int64_t total, int64_t grain);
 
-/* many-token products (prefill_kernels.c): y [n, rows] = x [n, cols] @ W.T for each matrix */
+/* many-token products (prefill_kernels.c): y [n, rows] = x [n, cols] @ W.T for each matrix;
+   x16, where given, the bf16 bits of a bf16-valued x (from reap_pair_bits) */
 typedef struct {
     const void *w;
     float *y;
     int64_t rows;
 } lin_mat;
-void reap_linears(const float *x, int64_t n, int64_t cols, int wbf16, const lin_mat *mats,
-                  int64_t count);
+void reap_linears(const float *x, const uint16_t *x16, int64_t n, int64_t cols, int wbf16,
+                  const lin_mat *mats, int64_t count);
+const uint16_t *reap_pair_bits(const float *x, int64_t n, uint16_t *x16);
 
 static inline float widen(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;

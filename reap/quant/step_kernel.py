@@ -46,7 +46,7 @@ ATTN_ARGS = (
     "window", "e", "k", "renorm", "wbf16", "rnd", "ids", "weights",
 )  # fmt: skip
 TOKEN_ARGS = ("layers", "attn", "tables", "dense", "f", "moe", "times", "norm", "head", "v", "x",
-              "logits")  # fmt: skip
+              "logits", "pos", "emb", "emb_bf16")  # fmt: skip
 MOE_ARGS = ("x2", "h", "scratch", "k", "f", "d", "wbf16", "rnd", "weights", "gate", "up", "down")
 ATTN = {n: i for i, n in enumerate(ATTN_ARGS)}  # name -> index
 MOE = {n: i for i, n in enumerate(MOE_ARGS)}

@@ -295,14 +295,15 @@ static void tokens(tok_t *c, int stage, int64_t n) {
    reap_attn_prefill_scratch floats. */
 void reap_attn_prefill(const int64_t *a, const double *f, int64_t n) {
     int64_t D = a[A_D], H = a[A_H_], Hkv = a[A_HKV], Dh = a[A_DH], E = a[A_E], HD = H * Dh;
-    int wb = a[A_WBF16] ? (a[A_RND] ? 2 : 1) : 0; /* 2: bf16 values, the pair order */
+    int wb = a[A_WBF16] != 0, pairs = wb && a[A_RND]; /* bf16 values: the pair order */
     float *x = (float *)a[A_SCRATCH], *q = x + n * D, *k = q + n * (HD > E ? HD : E);
     float *v = k + n * Hkv * Dh, *o = v + n * Hkv * Dh, *probs = o + n * HD;
+    uint16_t *x16 = (uint16_t *)(probs + n * E); /* the bf16 bits of each product's input */
     tok_t c = {a, x, q, k, v, q /* logits: q is done by then */, probs, (float)f[0], 0};
     tokens(&c, 0, n);
     lin_mat m[3] = {{(const void *)a[A_WQ], q, HD}, {(const void *)a[A_WK], k, Hkv * Dh},
                     {(const void *)a[A_WV], v, Hkv * Dh}};
-    reap_linears(x, n, D, wb, m, 3);
+    reap_linears(x, pairs ? reap_pair_bits(x, n * D, x16) : 0, n, D, wb, m, 3);
     tokens(&c, 1, n);
     pattn_t pa = {{q, (const void *)a[A_KC], (const void *)a[A_VC], o, 0, H / Hkv, a[A_CAP], Dh,
                    0, 0, (float)f[1], (int)a[A_RND]},
@@ -310,19 +311,20 @@ void reap_attn_prefill(const int64_t *a, const double *f, int64_t n) {
     int64_t grain = (1 << 15) / ((a[A_POS] + n) * Dh * (H / Hkv)) + 1;
     reap_parallel(prefill_attn_task, &pa, Hkv * n, grain);
     lin_mat mo = {(const void *)a[A_WO], x, D}; /* x is done by then */
-    reap_linears(o, n, HD, wb, &mo, 1);
+    reap_linears(o, pairs ? reap_pair_bits(o, n * HD, x16) : 0, n, HD, wb, &mo, 1);
     tokens(&c, 2, n);
     if (!a[A_ROUTER]) return;
+    const float *x2 = (const float *)a[A_X2];
     lin_mat mr = {(const void *)a[A_ROUTER], c.logits, E};
-    reap_linears((const float *)a[A_X2], n, D, wb, &mr, 1);
+    reap_linears(x2, pairs ? reap_pair_bits(x2, n * D, x16) : 0, n, D, wb, &mr, 1);
     tokens(&c, 3, n);
 }
 
 /* the scratch floats reap_attn_prefill needs for n tokens (its layer's arguments set) */
 int64_t reap_attn_prefill_scratch(const int64_t *a, int64_t n) {
-    int64_t HD = a[A_H_] * a[A_DH], KV = a[A_HKV] * a[A_DH], E = a[A_E];
-    int64_t q = n * HD > n * E ? n * HD : n * E;
-    return n * a[A_D] + q + 2 * n * KV + n * HD + n * E;
+    int64_t D = a[A_D], HD = a[A_H_] * a[A_DH], KV = a[A_HKV] * a[A_DH], E = a[A_E];
+    int64_t q = n * HD > n * E ? n * HD : n * E, bits = (n * (D > HD ? D : HD) + 1) / 2;
+    return n * D + q + 2 * n * KV + n * HD + n * E + bits;
 }
 
 /* h[i] = rb(h[i] + rb(y[i])) for i < n: an MLP output y added to the residual stream */
@@ -379,7 +381,7 @@ void reap_head_step(const float *h, const void *norm, const void *head, int64_t 
 
 enum { /* reap_token_step's int64 arguments */
     T_LAYERS, T_ATTN, T_TABLES, T_DENSE, T_F, T_MOE, T_TIMES, T_NORM, T_HEAD, T_V, T_X, T_LOGITS,
-    T_N
+    T_POS, T_EMB, T_EMB_BF16, T_N
 };
 #define MAX_K 256
 
@@ -393,11 +395,13 @@ static double seconds(void) {
    reap_attn_step(attn[i], f + 2i) then reap_moe_step over the routed experts' rows of
    tables[i] ([E, 3] gate/up/down pointers, every expert resident), or over the dense MLP
    (dense[i]: tables[i] holds its one triple); f_mlp[i] its width. moe: the MLP argument block
-   (x2, h, scratch, d, wbf16, rnd set; the rest filled here). times[i] += layer i's seconds,
-   times[L] += the head's; f[2L] is the final norm's eps. */
+   (x2, h, scratch, d, wbf16, rnd set; the rest filled here). pos: the cache position written,
+   set in every layer's block. emb: the token's embedding row (bf16 if emb_bf16, else fp32),
+   cast into h as the engine casts it (rounded to bf16 with rnd), or 0: h holds the input.
+   times[i] += layer i's seconds, times[L] += the head's; f[2L] is the final norm's eps. */
 void reap_token_step(const int64_t *t, const double *f) {
     int64_t L = t[T_LAYERS];
-    const int64_t *const *attn = (const int64_t *const *)t[T_ATTN];
+    int64_t *const *attn = (int64_t *const *)t[T_ATTN];
     const int64_t *const *tables = (const int64_t *const *)t[T_TABLES];
     const int64_t *dense = (const int64_t *)t[T_DENSE], *width = (const int64_t *)t[T_F];
     double *times = (double *)t[T_TIMES];
@@ -406,6 +410,10 @@ void reap_token_step(const int64_t *t, const double *f) {
     memcpy(m, (const int64_t *)t[T_MOE], sizeof m);
     m[M_GATE] = (int64_t)gp, m[M_UP] = (int64_t)up, m[M_DOWN] = (int64_t)dp;
     m[M_WEIGHTS] = (int64_t)w;
+    float *h = (float *)m[M_H];
+    for (int64_t i = 0; t[T_EMB] && i < m[M_D]; i++)
+        h[i] = rb(load((const void *)t[T_EMB], (int)t[T_EMB_BF16], i), (int)m[M_RND]);
+    for (int64_t i = 0; i < L; i++) attn[i][A_POS] = t[T_POS];
     for (int64_t i = 0; i < L; i++) {
         double t0 = seconds();
         const int64_t *a = attn[i], *tab = tables[i];
