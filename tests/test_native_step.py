@@ -184,6 +184,19 @@ def test_whole_token_bindings_follow_turns_lockstep_steps_and_growth(models, mon
         assert torch.equal(torch.stack(got[k]), alone(chunks)), k
 
 
+@pytest.mark.parametrize("stored,dtype", [("float32",) * 2, ("bfloat16",) * 2,
+                                          ("bfloat16", "float32")])  # fmt: skip
+def test_whole_token_calls_embed_as_the_family(models, stored, dtype, monkeypatch):
+    """The whole-token call casts the token's embedding row itself (`reap_token_step`), as
+    the family's lookup and cast: bit for bit the logits of the family's embedding."""
+    path = models["qwen3_moe", stored]
+    whole = []
+    want = _logits(path, dtype, monkeypatch, whole=whole)
+    assert whole
+    monkeypatch.setattr(native.NativeDecoder, "_lookup_table", lambda self: None)
+    assert torch.equal(_logits(path, dtype, monkeypatch), want)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_many_token_steps_leave_torch_one_thread_when_the_kernels_do_the_products(
     models, dtype, monkeypatch

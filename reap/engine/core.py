@@ -170,10 +170,13 @@ class Engine:
         if first < 0:
             raise ReapError(f"first position {first}: need >= 0")
         try:
-            if self._native.usable(chunks):  # no torch op to configure: none of the contexts
-                out = self._native.step(seqs, chunks, all_positions, more)
+            if self._native.usable(chunks) and self._native.whole(seqs):  # one library call
+                out = self._native.step(seqs, chunks, all_positions, more)  # (no torch context)
                 return [o[first:] for o in out] if all_positions else out
             with torch.inference_mode(), dense_kernel.enabled():
+                if self._native.usable(chunks):
+                    out = self._native.step(seqs, chunks, all_positions, more)
+                    return [o[first:] for o in out] if all_positions else out
                 if native_prefill.usable(self._native, chunks):  # torch: embedding and head
                     with ckernel.torch_serial():
                         return native_prefill.step(

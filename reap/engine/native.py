@@ -66,6 +66,11 @@ class NativeDecoder:
     def usable(self, chunks: list[list[int]]) -> bool:
         return ENABLED and self.lib is not None and all(len(c) == 1 for c in chunks)
 
+    def whole(self, seqs: list) -> bool:
+        """Whether a usable step of `seqs` runs as one `reap_token_step` call (one sequence,
+        every weight resident)."""
+        return len(seqs) == 1 and self._resident()
+
     def covers_products(self, chunks: list[list[int]]) -> bool:
         """Whether every weight product of a many-token step of `chunks` runs in the kernels:
         every expert resident (no layer's experts fall back to torch), fp32 weights (the tiles
@@ -104,7 +109,7 @@ class NativeDecoder:
         eng = self.eng
         self.lib.reap_pool_size(ckernel.threads())
         self.lib.reap_pool_spin(step_kernel.SPINS)  # many small jobs follow each other
-        if len(seqs) == 1 and self._resident():
+        if self.whole(seqs):
             out = [self._token(seqs[0], chunks[0][0])]
         else:
             hs = [st.hidden.reshape(-1).float().contiguous() for st in eng._embed(chunks)]  # [D]
@@ -399,7 +404,8 @@ class NativeDecoder:
         args = tok["args"]
         args[_T["emb"]], args[_T["emb_bf16"]] = self._embedding_row(token)
         if not args[_T["emb"]]:  # the family's embedding (or the error of a bad id)
-            tok["h"].copy_(eng._embed([[token]])[0].hidden.reshape(-1))
+            with torch.inference_mode():  # h may have been made in it
+                tok["h"].copy_(eng._embed([[token]])[0].hidden.reshape(-1))
         args[_T["pos"]] = self._position(seq)
         logits = torch.empty(tok["head"].shape[0], dtype=torch.float32)
         args[_T["logits"]] = logits.data_ptr()
@@ -439,6 +445,8 @@ class NativeDecoder:
         return pos
 
     def _bind_token(self, seq) -> dict:
+        """Bind every layer's block to seq's state for the whole-token call (see `_position`);
+        the scratch sized for the last position the buffers hold."""
         tok, L = self._tok, len(self.specs)
         args = [self._static[i][1] for i in range(L)]
         bound = [self._bind(s, a, tok["h"], c) for s, a, c in zip(self.specs, args, seq.caches)]
