@@ -47,7 +47,7 @@ static void rows_of(const gemv_t *g, const void *w, const seg_t *s, int64_t lo, 
 /* rows [a, b) of the concatenated segments: y = rb(W x), or with w2 the SwiGLU hidden
    rb(rb(silu(rb(g))) * rb(u)) (torch's bf16 ops round each of these). A pair reads its gate
    rows first (into y), then its up rows: one stream at a time, which the hardware prefetcher
-   follows better than rows of the two matrices in turn (reports/llamacpp-avx512.md, notes). */
+   follows better than rows of the two matrices in turn (reports/llamacpp-zen4.md, notes). */
 static void gemv_task(const void *ctx, int64_t a, int64_t b) {
     const gemv_t *g = (const gemv_t *)ctx;
     int64_t base = 0, esz = g->wbf16 ? 2 : 4;
