@@ -56,8 +56,10 @@ def sample(
     logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator | None
 ) -> int:
     """Next token from logits [V]: argmax when temperature <= 0, else temperature + top-p."""
-    if temperature <= 0:  # numpy's argmax: torch's (first of ties, NaN above all) at half
-        if logits.dtype == torch.float32 and logits.device.type == "cpu":  # the cost cold
+    if temperature <= 0:
+        if logits.dtype == torch.float32 and logits.device.type == "cpu":
+            # numpy's argmax picks as torch's (first of ties, NaN above all) at half the cost
+            # with cold caches, as between decode tokens
             return int(logits.numpy().argmax())
         return int(torch.argmax(logits))
     z = logits.double() / temperature

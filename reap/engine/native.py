@@ -436,12 +436,11 @@ class NativeDecoder:
         room and no other step pointed the blocks elsewhere (`_layer_args` voids it): the next
         token then sets only the position (in `reap_token_step`). Python between two tokens
         runs with caches the weights just streamed through: the less of it, the faster."""
-        held = self._held
-        if not (held and held["seq"] is seq and held["length"] == seq.length
-                and held["pos"] < held["room"] and held["scratch"] is self._scratch):  # fmt: skip
+        held, pos = self._held, seq.caches[0].length
+        if not (held and held["seq"] is seq and held["pos"] == pos and pos < held["room"]
+                and held["scratch"] is self._scratch):  # fmt: skip
             held = self._bind_token(seq)
-        pos = held["pos"]
-        held["length"], held["pos"] = seq.length + 1, pos + 1
+        held["pos"] = pos + 1  # where this binding expects the next token (else another step ran)
         return pos
 
     def _bind_token(self, seq) -> dict:
@@ -454,8 +453,7 @@ class NativeDecoder:
         for a in args:
             a[_A["scratch"]] = scratch.data_ptr()
         self._point_mlp(tok["h"], scratch)
-        self._held = {"seq": seq, "length": seq.length, "pos": seq.caches[0].length,
-                      "room": min(b[1] for b in bound), "scratch": scratch,
+        self._held = {"seq": seq, "room": min(b[1] for b in bound), "scratch": scratch,
                       "buffers": [b[2] for b in bound]}  # fmt: skip
         return self._held
 
