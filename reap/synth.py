@@ -12,6 +12,7 @@ expert at a time, so memory stays bounded and writing runs at disk speed.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import math
@@ -20,9 +21,10 @@ from pathlib import Path
 import torch
 
 from reap.checkpoint import TEXT_PREFIX, CheckpointWriter, TensorSpec
+from reap.checkpoint.config_only import LayoutTable
 from reap.errors import ReapError
 from reap.models import BUILTIN, builtin_config, family
-from reap.quant import int4, mxfp4
+from reap.quant import fp8, int4, mxfp4
 from reap.tokenizer import byte_tokenizer_files
 
 SIZES = (
@@ -32,6 +34,9 @@ SIZES = (
 _TORCH = {"BF16": torch.bfloat16, "F32": torch.float32, "F16": torch.float16, "U8": torch.uint8}
 _DIRECT_CODES_ABOVE = 1 << 22  # expert matrices with more params get codes drawn directly
 _E2M1_RMS = math.sqrt(68.5 / 8)  # rms of a uniformly drawn E2M1 code value
+# tensors drawn together, by the role of the first: MXFP4 (blocks, scales), an FP8 weight and its
+# block scales, INT4 (packed, scales, shape)
+_PARTS = {"mxfp4.blocks": 2, "fp8.weight": 2, "int4.packed": 3}
 
 
 def load_config(config: str | dict, layers: int | None = None) -> dict:
@@ -77,7 +82,8 @@ def synth(
     text = cfgd.get("text_config", cfgd)
     text.update(torch_dtype=dtype, **({"dtype": dtype} if "dtype" in text else {}))
     fam = family(cfgd)
-    specs = fam.layout(cfgd)
+    table = LayoutTable(fam.layout(cfgd))  # fused expert views `X[e]` as their tensor X [E, ...]
+    specs = [table[n] for n in table]
     if vision and not any(s.component == "vision" for s in specs):
         raise ReapError(f"--vision: model_type {cfgd.get('model_type')!r} has no vision tower")
     prefix = TEXT_PREFIX if "text_config" in cfgd else ""  # multimodal releases prefix text
@@ -88,9 +94,8 @@ def synth(
     bar = tqdm(total=total, unit="B", unit_scale=True, disable=not progress, desc="synth")
     i = 0
     while i < len(specs):
-        group = [specs[i]] if specs[i].expert is None else _expert_group(specs, i)
-        if specs[i].expert is None and specs[i].role == "int4.packed":  # an INT4 weight's three
-            group = specs[i : i + 3]
+        group = _expert_group(specs, i) if specs[i].expert is not None else (
+            specs[i : i + _PARTS.get(specs[i].role, 1)])
         if not writer.done(group[0].name):
             for s, t in zip(group, _draw(group, seed)):
                 writer.write(s.name, t)
@@ -115,33 +120,43 @@ def _gen(seed: int, name: str) -> torch.Generator:
 
 
 def _draw(group: list[TensorSpec], seed: int) -> list[torch.Tensor]:
-    if group[0].role == "int4.packed":
-        return _int4_expert(group, seed)
-    if group[0].role != "mxfp4.blocks":  # a tensor, or an expert in floats
-        return [_float_tensor(s, _gen(seed, s.name)) for s in group]
-    out = []
-    for packed, scale in zip(group[0::2], group[1::2]):  # (MXFP4 blocks, their scales) pairs
-        g = _gen(seed, packed.name)
-        rows, cols = packed.shape[0], packed.shape[1] * 2
-        if rows * cols > _DIRECT_CODES_ABOVE:
-            out += _direct_codes(packed, scale, cols, g)
-        else:
-            out += list(mxfp4.quantize(torch.randn(rows, cols, generator=g) / math.sqrt(cols)))
+    """The tensors of `group` (an expert, or a trunk weight with its codec's other parts)."""
+    out, i = [], 0
+    while i < len(group):
+        s, n = group[i], _PARTS.get(group[i].role, 1)
+        draw = {"mxfp4.blocks": _mxfp4, "fp8.weight": _fp8, "int4.packed": _int4}.get(s.role)
+        out += draw(*group[i : i + n], _gen(seed, s.name)) if draw else [
+            _float_tensor(s, _gen(seed, s.name))]
+        i += n
     return out
 
 
-def _int4_expert(group: list[TensorSpec], seed: int) -> list[torch.Tensor]:
-    """Weights stored compressed-tensors INT4 (`reap.quant.int4`; an expert's or one trunk
-    weight's), as (packed, scales, shape) triples: each matrix [O, I] drawn ~N(0, 1/I) and
-    quantized in groups of I / (scale columns) with scales in the scale spec's dtype."""
-    out = []
-    for packed, scale, _shape in zip(group[0::3], group[1::3], group[2::3]):
-        rows, cols = packed.shape[0], packed.shape[1] * int4.PER_WORD
-        g = _gen(seed, packed.name)
-        w = torch.randn(rows, cols, generator=g) / math.sqrt(cols)
-        words, scales = int4.quantize(w, cols // scale.shape[1], _TORCH[scale.dtype])
-        out += [words, scales, torch.tensor([rows, cols], dtype=torch.int32)]
-    return out
+def _mxfp4(packed: TensorSpec, scale: TensorSpec, g: torch.Generator) -> list[torch.Tensor]:
+    """MXFP4 blocks [.., R, C/2] (GPT-OSS: [E, R, C/32, 16]) and scales [.., R, C/32] of
+    matrices [.., R, C]."""
+    cols = scale.shape[-1] * 32
+    rows = packed.numel * 2 // cols
+    if rows * cols > _DIRECT_CODES_ABOVE:
+        return _direct_codes(packed, scale, cols, g)
+    codes, scales = mxfp4.quantize(torch.randn(rows, cols, generator=g) / math.sqrt(cols))
+    return [codes.reshape(packed.shape), scales.reshape(scale.shape)]
+
+
+def _fp8(weight: TensorSpec, scale: TensorSpec, g: torch.Generator) -> list[torch.Tensor]:
+    """F8_E4M3 [O, I] ~N(0, 1/I) and its F32 block scales, quantized with a block that gives the
+    declared scale grid (the release's wherever its blocks divide the widths)."""
+    (rows, cols), grid = weight.shape, scale.shape
+    w = _randn_rows(dataclasses.replace(weight, dtype="F32"), 1 / math.sqrt(cols), g)
+    return list(fp8.quantize(w, (-(-rows // grid[0]), -(-cols // grid[1]))))
+
+
+def _int4(packed: TensorSpec, scale: TensorSpec, _shape: TensorSpec, g: torch.Generator):
+    """Compressed-tensors INT4 (`reap.quant.int4`) (packed, scales, shape) of a matrix [O, I]
+    ~N(0, 1/I), quantized in groups of I / (scale columns), scales in the scale spec's dtype."""
+    rows, cols = packed.shape[0], packed.shape[1] * int4.PER_WORD
+    w = torch.randn(rows, cols, generator=g) / math.sqrt(cols)
+    words, scales = int4.quantize(w, cols // scale.shape[1], _TORCH[scale.dtype])
+    return [words, scales, torch.tensor([rows, cols], dtype=torch.int32)]
 
 
 def _direct_codes(
