@@ -79,8 +79,11 @@ def kda_chunked(
     Within a chunk, the delta-rule updates U [C, Dv] solve (I + A) U = beta*(V - (k*a) S0^T) with
     A[t, s] = beta_t sum_d k_td k_sd exp(G_td - G_sd) (s < t), G the in-chunk cumulative log decay;
     then o_t = S0 (q_t*a_t) + sum_{s<=t} u_s (k_s . q_t*exp(G_t-G_s)). Exponent differences are
-    taken against the chunk midpoint so nothing overflows for |log g| * C / 2 < 80. Only a loop
-    over chunks remains (the state passes between them). Shapes/dtypes as `kda_recurrent`."""
+    taken against the chunk midpoint so nothing overflows for |log g| * C / 2 < 80: faster decays
+    (Kimi Linear's gate is unbounded) take smaller chunks. Only a loop over chunks remains (the
+    state passes between them). Shapes/dtypes as `kda_recurrent`."""
+    while chunk > 1 and float(log_g.min()) * chunk < -160:
+        chunk //= 2
     Bn, T, H, _ = q.shape
     n_pad = (-T) % chunk
     if n_pad:  # zero k, v, beta and log g leave the state untouched
