@@ -229,7 +229,7 @@ def resolve_source(model: str, layers: int | None = None) -> Source:
         return Source(builtin_config(model, layers=layers))
     if layers is not None:
         raise ReapError(f"--layers applies to built-in configs only, not {model}")
-    src = None if is_url(model) else open_config_only(model)
+    src = open_config_only(model)
     if src is not None:
         load_config(src.config, config_source(model))
         return Source(src.config, None, src)

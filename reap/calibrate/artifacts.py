@@ -21,9 +21,10 @@ from pathlib import Path
 import torch
 
 from reap.checkpoint import encode_header
-from reap.errors import ReapError
+from reap.errors import EXIT_EXPERT_LOAD, ReapError
 from reap.fileio import atomic_path, write_atomic
 from reap.stats import ExpertStats, ExpertSums, merge
+from reap.stats.check import nonfinite
 
 # the code that determines calibration results: its source digest is the code version
 RESULT_CODE = ("calibrate", "models", "checkpoint", "corpora", "quant/mxfp4.py", "stats",
@@ -60,9 +61,16 @@ def safe_name(corpus: str) -> str:
 
 # -- per-layer rows -----------------------------------------------------------------------------
 def save_rows(work: str, layer: int, rows: list[ExpertSums]) -> str:
-    """Save one layer's rows (one per corpus) atomically; returns the path."""
+    """Save one layer's rows (one per corpus) atomically; returns the path. ReapError (exit 4)
+    naming the layer and expert when a statistic is NaN or infinite: nothing is written."""
     from safetensors.torch import save_file
 
+    for row in rows:
+        bad = nonfinite(row.tensors())
+        if bad:
+            raise ReapError(f"layer {layer}, expert {bad[1][-1]}: statistic {bad[0]} is NaN or "
+                            "infinite (the model's weights or activations are not finite); "
+                            "statistics not written", exit_code=EXIT_EXPERT_LOAD)
     path = os.path.join(work, f"rows.{layer}.safetensors")
     tensors = {f"{c}.{k}": v.contiguous() for c, row in enumerate(rows)
                for k, v in row.tensors().items()}

@@ -47,7 +47,7 @@ class ConfigOnly:
 
     @property
     def index_path(self) -> str:
-        return str(Path(self.path) / INDEX_NAME)
+        return f"{self.path}/{INDEX_NAME}"  # a directory or a URL
 
     def stored_names(self) -> set[str]:
         """The index's tensor names without the `language_model.` prefix (empty: no index)."""
@@ -56,8 +56,13 @@ class ConfigOnly:
 
 
 def open_config_only(path: str | os.PathLike) -> ConfigOnly | None:
-    """The config-only view of directory `path`, or None if it holds weights (or is not a
-    directory with a config.json). CheckpointError names a bad config or index file."""
+    """The config-only view of directory (or http(s) URL: `remote.fetch_config_only`) `path`,
+    or None if it holds weights (or is not a directory with a config.json). CheckpointError
+    names a bad config or index file."""
+    from reap.checkpoint.remote import fetch_config_only, is_url
+
+    if is_url(path):
+        return fetch_config_only(str(path))
     p = Path(path)
     if not p.is_dir() or not os.path.lexists(p / "config.json"):
         return None

@@ -172,6 +172,12 @@ class HttpCache:
                                                  f"{self.url}/{INDEX_NAME}", 1)) from None
         return sorted(set(weight_map.values()))
 
+    def has(self, name: str) -> bool:
+        """Whether the server has file `name` (not a 404; other answers are checked on use)."""
+        resp = self.client.get(self._file_url(name), 0, 1)
+        self.client.drop()
+        return resp.status != 404
+
     # ---- shards ----------------------------------------------------------------------------
 
     def ensure_header(self, name: str) -> None:
@@ -348,6 +354,25 @@ class RemoteCheckpoint(Checkpoint):
         """Make bytes [start, end) of shard `file` (a `TensorInfo.file` path) present locally.
         Readers that pread the shard files themselves call this first."""
         self.cache.ensure(os.path.basename(file), start, end)
+
+
+def fetch_config_only(url: str, cache_dir: str | os.PathLike | None = None):
+    """The `ConfigOnly` view of `url` (config.json and the index fetched into the cache), or
+    None when the server has weights (the index's first shard, else model.safetensors), has no
+    config.json, or was opened with its weights before."""
+    from dataclasses import replace
+
+    from reap.checkpoint.config_only import open_config_only
+
+    cache = HttpCache(url, cache_dir)
+    if _read_manifest(cache.meta / "remote.json", cache.url) is not None:
+        return None
+    if not cache._fetch_small("config.json", MAX_JSON_BYTES):
+        return None
+    if cache.has(cache._shard_names(cache._fetch_small(INDEX_NAME, MAX_INDEX_BYTES))[0]):
+        return None
+    src = open_config_only(cache.dir)
+    return replace(src, path=cache.url) if src is not None else None
 
 
 def open_checkpoint(model: str | os.PathLike, cache_dir: str | os.PathLike | None = None,

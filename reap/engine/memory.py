@@ -256,7 +256,9 @@ def plan_memory(
     if budget < need:
         raise ReapError(
             f"budget {_size(budget)} is below the {_size(need)} this model needs at "
-            f"context {context} x batch {batch} (short by {_size(need - budget)})"
+            f"context {context} x batch {batch} (short by {_size(need - budget)}): raise --budget "
+            "or --preset, or lower the context (--context; eval: --max-tokens-per-doc, "
+            "--gen-tokens) or the batch (run: lines of --prompts; eval: --gen-batch, --batch)"
         )
     free = budget - (baseline + mb.resident + state + scratch)
     pinned = _pin(mb.units, free)

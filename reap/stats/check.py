@@ -1,7 +1,8 @@
 """Validation of a statistics file's header and tensors before an `ExpertStats` is built from
 them: every field the header declares has the JSON type it must have (no float, bool or negative
 counts), and every tensor has the shape and dtype the header implies. Failures are `ReapError`
-(exit 2) naming the file and the field."""
+(exit 2) naming the file and the field. `nonfinite` also serves calibration's check before it
+writes statistics."""
 
 from __future__ import annotations
 
@@ -61,5 +62,15 @@ def check_shapes(path: str, head: dict, tensors: dict[str, torch.Tensor]) -> Non
                             f"{f.metadata['dtype']}")
         if not t.is_floating_point() and t.numel() and int(t.min()) < 0:
             raise ReapError(f"{path}: tensor {f.name}: negative counts")
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-            raise ReapError(f"{path}: tensor {f.name}: NaN or infinite values")
+    bad = nonfinite(tensors)
+    if bad:
+        raise ReapError(f"{path}: tensor {bad[0]}: NaN or infinite values (first at {bad[1]})")
+
+
+def nonfinite(tensors: dict[str, torch.Tensor]) -> tuple[str, list[int]] | None:
+    """(name, index) of the first NaN or infinite value of the floating tensors, or None."""
+    for name, t in tensors.items():
+        bad = (~torch.isfinite(t)).nonzero() if t.is_floating_point() else ()
+        if len(bad):
+            return name, bad[0].tolist()
+    return None
