@@ -4,15 +4,14 @@ the released layout, for tests, benchmarks and size checks without the real weig
 Every tensor is drawn from its own generator seeded by (seed, name), so the same seed gives
 byte-identical files whatever the sharding. Values are scaled so activations stay O(1) through
 the layers: weights ~ N(0, 1/fan_in), norm weights ~ 1, realistic KDA decay parameters, a small
-router bias. Routed experts are MXFP4: small experts are drawn in floats and quantized with
-`reap.quant.mxfp4.quantize`; large ones (k3-full) get random E2M1 codes and scales directly, one
-expert at a time, so memory stays bounded and writing runs at disk speed.
+router bias. Quantized weights (MXFP4, block FP8, INT4) are drawn in floats and quantized with
+their codec, fused experts written as one tensor [E, ...]; large MXFP4 ones (k3-full) get random
+E2M1 codes and scales directly, so memory stays bounded and writing runs at disk speed.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import hashlib
 import json
 import math
@@ -94,8 +93,7 @@ def synth(
     bar = tqdm(total=total, unit="B", unit_scale=True, disable=not progress, desc="synth")
     i = 0
     while i < len(specs):
-        group = _expert_group(specs, i) if specs[i].expert is not None else (
-            specs[i : i + _PARTS.get(specs[i].role, 1)])
+        group = specs[i : i + _PARTS.get(specs[i].role, 1)]  # a tensor, or a codec's parts
         if not writer.done(group[0].name):
             for s, t in zip(group, _draw(group, seed)):
                 writer.write(s.name, t)
@@ -105,30 +103,15 @@ def synth(
     return writer.close(cfgd, byte_tokenizer_files())
 
 
-def _expert_group(specs: list[TensorSpec], i: int) -> list[TensorSpec]:
-    """The consecutive tensors of the expert starting at specs[i]."""
-    key = (specs[i].layer, specs[i].expert)
-    j = i
-    while j < len(specs) and (specs[j].layer, specs[j].expert) == key:
-        j += 1
-    return specs[i:j]
-
-
 def _gen(seed: int, name: str) -> torch.Generator:
     digest = hashlib.sha256(f"{seed}/{name}".encode()).digest()
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
 
 
 def _draw(group: list[TensorSpec], seed: int) -> list[torch.Tensor]:
-    """The tensors of `group` (an expert, or a trunk weight with its codec's other parts)."""
-    out, i = [], 0
-    while i < len(group):
-        s, n = group[i], _PARTS.get(group[i].role, 1)
-        draw = {"mxfp4.blocks": _mxfp4, "fp8.weight": _fp8, "int4.packed": _int4}.get(s.role)
-        out += draw(*group[i : i + n], _gen(seed, s.name)) if draw else [
-            _float_tensor(s, _gen(seed, s.name))]
-        i += n
-    return out
+    draw = {"mxfp4.blocks": _mxfp4, "fp8.weight": _fp8, "int4.packed": _int4}.get(group[0].role)
+    g = _gen(seed, group[0].name)
+    return draw(*group, g) if draw else [_float_tensor(group[0], g)]
 
 
 def _mxfp4(packed: TensorSpec, scale: TensorSpec, g: torch.Generator) -> list[torch.Tensor]:
@@ -136,6 +119,9 @@ def _mxfp4(packed: TensorSpec, scale: TensorSpec, g: torch.Generator) -> list[to
     matrices [.., R, C]."""
     cols = scale.shape[-1] * 32
     rows = packed.numel * 2 // cols
+    if packed.numel * 2 != scale.numel * 32:
+        raise ReapError(f"tensor {packed.name}: MXFP4 needs widths that are multiples of 32, got "
+                        f"{list(packed.shape)} codes and {list(scale.shape)} scales")
     if rows * cols > _DIRECT_CODES_ABOVE:
         return _direct_codes(packed, scale, cols, g)
     codes, scales = mxfp4.quantize(torch.randn(rows, cols, generator=g) / math.sqrt(cols))
@@ -146,7 +132,7 @@ def _fp8(weight: TensorSpec, scale: TensorSpec, g: torch.Generator) -> list[torc
     """F8_E4M3 [O, I] ~N(0, 1/I) and its F32 block scales, quantized with a block that gives the
     declared scale grid (the release's wherever its blocks divide the widths)."""
     (rows, cols), grid = weight.shape, scale.shape
-    w = _randn_rows(dataclasses.replace(weight, dtype="F32"), 1 / math.sqrt(cols), g)
+    w = torch.randn(rows, cols, generator=g) / math.sqrt(cols)
     return list(fp8.quantize(w, (-(-rows // grid[0]), -(-cols // grid[1]))))
 
 

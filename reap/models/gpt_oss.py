@@ -79,6 +79,9 @@ class Config:
         cfg.rope = rope_settings(d) if ("rope_parameters" in d or "rope_theta" in d) else cfg.rope
         if not cfg.attention_bias:
             raise ReapError("gpt_oss config: attention_bias false is not supported")
+        if cfg.mxfp4 and (cfg.hidden_size % 32 or cfg.intermediate_size % 32):
+            raise ReapError("gpt_oss config: MXFP4 experts need hidden_size and intermediate_size "
+                            f"multiples of 32 (got {cfg.hidden_size}, {cfg.intermediate_size})")
         return cfg
 
     @classmethod
