@@ -89,6 +89,18 @@ def test_every_release_config_makes_a_usable_model(release, tmp_path, capsys):
     _check_usable(_synth(config, tmp_path), tmp_path, capsys)
 
 
+def test_kimi_k2_thinking_int4(tmp_path, capsys):
+    """Kimi-K2-Thinking (no config fixture): K2's config with the compressed-tensors INT4
+    `quantization_config` at the top level, as K2.5 carries it in its text_config."""
+    config = shrink(json.loads((RELEASES / "kimi-k2-instruct" / "config.json").read_text()))
+    k25 = json.loads((RELEASES / "kimi-k2.5" / "config.json").read_text())
+    config["quantization_config"] = k25["text_config"]["quantization_config"]
+    model = _synth(config, tmp_path)
+    names = json.loads((Path(model) / "model.safetensors.index.json").read_text())["weight_map"]
+    assert "model.layers.1.mlp.experts.0.down_proj.weight_packed" in names
+    _check_usable(model, tmp_path, capsys)
+
+
 def test_gpt_oss_without_quantization_config(tmp_path, capsys):
     """Dequantized fused experts [E, D, 2F] that info binds (before: 384 unused `X[e]` tensors)."""
     config = shrink(json.loads((RELEASES / "gpt-oss-20b" / "config.json").read_text()))
