@@ -216,12 +216,12 @@ class Source:
 def resolve_source(model: str, layers: int | None = None) -> Source:
     """A built-in config name, a checkpoint path or URL, or a directory holding only config.json
     (and perhaps the index) -> `Source`; the config is validated as every command validates it
-    (`reap.models.validate.load_config`). A URL's config, index and shard headers are fetched
+    (`reap.models.load_config`). A URL's config, index and shard headers are fetched
     (`reap.checkpoint.RemoteCheckpoint`), never its tensors."""
     from reap.checkpoint import is_url, open_checkpoint
     from reap.checkpoint.config_only import open_config_only
     from reap.models import builtin_config
-    from reap.models.validate import config_source, load_config
+    from reap.models import load_config
 
     if not is_url(model) and not os.path.exists(model):
         if os.sep in model or model.endswith(".json"):
@@ -231,12 +231,12 @@ def resolve_source(model: str, layers: int | None = None) -> Source:
         raise ReapError(f"--layers applies to built-in configs only, not {model}")
     src = None if is_url(model) else open_config_only(model)
     if src is not None:
-        load_config(src.config, config_source(model))
+        load_config(src.config, model)
         return Source(src.config, None, src)
     with open_checkpoint(model) as ck:
         if not ck.config:
             raise ReapError(f"{model}: no config.json")
-        load_config(ck.config, config_source(model))
+        load_config(ck.config, model)
         return Source(ck.config, model)
 
 

@@ -107,12 +107,12 @@ def _sequences(corpus: str, path: str, tokens: int, seq_len: int, seed: int,
 def _setup(ckpt, path: str, tokens: int, seq_len: int, device: str, dtype: str) -> dict:
     """Family, model, layout and size facts of the checkpoint (bad input -> ReapError)."""
     from reap.models.checks import FiniteGuard, check_binding
-    from reap.models.validate import config_source, load_config
+    from reap.models import load_config
     from reap.sizes import SizeModel
 
     if not ckpt.config:
         raise ReapError(f"{path}: no config.json: not a model checkpoint")
-    fam, cfg = load_config(ckpt.config, config_source(path))  # the checks `reap run` makes
+    fam, cfg = load_config(ckpt.config, path)  # the checks `reap run` makes
     runner.check_lengths(ckpt.config, tokens, seq_len)
     specs = fam.layout(ckpt.config)
     check_binding(ckpt.tensors, fam, ckpt.config, path, specs)

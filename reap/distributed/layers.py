@@ -99,10 +99,10 @@ def layer_bytes(job: jobs.Job) -> list[int]:
     """Checkpoint bytes of each layer 0..n_layers-1 (embedding and final norms count to the
     first and last)."""
     from reap.checkpoint import Checkpoint
-    from reap.models.validate import config_source, load_config
+    from reap.models import load_config
 
     with Checkpoint.open(job.kw["model"]) as ckpt:
-        fam, _ = load_config(ckpt.config, config_source(job.kw["model"]))
+        fam, _ = load_config(ckpt.config, job.kw["model"])
         per = [0] * job.n_layers
         for s in fam.layout(ckpt.config):
             info = ckpt.tensors.get(s.name)

@@ -275,10 +275,10 @@ def _plan_only(args: argparse.Namespace, batch: int) -> int:
     from reap.engine import memory
     from reap.engine.binding import bind, model_bytes, state_costs
     from reap.engine.core import _compute_dtype, _make_plan
-    from reap.models.validate import config_source, load_config
+    from reap.models import load_config
 
     model, config, tensors = _plan_tensors(args.model)
-    fam, cfg = load_config(config, config_source(model))
+    fam, cfg = load_config(config, model)
     torch_dtype = _compute_dtype(args.dtype, cfg)
     b = bind(tensors, fam, config, model)
     import torch

@@ -125,12 +125,12 @@ class Engine:
         The budget covers the whole process: `baseline` (default: this process's RSS now, so a
         second engine in the same process sees the first one's memory as already used) plus
         everything the engine holds. `dtype` None/"auto": the checkpoint's (float32 or bf16)."""
-        from reap.models.validate import config_source, load_config
+        from reap.models import load_config
 
         t0 = time.perf_counter()
         _check_device(device)
         ckpt, model = _open_checkpoint(model)
-        fam, cfg = load_config(ckpt.config, config_source(str(model)))
+        fam, cfg = load_config(ckpt.config, str(model))
         torch_dtype = _compute_dtype(dtype, cfg)
         b = bind(ckpt.tensors, fam, ckpt.config, str(model))
         costs = state_costs(fam, cfg, torch.finfo(torch_dtype).bits // 8)

@@ -4,7 +4,6 @@ types, plus range rules a family states once; every command reaches it through
 
     check_fields(Config, text, required=("num_experts",), skip=())   # types, missing keys
     need_int(text, "num_experts_per_token", 1, text["num_experts"], "num_experts")
-    fam, cfg = load_config(config_dict, "DIR/config.json")          # errors name the file
 
 A bad value raises `ConfigError` (exit 2): `FILE: FIELD: must be ... (got VALUE)`. Bounds are far
 above any released model (the largest has ~900 experts per layer and < 100 layers) but low enough
@@ -50,18 +49,6 @@ def config_source(path: str | os.PathLike) -> str:
     if "://" in path:  # a remote checkpoint: its config.json sits at the top
         return path.rstrip("/") + "/config.json"
     return os.path.join(path if os.path.isdir(path) else os.path.dirname(path), "config.json")
-
-
-def load_config(config: dict, source: str):
-    """(family module, validated Config) of a config.json dict; any `ConfigError` names
-    `source` (see `config_source`)."""
-    from reap.models import family
-
-    try:
-        fam = family(config)
-        return fam, fam.Config.from_dict(config)
-    except ConfigError as e:
-        raise e.at(source) from None
 
 
 def text_of(config: Mapping) -> Mapping:

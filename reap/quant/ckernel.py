@@ -56,7 +56,7 @@ def compile_cached(source, prefix: str, flags: tuple[str, ...] = ()):
     `flags`) into the cache as `prefix-<tag>.so`, the tag covering the sources, the headers
     beside them, the flags and the CPU; the loaded library, or None without a compiler or write
     access (the torch paths then do the work)."""
-    from reap.defaults import cache_dir
+    from reap.cache import cache_dir
 
     sources = [source] if isinstance(source, Path) else list(source)
     headers = sorted({h for s in sources for h in s.parent.glob("*.h")})

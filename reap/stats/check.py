@@ -41,13 +41,12 @@ def check_header(path: str, head: dict) -> None:
         raise ReapError(f"{path}: field meta: not a JSON object")
 
 
-def check_shapes(path: str, head: dict, tensors: dict[str, torch.Tensor]) -> None:
-    """Each statistics tensor is [L, E] ([L, E, E] for coact, [S, L, E] for seq_count), integer
-    where its declared dtype is, no count negative and no sum NaN or infinite."""
-    from reap.stats import sum_fields
-
+def check_shapes(path: str, head: dict, tensors: dict[str, torch.Tensor], fields: list) -> None:
+    """Each statistics tensor of `fields` (`reap.stats.sum_fields()`) is [L, E] ([L, E, E] for
+    coact, [S, L, E] for seq_count), integer where its declared dtype is, no count negative and
+    no sum NaN or infinite."""
     L, E = len(head["layers"]), head["n_experts"]
-    for f in sum_fields():
+    for f in fields:
         t = tensors.get(f.name)
         if t is None:
             continue
