@@ -61,7 +61,7 @@ class Job:
 def prepare(kw: dict, out: str, mode: str, shards: int) -> Job:
     """Check the arguments and the model as calibrate does, sample the sequences, and open (or
     resume) the job's work directory; ReapError (exit 2) on bad input or a different job."""
-    from reap.calibrate.pipeline import _setup, default_model
+    from reap.calibrate.pipeline import default_model, setup_model
     from reap.checkpoint import Checkpoint
     from reap.corpora import calibration_sequences, corpus_fingerprint, parse_spec
     from reap.provenance import code_version
@@ -71,7 +71,8 @@ def prepare(kw: dict, out: str, mode: str, shards: int) -> Job:
     kw = dict(kw, model=os.path.abspath(kw["model"] or default_model()))
     with Checkpoint.open(kw["model"]) as ckpt:
         # the driver computes nothing: "cpu" here, each worker checks its own --device
-        size = _setup(ckpt, kw["model"], kw["tokens"], kw["seq_len"], "cpu", kw["dtype"])["size"]
+        size = setup_model(ckpt, kw["model"], kw["tokens"], kw["seq_len"], "cpu",
+                           kw["dtype"]).size
         fingerprint = ckpt.fingerprint()
     seqs = calibration_sequences(kw["corpus"], load_tokenizer(kw["model"]), kw["tokens"],
                                  kw["seq_len"], kw["seed"])
