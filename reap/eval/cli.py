@@ -99,11 +99,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots (faster)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
-                   help="run the (build x domain) tasks on a Ray cluster (ADDRESS, default: "
-                   "RAY_ADDRESS or a new local one; needs pip install -e \".[distributed]\")")
-    p.add_argument("--workers", type=int, default=2,
-                   help="with --ray: tasks at once, each within --budget (default 2)")
 
 
 def _positive(name: str, v: int | None, zero_ok: bool = False) -> None:
@@ -117,8 +112,9 @@ def _list(text: str | None) -> list[str] | None:
     return [t.strip() for t in text.split(",") if t.strip()]
 
 
-def run(args: argparse.Namespace) -> int:
-    """Run the evaluation and print where the report is; returns the exit code."""
+def run(args: argparse.Namespace, run_tasks=None) -> int:
+    """Run the evaluation and print where the report is; returns the exit code. `run_tasks`:
+    `evaluate`'s (`reap eval --ray` passes Ray's: `reap.distributed.cli`)."""
     from reap.eval.pipeline import evaluate
     from reap.fileio import check_out_dir
 
@@ -129,14 +125,6 @@ def run(args: argparse.Namespace) -> int:
     if args.threads is not None and args.threads > MAX_THREADS:
         raise ReapError(f"--threads {args.threads}: need an integer in [1, {MAX_THREADS}]")
     check_out_dir(args.out)
-    run_tasks = None
-    if args.ray is not None:
-        from reap.distributed import require_ray
-        from reap.distributed.eval import ray_runner
-
-        require_ray()
-        _positive("--workers", args.workers)
-        run_tasks = ray_runner(args.ray or None, args.workers)
     if args.threads is not None:
         import torch
 

@@ -61,6 +61,14 @@ def text_of(config: Mapping) -> Mapping:
     return text
 
 
+def text_prefix(config: Mapping) -> str:
+    """The prefix of the text model's tensor names in a checkpoint of `config`: the multimodal
+    releases (a `text_config`) store them under `language_model.`."""
+    from reap.checkpoint.spec import TEXT_PREFIX
+
+    return TEXT_PREFIX if "text_config" in config else ""
+
+
 # -- the type checker --------------------------------------------------------------------------
 def check_fields(
     cls: type, text: Mapping, required: tuple[str, ...] = (), none_is_default: bool = False
