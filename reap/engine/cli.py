@@ -18,7 +18,7 @@ import json
 import sys
 
 from reap.engine.memory import PRESET_HELP, PRESETS
-from reap.errors import EXIT_EXPERT_LOAD, ReapError
+from reap.errors import EXIT_EXPERT_LOAD, ReapError, is_int
 from reap.fileio import check_out_file, write_atomic
 
 MAX_THREADS = 4096  # torch takes a C int; more threads than this is a typo
@@ -125,19 +125,13 @@ def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _requests(args, engine) -> list:
-    from reap.engine.generate import Request, _encode
+    from reap.engine.generate import OPTIONS, OptionError, Request, _encode, request_options
+
+    defaults = {k: getattr(args, k) for k in OPTIONS}
 
     def req(prompt, **kw) -> Request:
-        stop = kw.get("stop", args.stop)
-        return Request(
-            _encode(engine, prompt),
-            int(kw.get("max_tokens", args.max_tokens)),
-            float(kw.get("temperature", args.temperature)),
-            float(kw.get("top_p", args.top_p)),
-            int(kw.get("seed", args.seed)),
-            tuple([stop] if isinstance(stop, str) else stop),
-            args.ignore_eos,
-        )
+        opts = request_options(kw, defaults, engine.max_generation)
+        return Request(_encode(engine, prompt), **opts, ignore_eos=args.ignore_eos)
 
     if args.prompt is not None:
         return [req(args.prompt)]
@@ -151,8 +145,8 @@ def _requests(args, engine) -> list:
         prompt, opts = _line(args.prompts, i, line)
         try:
             out.append(req(prompt, **opts))
-        except (TypeError, ValueError) as e:
-            raise ReapError(f"{args.prompts}:{i}: bad request ({e})") from None
+        except OptionError as e:
+            raise ReapError(f"{args.prompts}:{i}: {e}") from None
     return out
 
 
@@ -180,32 +174,10 @@ def _line(path: str, i: int, line: str) -> tuple:
     if unknown:
         raise ReapError(f"{path}:{i}: unknown field(s) {', '.join(sorted(unknown))}")
     if not isinstance(prompt, (str, list)) or (
-        isinstance(prompt, list) and not all(_is_int(t) for t in prompt)
+        isinstance(prompt, list) and not all(is_int(t) for t in prompt)
     ):
         raise ReapError(f"{path}:{i}: 'prompt' must be text and 'ids' a list of token ids")
-    _check_options(path, i, d)
     return prompt, d
-
-
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _check_options(path: str, i: int, d: dict) -> None:
-    """Types of a prompt line's options: JSON floats or booleans are not silently truncated."""
-    for name in ("max_tokens", "seed"):
-        if name in d and not _is_int(d[name]):
-            raise ReapError(f"{path}:{i}: field {name}: {d[name]!r} is not an integer")
-    if "seed" in d and not 0 <= d["seed"] < 2**32:
-        raise ReapError(f"{path}:{i}: field seed: {d['seed']} is outside [0, 2^32)")
-    for name in ("temperature", "top_p"):
-        if name in d and (isinstance(d[name], bool) or not isinstance(d[name], (int, float))):
-            raise ReapError(f"{path}:{i}: field {name}: {d[name]!r} is not a number")
-    stop = d.get("stop", "")
-    if not isinstance(stop, str) and not (
-        isinstance(stop, list) and all(isinstance(x, str) for x in stop)
-    ):
-        raise ReapError(f"{path}:{i}: field stop: need a string or a list of strings")
 
 
 def run(args: argparse.Namespace) -> int:

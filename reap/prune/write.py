@@ -24,11 +24,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from reap.errors import ReapError
+from reap.errors import ReapError, is_int
 from reap.fileio import overlap
 from reap.provenance import code_version
 from reap.prune import resume
-from reap.prune.plan_file import PRUNE_CODE, Plan, check, is_int
+from reap.prune.plan_file import PRUNE_CODE, Plan, check
 from reap.prune.stream import stream_items
 from reap.prune.tensor_map import plan_items, unused_tensors
 
