@@ -245,19 +245,11 @@ def _plan_only(args: argparse.Namespace, batch: int) -> int:
     """Print the memory plan Engine.open would make for MODEL, reading no weight; exit 2 when
     the plan is above the available memory, as a run would be refused."""
     from reap.engine import memory
-    from reap.engine.binding import bind, model_bytes, state_costs
-    from reap.engine.core import _compute_dtype, _make_plan
-    from reap.models import load_config
+    from reap.engine.binding import plan_checkpoint
 
     model, config, tensors = _plan_tensors(args.model)
-    fam, cfg = load_config(config, model)
-    torch_dtype = _compute_dtype(args.dtype, cfg)
-    b = bind(tensors, fam, config, model)
-    import torch
-
-    costs = state_costs(fam, cfg, torch.finfo(torch_dtype).bits // 8)
-    mb = model_bytes(tensors, b, costs, fam.top_k(cfg), torch_dtype)
-    plan = _make_plan(mb, args.budget, args.preset, args.context, batch, args.prefill_chunk, None)
+    plan = plan_checkpoint(config, tensors, model, args.dtype, args.budget, args.preset,
+                           args.context, batch, args.prefill_chunk)[-1]
     if args.json:
         print(json.dumps({"model": model, "plan": plan.to_dict()}, indent=1))
     elif not args.quiet:
