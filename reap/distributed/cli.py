@@ -20,12 +20,12 @@ def _add_ray(p: argparse.ArgumentParser, what: str, after: str, workers: str) ->
                    help=f"run {what} on a Ray cluster (ADDRESS, default: RAY_ADDRESS or a new "
                         f"local one{after}; needs {INSTALL})")
     p.add_argument("--workers", type=int, default=2,
-                   help=f"with --ray: {workers} at once, each within --budget (default 2)")
+                   help=f"with --ray: {workers}, each within --budget (default 2)")
 
 
 def add_calibrate_arguments(p: argparse.ArgumentParser) -> None:
     calibrate_cli.add_arguments(p)
-    _add_ray(p, "the shards", "; give it after MODEL", "workers")
+    _add_ray(p, "the shards", "; give it after MODEL", "concurrent workers")
     p.add_argument("--layer-parallel", action="store_true",
                    help="with --ray: workers own contiguous layer ranges (weights resident) and "
                         "pass hidden states on, instead of each streaming every layer")
@@ -56,7 +56,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
 
 def add_eval_arguments(p: argparse.ArgumentParser) -> None:
     eval_cli.add_arguments(p)
-    _add_ray(p, "the (build x domain) tasks", "", "tasks")
+    _add_ray(p, "the (build x domain) tasks", "", "tasks at once")
 
 
 def run_eval(args: argparse.Namespace) -> int:

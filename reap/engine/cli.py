@@ -36,33 +36,24 @@ EXIT_CODES = """exit codes:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Arguments of `reap run`."""
     p.epilog = EXIT_CODES
-    p.add_argument(
-        "model",
-        nargs="?",
-        default=None,
-        help="checkpoint directory or http(s) URL (default: the bundled k3-mini, "
-        "see reap/models/k3mini/MODEL_CARD.md)",
-    )
+    p.add_argument("model", nargs="?", default=None,
+                   help="checkpoint directory or http(s) URL (default: the bundled k3-mini, "
+                        "see reap/models/k3mini/MODEL_CARD.md)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text (encoded with the model's tokenizer)")
     src.add_argument("--prompt-ids", help="prompt as comma-separated token ids, e.g. 1,2,3")
-    src.add_argument(
-        "--prompts",
-        metavar="FILE.jsonl",
-        help="batch mode: one JSON object per line with 'prompt' (text) or 'ids', "
-        "optional max_tokens/temperature/top_p/seed/stop; all sequences "
-        "advance in lockstep so each weight read serves every sequence",
-    )
+    src.add_argument("--prompts", metavar="FILE.jsonl",
+                     help="batch mode: one JSON object per line with 'prompt' (text) or 'ids', "
+                          "optional max_tokens/temperature/top_p/seed/stop; all sequences "
+                          "advance in lockstep so each weight read serves every sequence")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate (default 64)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (CPU torch.Generator)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument(
-        "--ignore-eos",
-        action="store_true",
-        help="keep generating past the end-of-text token until --max-tokens (benchmarks, tests)",
-    )
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="keep generating past the end-of-text token until --max-tokens "
+                        "(benchmarks, tests)")
     _add_engine_arguments(p)
 
 
@@ -71,54 +62,28 @@ def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
     mem = p.add_mutually_exclusive_group()
     mem.add_argument("--budget", help="RAM budget, e.g. 8GB or 512MiB (the whole process)")
     mem.add_argument("--preset", choices=list(PRESETS), help=PRESET_HELP)
-    p.add_argument(
-        "--context",
-        type=int,
-        default=4096,
-        help="declared context (prompt + generated tokens) the KV cache is planned "
-        "for (default 4096)",
-    )
+    p.add_argument("--context", type=int, default=4096,
+                   help="declared context (prompt + generated tokens) the KV cache is planned "
+                        "for (default 4096)")
     p.add_argument("--max-prompt", type=int, default=32768, help="prompt length limit (32768)")
-    p.add_argument(
-        "--max-generation", type=int, default=4096, help="generation length limit (4096)"
-    )
-    p.add_argument(
-        "--prefill-chunk",
-        type=int,
-        default=None,
-        help="prompt tokens per forward pass (default: chosen by the plan)",
-    )
+    p.add_argument("--max-generation", type=int, default=4096,
+                   help="generation length limit (4096)")
+    p.add_argument("--prefill-chunk", type=int, default=None,
+                   help="prompt tokens per forward pass (default: chosen by the plan)")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
-    p.add_argument(
-        "--threads",
-        type=int,
-        default=None,
-        help="torch CPU threads (default: torch's choice; 1 on a shared machine)",
-    )
-    p.add_argument(
-        "--dtype",
-        default="auto",
-        choices=["auto", "float32", "bfloat16"],
-        help="compute dtype (auto: float32 for float32 checkpoints, else bfloat16)",
-    )
-    p.add_argument(
-        "--direct",
-        action="store_true",
-        help="read with O_DIRECT (bypass the page cache) where the filesystem allows",
-    )
-    p.add_argument(
-        "--plan-only",
-        action="store_true",
-        help="print the memory plan and stop, reading no weight (works on a URL or a "
-        "directory holding only config.json)",
-    )
-    p.add_argument(
-        "--warmup",
-        action="store_true",
-        help="generate once, unmeasured, before the reported run (as llama-bench's warm-up "
-        "run): one-time costs such as kernel builds and first use of each matrix shape stay "
-        "out of the rates",
-    )
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: torch's choice; 1 on a shared machine)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="compute dtype (auto: float32 for float32 checkpoints, else bfloat16)")
+    p.add_argument("--direct", action="store_true",
+                   help="read with O_DIRECT (bypass the page cache) where the filesystem allows")
+    p.add_argument("--plan-only", action="store_true",
+                   help="print the memory plan and stop, reading no weight (works on a URL or "
+                        "a directory holding only config.json)")
+    p.add_argument("--warmup", action="store_true",
+                   help="generate once, unmeasured, before the reported run (as llama-bench's "
+                        "warm-up run): one-time costs such as kernel builds and first use of "
+                        "each matrix shape stay out of the rates")
     p.add_argument("--json", action="store_true", help="print text, token ids, plan and metrics")
     p.add_argument("--out", help="also write the JSON result to this file")
     p.add_argument("--quiet", action="store_true", help="do not print the plan and metrics")
@@ -190,25 +155,11 @@ def run(args: argparse.Namespace) -> int:
         return _plan_only(args, batch)
     if args.out:
         check_out_file(args.out)
-    if args.threads is not None:
-        if not 1 <= args.threads <= MAX_THREADS:
-            raise ReapError(f"--threads {args.threads}: need an integer in [1, {MAX_THREADS}]")
-        import torch
-
-        torch.set_num_threads(args.threads)
-    engine = Engine.open(
-        args.model,
-        budget=args.budget,
-        preset=args.preset,
-        context=args.context,
-        device=args.device,
-        dtype=args.dtype,
-        batch=batch,
-        prefill_chunk=args.prefill_chunk,
-        direct=args.direct,
-        max_prompt=args.max_prompt,
-        max_generation=args.max_generation,
-    )
+    set_threads(args.threads)
+    engine = Engine.open(args.model, budget=args.budget, preset=args.preset, context=args.context,
+                         device=args.device, dtype=args.dtype, batch=batch,
+                         prefill_chunk=args.prefill_chunk, direct=args.direct,
+                         max_prompt=args.max_prompt, max_generation=args.max_generation)
     with engine:
         if not args.quiet:
             print(engine.plan.describe(), file=sys.stderr)
@@ -239,6 +190,18 @@ def run(args: argparse.Namespace) -> int:
                 EXIT_EXPERT_LOAD,
             )
     return 0
+
+
+def set_threads(threads: int | None) -> None:
+    """--threads of run, eval and serve: torch's CPU threads (None: torch's choice); ReapError
+    (exit 2) outside [1, MAX_THREADS]."""
+    if threads is None:
+        return
+    if not 1 <= threads <= MAX_THREADS:
+        raise ReapError(f"--threads {threads}: need an integer in [1, {MAX_THREADS}]")
+    import torch
+
+    torch.set_num_threads(threads)
 
 
 def _plan_only(args: argparse.Namespace, batch: int) -> int:
