@@ -74,8 +74,8 @@ def limits_of(args: argparse.Namespace):
 
 def run(args: argparse.Namespace) -> int:
     """`reap serve`: open the engine, then serve until interrupted."""
-    from reap.serve.backend import open_backend
     from reap.engine.cli import set_threads
+    from reap.serve.backend import open_backend
     from reap.serve.hosts import check_host
     from reap.serve.http import Server
 
