@@ -33,7 +33,6 @@ if TYPE_CHECKING:
     from reap.models.checks import FiniteGuard
     from reap.sizes import SizeModel
 
-SPLIT = "calibration"
 # progress in whole calibrated tokens (token-layers scaled by 1/layers), tokens/s and ETA
 _BAR = "{desc}: {percentage:3.0f}%|{bar}| {n:.0f}/{total:.0f} tok [{elapsed}<{remaining}, " \
     "{rate_fmt}{postfix}]"
@@ -102,7 +101,7 @@ def calibrate(*, corpus: str, tokens: int, seq_len: int, out: str, model: str | 
                 "shard": list(shard), "save_token_experts": save_token_experts,
                 "seq_counts": seq_counts, "max_pass_seqs": max_pass_seqs}
         identity = {"arguments": args, "model": ckpt.fingerprint(),
-                    "corpus_sha256": corpus_fingerprint(corpus, SPLIT),
+                    "corpus_sha256": corpus_fingerprint(corpus, art.SPLIT),
                     "code_version": code_version(art.RESULT_CODE), "sequences": [s0, s1]}
         ids = torch.tensor([s.ids for s in seqs], dtype=torch.int64)  # [S, T]
         run = _make_run(ckpt, setup, ids, [names.index(s.corpus) for s in seqs], len(names),
@@ -229,20 +228,12 @@ def _execute(run: runner.Run, setup, seqs, names, progress, hooks, t0) -> runner
 
 def _write(run: runner.Run, setup, seqs, names) -> runner.CalibrateResult:
     """Statistics files (and token ids) with provenance; returns the result record."""
-    from reap.corpora import corpus_fingerprint
-
     S, T = run.ids.shape
     out, size, c = os.path.dirname(run.work), setup.size, run.counters
     ckpt_bytes = sum(t.nbytes for t in run.ckpt.tensors.values())
-    common = {**run.identity, "split": SPLIT, "seq_len": T, "bytes_read": c["bytes_read"],
-              "checkpoint_bytes": ckpt_bytes, "read_ratio": c["bytes_read"] / ckpt_bytes,
-              "expert_reads_max": c["expert_reads_max"], "expert_reads": c["expert_reads"],
-              "passes": run.plan.passes, "spec": run.identity["arguments"]["corpus"]}
     counts = [sum(1 for s in seqs if s.corpus == n) for n in names]
-    metas = [{**common, "corpus": n, "corpus_sha256": corpus_fingerprint(n, SPLIT),
-              "spec_sha256": run.identity["corpus_sha256"], "sequences": k, "tokens": k * T}
-             for n, k in zip(names, counts)]
-    run_meta = {**common, "corpus": common["spec"], "tokens": S * T}
+    metas, run_meta = art.stats_metas(run.identity, T, names, counts, {
+        **c, "checkpoint_bytes": ckpt_bytes, "passes": run.plan.passes})
     files = art.write_stats(out, run.work, names=names, layers=run.moe_layers,
                             n_experts=size.n_experts, top_k=size.top_k,
                             tokens=[k * T for k in counts], metas=metas, run_meta=run_meta)

@@ -53,9 +53,9 @@ FP4_VALUES = torch.tensor(
 _MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 
 # byte -> the two decoded values (low nibble first)  [256, 2]
-_PAIR_LUT = torch.stack([FP4_VALUES[torch.arange(256) & 15], FP4_VALUES[torch.arange(256) >> 4]], 1)
+PAIR_LUT = torch.stack([FP4_VALUES[torch.arange(256) & 15], FP4_VALUES[torch.arange(256) >> 4]], 1)
 # byte -> 2 ** (byte - 127), NaN at 255; 2**-127 is an exact float32 subnormal  [256]
-_SCALE_LUT = torch.tensor(
+SCALE_LUT = torch.tensor(
     [2.0 ** (i - E8M0_BIAS) for i in range(255)] + [float("nan")], dtype=torch.float32
 )
 
@@ -102,8 +102,8 @@ def dequantize(
     _check_pair(packed, scales)
     # bf16/f32/f64 hold every product exactly, so compute in place; others go through float32
     work = dtype if dtype in (torch.bfloat16, torch.float32, torch.float64) else torch.float32
-    pair_lut = _PAIR_LUT.to(device=packed.device, dtype=work)
-    scale_lut = _SCALE_LUT.to(device=packed.device, dtype=work)
+    pair_lut = PAIR_LUT.to(device=packed.device, dtype=work)
+    scale_lut = SCALE_LUT.to(device=packed.device, dtype=work)
     n_blocks = scales.shape[-1]
     # embedding() is torch's fastest row gather on CPU (1.5x plain indexing here)
     values = embedding(packed.long(), pair_lut)  # [..., N//2, 2]

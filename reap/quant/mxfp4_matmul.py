@@ -43,7 +43,7 @@ def mxfp4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, li
         xf = xf.reshape(m, cols // 32, 16, 2).transpose(-1, -2)  # [M, I/32, 2, 16]
     xf, packed, scales = xf.contiguous(), packed.contiguous(), scales.contiguous()
     y = torch.empty(m, rows)  # [M, O] fp32
-    stab = mxfp4._SCALE_LUT
+    stab = mxfp4.SCALE_LUT
 
     def run(a: int, b: int) -> None:
         ptrs = (packed.data_ptr(), scales.data_ptr(), stab.data_ptr(), xf.data_ptr())
