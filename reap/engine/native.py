@@ -108,7 +108,7 @@ class NativeDecoder:
         """`Engine.step` for one token per sequence (see `usable`)."""
         eng = self.eng
         self.lib.reap_pool_size(ckernel.threads())
-        self.lib.reap_pool_spin(step_kernel.SPINS)  # many small jobs follow each other
+        self.lib.reap_pool_spin(ckernel.SPINS)  # many small jobs follow each other
         if self.whole(seqs):
             out = [self._token(seqs[0], chunks[0][0])]
         else:
@@ -233,11 +233,13 @@ class NativeDecoder:
         self.lib.reap_moe_prefill_scratch(N, K, E, F, D, sizes)
         ints, floats = self._moe_scratch(sizes[0], sizes[1])
         xf, ids, w = flat.float().contiguous(), ids.contiguous(), weights.float().contiguous()
-        args = (ctypes.c_int64 * 15)(
-            xf.data_ptr(), y.data_ptr(), ids.data_ptr(), w.data_ptr(), table.data_ptr(), N, K,
-            E, F, D, int(self.wbf16), int(self.rnd), floats.data_ptr(), ints.data_ptr(), int(add),
+        args = step_kernel.pack(
+            step_kernel.PREFILL, x=xf.data_ptr(), y=y.data_ptr(), ids=ids.data_ptr(),
+            weights=w.data_ptr(), table=table.data_ptr(), n=N, k=K, e=E, f=F, d=D,
+            wbf16=int(self.wbf16), rnd=int(self.rnd), floats=floats.data_ptr(),
+            ints=ints.data_ptr(), add=int(add),
         )  # fmt: skip
-        step_kernel.pooled(self.lib, self.lib.reap_moe_prefill, args)
+        ckernel.pooled(self.lib, self.lib.reap_moe_prefill, args)
         return y
 
     def _moe_scratch(self, ints: int, floats: int) -> tuple[torch.Tensor, torch.Tensor]:
