@@ -1,6 +1,7 @@
 """The compiled-kernel cache as a trust boundary (`reap.quant.ckernel`): a library is loaded only
 from a private directory, when it is ours, others cannot write it and its bytes match the
-sha256 recorded at build time; anything else is built again, never loaded. `CC` and `CFLAGS`
+sha256 recorded at build time; anything else is built again, never loaded (checked by the next
+process, as the next `reap` command would find the cache). `CC` and `CFLAGS`
 are honoured; without a compiler stderr says once that the kernels are off, and the torch paths
 give the results."""
 
@@ -16,7 +17,7 @@ import pytest
 import torch
 
 from reap.models import blocks
-from reap.quant import ckernel, dense_kernel, mxfp4
+from reap.quant import ckernel, dense_kernel, mxfp4, step_kernel
 from reap.quant.mxfp4_decode import decode_mxfp4
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
@@ -39,13 +40,27 @@ def cache(tmp_path, monkeypatch) -> Path:
     monkeypatch.delenv("CFLAGS", raising=False)
     monkeypatch.delenv("REAP_NO_CKERNEL", raising=False)
     for name, fresh in (("_LOADED", {}), ("_SAID", set()), ("_TEMP", [])):
-        monkeypatch.setattr(ckernel, name, fresh)
+        monkeypatch.setattr(ckernel, name, fresh, raising=False)
     return tmp_path / "cache" / "kernels"
 
 
-def _reload(monkeypatch):
-    monkeypatch.setattr(ckernel, "_LOADED", {})
-    return ckernel.library("dense")
+ROOT = Path(__file__).resolve().parents[1]
+CHECK = """import torch
+from reap.quant import dense_kernel as d
+w, x = torch.randn(40, 64), torch.randn(2, 64)
+with d.enabled():
+    print(d.library() is not None and torch.allclose(d.dense_linear(x, w), x @ w.T, atol=1e-4))
+"""
+
+
+def _next_run() -> tuple[bool, str]:
+    """What the next reap process finds: whether the dense kernel loads and computes x @ w.T,
+    and its stderr."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    p = subprocess.run(["python", "-c", CHECK], env=env, cwd=ROOT, capture_output=True, check=False,
+                       text=True, timeout=300)  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    return p.stdout.strip() == "True", p.stderr
 
 
 def _planted(tmp_path: Path) -> tuple[Path, Path]:
@@ -59,65 +74,55 @@ def _planted(tmp_path: Path) -> tuple[Path, Path]:
 
 def _plant(evil: Path, so: Path, record: bool) -> None:
     """Put `evil` at `so`'s name (and, with `record`, its sha256 as the record beside it)."""
+    so.unlink()  # a new file: this process maps the old one
     shutil.copyfile(evil, so)
     if record:
         Path(f"{so}.sha256").write_text(hashlib.sha256(evil.read_bytes()).hexdigest() + "\n")
 
 
-def _works(lib) -> bool:
-    """The dense kernel of `lib` gives x @ w.T."""
-    w, x = torch.randn(40, 64), torch.randn(2, 64)
-    y = torch.empty(2, 40)
-    lib.reap_f32_linear(w.data_ptr(), x.data_ptr(), y.data_ptr(), 0, 40, 40, 64, 2)
-    return torch.allclose(y, x @ w.T, atol=1e-4)
-
-
-def test_a_replaced_library_is_not_loaded(cache, tmp_path, monkeypatch):
+def test_a_replaced_library_is_not_loaded(cache, tmp_path):
     """A library whose bytes are not the ones recorded at build time (here: another library
     with a constructor) is built again, its constructor never runs."""
-    assert ckernel.library("dense") is not None
+    assert dense_kernel.library() is not None
     (so,) = cache.glob("dense-*.so")
     assert (cache.stat().st_mode & 0o777) == 0o700
     assert Path(f"{so}.sha256").read_text().strip() == hashlib.sha256(so.read_bytes()).hexdigest()
     evil, marker = _planted(tmp_path)
     _plant(evil, so, record=False)
-    lib = _reload(monkeypatch)
+    works, _ = _next_run()
     assert not marker.exists(), "the replaced library was loaded"
-    assert lib is not None and _works(lib)
-    assert so.read_bytes() != evil.read_bytes()  # built again in its place
+    assert works and so.read_bytes() != evil.read_bytes()  # built again in its place
 
 
 @pytest.mark.parametrize("mode", [0o777, 0o770, 0o722])
-def test_a_cache_directory_others_can_write_is_not_used(cache, tmp_path, monkeypatch, capfd, mode):
+def test_a_cache_directory_others_can_write_is_not_used(cache, tmp_path, mode):
     """Where group or others can write the cache directory, what it holds is not trusted, even
     with a matching record: the kernels are built in a private temporary directory instead."""
-    assert ckernel.library("dense") is not None
+    assert dense_kernel.library() is not None
     (so,) = cache.glob("dense-*.so")
     evil, marker = _planted(tmp_path)
     _plant(evil, so, record=True)
     cache.chmod(mode)
-    lib = _reload(monkeypatch)
+    works, err = _next_run()
     assert not marker.exists(), "a library from a shared directory was loaded"
-    assert lib is not None and _works(lib)
-    err = capfd.readouterr().err
-    assert err.count("reap: warning: kernel cache") == 1 and str(cache) in err
+    assert works and err.count("reap: warning: kernel cache") == 1 and str(cache) in err
 
 
 @pytest.mark.parametrize("what", ["file", "directory"])
-def test_files_of_another_user_are_not_loaded(cache, tmp_path, monkeypatch, what):
+def test_files_of_another_user_are_not_loaded(cache, tmp_path, what):
     """A library (with its record) or a cache directory owned by another user is not used: the
     file is built again in its place, the directory passed over."""
     if os.getuid() != 0:
         pytest.skip("only root can give a file to another user")
-    assert ckernel.library("dense") is not None
+    assert dense_kernel.library() is not None
     (so,) = cache.glob("dense-*.so")
     evil, marker = _planted(tmp_path)
     _plant(evil, so, record=True)
     for p in (so, Path(f"{so}.sha256")) if what == "file" else (cache,):
         os.chown(p, 65534, 65534)  # nobody
-    lib = _reload(monkeypatch)
+    works, _ = _next_run()
     assert not marker.exists(), "another user's library was loaded"
-    assert lib is not None and _works(lib)
+    assert works
     if what == "file":
         assert so.stat().st_uid == 0 and so.read_bytes() != evil.read_bytes()
 
@@ -130,21 +135,23 @@ def test_cc_and_cflags_are_honoured(cache, tmp_path, monkeypatch):
     wrapper.chmod(0o755)
     monkeypatch.setenv("CC", f"'{wrapper}' -DFROM_CC=1")
     monkeypatch.setenv("CFLAGS", "-DFROM_CFLAGS=1 -O2")
-    assert ckernel.library("dense") is not None
+    assert dense_kernel.library() is not None
     (line,) = log.read_text().splitlines()
     args = line.split()
     assert args[0] == "-DFROM_CC=1" and args.index("-O3") < args.index("-DFROM_CFLAGS=1")
     assert args.index("-DFROM_CFLAGS=1") < args.index("-O2")
     monkeypatch.setenv("CFLAGS", "-DFROM_CFLAGS=2")
-    assert _reload(monkeypatch) is not None
-    assert len(log.read_text().splitlines()) == 2 and len(list(cache.glob("dense-*.so"))) == 2
+    assert _next_run()[0]
+    builds = [c for c in log.read_text().splitlines() if "dense_kernels.c" in c]
+    assert len(builds) == 2 and len(list(cache.glob("dense-*.so"))) == 2
 
 
 def test_without_a_compiler_one_warning_and_the_torch_results(cache, monkeypatch, capfd):
     """No compiler: every library is unavailable, stderr says once what that costs, and the
     decode and the products are torch's."""
     monkeypatch.setenv("CC", "/nonexistent/cc")
-    assert all(ckernel.library(n) is None for n in ("mxfp4", "dense", "step", "mxfp4"))
+    libs = (ckernel.library, dense_kernel.library, step_kernel.library, ckernel.library)
+    assert all(library() is None for library in libs)
     err = capfd.readouterr().err.splitlines()
     assert len(err) == 1, err
     assert "compiled kernels off, no C compiler" in err[0] and "0.37x" in err[0]
