@@ -1,17 +1,14 @@
-"""The compiled C kernels of `reap.quant`: one loader for every library and one thread pool.
+"""One loader and one thread pool for the compiled C kernels of `reap.quant`.
 
-`library(name)` builds the library's sources (`_LIBRARIES`, beside this file) on first use with
-`$CC` (default `cc`) `-O3 -march=native`, then `$CFLAGS`, and loads it through ctypes (calls
-release the GIL). The cache is a trust boundary: libraries are built in a private directory
-(`cache_dir()/kernels`, 0700; one that another user owns or others can write is passed over for
-a fresh temporary one), to a temp name then renamed, their sha256 recorded beside them; a
-library is loaded only when it is ours, others cannot write it and its bytes match the record,
-else it is built again. The step library's argument layout is checked against `step_args.h`.
-Without a compiler, or when a build fails, the torch paths run (about 0.37x the speed, bf16
-greedy tokens may differ) and stderr says so once.
-
-The pool is the step library's (`step_pool.c`): `parallel` runs a Python range function on it,
-`pooled` a library call that splits its own work over it.
+`library(name)` builds a library's sources (`_LIBRARIES`) on first use with `$CC` (default `cc`)
+`-O3 -march=native` then `$CFLAGS`, and loads it through ctypes (calls release the GIL). The
+cache is a trust boundary: a private directory (0700; one another user owns or others can write
+is passed over for a temporary one), builds to a temp name then renamed, a sha256 recorded
+beside each library; a library is loaded only when it is ours, others cannot write it and its
+bytes match the record, else it is built again. Without a compiler the torch paths run and
+stderr says once what that costs. The pool is the step library's (`step_pool.c`): `parallel`
+runs a Python range function on it; library calls that split their own work over it run
+inside `spinning`.
 
     lib = library("dense")        # the loaded library, or None (no compiler, REAP_NO_CKERNEL=1)
     parallel(run, rows, 256)      # run(a, b) on row ranges, over the pool
@@ -41,22 +38,19 @@ from reap.defaults import cache_dir
 _HERE = Path(__file__).parent
 # no fp contraction: the kernels' roundings are the ones written (fmaf where fused)
 _FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-shared", "-fPIC")
-# C signatures: "result:arguments", v none, i int, q int64, d double, p pointer, s char*
-_STEP = {
-    "reap_simd": "i:", "reap_arg_layout": "s:", "reap_pool_size": "i:i", "reap_pool_spin": "v:i",
-    "reap_parallel": "v:ppqq", "reap_attn_step": "v:pp", "reap_moe_step": "v:p",
-    "reap_token_step": "v:pp", "reap_linear": "v:pppqqqq", "reap_attn_prefill": "v:ppq",
-    "reap_attn_prefill_scratch": "q:pq", "reap_residual": "v:ppqq", "reap_moe_prefill": "v:p",
-    "reap_linear_pairs": "i:pppqqq", "reap_moe_prefill_scratch": "v:qqqqqp",
-    "reap_head_step": "v:pppqqqqdpp",
+_LIBRARIES = {  # name: sources, extra flags, C signatures "name=result:arguments" (`_CTYPES`)
+    "mxfp4": ("mxfp4_kernels.c", "", "reap_decode_u32=v:ppppq reap_decode_u64=v:ppppq "
+              "reap_mxfp4_linear=v:pppppqqqqq reap_mxfp4_split_x=i:"),
+    "dense": ("dense_kernels.c", "", "reap_bf16_linear=v:pppqqqqq reap_f32_linear=v:pppqqqqq "
+              "reap_bf16_gate_up=v:ppppqqqqqq reap_f32_gate_up=v:ppppqqqqqq"),
+    "step": ("step_pool.c step_kernels.c prefill_kernels.c", "-pthread", "reap_simd=i: "
+             "reap_arg_layout=s: reap_pool_size=i:i reap_pool_spin=v:i reap_parallel=v:ppqq "
+             "reap_attn_step=v:pp reap_moe_step=v:p reap_token_step=v:pp reap_linear=v:pppqqqq "
+             "reap_attn_prefill=v:ppq reap_attn_prefill_scratch=q:pq reap_residual=v:ppqq "
+             "reap_moe_prefill=v:p reap_linear_pairs=i:pppqqq reap_moe_prefill_scratch=v:qqqqqp "
+             "reap_head_step=v:pppqqqqdpp"),
 }  # fmt: skip
-_LIBRARIES = {  # name: sources, extra flags, signatures
-    "mxfp4": (("mxfp4_kernels.c",), (), {"reap_decode_u32": "v:ppppq", "reap_decode_u64":
-              "v:ppppq", "reap_mxfp4_linear": "v:pppppqqqqq", "reap_mxfp4_split_x": "i:"}),
-    "dense": (("dense_kernels.c",), (), {"reap_bf16_linear": "v:pppqqqqq", "reap_f32_linear":
-              "v:pppqqqqq", "reap_bf16_gate_up": "v:ppppqqqqqq", "reap_f32_gate_up": "v:ppppqqqqqq"}),
-    "step": (("step_pool.c", "step_kernels.c", "prefill_kernels.c"), ("-pthread",), _STEP),
-}  # fmt: skip
+# v none, i int, q int64, d double, p pointer, s char*
 _CTYPES = {"v": None, "i": ctypes.c_int, "q": ctypes.c_int64, "d": ctypes.c_double,
            "p": ctypes.c_void_p, "s": ctypes.c_char_p}  # fmt: skip
 _COST = "the torch fallback runs at about 0.37x their speed and bf16 greedy tokens may differ"
@@ -94,9 +88,9 @@ def library(name: str = "mxfp4", flags: tuple[str, ...] = (), where: Path | None
 
 def _load(name: str, flags: tuple[str, ...], where: Path):
     files, own, signatures = _LIBRARIES[name]
-    sources = [Path(where) / f for f in files]
+    sources = [Path(where) / f for f in files.split()]
     cc = shlex.split(os.environ.get("CC") or "cc")
-    cmd = [*cc, *_FLAGS, *own, *flags, *shlex.split(os.environ.get("CFLAGS", ""))]
+    cmd = [*cc, *_FLAGS, *own.split(), *flags, *shlex.split(os.environ.get("CFLAGS", ""))]
     headers = sorted({h for s in sources for h in s.parent.glob("*.h")})
     text = "".join(p.read_text() for p in (*sources, *headers)) + shlex.join(cmd) + machine_tag()
     so = _private_dir() / f"{name}-{hashlib.sha256(text.encode()).hexdigest()[:16]}.so"
@@ -104,7 +98,7 @@ def _load(name: str, flags: tuple[str, ...], where: Path):
     if lib is None:
         return None
     try:
-        for fn, sig in signatures.items():
+        for fn, sig in (d.split("=") for d in signatures.split()):
             getattr(lib, fn).restype = _CTYPES[sig[0]]
             getattr(lib, fn).argtypes = [_CTYPES[c] for c in sig[2:]]
         if name == "step" and lib.reap_arg_layout().decode() != layout_text(ARGS):
@@ -133,8 +127,7 @@ def _private(st: os.stat_result) -> bool:
 
 
 def _private_dir() -> Path:
-    """`cache_dir()/kernels` (made 0700) when it is a private directory; else, said once, a
-    fresh private temporary one for this process (removed at exit)."""
+    """`cache_dir()/kernels` (made 0700) if private, else a temporary one (said once)."""
     d = cache_dir() / "kernels"
     try:
         d.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -152,8 +145,7 @@ def _private_dir() -> Path:
 
 
 def _open_private(path: Path) -> int | None:
-    """A read descriptor of `path` when it is a private regular file (`_private`; never through
-    a symlink), else None."""
+    """A read descriptor of `path` if it is a private regular file (no symlink), else None."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     except OSError:
@@ -166,34 +158,30 @@ def _open_private(path: Path) -> int | None:
 
 
 def _digest(fd: int) -> str:
-    os.lseek(fd, 0, os.SEEK_SET)
-    with os.fdopen(os.dup(fd), "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
+    return hashlib.sha256(os.pread(fd, os.fstat(fd).st_size, 0)).hexdigest()
 
 
 def _dlopen(fd: int, so: Path):
-    """Load `so`, open as `fd`: through a descriptor where the OS offers one (Linux), so that
-    the bytes checked are the bytes loaded whatever happens to the name meanwhile (a copy of
-    `fd` kept open: the loader takes a name it has seen for the library it already holds)."""
+    """Load `so` (open as `fd`) through a descriptor where the OS has them: the bytes checked
+    are the bytes loaded (a copy of `fd` kept open: a name seen before is an old library)."""
     if not os.path.isdir("/proc/self/fd"):
         return ctypes.CDLL(str(so))
     return ctypes.CDLL(f"/proc/self/fd/{os.dup(fd)}")
 
 
 def _open_trusted(so: Path):
-    """`so` loaded when it and its sha256 record are private files and its bytes match the
-    record; else None."""
-    fd, rec = _open_private(so), _open_private(Path(f"{so}.sha256"))
+    """`so` loaded if it and its record are private and its sha256 is the recorded one."""
+    fds = [_open_private(p) for p in (so, Path(f"{so}.sha256"))]
     try:
-        if fd is None or rec is None or os.read(rec, 100).decode().strip() != _digest(fd):
-            return None
-        return _dlopen(fd, so)
+        if None not in fds and os.read(fds[1], 100).decode().strip() == _digest(fds[0]):
+            return _dlopen(fds[0], so)
     except (OSError, UnicodeDecodeError):
-        return None
+        pass
     finally:
-        for d in (fd, rec):
-            if d is not None:
-                os.close(d)
+        for fd in fds:
+            if fd is not None:
+                os.close(fd)
+    return None
 
 
 def _build(cmd: list[str], sources: list[Path], so: Path, quiet: bool):
@@ -207,29 +195,24 @@ def _build(cmd: list[str], sources: list[Path], so: Path, quiet: bool):
         fd = _open_private(tmp)
         if fd is None:
             raise OSError(f"{tmp} is not private after the build")
-        _write_private(Path(f"{so}.sha256"), _digest(fd) + "\n")
-        os.replace(tmp, so)
+        rec = os.open(f"{tmp}.sha256", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(rec, "w") as f:
+            f.write(_digest(fd) + "\n")
+        os.replace(tmp, so)  # the library, then its record: a crash between is a mismatch
+        os.replace(f"{tmp}.sha256", f"{so}.sha256")
         return _dlopen(fd, so)
     except (OSError, subprocess.SubprocessError) as e:
-        said = (getattr(e, "stderr", None) or str(e).encode()).decode(errors="replace").split("\n")
+        said = (getattr(e, "stderr", None) or str(e).encode()).decode(errors="replace")
         why = f"no C compiler ({cmd[0]})" if isinstance(e, FileNotFoundError) else \
-            f"{cmd[0]} failed: {said[-1] or said[0]}"  # fmt: skip
+            f"{cmd[0]} failed: {said.strip().splitlines()[-1:]}"  # fmt: skip
         if not quiet:
             _say(f"compiled kernels off, {why}; {_COST} (set CC to a C compiler)", "off")
         return None
     finally:
         tmp.unlink(missing_ok=True)
+        Path(f"{tmp}.sha256").unlink(missing_ok=True)
         if fd is not None:
             os.close(fd)
-
-
-def _write_private(path: Path, text: str) -> None:
-    """Write `path` (mode 0600) through a temp name and a rename."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
 
 
 def machine_tag() -> str:
@@ -254,11 +237,9 @@ def threads() -> int:
 @contextmanager
 def torch_serial(on: bool = True):
     """Inside (when `on`): torch's own ops on one thread, the kernels on the threads torch had
-    (`threads`). For a step whose weight products all run in the kernels, what is left to
-    torch is small ops (norms, rotations, softmax, attention) that a second OpenMP thread slows
-    down more than it helps: its barrier waits for a thread the OS may not have scheduled.
-    Measured on 1b float32 at 2 threads, one process alternating: prefill of 32 tokens 1.27x,
-    64 tokens 1.35x, 512 tokens 1.13x the rate with torch on both threads."""
+    (`threads`): a step whose weight products all run in the kernels leaves torch small ops
+    that a second OpenMP thread slows down (its barrier waits for a thread the OS may not have
+    scheduled; 1b float32, 2 threads: prefill of 32/64/512 tokens 1.27x/1.35x/1.13x)."""
     n = torch.get_num_threads()
     if not on or n == 1:
         yield
@@ -274,9 +255,9 @@ def torch_serial(on: bool = True):
 
 @contextmanager
 def spinning(lib):
-    """A step of many pool calls with little torch work between them: the pool at `threads()`,
-    its workers spinning between the calls inside and sleeping at once after the outermost
-    block, so that torch's OpenMP threads get the cores next."""
+    """Pool calls with little torch work between them (one between torch ops, or a step of
+    many): the pool at `threads()`, its workers spinning between the calls inside and sleeping
+    at once after the outermost block, so that torch's OpenMP threads get the cores next."""
     lib.reap_pool_size(threads())
     lib.reap_pool_spin(SPINS)
     with _SPIN_LOCK:
@@ -288,12 +269,6 @@ def spinning(lib):
             _SPINNING[0] -= 1
             if not _SPINNING[0]:
                 lib.reap_pool_spin(0)
-
-
-def pooled(lib, fn, *args) -> None:
-    """fn(*args), a library call that splits its work over the pool (between torch ops)."""
-    with spinning(lib):
-        fn(*args)
 
 
 _TASK = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64)
@@ -317,6 +292,7 @@ def parallel(run, total: int, grain: int, align: int = 1) -> None:
             errors.append(e)
 
     units = -(-total // align)
-    pooled(lib, lib.reap_parallel, _TASK(task), None, units, max(1, grain // align))
+    with spinning(lib):
+        lib.reap_parallel(_TASK(task), None, units, max(1, grain // align))
     if errors:
         raise errors[0]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import threading
 from contextlib import contextmanager
+from functools import partial
 
 import torch
 
@@ -40,9 +41,7 @@ def enabled():
             _ENABLED[0] -= 1
 
 
-def library():
-    """The compiled kernels (`ckernel.library`); None if unavailable."""
-    return ckernel.library("dense")
+library = partial(ckernel.library, "dense")  # the compiled kernels; None if unavailable
 
 
 def usable(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -63,17 +62,9 @@ def _many_rows(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 
 def _shapes_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
-    return (
-        _ENABLED[0] > 0
-        and w.dtype in (torch.bfloat16, torch.float32)
-        and x.dtype == w.dtype
-        and w.dim() == 2
-        and x.device.type == "cpu"
-        and w.device.type == "cpu"
-        and w.is_contiguous()
-        and w.shape[1] > 0
-        and x.shape[-1] == w.shape[1]
-    )
+    return (_ENABLED[0] > 0 and w.dtype in (torch.bfloat16, torch.float32) and x.dtype == w.dtype
+            and w.dim() == 2 and x.device.type == w.device.type == "cpu" and w.is_contiguous()
+            and w.shape[1] > 0 and x.shape[-1] == w.shape[1])  # fmt: skip
 
 
 def dense_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -99,25 +90,18 @@ def dense_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def _tiles(xf: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> None:
     lib = step_kernel.library()
-    ckernel.pooled(lib, lib.reap_linear, xf.data_ptr(), w.data_ptr(), y.data_ptr(),
-                   xf.shape[0], *w.shape, int(w.dtype == torch.bfloat16))  # fmt: skip
+    with ckernel.spinning(lib):
+        lib.reap_linear(xf.data_ptr(), w.data_ptr(), y.data_ptr(), xf.shape[0], *w.shape,
+                        int(w.dtype == torch.bfloat16))  # fmt: skip
 
 
 def swiglu_usable(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down) -> bool:
     """Whether `swiglu` takes this call: a few rows x [.., D] and dense gate/up [F, D], down
     [D, F] that `usable` accepts."""
-    return (
-        isinstance(down, torch.Tensor)
-        and gate.shape == up.shape
-        and down.shape == gate.shape[::-1]
-        and _shapes_ok(x, gate)
-        and _few_rows(x, gate)
-        and up.dtype == gate.dtype
-        and down.dtype == gate.dtype
-        and up.device.type == down.device.type == "cpu"
-        and up.is_contiguous()
-        and down.is_contiguous()
-    )
+    return (isinstance(down, torch.Tensor) and gate.shape == up.shape == down.shape[::-1]
+            and _shapes_ok(x, gate) and _few_rows(x, gate) and up.dtype == down.dtype == gate.dtype
+            and up.device.type == down.device.type == "cpu" and up.is_contiguous()
+            and down.is_contiguous())  # fmt: skip
 
 
 def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor):

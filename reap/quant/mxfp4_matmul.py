@@ -27,14 +27,13 @@ from reap.quant.mxfp4_decode import BufferPool, decode_mxfp4
 FUSED_MAX_ROWS = 8  # rows of x up to which the fused kernel beats decode + dense matmul
 
 
-def mxfp4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, lib=None):
+def mxfp4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor):
     """x [..., I] @ W.T for the MXFP4 matrix W [O, I] (packed uint8 [O, I/2], E8M0 scales
     [O, I/32]) without decoding W to memory: [..., O] in x's dtype, accumulated in fp32 (per
     block, lane j of two 16-lane sums takes columns 2j and 2j + 1; the sums added, the lanes
     summed pairwise), the same for a token alone or among others.
-    None where the C kernel is unavailable (no compiler, REAP_NO_CKERNEL=1, not on CPU).
-    `lib`: another build of the kernel (tests compare the vector and portable C paths)."""
-    lib = lib or (ckernel.library() if x.device.type == "cpu" else None)
+    None where the C kernel is unavailable (no compiler, REAP_NO_CKERNEL=1, not on CPU)."""
+    lib = ckernel.library() if x.device.type == "cpu" else None
     if lib is None:
         return None
     rows, cols = packed.shape[0], 2 * packed.shape[1]

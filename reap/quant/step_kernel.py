@@ -1,26 +1,14 @@
-"""The compiled decode step (`ckernel.library("step")`; sources beside this file: `step_kernels.c`,
-the many-token experts in `prefill_kernels.c`, the pool in `step_pool.c`, shared arithmetic in
-`step_common.h`, argument blocks in `step_args.h`): one token through a pre-norm layer (RMSNorm,
-grouped-query RoPE attention over a KV cache, softmax top-k router, SwiGLU experts) in two
-calls, and the final norm and head in a third (or a whole token, every layer and the head, in
-one call), every matrix-vector product split by rows over the kernels' pool
-(`ckernel.pooled`). `REAP_NO_CKERNEL=1` or `REAP_NO_NATIVE=1` turns it off (the torch path
-then runs every step).
+"""The compiled decode step (`ckernel.library("step")`: `step_kernels.c`, the many-token experts
+in `prefill_kernels.c`, the pool in `step_pool.c`, arithmetic in `step_common.h`, argument
+blocks in `step_args.h`): one token through a pre-norm layer (RMSNorm, grouped-query RoPE
+attention over a KV cache, softmax top-k router, SwiGLU experts) in two calls and the head in a
+third, or a whole token in one; products split by rows over the pool (`ckernel.spinning`),
+results never depending on the thread count (arithmetic documented in the C source).
+`REAP_NO_CKERNEL=1` or `REAP_NO_NATIVE=1` turns it off (the torch path runs every step).
 
-    lib = library()                       # None when unavailable
-    lib.reap_attn_step(args, floats)      # args: int64[len(ATTN)], floats: eps, scale
-    lib.reap_moe_step(args)               # args: int64[len(MOE)]
-    lib.reap_head_step(h, norm, head, V, D, wbf16, rnd, eps, x, logits)
-    lib.reap_token_step(args, floats)     # args: int64[len(TOKEN)]: every layer and the head
-    lib.reap_moe_prefill(pack(PREFILL, x=..., ...))  # the routed experts of N tokens
-    lib.reap_attn_prefill(args, floats, n)  # the attention half of n tokens (ATTN indices)
-    lib.reap_attn_prefill_scratch(args, n)  # the floats of scratch it needs
-    lib.reap_residual(h, y, n, rnd)       # h = rb(h + rb(y)) over n floats
-    lib.reap_linear(x, w, y, n, rows, cols, wbf16)  # y = x @ w.T over the pool, fp32 x, y
-    lib.reap_linear_pairs(x, w, y, n, rows, cols)  # bf16 x, w in the pair order (0: no such)
-
-Arithmetic and rounding are documented in the C source: every dot product is the compiled
-GEMV's (`dense_kernels.c`), results never depend on the thread count.
+    lib = library()                                   # None when unavailable
+    lib.reap_attn_step(put(block, ATTN, h=..., ...), floats)  # int64 blocks filled by name
+    lib.reap_moe_prefill(pack(PREFILL, x=..., ...))   # a new block, every field given
 """
 
 from __future__ import annotations
@@ -61,16 +49,18 @@ MAX_TOP_K = 256  # routed experts per token the kernels hold on the stack (route
 def library(flags: tuple[str, ...] = (), where: Path | None = None):
     """The compiled step kernels (`ckernel.library`: other compiler `flags`, sources in
     `where`); None if unavailable or turned off."""
-    if os.environ.get("REAP_NO_NATIVE"):
-        return None
-    return ckernel.library("step", flags, where)
+    return None if os.environ.get("REAP_NO_NATIVE") else ckernel.library("step", flags, where)
 
 
-def pack(table: dict[str, int], **values: int) -> ctypes.Array:
-    """The int64 argument block of `table`'s layout with every field given by name."""
-    if values.keys() != table.keys():
-        raise TypeError(f"argument block fields {sorted(values)} are not {sorted(table)}")
-    block = (ctypes.c_int64 * len(table))()
+def put(block, layout: dict[str, int], /, **values: int):
+    """Set fields of an int64 argument block by name (`layout`: ATTN, MOE, TOKEN or PREFILL)."""
     for name, v in values.items():
-        block[table[name]] = v
+        block[layout[name]] = v
     return block
+
+
+def pack(layout: dict[str, int], /, **values: int) -> ctypes.Array:
+    """A new int64 argument block of `layout`, every field given by name."""
+    if values.keys() != layout.keys():
+        raise TypeError(f"argument block fields {sorted(values)} are not {sorted(layout)}")
+    return put((ctypes.c_int64 * len(layout))(), layout, **values)
