@@ -270,8 +270,8 @@ class NativeDecoder:
         kc, vc = cache.room((1, Hkv, 1, Dh), (1, Hkv, 1, Dh), self.eng.dtype)
         pos = cache.length
         cos, sin = spec.rotary.table(pos + 1)
-        ts = dict(h=h, x2=self._x2, cos=cos, sin=sin, kc=kc, vc=vc, ids=self._ids,
-                  weights=self._wts)  # fmt: skip
+        ts = {"h": h, "x2": self._x2, "cos": cos, "sin": sin, "kc": kc, "vc": vc,
+              "ids": self._ids, "weights": self._wts}  # fmt: skip
         step_kernel.put(a, _A, **{k: t.data_ptr() for k, t in ts.items()}, cap=kc.shape[2], pos=pos)
         room = min(kc.shape[2], cos.shape[0])
         need = 2 * D + 2 * H * Dh + 2 * Hkv * Dh + max(H * room, 2 * a[_A["e"]]) + 64

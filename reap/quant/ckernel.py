@@ -34,21 +34,23 @@ from pathlib import Path
 import torch
 
 from reap.defaults import cache_dir
+from reap.errors import WriteError
+from reap.fileio import atomic_path
 
 _HERE = Path(__file__).parent
 # no fp contraction: the kernels' roundings are the ones written (fmaf where fused)
 _FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-shared", "-fPIC")
 _LIBRARIES = {  # name: sources, extra flags, C signatures "name=result:arguments" (`_CTYPES`)
-    "mxfp4": ("mxfp4_kernels.c", "", "reap_decode_u32=v:ppppq reap_decode_u64=v:ppppq "
-              "reap_mxfp4_linear=v:pppppqqqqq reap_mxfp4_split_x=i:"),
-    "dense": ("dense_kernels.c", "", "reap_bf16_linear=v:pppqqqqq reap_f32_linear=v:pppqqqqq "
-              "reap_bf16_gate_up=v:ppppqqqqqq reap_f32_gate_up=v:ppppqqqqqq"),
-    "step": ("step_pool.c step_kernels.c prefill_kernels.c", "-pthread", "reap_simd=i: "
+    "mxfp4": ("mxfp4_kernels.c", "", ("reap_decode_u32=v:ppppq reap_decode_u64=v:ppppq "
+              "reap_mxfp4_linear=v:pppppqqqqq reap_mxfp4_split_x=i:")),
+    "dense": ("dense_kernels.c", "", ("reap_bf16_linear=v:pppqqqqq reap_f32_linear=v:pppqqqqq "
+              "reap_bf16_gate_up=v:ppppqqqqqq reap_f32_gate_up=v:ppppqqqqqq")),
+    "step": ("step_pool.c step_kernels.c prefill_kernels.c", "-pthread", ("reap_simd=i: "
              "reap_arg_layout=s: reap_pool_size=i:i reap_pool_spin=v:i reap_parallel=v:ppqq "
              "reap_attn_step=v:pp reap_moe_step=v:p reap_token_step=v:pp reap_linear=v:pppqqqq "
              "reap_attn_prefill=v:ppq reap_attn_prefill_scratch=q:pq reap_residual=v:ppqq "
              "reap_moe_prefill=v:p reap_linear_pairs=i:pppqqq reap_moe_prefill_scratch=v:qqqqqp "
-             "reap_head_step=v:pppqqqqdpp"),
+             "reap_head_step=v:pppqqqqdpp")),
 }  # fmt: skip
 # v none, i int, q int64, d double, p pointer, s char*
 _CTYPES = {"v": None, "i": ctypes.c_int, "q": ctypes.c_int64, "d": ctypes.c_double,
@@ -185,23 +187,24 @@ def _open_trusted(so: Path):
 
 
 def _build(cmd: list[str], sources: list[Path], so: Path, quiet: bool):
-    """Compile to a temp name beside `so`, record its sha256, rename it to `so` and load it;
-    None (said once on stderr, unless `quiet`) when there is no compiler or the build fails."""
-    tmp, fd = so.with_name(f".{so.name}.{os.getpid()}.{threading.get_ident()}"), None
+    """Compile to a temp name beside `so`, rename it to `so`, record its sha256 beside it (a
+    crash between is a mismatch) and load it; None (said once on stderr, unless `quiet`) when
+    there is no compiler or the build fails."""
+    fd = None
     try:
-        subprocess.run([*cmd, "-o", str(tmp), *map(str, sources), "-lm"], check=True,
-                       capture_output=True, timeout=300)  # fmt: skip
-        os.chmod(tmp, 0o700)
-        fd = _open_private(tmp)
-        if fd is None:
-            raise OSError(f"{tmp} is not private after the build")
-        rec = os.open(f"{tmp}.sha256", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(rec, "w") as f:
+        with atomic_path(so) as tmp:
+            subprocess.run([*cmd, "-o", tmp, *map(str, sources), "-lm"], check=True,
+                           capture_output=True, timeout=300)  # fmt: skip
+            os.chmod(tmp, 0o700)
+            fd = _open_private(tmp)
+            if fd is None:
+                raise OSError(f"{tmp} is not private after the build")
+        with atomic_path(f"{so}.sha256") as tmp, open(
+                os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
             f.write(_digest(fd) + "\n")
-        os.replace(tmp, so)  # the library, then its record: a crash between is a mismatch
-        os.replace(f"{tmp}.sha256", f"{so}.sha256")
         return _dlopen(fd, so)
-    except (OSError, subprocess.SubprocessError) as e:
+    except (OSError, WriteError, subprocess.SubprocessError) as e:
+        e = e.__cause__ or e
         said = (getattr(e, "stderr", None) or str(e).encode()).decode(errors="replace")
         why = f"no C compiler ({cmd[0]})" if isinstance(e, FileNotFoundError) else \
             f"{cmd[0]} failed: {said.strip().splitlines()[-1:]}"  # fmt: skip
@@ -209,8 +212,6 @@ def _build(cmd: list[str], sources: list[Path], so: Path, quiet: bool):
             _say(f"compiled kernels off, {why}; {_COST} (set CC to a C compiler)", "off")
         return None
     finally:
-        tmp.unlink(missing_ok=True)
-        Path(f"{tmp}.sha256").unlink(missing_ok=True)
         if fd is not None:
             os.close(fd)
 
