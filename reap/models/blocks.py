@@ -21,7 +21,7 @@ from torch.nn.functional import silu
 
 from reap.models import base
 from reap.models.base import ExpertSource, LayerModel, MoERecord, Observer, State, Weights
-from reap.quant import dense_kernel
+from reap.quant import ckernel, dense_kernel
 from reap.quant.matrix import Matrix
 
 Tensor = torch.Tensor
@@ -152,8 +152,6 @@ def dispatch(xl: Tensor, ids: Tensor, weights: Tensor, run: Callable[[int, Tenso
 
 
 FAST_ONE_TOKEN = True  # False: every dispatch sorts (`dispatch_reference`), for the tests
-MOE_THREADS: int | None = None  # threads of the one-token expert loop (None: torch's count)
-_POOL: list = []  # [ThreadPoolExecutor] once a multi-threaded decode asked for one
 
 
 def _accumulate(xl: Tensor, weights: Tensor, order, outs) -> Tensor:
@@ -168,29 +166,23 @@ def _accumulate(xl: Tensor, weights: Tensor, order, outs) -> Tensor:
 def _one_token(x: Tensor, ids: Tensor, weights: Tensor, layer: int, experts, run) -> Tensor:
     """`dispatch` of one token through an ExpertSource: the experts are fetched in ascending
     order on this thread (the source's bookkeeping is not thread-safe), then, with dense
-    weights and several torch threads, their outputs computed in that many threads (the
+    weights and several torch threads, their outputs computed on the kernels' pool (the
     compiled GEMVs release the GIL) and summed here in ascending order: the same numbers as
     one thread."""
     order = sorted(zip(ids[0].tolist(), range(ids.shape[1])))  # (expert, slot) ascending
     tensors = [experts(layer, e) for e, _ in order]
-    n = min(MOE_THREADS or torch.get_num_threads(), len(order))
+    n = min(torch.get_num_threads(), len(order))
     dense = all(isinstance(t, Tensor) for ts in tensors for t in ts.values())
     if n < 2 or not dense or x.device.type != "cpu":
         return _accumulate(x, weights, order, [run(x, t) for t in tensors])
-    if not _POOL or _POOL[0]._max_workers < n:
-        from concurrent.futures import ThreadPoolExecutor
+    outs, grad = [None] * len(tensors), torch.is_grad_enabled()
 
-        _POOL[:] = [ThreadPoolExecutor(n, thread_name_prefix="reap-moe")]
-    cuts = [len(order) * i // n for i in range(n + 1)]
-    parts = [tensors[cuts[i] : cuts[i + 1]] for i in range(n)]
-    grad = torch.is_grad_enabled()
-
-    def work(ts):
+    def work(a: int, b: int) -> None:
         with torch.inference_mode(not grad):  # thread-local: the caller's mode, here too
-            return [run(x, t) for t in ts]
+            outs[a:b] = [run(x, t) for t in tensors[a:b]]
 
-    futs = [_POOL[0].submit(work, p) for p in parts]
-    return _accumulate(x, weights, order, [o for f in futs for o in f.result()])
+    ckernel.parallel(work, len(tensors), len(tensors) // n)  # about n ranges, on the pool
+    return _accumulate(x, weights, order, outs)
 
 
 def dispatch_reference(xl: Tensor, ids: Tensor, weights: Tensor,

@@ -13,8 +13,8 @@ the product rounded once to that dtype), then cast.
     packed, scales = quantize(w, group=32)         # w [O, I] -> I32 [O, I/8], [O, I/32]
     w_hat = dequantize(packed, scales, group=32)   # [O, I] in the scales' dtype (or dtype=)
 
-`dequantize` is the vectorized path; `dequantize_reference` decodes one element at a time in
-plain Python from the bit-level rule, kept for tests. A stored matrix handed to model code is an
+`dequantize` is the vectorized path; its reference (tests/references.py) decodes one element at
+a time in plain Python from the bit-level rule. A stored matrix handed to model code is an
 `INT4Matrix`. `Int4Scheme.parse` reads and checks a config's `quantization_config`.
 """
 
@@ -97,24 +97,6 @@ def dequantize(
     else:
         out = q[:, :cols] * scales.repeat_interleave(group, dim=-1)[:, :cols]
     return out.to(dtype or scales.dtype)
-
-
-def dequantize_reference(
-    packed: torch.Tensor, scales: torch.Tensor, group: int, cols: int | None = None
-) -> torch.Tensor:
-    """Slow, obviously correct decode in plain Python: float64 [O, I], the exact products
-    q * scale (round to the scales' dtype to compare with `dequantize`)."""
-    cols = _check(packed, scales, group, cols)
-    words, s = packed.tolist(), scales.double().tolist()
-    rows = []
-    for wrow, srow in zip(words, s):
-        row = []
-        for i in range(cols):
-            word = wrow[i // PER_WORD] & 0xFFFFFFFF  # the word's 32 bits, unsigned
-            code = (word >> (BITS * (i % PER_WORD))) & 0xF
-            row.append((code - OFFSET) * srow[i // group])
-        rows.append(row)
-    return torch.tensor(rows, dtype=torch.float64).reshape(len(words), cols)
 
 
 def quantize(

@@ -9,8 +9,8 @@ scale = 2 ** (byte - 127), byte 255 = NaN.
     w_hat = dequantize(packed, scales)    # [..., N] float32 (or dtype=)
     y = fake_quant(w)                     # quantize-dequantize with a straight-through gradient
 
-`dequantize` is the vectorized path (works on any torch device); `dequantize_reference` is a
-slow per-element decoder written from the bit-level definition, kept for tests. A stored matrix
+`dequantize` is the vectorized path (works on any torch device); a slow per-element decoder
+written from the bit-level definition is its reference (tests/references.py). A stored matrix
 handed to model code is an `MXFP4Matrix`; faster paths: `mxfp4_decode`, `mxfp4_matmul`.
 
 Quantization follows the OCP spec: shared exponent floor(log2(amax)) - 2 (clamped to the E8M0
@@ -110,34 +110,6 @@ def dequantize(
     values = values.reshape(*packed.shape[:-1], n_blocks, BLOCK)  # [..., B, 32]
     values = values * embedding(scales.long(), scale_lut.unsqueeze(1))  # [..., B, 32]
     return values.reshape(*packed.shape[:-1], n_blocks * BLOCK).to(dtype)
-
-
-def _e2m1_value(code: int) -> float:
-    """The E2M1 value of one 4-bit code, from its bit fields (1 sign, 2 exponent, 1 mantissa)."""
-    sign = -1.0 if code & 8 else 1.0
-    exponent, mantissa = (code >> 1) & 3, code & 1
-    if exponent == 0:  # subnormal: 0 or 0.5
-        return sign * 0.5 * mantissa
-    return sign * 2.0 ** (exponent - 1) * (1.0 + 0.5 * mantissa)
-
-
-def dequantize_reference(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """Slow, obviously correct decode, one element at a time in plain Python: float64 [..., N]."""
-    _check_pair(packed, scales)
-    p = packed.cpu().reshape(-1, packed.shape[-1]).tolist()
-    s = scales.cpu().reshape(-1, scales.shape[-1]).tolist()
-    rows = []
-    for prow, srow in zip(p, s):
-        row = []
-        for j in range(2 * len(prow)):
-            byte = prow[j // 2]
-            code = byte & 15 if j % 2 == 0 else byte >> 4
-            sbyte = srow[j // BLOCK]
-            scale = float("nan") if sbyte == E8M0_NAN else 2.0 ** (sbyte - E8M0_BIAS)
-            row.append(_e2m1_value(code) * scale)
-        rows.append(row)
-    out = torch.tensor(rows, dtype=torch.float64)
-    return out.reshape(*packed.shape[:-1], 2 * packed.shape[-1])
 
 
 def _shared_exponent(amax: torch.Tensor) -> torch.Tensor:
