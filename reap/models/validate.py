@@ -2,7 +2,7 @@
 types, plus range rules a family states once; every command reaches it through
 `Config.from_dict` (so `info`, `run`, `calibrate`, `prune`, `verify` and `plan --config` agree).
 
-    check_fields(Config, text, required=("num_experts",), skip=())   # types, missing keys
+    check_fields(Config, text)           # types; keys of Config.REQUIRED (every release has them)
     need_int(text, "num_experts_per_token", 1, text["num_experts"], "num_experts")
     fam, cfg = load_config(config_dict, "DIR/config.json")          # errors name the file
 
@@ -75,21 +75,26 @@ def text_of(config: Mapping) -> Mapping:
 
 
 # -- the type checker --------------------------------------------------------------------------
-def check_fields(
-    cls: type, text: Mapping, required: tuple[str, ...] = (), none_is_default: bool = False
-) -> None:
+def check_fields(cls, text: Mapping, none_is_default: bool = False) -> None:
     """Check `text` (a config.json text dict) against dataclass `cls`: every key that names a
     field has the field's type (an int is not a bool or a float; a float is finite), integers lie
-    in 0..MAX_INT, and every `required` key is present (and not null). `none_is_default`: the
+    in 0..MAX_INT, and every key of `cls.REQUIRED` is given (an entry that is a tuple: one of its
+    alternative spellings; null only where the field's type allows None). `none_is_default`: the
     family reads a null as the default, so null passes for any field."""
-    for name in required:
-        if text.get(name) is None:
-            raise ConfigError(name, "is missing (required: there is no safe default)")
     hints = _hints(cls)
+    for names in getattr(cls, "REQUIRED", ()):
+        names = (names,) if isinstance(names, str) else names
+        if not any(n in text and (text[n] is not None or _nullable(hints.get(n))) for n in names):
+            alt = f" unless {' or '.join(names[1:])} is given" if names[1:] else ""
+            raise ConfigError(names[0], f"is missing (required{alt}: there is no safe default)")
     for f in dataclasses.fields(cls):
         value = text.get(f.name)
         if f.name in text and f.init and not (value is None and none_is_default):
             _check_value(f.name, value, hints[f.name])
+
+
+def _nullable(hint) -> bool:  # no hint: the family reads the key itself (a null is a value)
+    return hint is None or type(None) in _allowed(hint)
 
 
 @functools.cache
@@ -227,6 +232,8 @@ def need_str_list(text: Mapping, name: str, choices: tuple[str, ...], length: in
 
 
 HF_REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+# REQUIRED entries for RoPE: the release's keys, or the `rope_parameters` transformers 5 writes
+ROPE = (("rope_theta", "rope_parameters"), ("rope_scaling", "rope_parameters"))
 
 
 def need_hf(text: Mapping, experts: str, top_k: str, widths: tuple[str, ...] = ()) -> None:
