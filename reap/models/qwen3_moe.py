@@ -92,7 +92,7 @@ class Config:
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None
     # what every Qwen3-MoE and OLMoE release carries (tests/test_strict_release.py: the others)
-    REQUIRED = (*HF_SHARED, "norm_topk_prob", "attention_bias")
+    REQUIRED = (*HF_SHARED, "norm_topk_prob", "attention_bias", validate.ROPE[1])
 
     @classmethod
     def from_dict(cls, d: dict) -> Config:

@@ -3,7 +3,7 @@
 `stream_items` reads one tensor (or one expert's adjacent tensors) at a time, so memory is bounded
 by the largest tensor; a fused tensor is assembled slice by slice. Each kept expert's sha256 (over
 its stored bytes in the family's `expert_tensor_names` order) is computed on a worker thread while
-the next is copied. Tensors of shards a previous run completed are skipped by the writer, but
+the next is copied, after its bytes pass the checks `run` makes (else exit 4). Tensors of shards a previous run completed are skipped by the writer, but
 experts are still read: the manifest needs their hashes.
 """
 
@@ -13,7 +13,11 @@ import hashlib
 
 import torch
 
+from reap.checkpoint.spec import split_view
+from reap.errors import ExpertLoadError, ReapError
+from reap.models.base import expert_short_names
 from reap.prune.tensor_map import Item
+from reap.quant.matrix import check_matrices
 
 
 class _Hasher:
@@ -27,9 +31,9 @@ class _Hasher:
         self.pending = None
         self.hashes: dict[tuple[int, int], str] = {}
 
-    def submit(self, key: tuple[int, int], tensors: list[torch.Tensor]) -> None:
+    def submit(self, key: tuple[int, int], tensors: list[torch.Tensor], check=None) -> None:
         self._collect()
-        self.pending = (key, self.pool.submit(_sha256, tensors))
+        self.pending = (key, self.pool.submit(_sha256, tensors, check))
 
     def _collect(self) -> None:
         if self.pending is not None:
@@ -43,7 +47,9 @@ class _Hasher:
         return self.hashes
 
 
-def _sha256(tensors: list[torch.Tensor]) -> str:
+def _sha256(tensors: list[torch.Tensor], check=None) -> str:
+    if check is not None:
+        check()
     h = hashlib.sha256()
     for t in tensors:
         h.update(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()))
@@ -68,7 +74,8 @@ def stream_items(ck, fam, writer, items: list[Item], progress: bool, new_ids: di
         done = [writer.done(g.spec.name) for g in group]
         resumed += sum(done)
         if it.kind == "expert":  # read even when written: the manifest needs its hash
-            hasher.submit(it.expert, _copy_expert(ck, writer, group))
+            names, tensors = [g.source for g in group], _copy_expert(ck, writer, group)
+            hasher.submit(it.expert, tensors, _checker(fam, names, tensors, it.expert, new_ids))
         elif not done[0]:
             writer.write(it.spec.name, _fused(ck, it) if it.kind == "fused" else _tensor(ck, it))
         bar.update(sum(g.spec.nbytes for g in group))
@@ -76,10 +83,25 @@ def stream_items(ck, fam, writer, items: list[Item], progress: bool, new_ids: di
     bar.close()
     for layer in sorted({it.spec.layer for it in items if it.kind == "fused"}):
         for j, e in enumerate(new_ids[layer]):  # an expert's slices lie in several tensors
-            hasher.submit(
-                (layer, j), list(ck.read_many(fam.expert_tensor_names(cfg, layer, e)).values())
-            )
+            names = fam.expert_tensor_names(cfg, layer, e)
+            tensors = list(ck.read_many(names).values())
+            hasher.submit((layer, j), tensors, _checker(fam, names, tensors, (layer, j), new_ids))
     return hasher.close(), resumed
+
+
+def _checker(fam, names: list[str], tensors: list, key: tuple[int, int], new_ids: dict):
+    """The check of one kept expert's bytes that run and calibrate make (`check_matrices`), for
+    the hashing thread: a verbatim copy must not carry corrupt bytes on (exit 4)."""
+
+    def check() -> None:
+        try:
+            check_matrices(fam.expert_matrices(dict(zip(expert_short_names(names), tensors))))
+        except ReapError as e:
+            layer, j = key
+            where = f"layer {layer} expert {new_ids[layer][j]} ({split_view(names[0])[0]}, ...)"
+            raise ExpertLoadError(f"{where}: {e}") from None
+
+    return check
 
 
 def _fused(ck, it: Item) -> torch.Tensor:

@@ -5,8 +5,9 @@ equal the source expert the manifest names (and hash to the manifest's sha256, r
 both copies; a fused expert tensor is checked slice by slice through its views `X[e]`, after its
 shape [n_kept, ...]), router tensors equal the source's rows of the kept experts, those of
 unused components (UNUSED_COMPONENTS, an MTP layer) are gone, every other tensor is unchanged, no
-tensor is missing or extra, config.json is the family's `with_experts` of the source config, and
-the index maps every tensor to the shard that holds it (no missing, renamed, swapped or outside
+tensor is missing or extra, config.json is the family's `with_experts` of the source config, every
+other file prune wrote (tokenizer, templates, ...) and config.json hold the bytes whose sha256 the
+manifest records (a manifest without digests, from an older prune, is refused), and the index maps every tensor to the shard that holds it (no missing, renamed, swapped or outside
 shard).
 Reading is one tensor (or one expert) at a time, so memory stays small.
 """
@@ -17,6 +18,7 @@ import hashlib
 import json
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -55,6 +57,7 @@ def verify(*, pruned: str, source: str) -> VerifyResult:
         cfg = fam.Config.from_dict(old.config)
         original = {int(la): v["original"] for la, v in man["experts"].items()}
         _check_config(fam, old.config, new.config, original, pruned)
+        _check_files(pruned, man)
         expected = _expected(old, fam, original)
         _check_names(new, expected, pruned)
         nbytes = 0
@@ -108,6 +111,28 @@ def _check_config(fam, source_cfg: dict, pruned_cfg: dict, original: dict, prune
             f"{pruned}/config.json is not the source config with {n} experts "
             f"(differs at {', '.join(keys[:3])})"
         )
+
+
+def _check_files(pruned: str, man: dict) -> None:
+    """Each file prune wrote beside the tensors (config, tokenizer, templates, plan copy) holds
+    the bytes whose sha256 the manifest records, and there is no other (dot files aside)."""
+    from reap.checkpoint import INDEX_NAME
+
+    digests, root = man.get("files"), Path(pruned)
+    if not isinstance(digests, dict):
+        raise VerifyError(
+            f"{root / MANIFEST}: records no file digests (an older reap prune): the config and "
+            "tokenizer files cannot be checked; prune again"
+        )
+    skip = {MANIFEST, INDEX_NAME}
+    here = {p.name for p in root.iterdir() if p.is_file() and p.suffix != ".safetensors"}
+    here = {n for n in here if n not in skip and not n.startswith(".")}
+    for name in sorted(set(digests) | here):
+        if name not in here or name not in digests:
+            how = "missing" if name in digests else "not written by prune (not in the manifest)"
+            raise VerifyError(f"{root / name}: {how}")
+        if hashlib.sha256((root / name).read_bytes()).hexdigest() != digests[name]:
+            raise VerifyError(f"{root / name}: differs from the file prune wrote (sha256)")
 
 
 def _diff_keys(a, b, path=""):
