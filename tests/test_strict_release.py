@@ -196,7 +196,9 @@ def test_prune_refuses_to_copy_a_kept_expert_with_an_e8m0_nan_scale(tiny, tmp_pa
         _edited(bad, tmp_path / f"b{e}", name.format(e), corrupt)
         shutil.rmtree(bad)
         (tmp_path / f"b{e}").rename(bad)
-    with pytest.raises(ExpertLoadError, match=r"layer 1 expert \d+ .*w1.weight: E8M0 scale byte 255"):
+    with pytest.raises(
+        ExpertLoadError, match=r"kept expert of .*layers\.1\..*w1.weight: E8M0 scale byte 255"
+    ):
         _prune(str(bad), tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
@@ -212,7 +214,7 @@ def pruned(tiny, tmp_path_factory) -> str:
         ("tokenizer.json", lambda b: b"not json", "differs from the file prune wrote"),
         ("config.json", lambda b: b.replace(b'"moe_layer_freq": 1', b'"moe_layer_freq": true'),
          "differs from the file prune wrote"),
-        ("chat_template.jinja", lambda b: b"{{ 'x' }}", "not written by prune"),
+        ("chat_template.jinja", lambda b: b"{{ 'x' }}", "not from prune"),
         ("tokenizer_config.json", None, "missing"),
     ],
 )  # fmt: skip

@@ -100,11 +100,11 @@ class Config:
     rope_buffers: bool = False  # Kimi K2 releases store rotary_emb.inv_freq (module docstring)
     # how the Linear weights are stored (from `quantization_config`; see `Quant`)
     quant_scheme: Quant = field(default_factory=lambda: Quant())
-    # every release carries these (tests/test_strict_release.py says why the others may be absent)
     REQUIRED = (*validate.HF_REQUIRED, "n_routed_experts", "num_experts_per_tok", *validate.ROPE)
     REQUIRED += (*_WIDTHS, "intermediate_size", "n_shared_experts", "routed_scaling_factor")
     REQUIRED += ("n_group", "topk_group", "first_k_dense_replace", "norm_topk_prob", "hidden_act")
-    REQUIRED += ("rms_norm_eps", "attention_bias", "tie_word_embeddings", "num_nextn_predict_layers")
+    REQUIRED += ("rms_norm_eps", "attention_bias", "tie_word_embeddings")
+    REQUIRED += ("num_nextn_predict_layers",)
 
     @classmethod
     def from_dict(cls, d: dict) -> Config:

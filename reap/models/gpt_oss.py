@@ -68,7 +68,6 @@ class Config:
     dtype: str | None = None
     torch_dtype: str | None = None
     rope: tuple = field(default=(150000.0, None), repr=False)  # (theta, HF scaling dict)
-    # every release carries these (tests/test_strict_release.py says why the others may be absent)
     REQUIRED = (*validate.HF_REQUIRED, "num_local_experts", "num_experts_per_tok", *validate.ROPE)
     REQUIRED += ("num_key_value_heads", "head_dim", "intermediate_size", "sliding_window")
     REQUIRED += ("layer_types", "rms_norm_eps", "swiglu_limit", "attention_bias")

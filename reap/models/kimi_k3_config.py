@@ -10,13 +10,10 @@ from reap.models.validate import (
     HF_REQUIRED,
     MAX_EXPERTS,
     MAX_LAYERS,
-    MAX_SCALE,
     ConfigError,
-    need_experts,
-    need_float,
+    need_hf,
     need_int,
     need_int_list,
-    need_sizes,
     need_str_list,
 )
 
@@ -31,18 +28,14 @@ REQUIRED = (*LINEAR_REQUIRED, "activation_situ_beta", "activation_situ_linear_be
 REQUIRED += ("attn_res_block_size", "first_k_dense_replace", "latent_moe_use_norm")
 REQUIRED += ("linear_attn_config", "mla_use_nope", "mla_use_output_gate", "moe_layer_freq")
 REQUIRED += ("moe_router_activation_func", "routed_expert_hidden_size")
-_WIDTHS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "kv_lora_rank")
-_WIDTHS += ("qk_nope_head_dim", "v_head_dim", "intermediate_size")
 
 
 def check_text(text: Mapping) -> None:
     """Raise ConfigError for the first out-of-range value of a K3 / Kimi Linear text config
     (after `check_fields` has checked the types)."""
-    need_sizes(text, _WIDTHS)
+    widths = ("kv_lora_rank", "qk_nope_head_dim", "v_head_dim")
+    need_hf(text, "num_experts", "num_experts_per_token", widths)  # sizes, experts, eps, scale
     n = text.get("num_hidden_layers") or 1
-    need_experts(text, "num_experts", "num_experts_per_token", n)
-    need_float(text, "rms_norm_eps", 0.0, 1.0, above_lo=True)
-    need_float(text, "routed_scaling_factor", 0.0, MAX_SCALE, above_lo=True)
     need_int(text, "moe_layer_freq", 1, MAX_LAYERS)
     need_int(text, "first_k_dense_replace", 0, MAX_LAYERS)
     need_int(text, "attn_res_block_size", 1, MAX_LAYERS)

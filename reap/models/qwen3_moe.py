@@ -92,7 +92,8 @@ class Config:
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None
     # what every Qwen3-MoE and OLMoE release carries (tests/test_strict_release.py: the others)
-    REQUIRED = (*HF_SHARED, "norm_topk_prob", "attention_bias", validate.ROPE[1])
+    REQUIRED = (*HF_SHARED, ("num_experts", "num_local_experts"), "norm_topk_prob")
+    REQUIRED += ("attention_bias", validate.ROPE[1])
 
     @classmethod
     def from_dict(cls, d: dict) -> Config:
@@ -120,8 +121,6 @@ class Config:
     @classmethod
     def validate(cls, text: dict) -> None:
         """Types, required keys and ranges of a config (after `_aliases`; ConfigError, exit 2)."""
-        if text.get("num_experts") is None:  # written under either name
-            raise validate.ConfigError(cls.names.expert_count_key, "is missing (required)")
         validate.check_fields(cls, text, none_is_default=True)
         validate.need_hf(text, "num_experts", "num_experts_per_tok", ("head_dim",))
         validate.need_int(text, "decoder_sparse_step", 1, validate.MAX_LAYERS)

@@ -2,7 +2,7 @@
 types, plus range rules a family states once; every command reaches it through
 `Config.from_dict` (so `info`, `run`, `calibrate`, `prune`, `verify` and `plan --config` agree).
 
-    check_fields(Config, text)           # types; keys of Config.REQUIRED (every release has them)
+    check_fields(Config, text)           # types; Config.REQUIRED, the keys every release has
     need_int(text, "num_experts_per_token", 1, text["num_experts"], "num_experts")
     fam, cfg = load_config(config_dict, "DIR/config.json")          # errors name the file
 
@@ -163,9 +163,7 @@ def need_int(text: Mapping, name: str, lo: int, hi: int, hi_name: str | None = N
         raise ConfigError(name, f"must be an int in {lo}..{hi_name or hi} (got {_show(value)})")
 
 
-def need_float(
-    text: Mapping, name: str, lo: float, hi: float, above_lo: bool = False, what: str = ""
-) -> None:
+def need_float(text: Mapping, name: str, lo: float, hi: float, above_lo: bool = False) -> None:
     """`text[name]`, when present and not null, is a finite number in [lo, hi] ((lo, hi] with
     `above_lo`)."""
     value = text.get(name)
@@ -175,7 +173,7 @@ def need_float(
     ok = ok and (value > lo if above_lo else value >= lo)
     if not ok:
         span = f"{'>' if above_lo else '>='} {lo:g} and <= {hi:g}"
-        raise ConfigError(name, f"must be {what or 'a finite number'} {span} (got {_show(value)})")
+        raise ConfigError(name, f"must be a finite number {span} (got {_show(value)})")
 
 
 def need_sizes(

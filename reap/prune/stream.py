@@ -3,8 +3,8 @@
 `stream_items` reads one tensor (or one expert's adjacent tensors) at a time, so memory is bounded
 by the largest tensor; a fused tensor is assembled slice by slice. Each kept expert's sha256 (over
 its stored bytes in the family's `expert_tensor_names` order) is computed on a worker thread while
-the next is copied, after its bytes pass the checks `run` makes (else exit 4). Tensors of shards a previous run completed are skipped by the writer, but
-experts are still read: the manifest needs their hashes.
+the next is copied, once its bytes pass the checks `run` makes (exit 4). Tensors of shards a
+previous run completed are skipped by the writer; experts are still read (for their hashes).
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import hashlib
 
 import torch
 
-from reap.checkpoint.spec import split_view
 from reap.errors import ExpertLoadError, ReapError
 from reap.models.base import expert_short_names
 from reap.prune.tensor_map import Item
@@ -31,9 +30,9 @@ class _Hasher:
         self.pending = None
         self.hashes: dict[tuple[int, int], str] = {}
 
-    def submit(self, key: tuple[int, int], tensors: list[torch.Tensor], check=None) -> None:
+    def submit(self, key: tuple[int, int], tensors: list[torch.Tensor]) -> None:
         self._collect()
-        self.pending = (key, self.pool.submit(_sha256, tensors, check))
+        self.pending = (key, self.pool.submit(_sha256, tensors))
 
     def _collect(self) -> None:
         if self.pending is not None:
@@ -47,9 +46,7 @@ class _Hasher:
         return self.hashes
 
 
-def _sha256(tensors: list[torch.Tensor], check=None) -> str:
-    if check is not None:
-        check()
+def _sha256(tensors: list[torch.Tensor]) -> str:
     h = hashlib.sha256()
     for t in tensors:
         h.update(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()))
@@ -74,8 +71,8 @@ def stream_items(ck, fam, writer, items: list[Item], progress: bool, new_ids: di
         done = [writer.done(g.spec.name) for g in group]
         resumed += sum(done)
         if it.kind == "expert":  # read even when written: the manifest needs its hash
-            names, tensors = [g.source for g in group], _copy_expert(ck, writer, group)
-            hasher.submit(it.expert, tensors, _checker(fam, names, tensors, it.expert, new_ids))
+            names = [g.source for g in group]
+            hasher.submit(it.expert, _checked(fam, names, _copy_expert(ck, writer, group)))
         elif not done[0]:
             writer.write(it.spec.name, _fused(ck, it) if it.kind == "fused" else _tensor(ck, it))
         bar.update(sum(g.spec.nbytes for g in group))
@@ -84,24 +81,18 @@ def stream_items(ck, fam, writer, items: list[Item], progress: bool, new_ids: di
     for layer in sorted({it.spec.layer for it in items if it.kind == "fused"}):
         for j, e in enumerate(new_ids[layer]):  # an expert's slices lie in several tensors
             names = fam.expert_tensor_names(cfg, layer, e)
-            tensors = list(ck.read_many(names).values())
-            hasher.submit((layer, j), tensors, _checker(fam, names, tensors, (layer, j), new_ids))
+            hasher.submit((layer, j), _checked(fam, names, list(ck.read_many(names).values())))
     return hasher.close(), resumed
 
 
-def _checker(fam, names: list[str], tensors: list, key: tuple[int, int], new_ids: dict):
-    """The check of one kept expert's bytes that run and calibrate make (`check_matrices`), for
-    the hashing thread: a verbatim copy must not carry corrupt bytes on (exit 4)."""
-
-    def check() -> None:
-        try:
-            check_matrices(fam.expert_matrices(dict(zip(expert_short_names(names), tensors))))
-        except ReapError as e:
-            layer, j = key
-            where = f"layer {layer} expert {new_ids[layer][j]} ({split_view(names[0])[0]}, ...)"
-            raise ExpertLoadError(f"{where}: {e}") from None
-
-    return check
+def _checked(fam, names: list[str], tensors: list) -> list:
+    """One kept expert's `tensors` (stored as `names`) once they pass the checks `run` makes: a
+    verbatim copy must not carry corrupt bytes on (exit 4)."""
+    try:
+        check_matrices(fam.expert_matrices(dict(zip(expert_short_names(names), tensors))))
+    except ReapError as e:
+        raise ExpertLoadError(f"kept expert of {names[0]}: {e}") from None
+    return tensors
 
 
 def _fused(ck, it: Item) -> torch.Tensor:

@@ -11,8 +11,8 @@ with the same inputs after a crash or Ctrl-C skips the completed shards; one wit
 (`plan_file.check`), and the output may never be, hold or lie inside the source or the plan
 file (it could be replaced). Next to the weights:
 `reap_manifest.json` (per layer the original id of every new expert id, the sha256 of every kept
-expert's bytes and of every other file written, provenance), `reap_plan.json` (the plan), and every non-weight file of the source
-(tokenizer, ...).
+expert's bytes and of every other file written, provenance), `reap_plan.json` (the plan), and
+every non-weight file of the source (tokenizer, ...).
 """
 
 from __future__ import annotations

@@ -30,15 +30,13 @@ class QuantizedMatrix(Protocol):
 
 
 Matrix = Union[torch.Tensor, QuantizedMatrix]
-# the largest decoded weight the checks accept: trained weights are O(1), and a GLU multiplies
-# two projections, so weights this large already carry activations toward the fp32/bf16 limit
-# (3.4e38) within a layer or two; corrupt scales (1e38, Inf, NaN) lie far beyond it
+# the largest decoded weight the checks accept: trained ones are O(1); a GLU multiplies two
+# projections, so weights this large near fp32/bf16's 3.4e38 within a layer or two
 MAX_WEIGHT = 2.0**16
 
 
 def check_matrices(weights: Mapping[str, Matrix]) -> None:
-    """Raise ReapError naming the first matrix of `weights` whose bytes are corrupt: a quantized
-    one by its codec, a dense one (or bias) by `check_range`."""
+    """Raise ReapError naming the first corrupt matrix of `weights` (dense ones: `check_range`)."""
     for name, w in weights.items():
         if not isinstance(w, torch.Tensor):
             w.check(name)
