@@ -185,22 +185,20 @@ def _prune(src: str, out: Path, keep: int = 15) -> str:
 
 def test_prune_refuses_to_copy_a_kept_expert_with_an_e8m0_nan_scale(tiny, tmp_path):
     """Before: the scale byte 0xFF was copied verbatim, exit 0."""
+    from safetensors.torch import load_file, save_file
+
     name = "language_model.model.layers.1.block_sparse_moe.experts.{}.w1.weight_scale"
-
-    def corrupt(t):
-        t[0, 0] = 255
-
     bad = tmp_path / "bad"
     shutil.copytree(tiny, bad)
+    tensors = load_file(bad / "model.safetensors")
     for e in range(16):  # every expert: whichever the plan keeps
-        _edited(bad, tmp_path / f"b{e}", name.format(e), corrupt)
-        shutil.rmtree(bad)
-        (tmp_path / f"b{e}").rename(bad)
+        tensors[name.format(e)][0, 0] = 255
+    save_file(tensors, bad / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(
         ExpertLoadError, match=r"kept expert of .*layers\.1\..*w1.weight: E8M0 scale byte 255"
-    ):
+    ) as refused:
         _prune(str(bad), tmp_path / "out")
-    assert not (tmp_path / "out").exists()
+    assert refused.value.exit_code == 4 and not (tmp_path / "out").exists()
 
 
 @pytest.fixture(scope="module")
