@@ -54,7 +54,7 @@ QC = {
     "quant_method": "compressed-tensors",
     "quantization_status": "compressed",
 }  # fmt: skip
-TINY = {  # a Kimi K2 of hidden 64: MLA with q_lora, YaRN, one dense layer, 8 experts (one group)
+TINY = R.with_release_keys({  # a Kimi K2 of hidden 64: MLA with q_lora, YaRN, one dense layer
     "model_type": "kimi_k2", "architectures": ["DeepseekV3ForCausalLM"], "vocab_size": 320,
     "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32,
     "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 4,
@@ -67,7 +67,7 @@ TINY = {  # a Kimi K2 of hidden 64: MLA with q_lora, YaRN, one dense layer, 8 ex
     "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
                      "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 1.0, "beta_slow": 1.0},
     "quantization_config": QC,
-}  # fmt: skip
+})  # fmt: skip
 PROMPT = [3, 100, 7, 200, 55, 9, 1, 250, 17, 42, 11, 300]
 ARGS = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=32)
 

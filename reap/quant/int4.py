@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from reap.errors import ReapError
+from reap.quant.matrix import check_range
 
 BITS = 4
 PER_WORD = 32 // BITS  # codes per int32 word
@@ -160,13 +161,12 @@ class INT4Matrix:
 
     def check(self, what: str) -> None:
         """Raise ReapError (naming `what`) if `weight_shape` disagrees with the packed words and
-        scales, or a scale is not finite: trained weights have neither, so the bytes are corrupt."""
+        scales, or a decoded weight could be beyond `check_range`'s bound: corrupt bytes."""
         _check(self.packed, self.scales, self.group, self.shape[1])
         stored = [int(v) for v in self.shape_tensor.reshape(-1).tolist()]
         if stored != list(self.shape):
             raise ReapError(f"{what}: weight_shape {stored} != {list(self.shape)}: corrupt bytes")
-        if not bool(torch.isfinite(self.scales).all()):
-            raise ReapError(f"{what}: weight_scale holds Inf or NaN: corrupt bytes")
+        check_range(self.scales, f"{what}_scale", -Q_MIN)  # |q| <= 8
 
 
 # -- the compressed-tensors quantization_config ------------------------------------------------

@@ -34,6 +34,7 @@ import torch
 from torch.nn.functional import embedding
 
 from reap.errors import ReapError
+from reap.quant.matrix import MAX_WEIGHT
 
 if TYPE_CHECKING:
     from reap.quant.mxfp4_matmul import MXFP4Kernels
@@ -198,7 +199,8 @@ class MXFP4Matrix:
         return x @ self.dense(x.dtype, x.device).T
 
     def check(self, what: str) -> None:
-        """Raise ReapError if a scale byte is 255 (NaN): no trained matrix has one, so the bytes
-        are corrupt (`what` names the matrix)."""
-        if bool((self.scales == E8M0_NAN).any()):
-            raise ReapError(f"{what}: E8M0 scale byte 255 (NaN): corrupt bytes")
+        """Raise ReapError if a scale byte is 255 (NaN) or decodes weights beyond `MAX_WEIGHT`:
+        no trained matrix has one, so the bytes are corrupt (`what` names the matrix)."""
+        top = int(self.scales.max()) if self.scales.numel() else 0
+        if not float(_SCALE_LUT[top]) * 6 <= MAX_WEIGHT:  # 6: the largest E2M1 magnitude
+            raise ReapError(f"{what}: E8M0 scale byte {top}: NaN or weights beyond 2^16: corrupt")
