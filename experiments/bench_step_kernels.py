@@ -85,7 +85,7 @@ def build_at(rev: str):
             show = [*git, "show", f"{rev}:reap/quant/{name}"]
             (tmp / name).write_text(subprocess.run(show, check=True, capture_output=True,
                                                    text=True).stdout)  # fmt: skip
-    lib = step_kernel.build(where=tmp)
+    lib = step_kernel.library(where=tmp)
     if lib is None:
         raise SystemExit(f"the step kernels of {rev} could not be built")
     return lib

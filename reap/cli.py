@@ -30,7 +30,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "info": ("reap.info_cli", "parameter and byte census of a checkpoint or built-in config"),
     "synth": ("reap.synth", "write a random but valid checkpoint of a built-in config"),
     "corpora": ("reap.corpora.cli", "list, build and inspect calibration/evaluation corpora"),
-    "calibrate": ("reap.calibrate.cli", "stream corpora through a model, record expert statistics"),
+    "calibrate": ("reap.distributed.cli:CALIBRATE", "stream corpora through a model, record expert statistics"),
     "stats": ("reap.stats.cli", "inspect and merge expert statistics files"),
     "analyze": ("reap.analyze.cli", "expert overlap between corpora against chance, clusters, plots"),
     "plan": ("reap.prune.cli:PLAN", "choose the experts to keep (criteria, budgets, target size)"),
@@ -38,7 +38,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "verify": ("reap.prune.cli:VERIFY", "check a pruned checkpoint against its source"),
     "run": ("reap.engine.cli", "generate text with the streaming engine under a memory budget"),
     "serve": ("reap.serve.cli", "OpenAI-compatible HTTP server on the streaming engine"),
-    "eval": ("reap.eval.cli", "compare builds side by side: perplexity, agreement, generations"),
+    "eval": ("reap.distributed.cli:EVAL", "compare builds side by side: perplexity, agreement, generations"),
 }
 
 # Commands whose compiled kernels (reap.quant.step_kernel's thread pool) take turns with torch's

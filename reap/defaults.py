@@ -1,4 +1,4 @@
-"""The default model every command uses when none is given, and reap's cache directory.
+"""The default model every command uses when none is given.
 
 The default is k3-mini, the small K3-architecture model trained on the shipped corpora and
 bundled in `reap/models/k3mini/` (see its MODEL_CARD.md). Where it is absent (a checkout before
@@ -10,22 +10,14 @@ leave a half-written model.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from pathlib import Path
+
+from reap.cache import cache_dir
 
 BUNDLED = Path(__file__).resolve().parent / "models" / "k3mini"
 FALLBACK_CONFIG = "k3-tiny"
 FALLBACK_SEED = 0
-
-
-def cache_dir() -> Path:
-    """Where reap keeps synthesized models, HTTP caches and compiled kernels:
-    `$REAP_CACHE`, else `$XDG_CACHE_HOME/reap`, else `~/.cache/reap`."""
-    if os.environ.get("REAP_CACHE"):
-        return Path(os.environ["REAP_CACHE"])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache")
-    return Path(base) / "reap"
 
 
 def default_model(log: Callable[[str], None] | None = None) -> str:

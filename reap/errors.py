@@ -2,7 +2,8 @@
 
 Library code raises `ReapError` (or a subclass) for anything a user can cause: a bad path, a
 corrupt file, an unknown config. `reap.cli` prints `reap: error: <message>` and exits with the
-error's `exit_code`; nothing else reaches the user as a traceback.
+error's `exit_code`; nothing else reaches the user as a traceback. `is_int` is the integer
+check of every input parser.
 """
 
 EXIT_OK = 0
@@ -38,6 +39,11 @@ class ExpertLoadError(ReapError):
     """A routed expert could not be read: tokens computed without it are untrustworthy."""
 
     exit_code = EXIT_EXPERT_LOAD
+
+
+def is_int(x) -> bool:
+    """An int that is not a bool (JSON true/false must not pass as a count, an id or a seed)."""
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def first_difference(a: list, b: list, what: str = "layers") -> str:

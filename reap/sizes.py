@@ -15,7 +15,7 @@ import os
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from reap.checkpoint import TEXT_PREFIX, TensorSpec, entry_bytes, split_view
+from reap.checkpoint import TensorSpec, entry_bytes, split_view
 from reap.checkpoint.spec import UNUSED_COMPONENTS
 from reap.errors import ReapError
 
@@ -57,6 +57,8 @@ class SizeModel:
 
     @classmethod
     def from_layout(cls, specs: list[TensorSpec], fam, config: dict) -> SizeModel:
+        from reap.models.validate import text_prefix
+
         cfg = fam.Config.from_dict(config)
         moe_layers = sorted({s.layer for s in specs if s.component == "routed_experts"})
         router = {}
@@ -69,7 +71,7 @@ class SizeModel:
         n_exp = 0
         shard = min(sum(s.nbytes for s in specs), _SHARD_BYTES)
         digits = len(str(shard // 2))  # typical offset within a shard
-        prefix = TEXT_PREFIX if "text_config" in config else ""  # as synth and the releases
+        prefix = text_prefix(config)  # as synth and the releases
         for s in specs:
             census[s.component]["params"] += s.weights
             census[s.component]["bytes"] += s.nbytes
@@ -83,13 +85,8 @@ class SizeModel:
                     h = entry_bytes(s, prefix, digits)
                     if split_view(s.name)[1] is not None:  # a fused tensor: one header entry
                         fixed["h"], h = fixed["h"] + h, 0
-                    for k, v in (
-                        ("b", s.nbytes),
-                        ("ob", s.nbytes),
-                        ("p", s.weights),
-                        ("op", s.weights),
-                        ("h", h),
-                    ):
+                    for k, v in (("b", s.nbytes), ("ob", s.nbytes), ("p", s.weights),
+                                 ("op", s.weights), ("h", h)):
                         unit[k][s.layer] += v
                 continue
             fixed["h"] += entry_bytes(s, prefix, digits)
@@ -107,24 +104,9 @@ class SizeModel:
             s.numel for s in specs if s.role == "embedding" and s.component not in UNUSED_COMPONENTS
         )
         stored = len({split_view(s.name)[0] for s in specs})  # a fused tensor's views: one tensor
-        return cls(
-            n_exp,
-            top_k,
-            moe_layers,
-            fixed["b"],
-            fixed["p"],
-            d["b"],
-            d["p"],
-            d["ob"],
-            d["op"],
-            fixed["h"],
-            d["h"],
-            dict(census),
-            stored,
-            embed,
-            unused["b"],
-            unused["p"],
-        )
+        return cls(n_exp, top_k, moe_layers, fixed["b"], fixed["p"], d["b"], d["p"], d["ob"],
+                   d["op"], fixed["h"], d["h"], dict(census), stored, embed, unused["b"],
+                   unused["p"])
 
     @property
     def total_params(self) -> int:
@@ -216,12 +198,11 @@ class Source:
 def resolve_source(model: str, layers: int | None = None) -> Source:
     """A built-in config name, a checkpoint path or URL, or a directory holding only config.json
     (and perhaps the index) -> `Source`; the config is validated as every command validates it
-    (`reap.models.validate.load_config`). A URL's config, index and shard headers are fetched
+    (`reap.models.load_config`). A URL's config, index and shard headers are fetched
     (`reap.checkpoint.RemoteCheckpoint`), never its tensors."""
     from reap.checkpoint import is_url, open_checkpoint
     from reap.checkpoint.config_only import open_config_only
-    from reap.models import builtin_config
-    from reap.models.validate import config_source, load_config
+    from reap.models import builtin_config, load_config
 
     if not is_url(model) and not os.path.exists(model):
         if os.sep in model or model.endswith(".json"):
@@ -231,12 +212,12 @@ def resolve_source(model: str, layers: int | None = None) -> Source:
         raise ReapError(f"--layers applies to built-in configs only, not {model}")
     src = open_config_only(model)
     if src is not None:
-        load_config(src.config, config_source(model))
+        load_config(src.config, model)
         return Source(src.config, None, src)
     with open_checkpoint(model) as ck:
         if not ck.config:
             raise ReapError(f"{model}: no config.json")
-        load_config(ck.config, config_source(model))
+        load_config(ck.config, model)
         return Source(ck.config, model)
 
 

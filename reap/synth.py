@@ -19,10 +19,11 @@ from pathlib import Path
 
 import torch
 
-from reap.checkpoint import TEXT_PREFIX, CheckpointWriter, TensorSpec
+from reap.checkpoint import CheckpointWriter, TensorSpec
 from reap.checkpoint.config_only import LayoutTable
 from reap.errors import ReapError
 from reap.models import BUILTIN, builtin_config, family
+from reap.models.validate import text_of, text_prefix
 from reap.quant import fp8, int4, mxfp4
 from reap.tokenizer import byte_tokenizer_files
 
@@ -78,15 +79,15 @@ def synth(
         raise ReapError(f"--dtype must be bfloat16 or float32, got {dtype!r}")
     cfgd = json.loads(json.dumps(load_config(config, layers)))
     cfgd = with_tiny_vision(cfgd) if vision else cfgd
-    text = cfgd.get("text_config", cfgd)
+    text = text_of(cfgd)
     text.update(torch_dtype=dtype, **({"dtype": dtype} if "dtype" in text else {}))
     fam = family(cfgd)
     table = LayoutTable(fam.layout(cfgd))  # fused expert views `X[e]` as their tensor X [E, ...]
     specs = [table[n] for n in table]
     if vision and not any(s.component == "vision" for s in specs):
         raise ReapError(f"--vision: model_type {cfgd.get('model_type')!r} has no vision tower")
-    prefix = TEXT_PREFIX if "text_config" in cfgd else ""  # multimodal releases prefix text
-    writer = CheckpointWriter(out, specs, max_shard_bytes, prefix=prefix, overwrite=overwrite)
+    writer = CheckpointWriter(out, specs, max_shard_bytes, prefix=text_prefix(cfgd),
+                              overwrite=overwrite)
     from tqdm import tqdm
 
     total = sum(s.nbytes for s in specs)

@@ -299,13 +299,14 @@ def _named_tokens(cfg: dict, path: Path) -> dict[int, tuple[str, bool]]:
 
 def _eos_id(d: Path, token_to_id: Callable[[str], int | None]) -> int | None:
     from reap.checkpoint.header import load_json  # the checkpoint layer imports torch
+    from reap.models.validate import text_of
 
     for name in ("tokenizer_config.json", "config.json"):
         cfg = load_json(d / name, name) if (d / name).is_file() else {}
         eos = token_text(cfg.get("eos_token"))
         if eos is not None and token_to_id(eos) is not None:
             return token_to_id(eos)
-        eid = cfg.get("eos_token_id", cfg.get("text_config", {}).get("eos_token_id"))
+        eid = cfg.get("eos_token_id", text_of(cfg).get("eos_token_id"))
         if isinstance(eid, list):
             eid = eid[0] if eid else None
         if isinstance(eid, int):

@@ -99,6 +99,31 @@ def with_config(path, out, **changes) -> str:
     return str(out)
 
 
+def with_release_keys(config: dict) -> dict:
+    """A tiny hand-written `config` (bare or with `text_config`) plus each key its family requires
+    (`Config.REQUIRED`: every release carries it) that it lacks, at the value reap assumed before
+    those keys became required (the field's default)."""
+    import dataclasses
+
+    from reap.models import family
+
+    cls, text = family(config).Config, dict(config.get("text_config", config))
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    rope = fields["rope"].default if "rope" in fields else (None, None)  # gpt_oss keeps a pair
+    for names in cls.REQUIRED:
+        name = names if isinstance(names, str) else names[0]
+        if any(n in text for n in ((names,) if isinstance(names, str) else names)):
+            continue
+        f = fields.get(name)
+        if f is None:
+            text[name] = rope[0] if name == "rope_theta" else rope[1]
+        elif f.default is dataclasses.MISSING:
+            text[name] = f.default_factory()
+        else:
+            text[name] = f.default
+    return {**config, "text_config": text} if "text_config" in config else text
+
+
 def load_hf(path: str | os.PathLike):
     """`AutoModelForCausalLM.from_pretrained(path)` in float32, eval mode."""
     import transformers

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from references import mxfp4_dequantize_reference
 
 from reap.models import attention as A
 from reap.models import blocks as B
@@ -176,7 +177,7 @@ def test_dispatch_matches_token_loop_and_measures_outputs():
         for k in range(K):
             t = experts[int(ids[n, k])]
             deq = {
-                s: mxfp4.dequantize_reference(
+                s: mxfp4_dequantize_reference(
                     t[f"{s}.weight_packed"], t[f"{s}.weight_scale"]
                 ).float()
                 for s in ("w1", "w2", "w3")

@@ -157,8 +157,9 @@ def base(env):
 def naive_moe_record(x, t, cfg, layer):
     """Routing and expert output norms of one MoE layer recomputed from its input x [N, D] in
     float64 from the raw tensors, every statistic from its definition (REAP-style hooks)."""
+    from references import mxfp4_dequantize_reference as dequantize_reference
+
     from reap.models import blocks
-    from reap.quant.mxfp4 import dequantize_reference
 
     p = f"model.layers.{layer}.block_sparse_moe."
     def d(n):
@@ -375,9 +376,8 @@ def test_bad_input_is_one_line_exit_2(env, capsys, args, message):
 
 
 def test_default_model_is_synthesized_on_first_use(env, tmp_path, monkeypatch, capsys):
-    from reap.cli import main
-
     import reap.defaults
+    from reap.cli import main
 
     monkeypatch.setenv("REAP_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(reap.defaults, "BUNDLED", tmp_path / "no-bundled-model")

@@ -20,7 +20,8 @@ from reap.errors import WriteError
 from reap.eval.generations import Prompt, with_metrics
 from reap.eval.page import COLOURS
 from reap.eval.results import _generation_results
-from reap.eval.report import fmt_value, write_report
+from reap.eval.pipeline import write_report
+from reap.eval.report import fmt_value
 from reap.eval.summary import reference_quality, summarize_quality
 
 HOSTILE = 'a | b <script>alert("x")</script></div>\x1b[31m & done'

@@ -90,7 +90,7 @@ def test_layout_lists_the_mtp_layer_exactly_as_stored(models):
     assert [s.name for s in ds.layout(none)] == [s.name for s in specs if s.component != "mtp"]
 
 
-V3 = {
+V3 = R.with_release_keys({
     "model_type": "deepseek_v3",
     "vocab_size": 129280,
     "hidden_size": 7168,
@@ -111,7 +111,7 @@ V3 = {
     "first_k_dense_replace": 3,
     "torch_dtype": "bfloat16",
     "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]},
-}  # the released DeepSeek-V3 config.json's architecture keys
+})  # the released DeepSeek-V3 config.json's architecture keys
 
 
 def test_sizes_count_the_mtp_layer_in_the_totals_only():

@@ -431,7 +431,7 @@ def test_layout_reproduces_published_sizes():
     total, 32 B active) from their released configs (FP8 layout)."""
     from reap.sizes import SizeModel
 
-    v3 = {
+    v3 = R.with_release_keys({
         "model_type": "deepseek_v3", "vocab_size": 129280, "hidden_size": 7168,
         "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61,
         "num_attention_heads": 128, "n_shared_experts": 1, "n_routed_experts": 256,
@@ -440,7 +440,7 @@ def test_layout_reproduces_published_sizes():
         "first_k_dense_replace": 3, "torch_dtype": "bfloat16",
         "quantization_config": {"quant_method": "fp8", "fmt": "e4m3",
                                 "weight_block_size": [128, 128]},
-    }  # fmt: skip
+    })  # fmt: skip
     k2 = {**v3, "model_type": "kimi_k2", "vocab_size": 163840, "num_attention_heads": 64}
     k2.update(n_routed_experts=384, n_group=1, topk_group=1, first_k_dense_replace=1)
     s = SizeModel.from_config(v3)

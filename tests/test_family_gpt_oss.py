@@ -212,14 +212,14 @@ def test_size_model_reproduces_the_published_gpt_oss_sizes(layers, n_experts, to
     """gpt-oss-20b / -120b model card: total and active parameters, MXFP4 checkpoint GiB."""
     from reap.sizes import SizeModel
 
-    cfg = {
+    cfg = R.with_release_keys({
         "model_type": "gpt_oss", "num_hidden_layers": layers, "num_local_experts": n_experts,
         "num_experts_per_tok": 4, "vocab_size": 201088, "hidden_size": 2880,
         "intermediate_size": 2880, "head_dim": 64, "num_attention_heads": 64,
         "num_key_value_heads": 8, "sliding_window": 128, "torch_dtype": "bfloat16",
         "layer_types": ["sliding_attention", "full_attention"] * (layers // 2),
         "quantization_config": {"quant_method": "mxfp4"},
-    }  # fmt: skip
+    })  # fmt: skip
     m = SizeModel.from_config(cfg)
     assert abs(m.total_params / total - 1) < 5e-4
     assert abs(m.active_params / active - 1) < 5e-3

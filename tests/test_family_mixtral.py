@@ -4,6 +4,7 @@ sliding window), the streaming engine, pruning round trips through from_pretrain
 statistics against forward hooks, bf16 checkpoints and the published Mixtral-8x7B sizes."""
 
 import json
+from pathlib import Path
 
 import family_runner as R
 import pytest
@@ -45,7 +46,9 @@ def test_sliding_window_equals_transformers(tmp_path):
     path, hf = R.save_hf_tiny(MixtralForCausalLM, MixtralConfig, kw, tmp_path / "m", seed=4)
     assert mixtral.Config.from_dict(R.load_hf(path).config.to_dict()).sliding_window == 5
     print("transformers", R.check_logits(path, hf, PROMPT))
-    full = R.with_config(path, tmp_path / "full", sliding_window=None)
+    full = R.with_config(path, tmp_path / "full")
+    cfg = json.loads((Path(full) / "config.json").read_text())
+    (Path(full) / "config.json").write_text(json.dumps({**cfg, "sliding_window": None}))
     change = R.prefill_change(path, full, PROMPT)
     assert change[5:].max() > 1e-2  # positions past the window differ
     assert change[:5].max() < 1e-5  # those before it do not
@@ -96,13 +99,13 @@ def test_size_model_reproduces_the_published_parameter_counts():
     """mistralai/Mixtral-8x7B-v0.1's config.json: 46.7 B parameters, 12.9 B used per token."""
     from reap.sizes import SizeModel
 
-    config = {
+    config = R.with_release_keys({
         "model_type": "mixtral", "vocab_size": 32000, "hidden_size": 4096,
         "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
         "num_key_value_heads": 8, "num_local_experts": 8, "num_experts_per_tok": 2,
         "rope_theta": 1e6, "sliding_window": None, "tie_word_embeddings": False,
         "torch_dtype": "bfloat16",
-    }  # fmt: skip
+    })  # fmt: skip
     m = SizeModel.from_config(config)
     assert abs(m.total_params / 1e9 - 46.7) < 0.06  # 46.70 B
     assert abs((m.active_params + m.input_embedding_params) / 1e9 - 12.9) < 0.06  # 12.88 B

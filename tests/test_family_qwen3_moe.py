@@ -122,20 +122,20 @@ def test_with_experts_sets_every_count_key_and_refuses_per_layer_counts(qwen):
 
 
 # the released config.json values (Qwen/Qwen3-30B-A3B, allenai/OLMoE-1B-7B-0924)
-QWEN3_30B = {
+QWEN3_30B = R.with_release_keys({
     "model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048,
     "intermediate_size": 6144, "moe_intermediate_size": 768, "num_hidden_layers": 48,
     "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128,
     "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1,
     "mlp_only_layers": [], "rope_theta": 1e6, "sliding_window": None,
     "use_sliding_window": False, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
-}  # fmt: skip
-OLMOE_7B = {
+})  # fmt: skip
+OLMOE_7B = R.with_release_keys({
     "model_type": "olmoe", "vocab_size": 50304, "hidden_size": 2048, "intermediate_size": 1024,
     "num_hidden_layers": 16, "num_attention_heads": 16, "num_key_value_heads": 16,
     "num_experts": 64, "num_experts_per_tok": 8, "norm_topk_prob": False, "clip_qkv": None,
     "rope_theta": 10000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
-}  # fmt: skip
+})  # fmt: skip
 
 
 @pytest.mark.parametrize("config, total, active", [(QWEN3_30B, 30.5, 3.3), (OLMOE_7B, 6.9, 1.3)])

@@ -21,6 +21,7 @@ import torch
 from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
 from compressed_tensors.quantization import QuantizationArgs
 from compressed_tensors.quantization.lifecycle.forward import dequantize, quantize
+from references import int4_dequantize_reference
 from safetensors.torch import load_file, save_file
 
 from reap.checkpoint import Checkpoint
@@ -53,7 +54,7 @@ QC = {
     "quant_method": "compressed-tensors",
     "quantization_status": "compressed",
 }  # fmt: skip
-TINY = {  # a Kimi K2 of hidden 64: MLA with q_lora, YaRN, one dense layer, 8 experts (one group)
+TINY = R.with_release_keys({  # a Kimi K2 of hidden 64: MLA with q_lora, YaRN, one dense layer
     "model_type": "kimi_k2", "architectures": ["DeepseekV3ForCausalLM"], "vocab_size": 320,
     "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32,
     "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 4,
@@ -66,7 +67,7 @@ TINY = {  # a Kimi K2 of hidden 64: MLA with q_lora, YaRN, one dense layer, 8 ex
     "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
                      "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 1.0, "beta_slow": 1.0},
     "quantization_config": QC,
-}  # fmt: skip
+})  # fmt: skip
 PROMPT = [3, 100, 7, 200, 55, 9, 1, 250, 17, 42, 11, 300]
 ARGS = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=32)
 
@@ -100,7 +101,7 @@ def test_dequantize_equals_compressed_tensors_and_the_reference(dtype):
     want = dequantize(unpack_from_int32(words, 4, torch.Size((7, 128))), scales, None, ARGS)
     got = int4.dequantize(words, scales, 32)
     assert got.dtype == want.dtype == dtype and torch.equal(got, want)
-    ref = int4.dequantize_reference(words, scales, 32)
+    ref = int4_dequantize_reference(words, scales, 32)
     assert torch.equal(ref.to(dtype), got)
     assert torch.equal(int4.dequantize(words, scales, 32, dtype=torch.float32), got.float())
 
@@ -132,7 +133,7 @@ def test_int4_matrix_applies_itself_and_checks_its_bytes():
     m = int4.INT4Matrix.from_stored(words, scales, torch.tensor([24, 64], dtype=torch.int32))
     assert m.group == 32 and m.shape == (24, 64)
     x = torch.randn(3, 64, generator=g)
-    w = int4.dequantize_reference(words, scales, 32).to(scales.dtype).float()  # [24, 64]
+    w = int4_dequantize_reference(words, scales, 32).to(scales.dtype).float()  # [24, 64]
     assert torch.allclose(m.linear(x), x @ w.T, atol=1e-5)
     m.check("w")
     bad_shape = int4.INT4Matrix.from_stored(words, scales, torch.tensor([24, 65]))
@@ -222,7 +223,7 @@ def _dequantized(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
         if name.endswith("weight_packed"):
             base = name.removesuffix("_packed")
             scales, shape = tensors[base + "_scale"], tensors[base + "_shape"].tolist()
-            w = int4.dequantize_reference(t, scales, shape[1] // scales.shape[1], shape[1])
+            w = int4_dequantize_reference(t, scales, shape[1] // scales.shape[1], shape[1])
             out[base] = w.to(scales.dtype).float()
         elif not name.endswith(("weight_scale", "weight_shape")):
             out[name] = t.float()

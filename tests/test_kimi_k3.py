@@ -8,13 +8,13 @@ import math
 import numpy as np
 import pytest
 import torch
+from references import mxfp4_dequantize_reference
 
 from reap.checkpoint import Checkpoint
 from reap.errors import ReapError
 from reap.models import blocks as B
 from reap.models import builtin_config, family, kimi_k3
 from reap.models.base import dict_weights
-from reap.quant import mxfp4
 from reap.synth import synth
 
 PROMPT = [[3, 100, 7, 200, 55, 9, 1, 250, 17, 42, 11, 300]]
@@ -117,7 +117,7 @@ def _naive_moe(cfg, W, x):
         for e in ids:
             if e not in deq:
                 deq[e] = {
-                    s: mxfp4.dequantize_reference(
+                    s: mxfp4_dequantize_reference(
                         W[f"{p}experts.{e}.{s}.weight_packed"],
                         W[f"{p}experts.{e}.{s}.weight_scale"],
                     )

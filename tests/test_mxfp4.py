@@ -6,12 +6,12 @@ import math
 import numpy as np
 import pytest
 import torch
+from references import mxfp4_dequantize_reference as dequantize_reference
 
 from reap.errors import ReapError
 from reap.quant.mxfp4 import (
     FP4_VALUES,
     dequantize,
-    dequantize_reference,
     fake_quant,
     pack_nibbles,
     qdq,

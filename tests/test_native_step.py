@@ -379,12 +379,20 @@ def test_many_token_experts_match_dispatch_and_do_not_depend_on_the_batch(dtype)
 
 def _widths(flags):
     """The step and dense libraries built with extra compiler `flags` (another vector width)."""
-    from reap.quant import dense_kernel
+    from reap.quant import ckernel
 
-    step, dense = step_kernel.build(flags), dense_kernel._build(flags)
+    step, dense = step_kernel.library(flags), ckernel.library("dense", flags)
     if step is None or dense is None:
         pytest.skip(f"compiler refuses {flags}")
     return step, dense
+
+
+def _use(monkeypatch, **libs):
+    """Run the engine's kernels from these builds ({"step": lib, "dense": lib})."""
+    from reap.quant import ckernel
+
+    for name, lib in libs.items():
+        monkeypatch.setitem(ckernel._LOADED, (name, (), ckernel._HERE), lib)
 
 
 def _kernel_outputs(dtype):
@@ -412,25 +420,22 @@ def test_every_vector_width_gives_the_same_values(flags, models, monkeypatch):
     """The libraries built without AVX2 (the plain C loops any x86-64 CPU runs) or without
     AVX-512 (AVX2 where the CPU has it) give the native build's logits and kernel outputs bit
     for bit: one order of operations on every CPU."""
-    from reap.quant import dense_kernel
-
     step, dense = _widths(flags)
     assert step.reap_simd() == 0 if flags == ("-mno-avx2",) else step.reap_simd() < 512
     if step_kernel.bf16_dot():  # the native build's bf16 experts take the pair order
-        monkeypatch.setattr(step_kernel, "_LIB", [_widths(("-mno-avx512bf16",))[0]])
+        _use(monkeypatch, step=_widths(("-mno-avx512bf16",))[0])
     for family, dtype in (("mixtral", "float32"), ("mixtral", "bfloat16"), ("qwen3_moe", "float32"),
                           ("qwen3_moe", "bfloat16")):  # fmt: skip  # qwen3: no window, 8+ keys
         path = models[family, dtype]
         want = _logits(path, dtype, monkeypatch)
         kernels = _kernel_outputs(getattr(torch, dtype))
-        monkeypatch.setattr(step_kernel, "_LIB", [step])
-        monkeypatch.setattr(dense_kernel, "_LIB", [dense])
+        _use(monkeypatch, step=step, dense=dense)
         assert torch.equal(_logits(path, dtype, monkeypatch, threads=2), want)
         for got, ref in zip(_kernel_outputs(getattr(torch, dtype)), kernels, strict=True):
             assert torch.equal(got, ref)
         monkeypatch.undo()
         if step_kernel.bf16_dot():
-            monkeypatch.setattr(step_kernel, "_LIB", [_widths(("-mno-avx512bf16",))[0]])
+            _use(monkeypatch, step=_widths(("-mno-avx512bf16",))[0])
 
 
 def _pairs_reference(x, w):

@@ -7,6 +7,7 @@ import sys
 from collections.abc import Mapping
 
 import pytest
+from family_runner import with_release_keys
 
 from reap.checkpoint import split_view
 from reap.errors import ReapError
@@ -88,19 +89,19 @@ def test_predicted_bytes_match_a_written_checkpoint(tmp_path):
     assert abs(got["checkpoint_bytes"] - got["bytes_on_disk"]) <= 0.001 * got["bytes_on_disk"]
 
 
-FP8_DEEPSEEK = {
+FP8_DEEPSEEK = with_release_keys({
     "model_type": "deepseek_v3", "vocab_size": 64, "hidden_size": 64, "intermediate_size": 96,
     "moe_intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
     "n_routed_experts": 4, "n_group": 1, "topk_group": 1, "num_experts_per_tok": 2,
     "first_k_dense_replace": 1, "q_lora_rank": None, "kv_lora_rank": 16, "qk_rope_head_dim": 8,
     "qk_nope_head_dim": 16, "v_head_dim": 16,
     "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [16, 16]},
-}  # fmt: skip
-MXFP4_GPT_OSS = {
+})  # fmt: skip
+MXFP4_GPT_OSS = with_release_keys({
     "model_type": "gpt_oss", "vocab_size": 64, "hidden_size": 64, "intermediate_size": 32,
     "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
     "num_local_experts": 4, "num_experts_per_tok": 2, "quantization_config": {"quant_method": "mxfp4"},
-}  # fmt: skip
+})  # fmt: skip
 
 
 class _Table(Mapping):

@@ -6,10 +6,12 @@ import ast
 import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "reap"
-# serve (the OpenAI server) sits on the engine beside eval: neither engine nor eval imports it
-STAGES = ["corpora", "calibrate", "analyze", "prune", "engine", "eval", "serve"]
+# serve (the OpenAI server) sits on the engine beside eval: neither engine nor eval imports it;
+# distributed (Ray) runs calibrate and eval, so it sits above them all and none imports it
+STAGES = ["corpora", "calibrate", "analyze", "prune", "engine", "eval", "serve", "distributed"]
 SHARED = {"checkpoint", "quant", "models", "stats", "sizes", "tokenizer", "synth", "errors",
-          "fileio", "provenance", "defaults"}
+          "fileio", "provenance", "defaults", "cache", "units", "memstat"}
+ENTRY = {"__init__", "cli", "info_cli"}  # the `reap` command and its table sit above everything
 
 
 def _imports(path: pathlib.Path) -> set[str]:
@@ -398,3 +400,138 @@ def test_classes_declare_their_fields():
     bad = [str(p.relative_to(ROOT)) for p in ROOT.rglob("*.py")
            if "self.__dict__.update(" in p.read_text()]
     assert not bad, bad
+
+
+# ---- issue 30: every unit placed, no import circle, no private reach-in, sizes
+
+
+def test_every_unit_is_placed_in_the_rules():
+    units = {_unit(p) for p in ROOT.rglob("*.py")}
+    assert not units - set(STAGES) - SHARED - ENTRY, units - set(STAGES) - SHARED - ENTRY
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """reap module -> the reap modules it imports, anywhere in it (lazily too), except under
+    `if TYPE_CHECKING:`; `from reap.p import m` counts as importing module reap.p.m when it is
+    one, else reap.p (a package's own parents, imported implicitly, do not count)."""
+    mods = {_module_name(p): p for p in ROOT.rglob("*.py")}
+
+    def owner(name: str) -> str | None:
+        while name and name not in mods:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph = {}
+    for name, path in mods.items():
+        tree, deps = ast.parse(path.read_text()), set()
+        typing_only = {id(x) for n in ast.walk(tree) if isinstance(n, ast.If)
+                       and "TYPE_CHECKING" in ast.unparse(n.test)
+                       for b in n.body for x in ast.walk(b)}
+        for node in ast.walk(tree):
+            if id(node) in typing_only:
+                continue
+            if isinstance(node, ast.Import):
+                deps |= {owner(a.name) for a in node.names if a.name.startswith("reap")}
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("reap"):
+                assert node.level == 0, f"{path}: relative import"
+                deps |= {f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in mods
+                         else owner(node.module) for a in node.names}
+        graph[name] = deps - {None, name}
+    return graph
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan, iteratively)."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on.add(root)
+        while work:
+            v, edges = work[-1]
+            w = next(edges, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = len(index)
+                    stack.append(w)
+                    on.add(w)
+                    work.append((w, iter(sorted(graph[w]))))
+                elif w in on:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                comp = []
+                while not comp or comp[-1] != v:
+                    comp.append(stack.pop())
+                    on.discard(comp[-1])
+                if len(comp) > 1:
+                    out.append(sorted(comp))
+    return out
+
+
+def test_no_import_circles():
+    """No module reaches itself through imports, lazy ones included: a circle means two modules
+    are one design split in two, and which one finishes importing first depends on the caller."""
+    assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    graph = _import_graph()
+    circles = [f"{' <-> '.join(c)}: " + "; ".join(
+        f"{m} imports {', '.join(sorted(graph[m] & set(c)))}" for m in c)
+        for c in _circles(graph)]
+    assert not circles, "\n".join(circles)
+
+
+def test_no_private_names_across_packages():
+    """`from reap.X import _name` and `module._name` stay inside X's own package: what another
+    package needs is public (and typed)."""
+    bad = []
+    for path in ROOT.rglob("*.py"):
+        unit, rel, modules = _unit(path), path.relative_to(ROOT), {}
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("reap."):
+                for a in node.names:
+                    modules[a.asname or a.name] = f"{node.module}.{a.name}"
+                    if a.name.startswith("_") and node.module.split(".")[1] != unit:
+                        bad.append(f"{rel}:{node.lineno} imports {node.module}.{a.name}")
+            elif isinstance(node, ast.Import):
+                modules |= {a.asname or a.name: a.name for a in node.names}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not (
+                    node.attr.startswith("__")):
+                full = modules.get(ast.unparse(node.value), "")
+                if full.startswith("reap.") and full.split(".")[1] != unit:
+                    bad.append(f"{rel}:{node.lineno} reads {full}.{node.attr}")
+    assert not bad, "\n".join(bad)
+
+
+def test_text_config_stays_in_models():
+    """The multimodal releases' `text_config` wrapper is a release-format detail: the families
+    answer it (`reap.models.validate.text_of`), nobody else spells it."""
+    bad = [str(p.relative_to(ROOT)) for p in ROOT.rglob("*.py")
+           if _unit(p) != "models" and "text_config" in p.read_text()]
+    assert not bad, bad
+
+
+def test_files_and_functions_are_small():
+    """Every library file under 400 lines, every function at most 60."""
+    bad = []
+    for path in sorted(ROOT.rglob("*.py")):
+        rel, text = path.relative_to(ROOT), path.read_text()
+        if len(text.splitlines()) >= 400:
+            bad.append(f"{rel}: {len(text.splitlines())} lines")
+        functions = [n for n in ast.walk(ast.parse(text))
+                     if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)]
+        bad += [f"{rel}:{n.lineno} {n.name}: {n.end_lineno - n.lineno + 1} lines"
+                for n in functions if n.end_lineno - n.lineno + 1 > 60]
+    assert not bad, "\n".join(bad)

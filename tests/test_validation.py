@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import random
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ import torch
 from reap.cli import main
 from reap.errors import ReapError
 
+RELEASES = Path(__file__).parent / "fixtures" / "releases"
 TEXT = "language_model."  # synth writes K3 tensors under the released prefix
 
 
@@ -174,15 +176,16 @@ def test_hf_families_refuse_missing_top_k_and_bad_ranges():
     from reap.models import family
     from reap.models.validate import ConfigError
 
-    configs = {
-        "qwen3_moe": ("num_experts", "num_experts_per_tok"),
-        "mixtral": ("num_local_experts", "num_experts_per_tok"),
-        "deepseek_v3": ("n_routed_experts", "num_experts_per_tok"),
-        "gpt_oss": ("num_local_experts", "num_experts_per_tok"),
+    configs = {  # a release of each, shrunk (releases carry keys with no safe default)
+        "qwen3-30b-a3b": ("num_experts", "num_experts_per_tok"),
+        "mixtral-8x7b": ("num_local_experts", "num_experts_per_tok"),
+        "deepseek-v3": ("n_routed_experts", "num_experts_per_tok"),
+        "gpt-oss-20b": ("num_local_experts", "num_experts_per_tok"),
     }
-    for model_type, (experts, top_k) in configs.items():
+    for release, (experts, top_k) in configs.items():
         good = {
-            "model_type": model_type,
+            **json.loads((RELEASES / release / "config.json").read_text()),
+            "layer_types": ["sliding_attention", "full_attention"],
             "vocab_size": 300,
             "hidden_size": 64,
             "num_hidden_layers": 2,
@@ -201,7 +204,7 @@ def test_hf_families_refuse_missing_top_k_and_bad_ranges():
             ({"hidden_size": 64.5}, "must be an int"),
             ({"num_hidden_layers": 10**12}, "got 1000000000000"),
         ):
-            config = {k: v for k, v in {**good, **bad}.items() if v is not None}
+            config = {k: v for k, v in {**good, **bad}.items() if not (k in bad and v is None)}
             with pytest.raises(ConfigError, match=words) as refused:
                 fam.Config.from_dict(config)
             assert refused.value.exit_code == 2 and refused.value.field == next(iter(bad))

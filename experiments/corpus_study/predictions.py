@@ -57,7 +57,7 @@ def recon_tokens(work: Path, stats: dict[str, str], cal_set: str, seed: int) -> 
 
 def recon_plan(work: Path, stats: dict[str, str], config: dict, cal_set: str, keep: int, seed: int):
     """A recon build's plan from the set's cached calibration pass."""
-    from reap.prune.recon import plan_recon
+    from reap.prune.recon_pass import plan_recon
 
     tokens, pass_seconds = recon_tokens(work, stats, cal_set, seed)
     plan = plan_recon(

@@ -45,73 +45,30 @@ def _check(args: argparse.Namespace) -> None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "stats",
-        nargs="+",
-        help="statistics files, one per corpus (>= 2); a directory (e.g. a `reap calibrate` --out) stands for its per-corpus files",
-    )
+    p.add_argument("stats", nargs="+",
+                   help="statistics files, one per corpus (>= 2); a directory (e.g. a `reap "
+                        "calibrate` --out) stands for its per-corpus files")
     p.add_argument("--out", required=True, help="output directory")
-    p.add_argument(
-        "--top-m",
-        type=_m,
-        nargs="+",
-        default=[0.25],
-        metavar="M",
-        help="important-set sizes: integers, or fractions of n_experts (default 0.25)",
-    )
-    p.add_argument(
-        "--criteria",
-        nargs="+",
-        default=["count", "reap_mass"],
-        choices=["count", "reap_mass"],
-        help="what ranks experts (default both)",
-    )
-    p.add_argument(
-        "--bootstrap",
-        type=int,
-        default=200,
-        metavar="N",
-        help="bootstrap replicates over calibration sequences; 0 = none (default 200)",
-    )
-    p.add_argument(
-        "--ci",
-        default="basic",
-        choices=["basic", "percentile"],
-        help="bootstrap interval type (default basic: bias-corrected)",
-    )
-    p.add_argument(
-        "--permutations",
-        type=int,
-        default=100,
-        metavar="P",
-        help="sequence shuffles for the specialist chance baseline (default 100)",
-    )
+    p.add_argument("--top-m", type=_m, nargs="+", default=[0.25], metavar="M",
+                   help="important-set sizes: integers, or fractions of n_experts (default 0.25)")
+    p.add_argument("--criteria", nargs="+", default=["count", "reap_mass"],
+                   choices=["count", "reap_mass"], help="what ranks experts (default both)")
+    p.add_argument("--bootstrap", type=int, default=200, metavar="N",
+                   help="bootstrap replicates over calibration sequences; 0 = none (default 200)")
+    p.add_argument("--ci", default="basic", choices=["basic", "percentile"],
+                   help="bootstrap interval type (default basic: bias-corrected)")
+    p.add_argument("--permutations", type=int, default=100, metavar="P",
+                   help="sequence shuffles for the specialist chance baseline (default 100)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--alpha", type=float, default=0.05, help="significance level (default 0.05)")
-    p.add_argument(
-        "--specialist-ratio",
-        type=float,
-        default=3.0,
-        help="specialist: used this many times more than by any other corpus",
-    )
-    p.add_argument(
-        "--min-load",
-        type=float,
-        default=0.5,
-        help="minimum usage, as a multiple of the uniform rate top_k/n_experts",
-    )
-    p.add_argument(
-        "--community-nulls",
-        type=int,
-        default=3,
-        metavar="N",
-        help="random graphs per layer for the modularity chance level (default 3)",
-    )
-    p.add_argument(
-        "--no-communities",
-        action="store_true",
-        help="skip co-activation communities (the slowest part on large models)",
-    )
+    p.add_argument("--specialist-ratio", type=float, default=3.0,
+                   help="specialist: used this many times more than by any other corpus")
+    p.add_argument("--min-load", type=float, default=0.5,
+                   help="minimum usage, as a multiple of the uniform rate top_k/n_experts")
+    p.add_argument("--community-nulls", type=int, default=3, metavar="N",
+                   help="random graphs per layer for the modularity chance level (default 3)")
+    p.add_argument("--no-communities", action="store_true",
+                   help="skip co-activation communities (the slowest part on large models)")
     p.add_argument("--no-plots", action="store_true", help="tables, JSON and report only")
     p.add_argument("--quiet", action="store_true", help="no progress output")
 

@@ -87,22 +87,11 @@ def _log(progress: bool, msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
 
-def analyze(
-    stats: list,
-    *,
-    top_m: list[float] = (0.25,),
-    criteria: list[str] = CRITERIA,
-    bootstrap: int = 200,
-    ci_method: str = "basic",
-    seed: int = 0,
-    alpha: float = 0.05,
-    specialist_ratio: float = 3.0,
-    min_load: float = 0.5,
-    permutations: int = 100,
-    communities: bool = True,
-    community_nulls: int = 3,
-    progress: bool = False,
-) -> AnalysisResult:
+def analyze(stats: list, *, top_m: list[float] = (0.25,), criteria: list[str] = CRITERIA,
+            bootstrap: int = 200, ci_method: str = "basic", seed: int = 0, alpha: float = 0.05,
+            specialist_ratio: float = 3.0, min_load: float = 0.5, permutations: int = 100,
+            communities: bool = True, community_nulls: int = 3,
+            progress: bool = False) -> AnalysisResult:
     """Overlap of expert usage between corpora against chance, with uncertainty and clusters.
 
     stats: statistics file paths (a directory stands for its per-corpus files, see
@@ -126,30 +115,18 @@ def analyze(
     shuffled = specialists.shuffle_sequences(corpora, permutations, seed, progress)
     null = specialists.specialist_null(prof, shuffled)
     if null is None and permutations > 0:
-        notes.append(
-            "no chance baseline for specialists and expert clusters: it needs seq_count "
-            "in every file"
-        )
+        notes.append("no chance baseline for specialists and expert clusters: it needs "
+                     "seq_count in every file")
     return AnalysisResult(
-        corpora=[
-            InputCorpus(c.name, c.path, c.tokens, c.n_sequences, c.stats.meta) for c in corpora
-        ],
-        layers=list(first.layers),
-        n_experts=first.n_experts,
-        top_k=first.top_k,
-        settings=settings,
-        set_overlap=sets,
-        set_overall=overall,
-        usage=usage,
-        profiles=prof,
-        specialist_null=null,
-        corpus_clusters=cluster.cluster_corpora(corpora),
+        corpora=[InputCorpus(c.name, c.path, c.tokens, c.n_sequences, c.stats.meta)
+                 for c in corpora],
+        layers=list(first.layers), n_experts=first.n_experts, top_k=first.top_k,
+        settings=settings, set_overlap=sets, set_overall=overall, usage=usage, profiles=prof,
+        specialist_null=null, corpus_clusters=cluster.cluster_corpora(corpora),
         expert_clusters=cluster.cluster_experts(prof, seed=seed, null=shuffled),
-        communities=(
-            cluster.communities(corpora, seed, community_nulls, progress) if communities else []
-        ),
-        notes=notes,
-    )
+        communities=(cluster.communities(corpora, seed, community_nulls, progress)
+                     if communities else []),
+        notes=notes)
 
 
 def _pairwise(corpora, criteria, ms, alpha, progress):

@@ -26,6 +26,7 @@ from reap.fileio import atomic_path, write_atomic
 from reap.stats import ExpertStats, ExpertSums, merge
 from reap.stats.check import nonfinite
 
+SPLIT = "calibration"  # the corpus split calibration samples
 # the code that determines calibration results: its source digest is the code version
 RESULT_CODE = ("calibrate", "models", "checkpoint", "corpora", "quant/mxfp4.py", "stats",
                "tokenizer.py")
@@ -156,3 +157,23 @@ class TokenExperts:
                         f.write(chunk)
             f.write(sc)
         return path
+
+
+def stats_metas(identity: dict, seq_len: int, names: list[str], counts: list[int],
+                counters: dict) -> tuple[list[dict], dict]:
+    """Per-corpus metadata and the run's (all.safetensors) of a calibration with `identity`
+    (arguments, fingerprints, code version) over `counts` sequences of `seq_len` tokens per corpus
+    of `names`, as a local run and the Ray runs record them. counters: bytes_read,
+    checkpoint_bytes, expert_reads_max, expert_reads, passes."""
+    from reap.corpora import corpus_fingerprint
+
+    T, c, spec = seq_len, counters, identity["arguments"]["corpus"]
+    common = {**identity, "split": SPLIT, "seq_len": T, "bytes_read": c["bytes_read"],
+              "checkpoint_bytes": c["checkpoint_bytes"],
+              "read_ratio": c["bytes_read"] / c["checkpoint_bytes"],
+              "expert_reads_max": c["expert_reads_max"], "expert_reads": c["expert_reads"],
+              "passes": c["passes"], "spec": spec}
+    per = [{**common, "corpus": n, "corpus_sha256": corpus_fingerprint(n, SPLIT),
+            "spec_sha256": identity["corpus_sha256"], "sequences": k, "tokens": k * T}
+           for n, k in zip(names, counts)]
+    return per, {**common, "corpus": spec, "tokens": sum(counts) * T}

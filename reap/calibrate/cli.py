@@ -42,15 +42,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shard", default="1/1",
                    help="K/N: calibrate only the K-th of N parts of the sequences")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
-                   help="run the shards on a Ray cluster (ADDRESS, default: RAY_ADDRESS or a "
-                        "new local one; give it after MODEL; needs pip install -e "
-                        "\".[distributed]\")")
-    p.add_argument("--workers", type=int, default=2,
-                   help="with --ray: concurrent workers, each within --budget (default 2)")
-    p.add_argument("--layer-parallel", action="store_true",
-                   help="with --ray: workers own contiguous layer ranges (weights resident) and "
-                        "pass hidden states on, instead of each streaming every layer")
     p.epilog = (p.epilog or "") + "\n\n" + EPILOG_MEMORY
 
 
@@ -64,24 +55,29 @@ def _shard(text: str) -> tuple[int, int]:
     return k, n
 
 
-def run(args: argparse.Namespace) -> int:
-    from reap.calibrate.pipeline import calibrate
+def calibrate_kwargs(args: argparse.Namespace) -> dict:
+    """`calibrate`'s keyword arguments but the shard (`reap calibrate --ray` passes them on to
+    Ray's); bad input raises ReapError (exit 2) before any work."""
     from reap.fileio import check_out_dir
-    from reap.units import format_bytes, parse_bytes
+    from reap.units import parse_bytes
 
     if args.batch is not None and args.batch < 1:
         raise ReapError(f"--batch must be at least 1, got {args.batch}")
     if args.tokens < 1:
         raise ReapError(f"--tokens must be positive, got {args.tokens}")
     check_out_dir(args.out)
-    if args.ray is not None:
-        return _run_ray(args)
-    res = calibrate(
-        model=args.model, corpus=args.corpus, tokens=args.tokens, seq_len=args.seq_len,
-        out=args.out, budget=parse_bytes(args.budget), device=args.device, dtype=args.dtype,
-        seed=args.seed, batch=args.batch, save_token_experts=args.save_token_experts,
-        seq_counts={"auto": None, "on": True, "off": False}[args.seq_counts],
-        shard=_shard(args.shard), progress=not args.no_progress)
+    return dict(model=args.model, corpus=args.corpus, tokens=args.tokens, seq_len=args.seq_len,
+                out=args.out, budget=parse_bytes(args.budget), device=args.device,
+                dtype=args.dtype, seed=args.seed, batch=args.batch,
+                save_token_experts=args.save_token_experts, progress=not args.no_progress,
+                seq_counts={"auto": None, "on": True, "off": False}[args.seq_counts])
+
+
+def run(args: argparse.Namespace) -> int:
+    from reap.calibrate.pipeline import calibrate
+    from reap.units import format_bytes
+
+    res = calibrate(**calibrate_kwargs(args), shard=_shard(args.shard))
     print(f"calibrated {res.tokens} tokens over {len(res.layers)} MoE layers in "
           f"{res.seconds:.1f} s ({res.tokens / max(res.seconds, 1e-9):.0f} tokens/s), peak RSS "
           f"{format_bytes(res.peak_rss)}; read {format_bytes(res.bytes_read)} = "
@@ -93,31 +89,4 @@ def run(args: argparse.Namespace) -> int:
         print(f"{name}\t{path}")
     if res.token_experts:
         print(f"token_experts\t{res.token_experts}")
-    return 0
-
-
-def _run_ray(args: argparse.Namespace) -> int:
-    """`--ray`: the same statistics files, computed by Ray workers (reap.distributed)."""
-    from reap.distributed import require_ray
-    from reap.units import format_bytes, parse_bytes
-
-    require_ray()
-    from reap.distributed.calibrate import calibrate_ray
-
-    if args.shard != "1/1":
-        raise ReapError("--shard and --ray exclude each other (--ray makes the shards)")
-    res = calibrate_ray(
-        address=args.ray or None, workers=args.workers,
-        mode="layers" if args.layer_parallel else "tokens", model=args.model,
-        corpus=args.corpus, tokens=args.tokens, seq_len=args.seq_len, out=args.out,
-        budget=parse_bytes(args.budget), device=args.device, dtype=args.dtype, seed=args.seed,
-        batch=args.batch, save_token_experts=args.save_token_experts,
-        seq_counts={"auto": None, "on": True, "off": False}[args.seq_counts],
-        progress=not args.no_progress)
-    peak = max(res.worker_peak_rss.values(), default=0)
-    print(f"calibrated {res.tokens} tokens over {len(res.layers)} MoE layers on {res.workers} "
-          f"Ray workers ({res.mode} mode, {res.shards} shards, {len(res.shards_run)} run now) "
-          f"in {res.seconds:.1f} s; worker peak RSS {format_bytes(peak)}", file=sys.stderr)
-    for name, path in res.files.items():
-        print(f"{name}\t{path}")
     return 0

@@ -12,6 +12,9 @@ import functools
 import os
 import sys
 import time
+from dataclasses import dataclass
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -26,12 +29,31 @@ from reap.errors import ReapError
 from reap.memstat import peak_rss
 from reap.provenance import code_version
 
-SPLIT = "calibration"
+if TYPE_CHECKING:
+    from reap.models.checks import FiniteGuard
+    from reap.sizes import SizeModel
+
 # progress in whole calibrated tokens (token-layers scaled by 1/layers), tokens/s and ETA
 _BAR = "{desc}: {percentage:3.0f}%|{bar}| {n:.0f}/{total:.0f} tok [{elapsed}<{remaining}, " \
     "{rate_fmt}{postfix}]"
 # seq_count [S, L, E] int32 is recorded automatically up to this size
 SEQ_COUNT_AUTO_BYTES = 256 << 20
+
+
+@dataclass
+class ModelSetup:
+    """A checked checkpoint ready to calibrate (`setup_model`): family module and config, tensor
+    layout, size facts, the model (weights pulled per layer), its dtype and device, and the guard
+    that checks every weight read is finite."""
+
+    fam: ModuleType
+    cfg: Any
+    specs: list
+    size: SizeModel
+    model: Any
+    dtype: torch.dtype
+    device: torch.device
+    guard: FiniteGuard
 
 
 def default_model(log=print) -> str:
@@ -68,10 +90,10 @@ def calibrate(*, corpus: str, tokens: int, seq_len: int, out: str, model: str | 
     path = os.path.abspath(model)
     ckpt = Checkpoint.open(path)
     try:
-        setup = _setup(ckpt, path, tokens, seq_len, device, dtype)
+        setup = setup_model(ckpt, path, tokens, seq_len, device, dtype)
         seqs, (s0, s1) = _sequences(corpus, path, tokens, seq_len, seed, shard)
         if seq_counts is None:
-            size = setup["size"]
+            size = setup.size
             seq_counts = len(seqs) * len(size.moe_layers) * size.n_experts * 4 \
                 <= SEQ_COUNT_AUTO_BYTES
         args = {"model": path, "corpus": corpus, "tokens": tokens, "seq_len": seq_len,
@@ -79,7 +101,7 @@ def calibrate(*, corpus: str, tokens: int, seq_len: int, out: str, model: str | 
                 "shard": list(shard), "save_token_experts": save_token_experts,
                 "seq_counts": seq_counts, "max_pass_seqs": max_pass_seqs}
         identity = {"arguments": args, "model": ckpt.fingerprint(),
-                    "corpus_sha256": corpus_fingerprint(corpus, SPLIT),
+                    "corpus_sha256": corpus_fingerprint(corpus, art.SPLIT),
                     "code_version": code_version(art.RESULT_CODE), "sequences": [s0, s1]}
         ids = torch.tensor([s.ids for s in seqs], dtype=torch.int64)  # [S, T]
         run = _make_run(ckpt, setup, ids, [names.index(s.corpus) for s in seqs], len(names),
@@ -104,15 +126,16 @@ def _sequences(corpus: str, path: str, tokens: int, seq_len: int, seed: int,
     return seqs[s0:s1], (s0, s1)
 
 
-def _setup(ckpt, path: str, tokens: int, seq_len: int, device: str, dtype: str) -> dict:
+def setup_model(ckpt, path: str, tokens: int, seq_len: int, device: str,
+                dtype: str) -> ModelSetup:
     """Family, model, layout and size facts of the checkpoint (bad input -> ReapError)."""
     from reap.models.checks import FiniteGuard, check_binding
-    from reap.models.validate import config_source, load_config
+    from reap.models import load_config
     from reap.sizes import SizeModel
 
     if not ckpt.config:
         raise ReapError(f"{path}: no config.json: not a model checkpoint")
-    fam, cfg = load_config(ckpt.config, config_source(path))  # the checks `reap run` makes
+    fam, cfg = load_config(ckpt.config, path)  # the checks `reap run` makes
     runner.check_lengths(ckpt.config, tokens, seq_len)
     specs = fam.layout(ckpt.config)
     check_binding(ckpt.tensors, fam, ckpt.config, path, specs)
@@ -130,18 +153,17 @@ def _setup(ckpt, path: str, tokens: int, seq_len: int, device: str, dtype: str) 
             guard(s.name, ckpt.read(s.name))
     ckpt.bytes_read, ckpt.reads = counted  # a check, not calibration's reads (resume-stable)
     model = fam.Model(cfg, device=device, dtype=tdtype)
-    return {"fam": fam, "cfg": cfg, "specs": specs, "size": size, "model": model,
-            "dtype": tdtype, "device": torch.device(device), "guard": guard}
+    return ModelSetup(fam, cfg, specs, size, model, tdtype, torch.device(device), guard)
 
 
 def _make_run(ckpt, setup, ids, seq_corpus, n_corpora, identity, out, budget, batch, seq_counts,
               save_token_experts) -> runner.Run:
     """Plan memory, then open a fresh work directory or resume the one in `out`."""
-    size, fam = setup["size"], setup["fam"]
-    widths = fam.calibration_widths(setup["cfg"], max(size.moe_layers) + 1)
+    size, fam = setup.size, setup.fam
+    widths = fam.calibration_widths(setup.cfg, max(size.moe_layers) + 1)
     S, T = ids.shape
     plan = plan_batches(
-        weight_bytes=runner.weight_sizes(ckpt, setup["specs"], setup["dtype"].itemsize),
+        weight_bytes=runner.weight_sizes(ckpt, setup.specs, setup.dtype.itemsize),
         hidden=widths.hidden, heads=widths.heads, dense_ffn=widths.dense_ffn,
         n_experts=size.n_experts, top_k=size.top_k, n_blocks=widths.snapshots, n_seq=S,
         seq_len=T, budget=budget, batch=batch,
@@ -160,14 +182,14 @@ def _make_run(ckpt, setup, ids, seq_corpus, n_corpora, identity, out, budget, ba
     else:
         store = SpillStore.from_manifest(work, S, prog["store"])
         store.cleanup()  # files of the layer that was interrupted
-    expert_names = functools.partial(fam.expert_tensor_names, setup["cfg"])  # (layer, expert)
+    expert_names = functools.partial(fam.expert_tensor_names, setup.cfg)  # (layer, expert)
     acc = StatsAccumulator(size.n_experts, size.top_k, seq_corpus, T, n_corpora, seq_counts)
-    run = runner.Run(ckpt=ckpt, model=setup["model"], moe_layers=size.moe_layers, ids=ids,
+    run = runner.Run(ckpt=ckpt, model=setup.model, moe_layers=size.moe_layers, ids=ids,
                      plan=plan, store=store, acc=acc,
-                     weights=runner.LayerWeights(ckpt, setup["device"], setup["guard"]),
-                     experts=runner.StoreExperts(ckpt, expert_names, setup["device"],
+                     weights=runner.LayerWeights(ckpt, setup.device, setup.guard),
+                     experts=runner.StoreExperts(ckpt, expert_names, setup.device,
                                                  fam.expert_matrices),
-                     work=work, identity=identity, device=setup["device"])
+                     work=work, identity=identity, device=setup.device)
     run.done = -1 if prog is None else prog["done"]
     if prog is not None:
         run.counters = dict(prog["counters"])
@@ -206,20 +228,12 @@ def _execute(run: runner.Run, setup, seqs, names, progress, hooks, t0) -> runner
 
 def _write(run: runner.Run, setup, seqs, names) -> runner.CalibrateResult:
     """Statistics files (and token ids) with provenance; returns the result record."""
-    from reap.corpora import corpus_fingerprint
-
     S, T = run.ids.shape
-    out, size, c = os.path.dirname(run.work), setup["size"], run.counters
+    out, size, c = os.path.dirname(run.work), setup.size, run.counters
     ckpt_bytes = sum(t.nbytes for t in run.ckpt.tensors.values())
-    common = {**run.identity, "split": SPLIT, "seq_len": T, "bytes_read": c["bytes_read"],
-              "checkpoint_bytes": ckpt_bytes, "read_ratio": c["bytes_read"] / ckpt_bytes,
-              "expert_reads_max": c["expert_reads_max"], "expert_reads": c["expert_reads"],
-              "passes": run.plan.passes, "spec": run.identity["arguments"]["corpus"]}
     counts = [sum(1 for s in seqs if s.corpus == n) for n in names]
-    metas = [{**common, "corpus": n, "corpus_sha256": corpus_fingerprint(n, SPLIT),
-              "spec_sha256": run.identity["corpus_sha256"], "sequences": k, "tokens": k * T}
-             for n, k in zip(names, counts)]
-    run_meta = {**common, "corpus": common["spec"], "tokens": S * T}
+    metas, run_meta = art.stats_metas(run.identity, T, names, counts, {
+        **c, "checkpoint_bytes": ckpt_bytes, "passes": run.plan.passes})
     files = art.write_stats(out, run.work, names=names, layers=run.moe_layers,
                             n_experts=size.n_experts, top_k=size.top_k,
                             tokens=[k * T for k in counts], metas=metas, run_meta=run_meta)

@@ -33,6 +33,7 @@ from reap.checkpoint.spec import is_quantized
 from reap.errors import CheckpointError, ExpertLoadError, ReapError
 from reap.memstat import release_memory
 from reap.models.base import expert_short_names
+from reap.models.validate import text_of
 from reap.quant.matrix import check_matrices
 
 
@@ -276,8 +277,7 @@ def weight_sizes(ckpt: Checkpoint, specs, itemsize: int) -> dict:
 # -- checks -------------------------------------------------------------------------------------
 def check_lengths(config: dict, tokens: int, seq_len: int) -> None:
     """--tokens and --seq-len against each other and the model's context limit."""
-    text = config.get("text_config", config)
-    limit = text.get("max_position_embeddings")
+    limit = text_of(config).get("max_position_embeddings")
     if seq_len < 1:
         raise ReapError(f"--seq-len must be positive, got {seq_len}")
     if limit is not None and seq_len > limit:

@@ -45,7 +45,7 @@ from reap.checkpoint.spec import (
     SINGLE_NAME,
     shard_name,
 )
-from reap.defaults import cache_dir
+from reap.cache import cache_dir
 from reap.errors import CheckpointError
 from reap.fileio import write_atomic
 

@@ -37,7 +37,7 @@ from reap.checkpoint.spec import (
 from reap.errors import EXIT_USAGE, ReapError, WriteError
 from reap.fileio import atomic_path, replace_dir, write_atomic
 
-_PLAN_FILE = ".reap-plan"  # identity of the shard plan a partial directory belongs to
+PLAN_FILE = ".reap-plan"  # identity of the shard plan a partial directory belongs to
 
 
 @dataclass
@@ -144,7 +144,7 @@ class CheckpointWriter:
 
     def _prepare_partial(self) -> None:
         """Create `<out>.partial/`, or resume it when it belongs to the same plan."""
-        plan_path = self.partial / _PLAN_FILE
+        plan_path = self.partial / PLAN_FILE
         if self.partial.exists():
             if not plan_path.exists():
                 raise WriteError(
@@ -238,7 +238,7 @@ class CheckpointWriter:
                 data = content.encode() if isinstance(content, str) else bytes(content)
                 path = self.partial / fname  # a resumed job reuses the temporary name
                 write_atomic(path, data, tmp=f"{path}.tmp", fsync=True)
-            (self.partial / _PLAN_FILE).unlink()
+            (self.partial / PLAN_FILE).unlink()
             replace_dir(self.partial, self.out_dir)  # an existing one only with overwrite=True
         except OSError as e:
             raise WriteError(f"{self.out_dir}: cannot finish checkpoint ({e.strerror})") from None

@@ -40,12 +40,12 @@ def eval_task(work: tuple, opts: dict, tracker, key: int) -> dict:
     it would have cached and the experts that failed to load. `work` is (workload, task) in one
     argument, so the task's build stays the very object `workload.ref` when it is the reference."""
     from reap.eval.builds import Engines
-    from reap.eval.tasks import _run_tasks
+    from reap.eval.tasks import compute_tasks
 
     w, task = work
     engines, capture = Engines(w.ref, opts), _Capture()
     try:
-        _run_tasks([task], w, engines, opts, capture, _Bar(tracker, key))
+        compute_tasks([task], w, engines, opts, capture, _Bar(tracker, key))
     finally:
         engines.close()
     return {"payload": task.payload, "items": capture.items, "failures": engines.failures}
@@ -56,7 +56,7 @@ def ray_runner(address: str | None, workers: int):
     at most `workers` at once (one CPU, or one GPU on --device cuda, each)."""
 
     def run(todo, w, engines, args, cache, progress) -> None:
-        from reap.eval.tasks import _work
+        from reap.eval.tasks import total_tokens
 
         ray = connect(address)
         gpu = 1 if args["device"].startswith("cuda") else 0
@@ -73,8 +73,8 @@ def ray_runner(address: str | None, workers: int):
             for kind, key, fields, payload in result["items"]:
                 cache.put(kind, key, fields, payload)
 
-        total = sum(_work(t, w.docs, w.prompts) for t in todo)
-        gather(ray, list(range(len(todo))), submit, workers, tracker, total=total, initial=0,
+        gather(ray, list(range(len(todo))), submit, workers, tracker, total=total_tokens(todo, w),
+               initial=0,
                on_done=done, progress=progress and bool(todo), desc=f"eval x{workers}")
 
     return run

@@ -21,7 +21,6 @@ from reap.calibrate import artifacts as art
 from reap.errors import ReapError
 from reap.stats import ExpertSums, sum_fields
 
-SPLIT = "calibration"
 
 
 @dataclass
@@ -61,7 +60,7 @@ class Job:
 def prepare(kw: dict, out: str, mode: str, shards: int) -> Job:
     """Check the arguments and the model as calibrate does, sample the sequences, and open (or
     resume) the job's work directory; ReapError (exit 2) on bad input or a different job."""
-    from reap.calibrate.pipeline import _setup, default_model
+    from reap.calibrate.pipeline import default_model, setup_model
     from reap.checkpoint import Checkpoint
     from reap.corpora import calibration_sequences, corpus_fingerprint, parse_spec
     from reap.provenance import code_version
@@ -71,7 +70,8 @@ def prepare(kw: dict, out: str, mode: str, shards: int) -> Job:
     kw = dict(kw, model=os.path.abspath(kw["model"] or default_model()))
     with Checkpoint.open(kw["model"]) as ckpt:
         # the driver computes nothing: "cpu" here, each worker checks its own --device
-        size = _setup(ckpt, kw["model"], kw["tokens"], kw["seq_len"], "cpu", kw["dtype"])["size"]
+        size = setup_model(ckpt, kw["model"], kw["tokens"], kw["seq_len"], "cpu",
+                           kw["dtype"]).size
         fingerprint = ckpt.fingerprint()
     seqs = calibration_sequences(kw["corpus"], load_tokenizer(kw["model"]), kw["tokens"],
                                  kw["seq_len"], kw["seed"])
@@ -90,7 +90,7 @@ def prepare(kw: dict, out: str, mode: str, shards: int) -> Job:
     args.update(shard=[1, 1], save_token_experts=False, seq_counts=kw["seq_counts"],
                 max_pass_seqs=kw.get("max_pass_seqs"))
     job.identity = {"arguments": args, "model": fingerprint,
-                    "corpus_sha256": corpus_fingerprint(kw["corpus"], SPLIT),
+                    "corpus_sha256": corpus_fingerprint(kw["corpus"], art.SPLIT),
                     "code_version": code_version(art.RESULT_CODE), "sequences": [0, len(seqs)]}
     _open_work(job, {"mode": mode, "shards": shards, "identity": job.identity})
     return job
@@ -127,21 +127,9 @@ def add_rows(a: list[ExpertSums] | None, b: list[ExpertSums]) -> list[ExpertSums
 
 
 def metas(job: Job, counters: dict) -> tuple[list[dict], dict]:
-    """Per-corpus metadata and the run's (for all.safetensors), as the pipeline records them;
-    counters: bytes_read, checkpoint_bytes, expert_reads_max, expert_reads, passes."""
-    from reap.corpora import corpus_fingerprint
-
-    T, c = job.kw["seq_len"], counters
-    common = {**job.identity, "split": SPLIT, "seq_len": T, "bytes_read": c["bytes_read"],
-              "checkpoint_bytes": c["checkpoint_bytes"],
-              "read_ratio": c["bytes_read"] / c["checkpoint_bytes"],
-              "expert_reads_max": c["expert_reads_max"], "expert_reads": c["expert_reads"],
-              "passes": c["passes"], "spec": job.kw["corpus"]}
+    """`art.stats_metas` of the whole job."""
     counts = [job.seq_corpus.count(i) for i in range(len(job.names))]
-    per = [{**common, "corpus": n, "corpus_sha256": corpus_fingerprint(n, SPLIT),
-            "spec_sha256": job.identity["corpus_sha256"], "sequences": k, "tokens": k * T}
-           for n, k in zip(job.names, counts)]
-    return per, {**common, "corpus": job.kw["corpus"], "tokens": job.n_seq * T}
+    return art.stats_metas(job.identity, job.kw["seq_len"], job.names, counts, counters)
 
 
 def write_outputs(job: Job, rows: dict[int, list[ExpertSums]], counters: dict) -> dict:

@@ -31,16 +31,16 @@ class Stage:
     """Layers [l0, l1) of the model held resident (stage 0 also embeds)."""
 
     def __init__(self, kw: dict, l0: int, l1: int, job_facts: dict, tracker, hook=None):
-        from reap.calibrate.pipeline import _setup
+        from reap.calibrate.pipeline import setup_model
         from reap.calibrate.runner import LayerWeights, StoreExperts
         from reap.checkpoint import Checkpoint
 
         self.ckpt = Checkpoint.open(kw["model"])
-        setup = _setup(self.ckpt, kw["model"], kw["tokens"], kw["seq_len"], kw["device"],
+        setup = setup_model(self.ckpt, kw["model"], kw["tokens"], kw["seq_len"], kw["device"],
                        kw["dtype"])
-        fam, cfg = setup["fam"], setup["cfg"]
-        self.model, self.device, self.l0, self.l1 = setup["model"], setup["device"], l0, l1
-        self.weights = LayerWeights(self.ckpt, self.device, setup["guard"])  # never cleared
+        fam, cfg = setup.fam, setup.cfg
+        self.model, self.device, self.l0, self.l1 = setup.model, setup.device, l0, l1
+        self.weights = LayerWeights(self.ckpt, self.device, setup.guard)  # never cleared
         self.source = StoreExperts(self.ckpt, functools.partial(fam.expert_tensor_names, cfg),
                                    self.device, fam.expert_matrices)
         self.resident: dict[tuple[int, int], dict] = {}
@@ -99,10 +99,10 @@ def layer_bytes(job: jobs.Job) -> list[int]:
     """Checkpoint bytes of each layer 0..n_layers-1 (embedding and final norms count to the
     first and last)."""
     from reap.checkpoint import Checkpoint
-    from reap.models.validate import config_source, load_config
+    from reap.models import load_config
 
     with Checkpoint.open(job.kw["model"]) as ckpt:
-        fam, _ = load_config(ckpt.config, config_source(job.kw["model"]))
+        fam, _ = load_config(ckpt.config, job.kw["model"])
         per = [0] * job.n_layers
         for s in fam.layout(ckpt.config):
             info = ckpt.tensors.get(s.name)

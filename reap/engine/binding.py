@@ -1,6 +1,7 @@
 """Binding a checkpoint to its model family, and what the memory plan needs to know about it.
 
     b = bind(checkpoint.tensors, fam, config, path)       # strict: missing/unused -> exit 1
+    fam, cfg, b, dtype, mb, plan = plan_checkpoint(config, tensors, path, "auto", "8GB", ...)
     mb = model_bytes(checkpoint.tensors, b, state_costs(fam, cfg, 2), top_k, torch.bfloat16)
 
 The engine reads a checkpoint as *trunk units* (each decoder layer without its routed experts,
@@ -18,7 +19,9 @@ import torch
 from reap.checkpoint import DTYPE_CODES
 from reap.engine import memory
 from reap.errors import EXIT_FAILURE, ReapError
+from reap.memstat import available_memory, current_rss
 from reap.models.checks import FiniteGuard, check_binding
+from reap.units import parse_bytes
 
 
 @dataclass
@@ -134,3 +137,51 @@ def _numel(shape) -> int:
     for s in shape:
         n *= s
     return n
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+PREFILL_CHUNKS = (512, 256, 128, 64, 32, 16)
+
+
+def plan_checkpoint(config: dict, tensors, path: str, dtype: str | None, budget, preset,
+                    context: int, batch: int, prefill_chunk: int | None, available=None,
+                    baseline=None) -> tuple:
+    """(family, Config, Binding, compute dtype, ModelBytes, MemoryPlan) of a checkpoint's
+    config.json and tensor table: what `Engine.open` decides before reading a weight, and what
+    `reap run --plan-only` prints."""
+    from reap.models import load_config
+
+    fam, cfg = load_config(config, path)
+    torch_dtype = _compute_dtype(dtype, cfg)
+    b = bind(tensors, fam, config, path)
+    costs = state_costs(fam, cfg, torch.finfo(torch_dtype).bits // 8)
+    mb = model_bytes(tensors, b, costs, fam.top_k(cfg), torch_dtype)
+    plan = _make_plan(mb, budget, preset, context, batch, prefill_chunk, available, baseline)
+    return fam, cfg, b, torch_dtype, mb, plan
+
+
+def _compute_dtype(dtype: str | None, cfg) -> torch.dtype:
+    if dtype is None or dtype == "auto":
+        dtype = "float32" if cfg.torch_dtype == "float32" else "bfloat16"
+    if dtype not in DTYPES:
+        raise ReapError(f"--dtype must be auto, float32 or bfloat16, got {dtype!r}")
+    return DTYPES[dtype]
+
+
+def _make_plan(mb, budget, preset, context, batch, prefill_chunk, available,
+               baseline=None) -> memory.MemoryPlan:
+    if budget is not None and preset is not None:
+        raise ReapError("give --budget or --preset, not both")
+    if context < 1 or batch < 1:
+        raise ReapError(f"--context and batch must be positive (got {context}, {batch})")
+    base = current_rss() if baseline is None else baseline
+    avail = available if available is not None else available_memory()[0]
+    if budget is not None:
+        b = parse_bytes(budget) if isinstance(budget, str) else int(budget)
+        chunk = prefill_chunk or memory.choose_prefill_chunk(mb, context, b, PREFILL_CHUNKS)
+    else:
+        chunk = prefill_chunk or memory.choose_prefill_chunk(mb, context, avail, PREFILL_CHUNKS)
+        b = memory.preset_budget(mb, preset or "max", context, batch, chunk, base)
+        if preset is None:  # no request: the whole model if it fits, else 80 % of available
+            b = min(b, base + int(0.8 * avail))
+    return memory.plan_memory(mb, b, context, batch, chunk, base)

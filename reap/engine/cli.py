@@ -18,7 +18,7 @@ import json
 import sys
 
 from reap.engine.memory import PRESET_HELP, PRESETS
-from reap.errors import EXIT_EXPERT_LOAD, ReapError
+from reap.errors import EXIT_EXPERT_LOAD, ReapError, is_int
 from reap.fileio import check_out_file, write_atomic
 
 MAX_THREADS = 4096  # torch takes a C int; more threads than this is a typo
@@ -36,33 +36,24 @@ EXIT_CODES = """exit codes:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Arguments of `reap run`."""
     p.epilog = EXIT_CODES
-    p.add_argument(
-        "model",
-        nargs="?",
-        default=None,
-        help="checkpoint directory or http(s) URL (default: the bundled k3-mini, "
-        "see reap/models/k3mini/MODEL_CARD.md)",
-    )
+    p.add_argument("model", nargs="?", default=None,
+                   help="checkpoint directory or http(s) URL (default: the bundled k3-mini, "
+                        "see reap/models/k3mini/MODEL_CARD.md)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text (encoded with the model's tokenizer)")
     src.add_argument("--prompt-ids", help="prompt as comma-separated token ids, e.g. 1,2,3")
-    src.add_argument(
-        "--prompts",
-        metavar="FILE.jsonl",
-        help="batch mode: one JSON object per line with 'prompt' (text) or 'ids', "
-        "optional max_tokens/temperature/top_p/seed/stop; all sequences "
-        "advance in lockstep so each weight read serves every sequence",
-    )
+    src.add_argument("--prompts", metavar="FILE.jsonl",
+                     help="batch mode: one JSON object per line with 'prompt' (text) or 'ids', "
+                          "optional max_tokens/temperature/top_p/seed/stop; all sequences "
+                          "advance in lockstep so each weight read serves every sequence")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate (default 64)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (CPU torch.Generator)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument(
-        "--ignore-eos",
-        action="store_true",
-        help="keep generating past the end-of-text token until --max-tokens (benchmarks, tests)",
-    )
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="keep generating past the end-of-text token until --max-tokens "
+                        "(benchmarks, tests)")
     _add_engine_arguments(p)
 
 
@@ -71,73 +62,41 @@ def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
     mem = p.add_mutually_exclusive_group()
     mem.add_argument("--budget", help="RAM budget, e.g. 8GB or 512MiB (the whole process)")
     mem.add_argument("--preset", choices=list(PRESETS), help=PRESET_HELP)
-    p.add_argument(
-        "--context",
-        type=int,
-        default=4096,
-        help="declared context (prompt + generated tokens) the KV cache is planned "
-        "for (default 4096)",
-    )
+    p.add_argument("--context", type=int, default=4096,
+                   help="declared context (prompt + generated tokens) the KV cache is planned "
+                        "for (default 4096)")
     p.add_argument("--max-prompt", type=int, default=32768, help="prompt length limit (32768)")
-    p.add_argument(
-        "--max-generation", type=int, default=4096, help="generation length limit (4096)"
-    )
-    p.add_argument(
-        "--prefill-chunk",
-        type=int,
-        default=None,
-        help="prompt tokens per forward pass (default: chosen by the plan)",
-    )
+    p.add_argument("--max-generation", type=int, default=4096,
+                   help="generation length limit (4096)")
+    p.add_argument("--prefill-chunk", type=int, default=None,
+                   help="prompt tokens per forward pass (default: chosen by the plan)")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
-    p.add_argument(
-        "--threads",
-        type=int,
-        default=None,
-        help="torch CPU threads (default: torch's choice; 1 on a shared machine)",
-    )
-    p.add_argument(
-        "--dtype",
-        default="auto",
-        choices=["auto", "float32", "bfloat16"],
-        help="compute dtype (auto: float32 for float32 checkpoints, else bfloat16)",
-    )
-    p.add_argument(
-        "--direct",
-        action="store_true",
-        help="read with O_DIRECT (bypass the page cache) where the filesystem allows",
-    )
-    p.add_argument(
-        "--plan-only",
-        action="store_true",
-        help="print the memory plan and stop, reading no weight (works on a URL or a "
-        "directory holding only config.json)",
-    )
-    p.add_argument(
-        "--warmup",
-        action="store_true",
-        help="generate once, unmeasured, before the reported run (as llama-bench's warm-up "
-        "run): one-time costs such as kernel builds and first use of each matrix shape stay "
-        "out of the rates",
-    )
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: torch's choice; 1 on a shared machine)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="compute dtype (auto: float32 for float32 checkpoints, else bfloat16)")
+    p.add_argument("--direct", action="store_true",
+                   help="read with O_DIRECT (bypass the page cache) where the filesystem allows")
+    p.add_argument("--plan-only", action="store_true",
+                   help="print the memory plan and stop, reading no weight (works on a URL or "
+                        "a directory holding only config.json)")
+    p.add_argument("--warmup", action="store_true",
+                   help="generate once, unmeasured, before the reported run (as llama-bench's "
+                        "warm-up run): one-time costs such as kernel builds and first use of "
+                        "each matrix shape stay out of the rates")
     p.add_argument("--json", action="store_true", help="print text, token ids, plan and metrics")
     p.add_argument("--out", help="also write the JSON result to this file")
     p.add_argument("--quiet", action="store_true", help="do not print the plan and metrics")
 
 
 def _requests(args, engine) -> list:
-    from reap.engine.generate import Request, _encode
+    from reap.engine.generate import OPTIONS, OptionError, Request, _encode, request_options
+
+    defaults = {k: getattr(args, k) for k in OPTIONS}
 
     def req(prompt, **kw) -> Request:
-        stop = kw.get("stop", args.stop)
-        return Request(
-            _encode(engine, prompt),
-            int(kw.get("max_tokens", args.max_tokens)),
-            float(kw.get("temperature", args.temperature)),
-            float(kw.get("top_p", args.top_p)),
-            int(kw.get("seed", args.seed)),
-            tuple([stop] if isinstance(stop, str) else stop),
-            args.ignore_eos,
-        )
+        opts = request_options(kw, defaults, engine.max_generation)
+        return Request(_encode(engine, prompt), **opts, ignore_eos=args.ignore_eos)
 
     if args.prompt is not None:
         return [req(args.prompt)]
@@ -151,8 +110,8 @@ def _requests(args, engine) -> list:
         prompt, opts = _line(args.prompts, i, line)
         try:
             out.append(req(prompt, **opts))
-        except (TypeError, ValueError) as e:
-            raise ReapError(f"{args.prompts}:{i}: bad request ({e})") from None
+        except OptionError as e:
+            raise ReapError(f"{args.prompts}:{i}: {e}") from None
     return out
 
 
@@ -180,32 +139,10 @@ def _line(path: str, i: int, line: str) -> tuple:
     if unknown:
         raise ReapError(f"{path}:{i}: unknown field(s) {', '.join(sorted(unknown))}")
     if not isinstance(prompt, (str, list)) or (
-        isinstance(prompt, list) and not all(_is_int(t) for t in prompt)
+        isinstance(prompt, list) and not all(is_int(t) for t in prompt)
     ):
         raise ReapError(f"{path}:{i}: 'prompt' must be text and 'ids' a list of token ids")
-    _check_options(path, i, d)
     return prompt, d
-
-
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _check_options(path: str, i: int, d: dict) -> None:
-    """Types of a prompt line's options: JSON floats or booleans are not silently truncated."""
-    for name in ("max_tokens", "seed"):
-        if name in d and not _is_int(d[name]):
-            raise ReapError(f"{path}:{i}: field {name}: {d[name]!r} is not an integer")
-    if "seed" in d and not 0 <= d["seed"] < 2**32:
-        raise ReapError(f"{path}:{i}: field seed: {d['seed']} is outside [0, 2^32)")
-    for name in ("temperature", "top_p"):
-        if name in d and (isinstance(d[name], bool) or not isinstance(d[name], (int, float))):
-            raise ReapError(f"{path}:{i}: field {name}: {d[name]!r} is not a number")
-    stop = d.get("stop", "")
-    if not isinstance(stop, str) and not (
-        isinstance(stop, list) and all(isinstance(x, str) for x in stop)
-    ):
-        raise ReapError(f"{path}:{i}: field stop: need a string or a list of strings")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -218,25 +155,11 @@ def run(args: argparse.Namespace) -> int:
         return _plan_only(args, batch)
     if args.out:
         check_out_file(args.out)
-    if args.threads is not None:
-        if not 1 <= args.threads <= MAX_THREADS:
-            raise ReapError(f"--threads {args.threads}: need an integer in [1, {MAX_THREADS}]")
-        import torch
-
-        torch.set_num_threads(args.threads)
-    engine = Engine.open(
-        args.model,
-        budget=args.budget,
-        preset=args.preset,
-        context=args.context,
-        device=args.device,
-        dtype=args.dtype,
-        batch=batch,
-        prefill_chunk=args.prefill_chunk,
-        direct=args.direct,
-        max_prompt=args.max_prompt,
-        max_generation=args.max_generation,
-    )
+    set_threads(args.threads)
+    engine = Engine.open(args.model, budget=args.budget, preset=args.preset, context=args.context,
+                         device=args.device, dtype=args.dtype, batch=batch,
+                         prefill_chunk=args.prefill_chunk, direct=args.direct,
+                         max_prompt=args.max_prompt, max_generation=args.max_generation)
     with engine:
         if not args.quiet:
             print(engine.plan.describe(), file=sys.stderr)
@@ -269,23 +192,27 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def set_threads(threads: int | None) -> None:
+    """--threads of run, eval and serve: torch's CPU threads (None: torch's choice); ReapError
+    (exit 2) outside [1, MAX_THREADS]."""
+    if threads is None:
+        return
+    if not 1 <= threads <= MAX_THREADS:
+        raise ReapError(f"--threads {threads}: need an integer in [1, {MAX_THREADS}]")
+    import torch
+
+    torch.set_num_threads(threads)
+
+
 def _plan_only(args: argparse.Namespace, batch: int) -> int:
     """Print the memory plan Engine.open would make for MODEL, reading no weight; exit 2 when
     the plan is above the available memory, as a run would be refused."""
     from reap.engine import memory
-    from reap.engine.binding import bind, model_bytes, state_costs
-    from reap.engine.core import _compute_dtype, _make_plan
-    from reap.models.validate import config_source, load_config
+    from reap.engine.binding import plan_checkpoint
 
     model, config, tensors = _plan_tensors(args.model)
-    fam, cfg = load_config(config, config_source(model))
-    torch_dtype = _compute_dtype(args.dtype, cfg)
-    b = bind(tensors, fam, config, model)
-    import torch
-
-    costs = state_costs(fam, cfg, torch.finfo(torch_dtype).bits // 8)
-    mb = model_bytes(tensors, b, costs, fam.top_k(cfg), torch_dtype)
-    plan = _make_plan(mb, args.budget, args.preset, args.context, batch, args.prefill_chunk, None)
+    plan = plan_checkpoint(config, tensors, model, args.dtype, args.budget, args.preset,
+                           args.context, batch, args.prefill_chunk)[-1]
     if args.json:
         print(json.dumps({"model": model, "plan": plan.to_dict()}, indent=1))
     elif not args.quiet:

@@ -27,21 +27,16 @@ import torch
 
 from reap.checkpoint import BufferReader, open_checkpoint
 from reap.engine import memory, native_prefill
-from reap.engine.binding import Binding, bind, model_bytes, state_costs
+from reap.engine.binding import Binding, plan_checkpoint
 from reap.engine.experts import ExpertCache
 from reap.engine.native import NativeDecoder
 from reap.engine.run_metrics import RunMetrics
 from reap.engine.store import IO_KINDS, TrunkStore, embedding_table
 from reap.errors import EXIT_FAILURE, ReapError
-from reap.memstat import available_memory, current_rss
 from reap.models.base import Family, expert_short_names
 from reap.quant import ckernel, dense_kernel
 from reap.quant.mxfp4_decode import BufferPool
 from reap.quant.mxfp4_matmul import MXFP4Kernels, fused_available
-from reap.units import parse_bytes
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-PREFILL_CHUNKS = (512, 256, 128, 64, 32, 16)
 
 
 @dataclass
@@ -99,23 +94,12 @@ class Engine:
         self._table = embedding_table(self.reader, self.binding.embed, pin, self.trunk)
 
     @classmethod
-    def open(
-        cls,
-        model: str | os.PathLike | None = None,
-        budget: str | int | None = None,
-        preset: str | None = None,
-        context: int = 4096,
-        device: str = "cpu",
-        dtype: str | None = None,
-        batch: int = 1,
-        prefill_chunk: int | None = None,
-        direct: bool = False,
-        max_prompt: int = 32768,
-        max_generation: int = 4096,
-        available: int | None = None,
-        baseline: int | None = None,
-        preload: bool = True,
-    ) -> Engine:
+    def open(cls, model: str | os.PathLike | None = None, budget: str | int | None = None,
+             preset: str | None = None, context: int = 4096, device: str = "cpu",
+             dtype: str | None = None, batch: int = 1, prefill_chunk: int | None = None,
+             direct: bool = False, max_prompt: int = 32768, max_generation: int = 4096,
+             available: int | None = None, baseline: int | None = None,
+             preload: bool = True) -> Engine:
         """Bind `model` (a checkpoint directory or URL; None = the bundled default), plan memory
         for `batch` sequences of `context` positions under `budget` (bytes or "8GB") or `preset`,
         refuse a plan above 95 % of available memory (exit 2), then read the pinned trunk (and
@@ -125,17 +109,12 @@ class Engine:
         The budget covers the whole process: `baseline` (default: this process's RSS now, so a
         second engine in the same process sees the first one's memory as already used) plus
         everything the engine holds. `dtype` None/"auto": the checkpoint's (float32 or bf16)."""
-        from reap.models.validate import config_source, load_config
-
         t0 = time.perf_counter()
         _check_device(device)
         ckpt, model = _open_checkpoint(model)
-        fam, cfg = load_config(ckpt.config, config_source(str(model)))
-        torch_dtype = _compute_dtype(dtype, cfg)
-        b = bind(ckpt.tensors, fam, ckpt.config, str(model))
-        costs = state_costs(fam, cfg, torch.finfo(torch_dtype).bits // 8)
-        mb = model_bytes(ckpt.tensors, b, costs, fam.top_k(cfg), torch_dtype)
-        plan = _make_plan(mb, budget, preset, context, batch, prefill_chunk, available, baseline)
+        fam, cfg, b, torch_dtype, mb, plan = plan_checkpoint(
+            ckpt.config, ckpt.tensors, str(model), dtype, budget, preset, context, batch,
+            prefill_chunk, available, baseline)
         memory.check_available(plan, available)
         reader, trunk, experts = _stores(ckpt, fam, cfg, b, plan, direct, device, preload)
         eng = cls(
@@ -153,14 +132,8 @@ class Engine:
     def new_sequence(self) -> SequenceState:
         return SequenceState(self.model.new_caches())
 
-    def step(
-        self,
-        seqs: list[SequenceState],
-        chunks: list[list[int]],
-        all_positions: bool = False,
-        more: bool = True,
-        first: int = 0,
-    ) -> list[torch.Tensor]:
+    def step(self, seqs: list[SequenceState], chunks: list[list[int]], all_positions: bool = False,
+             more: bool = True, first: int = 0) -> list[torch.Tensor]:
         """Advance each sequence by its chunk of token ids (all in lockstep). Returns per
         sequence the next-token logits, float32 on CPU: [T_s, V] if `all_positions` else [V].
         `more`: another step follows (lets the ring read the first layer during the head).
@@ -262,23 +235,16 @@ class Engine:
         names = self.fam.expert_tensor_names(self.cfg, layer, expert)
         # bind() checked every expert tensor is listed; only its bytes failed to load
         shapes = (self.reader.tensors[n].shape for n in names)
-        return {
-            s: torch.zeros(shape, dtype=torch.uint8)
-            for s, shape in zip(expert_short_names(names), shapes)
-        }
+        return {s: torch.zeros(shape, dtype=torch.uint8)
+                for s, shape in zip(expert_short_names(names), shapes)}
 
     # -- accounting ---------------------------------------------------------------------------
     def counters(self) -> dict:
         """A snapshot of the I/O and cache counters (for RunMetrics.add)."""
         io = self.reader.io
-        return {
-            "bytes": dict(io.bytes),
-            "reads": io.reads,
-            "io_seconds": io.seconds,
-            "wait_seconds": self.trunk.stall + self._sync_io,
-            "expert_hits": self.experts.hits,
-            "expert_misses": self.experts.misses,
-        }
+        return {"bytes": dict(io.bytes), "reads": io.reads, "io_seconds": io.seconds,
+                "wait_seconds": self.trunk.stall + self._sync_io,
+                "expert_hits": self.experts.hits, "expert_misses": self.experts.misses}
 
     @property
     def expert_failures(self) -> list[tuple[int, int, str]]:
@@ -345,16 +311,13 @@ def _open_checkpoint(model):
     return ckpt, model
 
 
-def _stores(
-    ckpt, fam, cfg, b: Binding, plan: memory.MemoryPlan, direct: bool, device: str, preload: bool
-):
+def _stores(ckpt, fam, cfg, b: Binding, plan: memory.MemoryPlan, direct: bool, device: str,
+            preload: bool):
     """The reader, the trunk store (pinned units read now) and the expert cache (slab held)."""
     reader = BufferReader(ckpt, direct=direct, kinds=IO_KINDS)
     try:
-        trunk = TrunkStore(
-            reader, b.units, plan.pinned, plan.ring_slots, plan.slot_bytes, device=device,
-            check=b.guard.check_all if b.guard else None,
-        )
+        trunk = TrunkStore(reader, b.units, plan.pinned, plan.ring_slots, plan.slot_bytes,
+                           device=device, check=b.guard.check_all if b.guard else None)
     except ReapError:
         reader.close()
         raise
@@ -378,34 +341,6 @@ def _check_device(device: str) -> None:
         raise ReapError(f"device {device!r} is not supported (cpu or cuda)")
 
 
-def _compute_dtype(dtype: str | None, cfg) -> torch.dtype:
-    if dtype is None or dtype == "auto":
-        dtype = "float32" if cfg.torch_dtype == "float32" else "bfloat16"
-    if dtype not in DTYPES:
-        raise ReapError(f"--dtype must be auto, float32 or bfloat16, got {dtype!r}")
-    return DTYPES[dtype]
-
-
-def _make_plan(
-    mb, budget, preset, context, batch, prefill_chunk, available, baseline=None
-) -> memory.MemoryPlan:
-    if budget is not None and preset is not None:
-        raise ReapError("give --budget or --preset, not both")
-    if context < 1 or batch < 1:
-        raise ReapError(f"--context and batch must be positive (got {context}, {batch})")
-    base = current_rss() if baseline is None else baseline
-    avail = available if available is not None else available_memory()[0]
-    if budget is not None:
-        b = parse_bytes(budget) if isinstance(budget, str) else int(budget)
-        chunk = prefill_chunk or memory.choose_prefill_chunk(mb, context, b, PREFILL_CHUNKS)
-    else:
-        chunk = prefill_chunk or memory.choose_prefill_chunk(mb, context, avail, PREFILL_CHUNKS)
-        b = memory.preset_budget(mb, preset or "max", context, batch, chunk, base)
-        if preset is None:  # no request: the whole model if it fits, else 80 % of available
-            b = min(b, base + int(0.8 * avail))
-    return memory.plan_memory(mb, b, context, batch, chunk, base)
-
-
 def _tokenizer(path):
     from reap.tokenizer import has_tokenizer, load_tokenizer
 
@@ -417,9 +352,8 @@ def _getter(tensors: dict[str, torch.Tensor], where: str):
         try:
             return tensors[name]
         except KeyError:
-            raise ReapError(
-                f"tensor binding failed: {name} is not part of {where}", EXIT_FAILURE
-            ) from None
+            raise ReapError(f"tensor binding failed: {name} is not part of {where}",
+                            EXIT_FAILURE) from None
 
     return get
 

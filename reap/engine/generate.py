@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 
 import torch
 
 from reap.engine.run_metrics import RunMetrics
-from reap.errors import ReapError
+from reap.errors import ReapError, is_int
 from reap.memstat import peak_rss
 
 
@@ -35,6 +35,43 @@ class Request:
     seed: int = 0
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False  # generate max_tokens even past the end-of-text token
+
+
+OPTIONS = ("max_tokens", "temperature", "top_p", "seed", "stop")  # a request's, as Request's
+
+
+class OptionError(ReapError):
+    """A request option of the wrong type or out of range (exit 2); `param` names it."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(f"'{param}' {message}")
+        self.param = param
+
+
+def request_options(d: Mapping, defaults: Mapping, limit: int) -> dict:
+    """The OPTIONS of request `d` (a missing or null one from `defaults`), checked the one way
+    for the engine, `reap run --prompts` lines and the server's bodies: max_tokens an integer in
+    [1, limit], temperature a finite number >= 0, top_p in (0, 1], seed an integer in [0, 2^63)
+    (a JSON 1.5 or true is refused, never truncated), stop a string or a list of strings (a
+    tuple here); OptionError names the first bad one."""
+    o = {k: defaults[k] if d.get(k) is None else d[k] for k in OPTIONS}
+    t, p, stop = o["temperature"], o["top_p"], o["stop"]
+    stop = [stop] if isinstance(stop, str) else stop
+    for ok, param, message in (
+        (is_int(o["max_tokens"]) and 1 <= o["max_tokens"] <= limit, "max_tokens",
+         f"must be an integer in [1, {limit}]"),
+        (_number(t) and 0 <= t < math.inf, "temperature", "must be a finite number >= 0"),
+        (_number(p) and 0 < p <= 1, "top_p", "must be a number in (0, 1]"),
+        (is_int(o["seed"]) and 0 <= o["seed"] < 2**63, "seed", "must be an integer in [0, 2^63)"),
+        (isinstance(stop, list | tuple) and all(isinstance(x, str) for x in stop), "stop",
+         "must be a string or a list of strings")):
+        if not ok:
+            raise OptionError(param, message)
+    return {**o, "temperature": float(t), "top_p": float(p), "stop": tuple(stop)}
+
+
+def _number(v) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
 
 
 @dataclass
@@ -122,10 +159,7 @@ def check_request(engine, r: Request) -> None:
             f"prompt ({len(r.ids)}) + max tokens ({r.max_tokens}) exceed the declared"
             f" context of {engine.context} (--context)"
         )
-    if not (0 < r.top_p <= 1 and 0 <= r.temperature < math.inf):
-        raise ReapError(
-            f"need temperature >= 0 and 0 < top_p <= 1 (got {r.temperature}, {r.top_p})"
-        )
+    request_options({k: getattr(r, k) for k in OPTIONS}, {}, engine.max_generation)
 
 
 def _prefill(

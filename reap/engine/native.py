@@ -108,7 +108,7 @@ class NativeDecoder:
         """`Engine.step` for one token per sequence (see `usable`)."""
         eng = self.eng
         self.lib.reap_pool_size(ckernel.threads())
-        self.lib.reap_pool_spin(step_kernel.SPINS)  # many small jobs follow each other
+        self.lib.reap_pool_spin(ckernel.SPINS)  # many small jobs follow each other
         if self.whole(seqs):
             out = [self._token(seqs[0], chunks[0][0])]
         else:
@@ -151,18 +151,14 @@ class NativeDecoder:
             ptr.update(q_norm=units[p + spec.qk_norms[0]].data_ptr(),
                        k_norm=units[p + spec.qk_norms[1]].data_ptr())  # fmt: skip
         router = units[p + spec.router] if spec.router else None
-        ptr.update(router=router.data_ptr() if router is not None else 0,
-                   e=router.shape[0] if router is not None else 0)  # fmt: skip
-        for k, v in ptr.items():
-            a[_A[k]] = v
-        D = units[p + spec.norms[0]].shape[0]
-        for k, v in (("d", D), ("heads", spec.heads), ("kv_heads", spec.kv_heads),
-                     ("dh", spec.dk), ("rot", 2 * spec.rotary.inv_freq.shape[0]),
-                     ("qk", 0 if not spec.qk_norms else 1 if spec.qk_per_head else 2),
-                     ("window", spec.window or 0), ("k", spec.top_k),
-                     ("renorm", int(spec.renormalize)), ("wbf16", int(self.wbf16)),
-                     ("rnd", int(self.rnd))):  # fmt: skip
-            a[_A[k]] = v
+        step_kernel.put(
+            a, _A, **ptr, router=router.data_ptr() if router is not None else 0,
+            e=router.shape[0] if router is not None else 0, d=units[p + spec.norms[0]].shape[0],
+            heads=spec.heads, kv_heads=spec.kv_heads, dh=spec.dk, window=spec.window or 0,
+            rot=2 * spec.rotary.inv_freq.shape[0], k=spec.top_k, renorm=int(spec.renormalize),
+            qk=0 if not spec.qk_norms else 1 if spec.qk_per_head else 2,
+            wbf16=int(self.wbf16), rnd=int(self.rnd),
+        )  # fmt: skip
         self._static[i] = (units, a)
         return a
 
@@ -233,11 +229,14 @@ class NativeDecoder:
         self.lib.reap_moe_prefill_scratch(N, K, E, F, D, sizes)
         ints, floats = self._moe_scratch(sizes[0], sizes[1])
         xf, ids, w = flat.float().contiguous(), ids.contiguous(), weights.float().contiguous()
-        args = (ctypes.c_int64 * 15)(
-            xf.data_ptr(), y.data_ptr(), ids.data_ptr(), w.data_ptr(), table.data_ptr(), N, K,
-            E, F, D, int(self.wbf16), int(self.rnd), floats.data_ptr(), ints.data_ptr(), int(add),
+        args = step_kernel.pack(
+            step_kernel.PREFILL, x=xf.data_ptr(), y=y.data_ptr(), ids=ids.data_ptr(),
+            weights=w.data_ptr(), table=table.data_ptr(), n=N, k=K, e=E, f=F, d=D,
+            wbf16=int(self.wbf16), rnd=int(self.rnd), floats=floats.data_ptr(),
+            ints=ints.data_ptr(), add=int(add),
         )  # fmt: skip
-        step_kernel.pooled(self.lib, self.lib.reap_moe_prefill, args)
+        with ckernel.spinning(self.lib):
+            self.lib.reap_moe_prefill(args)
         return y
 
     def _moe_scratch(self, ints: int, floats: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -271,10 +270,9 @@ class NativeDecoder:
         kc, vc = cache.room((1, Hkv, 1, Dh), (1, Hkv, 1, Dh), self.eng.dtype)
         pos = cache.length
         cos, sin = spec.rotary.table(pos + 1)
-        for k, t in (("h", h), ("x2", self._x2), ("cos", cos), ("sin", sin), ("kc", kc),
-                     ("vc", vc), ("ids", self._ids), ("weights", self._wts)):  # fmt: skip
-            a[_A[k]] = t.data_ptr()
-        a[_A["cap"]], a[_A["pos"]] = kc.shape[2], pos
+        ts = {"h": h, "x2": self._x2, "cos": cos, "sin": sin, "kc": kc, "vc": vc,
+              "ids": self._ids, "weights": self._wts}  # fmt: skip
+        step_kernel.put(a, _A, **{k: t.data_ptr() for k, t in ts.items()}, cap=kc.shape[2], pos=pos)
         room = min(kc.shape[2], cos.shape[0])
         need = 2 * D + 2 * H * Dh + 2 * Hkv * Dh + max(H * room, 2 * a[_A["e"]]) + 64
         return need, room, (kc, vc, cos, sin)
@@ -302,20 +300,15 @@ class NativeDecoder:
             self._ptrs[0][k], self._ptrs[1][k] = g.data_ptr(), u.data_ptr()
             self._ptrs[2][k], self._w[k] = d.data_ptr(), weights[k]
         self._point_mlp(h, scratch)
-        for k, v in (("k", len(triples)), ("f", F), ("weights", ctypes.addressof(self._w)),
-                     ("gate", ctypes.addressof(self._ptrs[0])),
-                     ("up", ctypes.addressof(self._ptrs[1])),
-                     ("down", ctypes.addressof(self._ptrs[2]))):  # fmt: skip
-            m[_M[k]] = v
+        ptrs = {k: ctypes.addressof(p) for k, p in zip(("gate", "up", "down"), self._ptrs)}
+        step_kernel.put(m, _M, k=len(triples), f=F, weights=ctypes.addressof(self._w), **ptrs)
         self.lib.reap_moe_step(m)
 
     def _point_mlp(self, h: torch.Tensor, scratch: torch.Tensor) -> None:
         """The MLP argument block's fields for one sequence: its input (_x2), the residual h,
         the scratch, the width and rounding (the experts and their count are set per call)."""
-        for k, v in (("x2", self._x2.data_ptr()), ("h", h.data_ptr()),
-                     ("scratch", scratch.data_ptr()), ("d", h.shape[0]),
-                     ("wbf16", int(self.wbf16)), ("rnd", int(self.rnd))):  # fmt: skip
-            self._moe[_M[k]] = v
+        step_kernel.put(self._moe, _M, x2=self._x2.data_ptr(), h=h.data_ptr(), d=h.shape[0],
+                        scratch=scratch.data_ptr(), wbf16=int(self.wbf16), rnd=int(self.rnd))
 
     def _head(self, units: dict, h: torch.Tensor) -> torch.Tensor:
         """Final norm and head of one sequence -> logits [V] fp32 (bf16 values with bf16

@@ -22,7 +22,7 @@ import torch
 
 from reap.engine import native
 from reap.models import base
-from reap.quant import step_kernel
+from reap.quant import ckernel, step_kernel
 
 _A = step_kernel.ATTN
 
@@ -40,7 +40,7 @@ def step(nd, seqs, chunks, all_positions: bool, more: bool, first: int) -> list[
     states = nd.eng._embed(chunks)
     hs = [st.hidden.reshape(-1, st.hidden.shape[-1]).to(torch.float32, copy=True)
           for st in states]  # fmt: skip  # [T, D] each, updated in place
-    with step_kernel.spinning(nd.lib):  # the kernels' jobs follow each other closely
+    with ckernel.spinning(nd.lib):  # the kernels' jobs follow each other closely
         for i, spec in enumerate(nd.specs):
             _layer(nd, i, spec, seqs, hs)
     return _head(nd, seqs, states, hs, all_positions, more, first)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 
-from reap.engine.cli import MAX_THREADS
+from reap.engine.cli import set_threads
 from reap.engine.memory import PRESETS
 from reap.errors import ReapError
 
@@ -26,84 +26,40 @@ memory plan refused), 3 a result file could not be written, 4 a routed expert fa
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Arguments of `reap eval`."""
     p.epilog = EXIT_CODES
-    p.add_argument(
-        "builds",
-        nargs="+",
-        metavar="BUILD",
-        help="checkpoint directory to compare (LABEL=DIR names its column)",
-    )
-    p.add_argument(
-        "--reference",
-        required=True,
-        metavar="FULL",
-        help="the reference checkpoint (its tokenizer encodes documents and prompts)",
-    )
-    p.add_argument(
-        "--corpus",
-        default="",
-        help="comma-separated corpora whose eval split is scored, e.g. zh,en,code "
-        "(`reap corpora list`); empty: generations only",
-    )
+    p.add_argument("builds", nargs="+", metavar="BUILD",
+                   help="checkpoint directory to compare (LABEL=DIR names its column)")
+    p.add_argument("--reference", required=True, metavar="FULL",
+                   help="the reference checkpoint (its tokenizer encodes documents and prompts)")
+    p.add_argument("--corpus", default="",
+                   help="comma-separated corpora whose eval split is scored, e.g. zh,en,code "
+                        "(`reap corpora list`); empty: generations only")
     p.add_argument("--out", required=True, help="output directory (cache in OUT/cache)")
-    p.add_argument(
-        "--max-docs",
-        type=int,
-        default=None,
-        help="documents per corpus (first N in a fixed hash order; default all)",
-    )
-    p.add_argument(
-        "--max-tokens-per-doc", type=int, default=512, help="tokens read per document (default 512)"
-    )
-    p.add_argument(
-        "--prompts",
-        metavar="FILE.jsonl",
-        default=None,
-        help='prompt set, one {"id","domain","prompt"} per line (default: the '
-        "shipped sets in corpora/prompts)",
-    )
-    p.add_argument(
-        "--gen-domains",
-        default=None,
-        help="comma-separated prompt domains to generate for (default: all)",
-    )
-    p.add_argument(
-        "--gen-tokens",
-        type=int,
-        default=64,
-        help="tokens generated per prompt, greedy (default 64; 0: no generations)",
-    )
+    p.add_argument("--max-docs", type=int, default=None,
+                   help="documents per corpus (first N in a fixed hash order; default all)")
+    p.add_argument("--max-tokens-per-doc", type=int, default=512,
+                   help="tokens read per document (default 512)")
+    p.add_argument("--prompts", metavar="FILE.jsonl", default=None,
+                   help='prompt set, one {"id","domain","prompt"} per line (default: the '
+                        "shipped sets in corpora/prompts)")
+    p.add_argument("--gen-domains", default=None,
+                   help="comma-separated prompt domains to generate for (default: all)")
+    p.add_argument("--gen-tokens", type=int, default=64,
+                   help="tokens generated per prompt, greedy (default 64; 0: no generations)")
     mem = p.add_mutually_exclusive_group()
-    mem.add_argument(
-        "--budget",
-        help="RAM budget of the whole process, e.g. 64GB (split "
-        "between the reference and the build being evaluated)",
-    )
-    mem.add_argument(
-        "--preset", choices=list(PRESETS), help="engine memory preset, applied to each engine"
-    )
-    p.add_argument(
-        "--bootstrap",
-        type=int,
-        default=1000,
-        help="bootstrap replicates for the intervals (default 1000; 0: none)",
-    )
+    mem.add_argument("--budget", help="RAM budget of the whole process, e.g. 64GB (split "
+                                      "between the reference and the build being evaluated)")
+    mem.add_argument("--preset", choices=list(PRESETS),
+                     help="engine memory preset, applied to each engine")
+    p.add_argument("--bootstrap", type=int, default=1000,
+                   help="bootstrap replicates for the intervals (default 1000; 0: none)")
     p.add_argument("--batch", type=int, default=4, help="documents scored in lockstep (4)")
     p.add_argument("--gen-batch", type=int, default=16, help="prompts decoded in lockstep (16)")
     p.add_argument("--device", default="auto", help="auto (cuda when available), cpu or cuda")
-    p.add_argument(
-        "--dtype",
-        default="auto",
-        choices=["auto", "float32", "bfloat16"],
-        help="compute dtype (auto: float32 for float32 checkpoints, else bfloat16)",
-    )
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="compute dtype (auto: float32 for float32 checkpoints, else bfloat16)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots (faster)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
-                   help="run the (build x domain) tasks on a Ray cluster (ADDRESS, default: "
-                   "RAY_ADDRESS or a new local one; needs pip install -e \".[distributed]\")")
-    p.add_argument("--workers", type=int, default=2,
-                   help="with --ray: tasks at once, each within --budget (default 2)")
 
 
 def _positive(name: str, v: int | None, zero_ok: bool = False) -> None:
@@ -117,51 +73,25 @@ def _list(text: str | None) -> list[str] | None:
     return [t.strip() for t in text.split(",") if t.strip()]
 
 
-def run(args: argparse.Namespace) -> int:
-    """Run the evaluation and print where the report is; returns the exit code."""
+def run(args: argparse.Namespace, run_tasks=None) -> int:
+    """Run the evaluation and print where the report is; returns the exit code. `run_tasks`:
+    `evaluate`'s (`reap eval --ray` passes Ray's: `reap.distributed.cli`)."""
     from reap.eval.pipeline import evaluate
     from reap.fileio import check_out_dir
 
-    for name in ("max_docs", "max_tokens_per_doc", "batch", "gen_batch", "threads"):
+    for name in ("max_docs", "max_tokens_per_doc", "batch", "gen_batch"):
         _positive("--" + name.replace("_", "-"), getattr(args, name))
     for name in ("gen_tokens", "bootstrap"):
         _positive("--" + name.replace("_", "-"), getattr(args, name), zero_ok=True)
-    if args.threads is not None and args.threads > MAX_THREADS:
-        raise ReapError(f"--threads {args.threads}: need an integer in [1, {MAX_THREADS}]")
     check_out_dir(args.out)
-    run_tasks = None
-    if args.ray is not None:
-        from reap.distributed import require_ray
-        from reap.distributed.eval import ray_runner
-
-        require_ray()
-        _positive("--workers", args.workers)
-        run_tasks = ray_runner(args.ray or None, args.workers)
-    if args.threads is not None:
-        import torch
-
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     results = evaluate(
-        builds=args.builds,
-        reference=args.reference,
-        corpora=_list(args.corpus) or [],
-        out=args.out,
-        max_docs=args.max_docs,
-        max_tokens_per_doc=args.max_tokens_per_doc,
-        prompts=args.prompts,
-        gen_domains=_list(args.gen_domains),
-        gen_tokens=args.gen_tokens,
-        budget=args.budget,
-        preset=args.preset,
-        device=args.device,
-        dtype=args.dtype,
-        bootstrap=args.bootstrap,
-        batch=args.batch,
-        gen_batch=args.gen_batch,
-        progress=not args.quiet,
-        plots=not args.no_plots,
-        run_tasks=run_tasks,
-    )
+        builds=args.builds, reference=args.reference, corpora=_list(args.corpus) or [],
+        out=args.out, max_docs=args.max_docs, max_tokens_per_doc=args.max_tokens_per_doc,
+        prompts=args.prompts, gen_domains=_list(args.gen_domains), gen_tokens=args.gen_tokens,
+        budget=args.budget, preset=args.preset, device=args.device, dtype=args.dtype,
+        bootstrap=args.bootstrap, batch=args.batch, gen_batch=args.gen_batch,
+        progress=not args.quiet, plots=not args.no_plots, run_tasks=run_tasks)
     c = results["cache"]
     print(f"{args.out}/report.md  ({c['hits']} cached, {c['misses']} computed results)")
     return 0

@@ -15,12 +15,18 @@ progress bar counts every token to be read or generated.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from reap.errors import ExpertLoadError
 from reap.eval.builds import Engines
 from reap.eval.cache import Cache, check_out_dir
+from reap.eval.page import html_report
+from reap.eval.report import markdown_generations, markdown_report, write_plots
 from reap.eval.results import results_document
 from reap.eval.tasks import make_tasks, run_with_progress
 from reap.eval.workload import prepare_workload
+from reap.fileio import write_atomic
 
 
 def evaluate(
@@ -50,26 +56,14 @@ def evaluate(
     Raises ExpertLoadError (exit 4) after writing if a routed expert failed to load.
     run_tasks: what computes the uncached tasks (default `tasks.run_with_progress`; `reap eval
     --ray` passes `reap.distributed.eval.ray_runner`), same arguments."""
-    from reap.eval.report import write_report
-
     outdir = check_out_dir(out)
     w = prepare_workload(
         builds, reference, corpora, max_docs, max_tokens_per_doc, prompts, gen_domains, gen_tokens
     )
-    args = {
-        "corpora": list(corpora),
-        "max_docs": max_docs,
-        "max_tokens_per_doc": max_tokens_per_doc,
-        "gen_domains": gen_domains,
-        "gen_tokens": gen_tokens,
-        "budget": budget,
-        "preset": preset,
-        "device": _device(device),
-        "dtype": dtype,
-        "bootstrap": bootstrap,
-        "batch": batch,
-        "gen_batch": gen_batch,
-    }
+    args = dict(corpora=list(corpora), max_docs=max_docs, max_tokens_per_doc=max_tokens_per_doc,
+                gen_domains=gen_domains, gen_tokens=gen_tokens, budget=budget, preset=preset,
+                device=_device(device), dtype=dtype, bootstrap=bootstrap, batch=batch,
+                gen_batch=gen_batch)
     tasks = make_tasks(w, args)
     cache = Cache(outdir)
     for t in tasks:
@@ -96,3 +90,19 @@ def _device(device: str) -> str:
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def write_report(results: dict, out: str | Path, plots: bool = True) -> dict[str, str]:
+    """Write every output file (listed in `reap.eval.report`; no plots with `plots=False`);
+    returns name -> path."""
+    out = Path(out)
+    pngs = write_plots(results, out) if plots else {}
+    files = {
+        "results.json": json.dumps(results, indent=1, ensure_ascii=False) + "\n",
+        "report.md": markdown_report(results, list(pngs)),
+        "generations.md": markdown_generations(results),
+        "report.html": html_report(results, pngs),
+    }
+    for name, text in files.items():
+        write_atomic(out / name, text)
+    return {name: str(out / name) for name in [*files, *(f"plots/{p}.png" for p in pngs)]}

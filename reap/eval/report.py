@@ -6,7 +6,8 @@
     <out>/report.html      self-contained page: tables, plots (inline PNG), generations in columns
     <out>/plots/<metric>.png   one grouped bar plot per metric (domains x builds, 95 % intervals)
 
-Every file is written atomically. `write_report(results, out)` rewrites all of them.
+Every file is written atomically; `reap.eval.pipeline.write_report(results, out)` rewrites all
+of them (the HTML page: `reap.eval.page`).
 """
 
 from __future__ import annotations
@@ -246,21 +247,3 @@ def write_plots(results: dict, out: Path) -> dict[str, bytes]:
             write_atomic(out / "plots" / f"{name}.png", png)
             pngs[name] = png
     return pngs
-
-
-def write_report(results: dict, out: str | Path, plots: bool = True) -> dict[str, str]:
-    """Write every output file (see the module docstring; no plots with `plots=False`);
-    returns name -> path."""
-    from reap.eval.page import html_report
-
-    out = Path(out)
-    pngs = write_plots(results, out) if plots else {}
-    files = {
-        "results.json": json.dumps(results, indent=1, ensure_ascii=False) + "\n",
-        "report.md": markdown_report(results, list(pngs)),
-        "generations.md": markdown_generations(results),
-        "report.html": html_report(results, pngs),
-    }
-    for name, text in files.items():
-        write_atomic(out / name, text)
-    return {name: str(out / name) for name in [*files, *(f"plots/{p}.png" for p in pngs)]}

@@ -69,11 +69,10 @@ def make_tasks(w: Workload, args: dict) -> list[Task]:
     return out
 
 
-def _work(t: Task, docs: dict, prompts) -> int:
-    """Tokens a task reads or generates (for the progress bar)."""
-    if t.kind == "quality":
-        return sum(len(d.ids) - 1 for d in docs[t.corpus])
-    return len(prompts) * t.fields["gen_tokens"]
+def total_tokens(todo: list[Task], w: Workload) -> int:
+    """Tokens the tasks read or generate (for the progress bar)."""
+    return sum(sum(len(d.ids) - 1 for d in w.docs[t.corpus]) if t.kind == "quality"
+               else len(w.prompts) * t.fields["gen_tokens"] for t in todo)
 
 
 def run_with_progress(
@@ -82,17 +81,15 @@ def run_with_progress(
     """Run the uncached tasks under one progress bar (tokens read or generated, with ETA)."""
     from tqdm import tqdm
 
-    total = sum(_work(t, w.docs, w.prompts) for t in todo)
-    with tqdm(
-        total=total, unit="tok", desc="eval", disable=not progress or not todo, dynamic_ncols=True
-    ) as bar:
+    with tqdm(total=total_tokens(todo, w), unit="tok", desc="eval",
+              disable=not progress or not todo, dynamic_ncols=True) as bar:
         try:
-            _run_tasks(todo, w, engines, opts, cache, bar)
+            compute_tasks(todo, w, engines, opts, cache, bar)
         finally:
             engines.close()
 
 
-def _run_tasks(
+def compute_tasks(
     todo: list[Task], w: Workload, engines: Engines, opts: dict, cache: Cache, bar
 ) -> None:
     """Compute the uncached tasks, one build engine open at a time, caching each result."""

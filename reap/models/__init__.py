@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import functools
 import importlib
+import os
 from types import ModuleType
 
 from reap.errors import ReapError
@@ -189,6 +190,18 @@ def family(config_dict: dict) -> ModuleType:
         known = ", ".join(sorted(FAMILIES))
         raise ConfigError("model_type", f"unsupported model_type {mt!r} (supported: {known})")
     return load_family(FAMILIES[mt])
+
+
+def load_config(config: dict, path: str | os.PathLike):
+    """(family module, validated Config) of the config.json dict of the checkpoint at `path`;
+    any `ConfigError` names that file."""
+    from reap.models.validate import ConfigError, config_source
+
+    try:
+        fam = family(config)
+        return fam, fam.Config.from_dict(config)
+    except ConfigError as e:
+        raise e.at(config_source(path)) from None
 
 
 @functools.cache

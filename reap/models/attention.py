@@ -201,15 +201,8 @@ class KVCache:
         self.length += n
 
 
-def gqa_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    cache: KVCache | None,
-    scale: float,
-    sinks: Tensor | None = None,
-    window: int | None = None,
-) -> Tensor:
+def gqa_attention(q: Tensor, k: Tensor, v: Tensor, cache: KVCache | None, scale: float,
+                  sinks: Tensor | None = None, window: int | None = None) -> Tensor:
     """Causal grouped-query attention of T new queries over the cache plus the T new keys.
 
     q [B, T, H, Dk], k [B, T, Hkv, Dk], v [B, T, Hkv, Dv] -> [B, T, H, Dv]; appends k/v to
@@ -247,15 +240,8 @@ def _visible(T: int, S: int, window: int | None) -> Tensor | None:
     return visible
 
 
-def gqa_attention_reference(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    cache: KVCache | None,
-    scale: float,
-    sinks: Tensor | None = None,
-    window: int | None = None,
-) -> Tensor:
+def gqa_attention_reference(q: Tensor, k: Tensor, v: Tensor, cache: KVCache | None, scale: float,
+                            sinks: Tensor | None = None, window: int | None = None) -> Tensor:
     """`gqa_attention` op by op: scores in the compute dtype, masked, softmax in fp32 (with the
     sink column), probabilities cast back, times the values."""
     Bn, T, H, _ = q.shape

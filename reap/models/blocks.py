@@ -21,11 +21,14 @@ from torch.nn.functional import silu
 
 from reap.models import base
 from reap.models.base import ExpertSource, LayerModel, MoERecord, Observer, State, Weights
-from reap.quant import dense_kernel
+from reap.quant import ckernel, dense_kernel
 from reap.quant.matrix import Matrix
 
 Tensor = torch.Tensor
 WeightFn = Callable[[str], Tensor]  # short name -> tensor in the compute dtype/device
+ToModel = Callable[[Tensor], Tensor]  # an expert's output [M, Dl] -> model space [M, D]
+RunExpert = Callable[[Tensor, Mapping[str, Tensor]], Tensor]  # (x_e [M, Dx], tensors) -> [M, Dx]
+FAST_SWIGLU = True  # False: every SwiGLU op by op (`silu_glu_reference`), for the tests
 
 
 # -- elementwise and dense ---------------------------------------------------------------------
@@ -63,9 +66,8 @@ def situ(x: Tensor, gate: Tensor, beta: float, linear_beta: float | None) -> Ten
     return (a * xf).to(x.dtype)
 
 
-def glu_mlp(
-    x: Tensor, gate_w: Matrix, up_w: Matrix, down_w: Matrix, beta: float, linear_beta: float | None
-) -> Tensor:
+def glu_mlp(x: Tensor, gate_w: Matrix, up_w: Matrix, down_w: Matrix, beta: float,
+            linear_beta: float | None) -> Tensor:
     """down(situ(up(x), gate(x))): [..., D] -> [..., D] (weights [F, D], [F, D], [D, F])."""
     return linear(situ(linear(x, up_w), linear(x, gate_w), beta, linear_beta), down_w)
 
@@ -75,17 +77,10 @@ def silu_glu(x: Tensor, gate_w: Matrix, up_w: Matrix, down_w: Matrix) -> Tensor:
     (weights [F, D], [F, D], [D, F]). A few tokens with dense bf16/fp32 weights of their dtype
     (decode's experts) run as two compiled calls (`dense_kernel.swiglu`);
     `silu_glu_reference` is the op-by-op path."""
-    if (
-        FAST_SWIGLU
-        and isinstance(gate_w, Tensor)
-        and isinstance(up_w, Tensor)
-        and dense_kernel.swiglu_usable(x, gate_w, up_w, down_w)
-    ):
+    dense = isinstance(gate_w, Tensor) and isinstance(up_w, Tensor)
+    if FAST_SWIGLU and dense and dense_kernel.swiglu_usable(x, gate_w, up_w, down_w):
         return dense_kernel.swiglu(x, gate_w, up_w, down_w)
     return silu_glu_reference(x, gate_w, up_w, down_w)
-
-
-FAST_SWIGLU = True  # False: every SwiGLU op by op (`silu_glu_reference`), for the tests
 
 
 def silu_glu_reference(x: Tensor, gate_w: Matrix, up_w: Matrix, down_w: Matrix) -> Tensor:
@@ -104,10 +99,8 @@ def softmax_topk(logits: Tensor, top_k: int, renormalize: bool) -> tuple[Tensor,
     return ids, weights, probs
 
 
-def grouped_route(
-    logits: Tensor, bias: Tensor, top_k: int, n_group: int, topk_group: int, scaling: float,
-    renormalize: bool,
-) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+def grouped_route(logits: Tensor, bias: Tensor, top_k: int, n_group: int, topk_group: int,
+                  scaling: float, renormalize: bool) -> tuple[Tensor, Tensor, Tensor]:
     """DeepSeek-V3 routing: logits [N, E] -> (ids [N, K] int64, weights [N, K] fp32, probs [N, E]
     fp32 sigmoid scores). Selection uses probs + bias, only among the `topk_group` groups with the
     largest sum of their two best biased scores; weights are the unbiased scores of the chosen,
@@ -140,14 +133,11 @@ class ExpertOutputs:
     latent_gram: Tensor | None = None  # [N, K, K] <o_i, o_j> / Dl (o_e's mean products), with it
 
 
-def dispatch(
-    xl: Tensor,
-    ids: Tensor,
-    weights: Tensor,
-    run: Callable[[int, Tensor], Tensor],
-    to_model: Callable[[Tensor], Tensor] | None = None,
-    gram: bool = False,
-) -> tuple[Tensor, ExpertOutputs | None]:
+Outputs = ExpertOutputs | None
+
+
+def dispatch(xl: Tensor, ids: Tensor, weights: Tensor, run: Callable[[int, Tensor], Tensor],
+             to_model: ToModel | None = None, gram: bool = False) -> tuple[Tensor, Outputs]:
     """Expert-major MoE: each used expert, in ascending id order, runs once on all its tokens;
     weighted outputs accumulate in that order (fp32). xl [N, Dl], ids/weights [N, K],
     run(e, x [M, Dl]) -> [M, Dl]. With `to_model`, also measures each output, and with `gram`
@@ -162,8 +152,6 @@ def dispatch(
 
 
 FAST_ONE_TOKEN = True  # False: every dispatch sorts (`dispatch_reference`), for the tests
-MOE_THREADS: int | None = None  # threads of the one-token expert loop (None: torch's count)
-_POOL: list = []  # [ThreadPoolExecutor] once a multi-threaded decode asked for one
 
 
 def _accumulate(xl: Tensor, weights: Tensor, order, outs) -> Tensor:
@@ -178,39 +166,28 @@ def _accumulate(xl: Tensor, weights: Tensor, order, outs) -> Tensor:
 def _one_token(x: Tensor, ids: Tensor, weights: Tensor, layer: int, experts, run) -> Tensor:
     """`dispatch` of one token through an ExpertSource: the experts are fetched in ascending
     order on this thread (the source's bookkeeping is not thread-safe), then, with dense
-    weights and several torch threads, their outputs computed in that many threads (the
+    weights and several torch threads, their outputs computed on the kernels' pool (the
     compiled GEMVs release the GIL) and summed here in ascending order: the same numbers as
     one thread."""
     order = sorted(zip(ids[0].tolist(), range(ids.shape[1])))  # (expert, slot) ascending
     tensors = [experts(layer, e) for e, _ in order]
-    n = min(MOE_THREADS or torch.get_num_threads(), len(order))
+    n = min(torch.get_num_threads(), len(order))
     dense = all(isinstance(t, Tensor) for ts in tensors for t in ts.values())
     if n < 2 or not dense or x.device.type != "cpu":
         return _accumulate(x, weights, order, [run(x, t) for t in tensors])
-    if not _POOL or _POOL[0]._max_workers < n:
-        from concurrent.futures import ThreadPoolExecutor
+    outs, grad = [None] * len(tensors), torch.is_grad_enabled()
 
-        _POOL[:] = [ThreadPoolExecutor(n, thread_name_prefix="reap-moe")]
-    cuts = [len(order) * i // n for i in range(n + 1)]
-    parts = [tensors[cuts[i] : cuts[i + 1]] for i in range(n)]
-    grad = torch.is_grad_enabled()
-
-    def work(ts):
+    def work(a: int, b: int) -> None:
         with torch.inference_mode(not grad):  # thread-local: the caller's mode, here too
-            return [run(x, t) for t in ts]
+            outs[a:b] = [run(x, t) for t in tensors[a:b]]
 
-    futs = [_POOL[0].submit(work, p) for p in parts]
-    return _accumulate(x, weights, order, [o for f in futs for o in f.result()])
+    ckernel.parallel(work, len(tensors), len(tensors) // n)  # about n ranges, on the pool
+    return _accumulate(x, weights, order, outs)
 
 
-def dispatch_reference(
-    xl: Tensor,
-    ids: Tensor,
-    weights: Tensor,
-    run: Callable[[int, Tensor], Tensor],
-    to_model: Callable[[Tensor], Tensor] | None = None,
-    gram: bool = False,
-) -> tuple[Tensor, ExpertOutputs | None]:
+def dispatch_reference(xl: Tensor, ids: Tensor, weights: Tensor,
+                       run: Callable[[int, Tensor], Tensor], to_model: ToModel | None = None,
+                       gram: bool = False) -> tuple[Tensor, Outputs]:
     """`dispatch` for any number of tokens: sort the (token, slot) pairs by expert, run each
     expert once on its tokens, scatter-add the weighted outputs."""
     N, K = ids.shape
@@ -242,7 +219,7 @@ def dispatch_reference(
 GRAM_CHUNK = 1024  # tokens per to_model call of `output_gram` (bounds its [n, K, D] temporary)
 
 
-def output_gram(outs: Tensor, to_model: Callable[[Tensor], Tensor]) -> Tensor:
+def output_gram(outs: Tensor, to_model: ToModel) -> Tensor:
     """Per-token Gram of expert outputs mapped to the model space: outs [N, K, Dl] ->
     G [N, K, K] fp32, G[n, i, j] = <to_model(outs[n, i]), to_model(outs[n, j])>; to_model runs
     on GRAM_CHUNK tokens at a time."""
@@ -255,16 +232,9 @@ def output_gram(outs: Tensor, to_model: Callable[[Tensor], Tensor]) -> Tensor:
     return G
 
 
-def routed_experts(
-    x: Tensor,
-    ids: Tensor,
-    weights: Tensor,
-    layer: int,
-    experts: ExpertSource,
-    run: Callable[[Tensor, Mapping[str, Tensor]], Tensor],
-    to_model: Callable[[Tensor], Tensor] | None = None,
-    gram: bool = False,
-) -> tuple[Tensor, ExpertOutputs | None]:
+def routed_experts(x: Tensor, ids: Tensor, weights: Tensor, layer: int, experts: ExpertSource,
+                   run: RunExpert, to_model: ToModel | None = None,
+                   gram: bool = False) -> tuple[Tensor, Outputs]:
     """The routed part of any MoE layer: x [N, Dx], ids/weights [N, K] -> (y [N, Dx] fp32,
     per-slot output facts when `to_model` is given, their Gram too with `gram`). Lets a
     streaming source prefetch every expert it will be asked for, then runs
@@ -277,16 +247,9 @@ def routed_experts(
     return dispatch(x, ids, weights, lambda e, xs: run(xs, experts(layer, e)), to_model, gram)
 
 
-def model_width_experts(
-    x: Tensor,
-    ids: Tensor,
-    weights: Tensor,
-    probs: Tensor,
-    layer: int,
-    experts: ExpertSource,
-    run: Callable[[Tensor, Mapping[str, Tensor]], Tensor],
-    observer: Observer | None = None,
-) -> Tensor:
+def model_width_experts(x: Tensor, ids: Tensor, weights: Tensor, probs: Tensor, layer: int,
+                        experts: ExpertSource, run: RunExpert,
+                        observer: Observer | None = None) -> Tensor:
     """`routed_experts` then `report_moe` for experts that work in the model width (no latent
     projection or norm after them, so an expert's model_norm is its own output's norm):
     x [N, D] -> y [N, D] fp32, the weighted sum of the routed experts' outputs."""
@@ -304,16 +267,8 @@ def wanted(observer: Observer | None) -> tuple[bool, bool]:
     return norms, norms and bool(getattr(observer, "wants_gram", False))
 
 
-def report_moe(
-    observer: Observer | None,
-    layer: int,
-    ids: Tensor,
-    weights: Tensor,
-    probs: Tensor,
-    stats: ExpertOutputs | None,
-    rms: Tensor | None = None,
-    norm_eps: float | None = None,
-) -> None:
+def report_moe(observer: Observer | None, layer: int, ids: Tensor, weights: Tensor, probs: Tensor,
+               stats: Outputs, rms: Tensor | None = None, norm_eps: float | None = None) -> None:
     """Send one layer's routing (and output norms and Gram, divided by a per-token `rms` [N]
     (the Gram by rms^2) when the routed sum is scaled by it before it reaches the model) to the
     observer, if any. `norm_eps`: the routed sum y is RMS-normalized, rms = sqrt(mean(y^2) +
@@ -326,8 +281,8 @@ def report_moe(
         rec.latent_norm, rec.max_act = stats.latent_norm, stats.max_act
         rec.model_norm = stats.model_norm if rms is None else stats.model_norm / rms[:, None]
         if stats.gram is not None:
-            ms = torch.ones_like(ids[:, 0], dtype=torch.float32) if rms is None else rms.float()
-            ms = ms.pow(2)  # [N]
+            one = torch.ones_like(ids[:, 0], dtype=torch.float32)
+            ms = (one if rms is None else rms.float()).pow(2)  # [N]
             rec.gram = stats.gram / ms[:, None, None]
             if norm_eps is not None:
                 rec.norm_gram = stats.latent_gram / ms[:, None, None]
@@ -384,10 +339,7 @@ class PreNormModel(LayerModel):
         return [self.cache_type() for _ in range(self.n_layers)]
 
     def _w(self, get: Weights, prefix: str) -> WeightFn:
-        def w(name: str) -> Tensor:
-            return get(prefix + name).to(self.device, self.dtype)
-
-        return w
+        return lambda name: get(prefix + name).to(self.device, self.dtype)
 
     def embed(self, get: Weights, ids: Tensor) -> State:
         """ids [B, T] int -> State with hidden [B, T, D] (only the used rows are cast)."""
@@ -401,14 +353,8 @@ class PreNormModel(LayerModel):
         h = state.hidden + self._attention(i, get, x, cache)
         return State(h), rms_norm(h, w("post_attention_layernorm.weight"), eps)
 
-    def mlp_block(
-        self,
-        i: int,
-        get: Weights,
-        x: Tensor,
-        experts: ExpertSource | None = None,
-        observer: Observer | None = None,
-    ) -> Tensor:
+    def mlp_block(self, i: int, get: Weights, x: Tensor, experts: ExpertSource | None = None,
+                  observer: Observer | None = None) -> Tensor:
         """The dense MLP or the MoE of layer i: x [B, T, D] -> [B, T, D]."""
         if not self.is_moe(i):
             return self._dense_mlp(i, get, x)
@@ -436,13 +382,10 @@ class PreNormModel(LayerModel):
 
     def native_head(self) -> tuple[str, str, float]:
         """(final norm, head weight, epsilon) of `head`, for a compiled decode step."""
-        tied = self.cfg.tie_word_embeddings
-        head = "model.embed_tokens.weight" if tied else "lm_head.weight"
+        head = "model.embed_tokens.weight" if self.cfg.tie_word_embeddings else "lm_head.weight"
         return "model.norm.weight", head, self.cfg.rms_norm_eps
 
     def head(self, get: Weights, state: State) -> Tensor:
         """Final norm and output head: -> logits [B, T, V]."""
-        w = self._w(get, "")
-        h = rms_norm(state.hidden, w("model.norm.weight"), self.cfg.rms_norm_eps)
-        tied = self.cfg.tie_word_embeddings
-        return linear(h, w("model.embed_tokens.weight" if tied else "lm_head.weight"))
+        (norm, head, eps), w = self.native_head(), self._w(get, "")
+        return linear(rms_norm(state.hidden, w(norm), eps), w(head))

@@ -100,6 +100,11 @@ class Config:
     rope_buffers: bool = False  # Kimi K2 releases store rotary_emb.inv_freq (module docstring)
     # how the Linear weights are stored (from `quantization_config`; see `Quant`)
     quant_scheme: Quant = field(default_factory=lambda: Quant())
+    REQUIRED = (*validate.HF_REQUIRED, "n_routed_experts", "num_experts_per_tok", *validate.ROPE)
+    REQUIRED += (*_WIDTHS, "intermediate_size", "n_shared_experts", "routed_scaling_factor")
+    REQUIRED += ("n_group", "topk_group", "first_k_dense_replace", "norm_topk_prob", "hidden_act")
+    REQUIRED += ("rms_norm_eps", "attention_bias", "tie_word_embeddings")
+    REQUIRED += ("num_nextn_predict_layers",)
 
     @classmethod
     def from_dict(cls, d: dict) -> Config:
@@ -122,8 +127,7 @@ class Config:
     @classmethod
     def validate(cls, text: dict) -> None:
         """Types, required keys and ranges of a config (ConfigError, exit 2)."""
-        required = (*validate.HF_REQUIRED, "n_routed_experts", "num_experts_per_tok")
-        validate.check_fields(cls, {k: v for k, v in text.items() if k not in _DERIVED}, required)
+        validate.check_fields(cls, {k: v for k, v in text.items() if k not in _DERIVED})
         validate.need_hf(text, "n_routed_experts", "num_experts_per_tok", _WIDTHS)
         for name in ("n_group", "topk_group", "moe_layer_freq"):
             validate.need_int(text, name, 1, validate.MAX_LAYERS)

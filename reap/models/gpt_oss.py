@@ -68,6 +68,10 @@ class Config:
     dtype: str | None = None
     torch_dtype: str | None = None
     rope: tuple = field(default=(150000.0, None), repr=False)  # (theta, HF scaling dict)
+    REQUIRED = (*validate.HF_REQUIRED, "num_local_experts", "num_experts_per_tok", *validate.ROPE)
+    REQUIRED += ("num_key_value_heads", "head_dim", "intermediate_size", "sliding_window")
+    REQUIRED += ("layer_types", "rms_norm_eps", "swiglu_limit", "attention_bias")
+    REQUIRED += ("tie_word_embeddings",)
 
     @classmethod
     def from_dict(cls, d: dict) -> Config:
@@ -87,8 +91,7 @@ class Config:
     @classmethod
     def validate(cls, d: dict) -> None:
         """Types, required keys and ranges of a config (ConfigError, exit 2)."""
-        required = (*validate.HF_REQUIRED, "num_local_experts", "num_experts_per_tok")
-        validate.check_fields(cls, {k: v for k, v in d.items() if k != "rope"}, required)
+        validate.check_fields(cls, {k: v for k, v in d.items() if k != "rope"})
         validate.need_hf(d, "num_local_experts", "num_experts_per_tok", ("head_dim",))
         validate.need_int(d, "sliding_window", 1, validate.MAX_INT)
         validate.need_float(d, "swiglu_limit", 0.0, validate.MAX_SCALE, above_lo=True)

@@ -75,6 +75,7 @@ class Config:
     latent_moe_use_norm: bool = False
     tie_word_embeddings: bool = False
     torch_dtype: str = "bfloat16"
+    REQUIRED = kimi_k3_config.REQUIRED  # every release carries these
 
     @classmethod
     def from_dict(cls, d: dict) -> Config:
@@ -91,7 +92,7 @@ class Config:
     @classmethod
     def validate(cls, text: dict) -> None:
         """Types, required keys and ranges of a text config (ConfigError, exit 2)."""
-        validate.check_fields(cls, text, kimi_k3_config.REQUIRED)
+        validate.check_fields(cls, text)
         kimi_k3_config.check_text(text)
 
     def _check(self) -> None:

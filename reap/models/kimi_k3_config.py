@@ -7,39 +7,35 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from reap.models.validate import (
+    HF_REQUIRED,
     MAX_EXPERTS,
     MAX_LAYERS,
-    MAX_SCALE,
     ConfigError,
-    need_experts,
-    need_float,
+    need_hf,
     need_int,
     need_int_list,
-    need_sizes,
     need_str_list,
 )
 
-# no safe default: the released configs all carry these, and the references' defaults differ
-REQUIRED = (
-    "vocab_size",
-    "hidden_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_experts",
-    "num_experts_per_token",
-)
-_WIDTHS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "kv_lora_rank")
-_WIDTHS += ("qk_nope_head_dim", "v_head_dim", "intermediate_size")
+# no safe default: every Kimi Linear release (and transformers 5) writes these...
+LINEAR_REQUIRED = (*HF_REQUIRED, "num_key_value_heads", "intermediate_size", "hidden_act")
+LINEAR_REQUIRED += ("num_experts", "num_experts_per_token", "num_shared_experts", "topk_group")
+LINEAR_REQUIRED += ("moe_intermediate_size", "moe_renormalize", "routed_scaling_factor")
+LINEAR_REQUIRED += ("num_expert_group", "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim")
+LINEAR_REQUIRED += ("qk_rope_head_dim", "v_head_dim", "rms_norm_eps", "tie_word_embeddings")
+# ... and every K3 release these too
+REQUIRED = (*LINEAR_REQUIRED, "activation_situ_beta", "activation_situ_linear_beta")
+REQUIRED += ("attn_res_block_size", "first_k_dense_replace", "latent_moe_use_norm")
+REQUIRED += ("linear_attn_config", "mla_use_nope", "mla_use_output_gate", "moe_layer_freq")
+REQUIRED += ("moe_router_activation_func", "routed_expert_hidden_size")
 
 
 def check_text(text: Mapping) -> None:
     """Raise ConfigError for the first out-of-range value of a K3 / Kimi Linear text config
     (after `check_fields` has checked the types)."""
-    need_sizes(text, _WIDTHS)
+    widths = ("kv_lora_rank", "qk_nope_head_dim", "v_head_dim")
+    need_hf(text, "num_experts", "num_experts_per_token", widths)  # sizes, experts, eps, scale
     n = text.get("num_hidden_layers") or 1
-    need_experts(text, "num_experts", "num_experts_per_token", n)
-    need_float(text, "rms_norm_eps", 0.0, 1.0, above_lo=True)
-    need_float(text, "routed_scaling_factor", 0.0, MAX_SCALE, above_lo=True)
     need_int(text, "moe_layer_freq", 1, MAX_LAYERS)
     need_int(text, "first_k_dense_replace", 0, MAX_LAYERS)
     need_int(text, "attn_res_block_size", 1, MAX_LAYERS)

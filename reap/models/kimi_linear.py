@@ -22,7 +22,7 @@ import torch
 
 from reap.checkpoint import TensorSpec
 from reap.errors import ReapError
-from reap.models import attention, base, blocks, kda, kimi_k3, validate
+from reap.models import attention, base, blocks, kda, kimi_k3, kimi_k3_config, validate
 from reap.models.base import ExpertSource, Observer, Weights, decoder_specs, dtype_code
 from reap.quant.matrix import stored_matrices as expert_matrices  # noqa: F401 - family hook
 
@@ -54,6 +54,7 @@ class Config(kimi_k3.Config):
     hidden_act: str = "silu"
     layer_types: list | None = None  # "linear_attention" (KDA) | "full_attention" (MLA)
     mlp_layer_types: list | None = None  # "dense" | "sparse"
+    REQUIRED = kimi_k3_config.LINEAR_REQUIRED  # every release and transformers 5 write these
 
     @classmethod
     def from_dict(cls, d: dict) -> Config:

@@ -49,6 +49,7 @@ class Config(qwen3_moe.Config):
     num_experts_per_tok: int = 2
     norm_topk_prob: bool = True
     rms_norm_eps: float = 1e-5
+    REQUIRED = (*qwen3_moe.HF_SHARED, ("num_local_experts", "num_experts"), "sliding_window")
 
     @staticmethod
     def _aliases(text: dict) -> dict:

@@ -56,6 +56,9 @@ class Naming:
 
 
 NAMES = Naming("mlp.", "gate_proj.weight", "up_proj.weight", "down_proj.weight", "num_experts")
+# config keys every release of this module's families carries (Config.REQUIRED adds its own)
+HF_SHARED = (*validate.HF_REQUIRED, "num_experts_per_tok", "num_key_value_heads", "hidden_act")
+HF_SHARED += ("intermediate_size", "rms_norm_eps", "tie_word_embeddings", validate.ROPE[0])
 
 
 @dataclass
@@ -88,6 +91,9 @@ class Config:
     torch_dtype: str = "bfloat16"
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None
+    # what every Qwen3-MoE and OLMoE release carries (tests/test_strict_release.py: the others)
+    REQUIRED = (*HF_SHARED, ("num_experts", "num_local_experts"), "norm_topk_prob")
+    REQUIRED += ("attention_bias", validate.ROPE[1])
 
     @classmethod
     def from_dict(cls, d: dict) -> Config:
@@ -115,10 +121,7 @@ class Config:
     @classmethod
     def validate(cls, text: dict) -> None:
         """Types, required keys and ranges of a config (after `_aliases`; ConfigError, exit 2)."""
-        if text.get("num_experts") is None:  # written under either name
-            raise validate.ConfigError(cls.names.expert_count_key, "is missing (required)")
-        required = (*validate.HF_REQUIRED, "num_experts_per_tok")
-        validate.check_fields(cls, text, required, none_is_default=True)
+        validate.check_fields(cls, text, none_is_default=True)
         validate.need_hf(text, "num_experts", "num_experts_per_tok", ("head_dim",))
         validate.need_int(text, "decoder_sparse_step", 1, validate.MAX_LAYERS)
         n = text["num_hidden_layers"]

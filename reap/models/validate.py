@@ -2,9 +2,8 @@
 types, plus range rules a family states once; every command reaches it through
 `Config.from_dict` (so `info`, `run`, `calibrate`, `prune`, `verify` and `plan --config` agree).
 
-    check_fields(Config, text, required=("num_experts",), skip=())   # types, missing keys
+    check_fields(Config, text)           # types; Config.REQUIRED, the keys every release has
     need_int(text, "num_experts_per_token", 1, text["num_experts"], "num_experts")
-    fam, cfg = load_config(config_dict, "DIR/config.json")          # errors name the file
 
 A bad value raises `ConfigError` (exit 2): `FILE: FIELD: must be ... (got VALUE)`. Bounds are far
 above any released model (the largest has ~900 experts per layer and < 100 layers) but low enough
@@ -52,18 +51,6 @@ def config_source(path: str | os.PathLike) -> str:
     return os.path.join(path if os.path.isdir(path) else os.path.dirname(path), "config.json")
 
 
-def load_config(config: dict, source: str):
-    """(family module, validated Config) of a config.json dict; any `ConfigError` names
-    `source` (see `config_source`)."""
-    from reap.models import family
-
-    try:
-        fam = family(config)
-        return fam, fam.Config.from_dict(config)
-    except ConfigError as e:
-        raise e.at(source) from None
-
-
 def text_of(config: Mapping) -> Mapping:
     """The text config of a config.json dict (`text_config`, or the dict itself)."""
     if not isinstance(config, Mapping):
@@ -74,22 +61,35 @@ def text_of(config: Mapping) -> Mapping:
     return text
 
 
+def text_prefix(config: Mapping) -> str:
+    """The prefix of the text model's tensor names in a checkpoint of `config`: the multimodal
+    releases (a `text_config`) store them under `language_model.`."""
+    from reap.checkpoint.spec import TEXT_PREFIX
+
+    return TEXT_PREFIX if "text_config" in config else ""
+
+
 # -- the type checker --------------------------------------------------------------------------
-def check_fields(
-    cls: type, text: Mapping, required: tuple[str, ...] = (), none_is_default: bool = False
-) -> None:
+def check_fields(cls, text: Mapping, none_is_default: bool = False) -> None:
     """Check `text` (a config.json text dict) against dataclass `cls`: every key that names a
     field has the field's type (an int is not a bool or a float; a float is finite), integers lie
-    in 0..MAX_INT, and every `required` key is present (and not null). `none_is_default`: the
+    in 0..MAX_INT, and every key of `cls.REQUIRED` is given (an entry that is a tuple: one of its
+    alternative spellings; null only where the field's type allows None). `none_is_default`: the
     family reads a null as the default, so null passes for any field."""
-    for name in required:
-        if text.get(name) is None:
-            raise ConfigError(name, "is missing (required: there is no safe default)")
     hints = _hints(cls)
+    for names in getattr(cls, "REQUIRED", ()):
+        names = (names,) if isinstance(names, str) else names
+        if not any(n in text and (text[n] is not None or _nullable(hints.get(n))) for n in names):
+            alt = f" unless {' or '.join(names[1:])} is given" if names[1:] else ""
+            raise ConfigError(names[0], f"is missing (required{alt}: there is no safe default)")
     for f in dataclasses.fields(cls):
         value = text.get(f.name)
         if f.name in text and f.init and not (value is None and none_is_default):
             _check_value(f.name, value, hints[f.name])
+
+
+def _nullable(hint) -> bool:  # no hint: the family reads the key itself (a null is a value)
+    return hint is None or type(None) in _allowed(hint)
 
 
 @functools.cache
@@ -158,9 +158,7 @@ def need_int(text: Mapping, name: str, lo: int, hi: int, hi_name: str | None = N
         raise ConfigError(name, f"must be an int in {lo}..{hi_name or hi} (got {_show(value)})")
 
 
-def need_float(
-    text: Mapping, name: str, lo: float, hi: float, above_lo: bool = False, what: str = ""
-) -> None:
+def need_float(text: Mapping, name: str, lo: float, hi: float, above_lo: bool = False) -> None:
     """`text[name]`, when present and not null, is a finite number in [lo, hi] ((lo, hi] with
     `above_lo`)."""
     value = text.get(name)
@@ -170,7 +168,7 @@ def need_float(
     ok = ok and (value > lo if above_lo else value >= lo)
     if not ok:
         span = f"{'>' if above_lo else '>='} {lo:g} and <= {hi:g}"
-        raise ConfigError(name, f"must be {what or 'a finite number'} {span} (got {_show(value)})")
+        raise ConfigError(name, f"must be a finite number {span} (got {_show(value)})")
 
 
 def need_sizes(
@@ -227,6 +225,8 @@ def need_str_list(text: Mapping, name: str, choices: tuple[str, ...], length: in
 
 
 HF_REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+# REQUIRED entries for RoPE: the release's keys, or the `rope_parameters` transformers 5 writes
+ROPE = (("rope_theta", "rope_parameters"), ("rope_scaling", "rope_parameters"))
 
 
 def need_hf(text: Mapping, experts: str, top_k: str, widths: tuple[str, ...] = ()) -> None:

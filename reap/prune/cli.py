@@ -26,7 +26,7 @@ from reap.prune.budget import positive_size
 from reap.prune.criteria import CRITERIA
 from reap.prune.plan import make_plan
 from reap.prune.plan_file import Plan
-from reap.prune.recon import plan_recon
+from reap.prune.recon_pass import plan_recon
 
 RECON_HELP = (
     "per layer, the kept set minimising the MoE block's output error on the statistics' "

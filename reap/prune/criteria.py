@@ -53,7 +53,7 @@ def scores(stats: ExpertStats, criterion: str, latent: bool = False) -> torch.Te
         s = stats.gate_sum / max(stats.tokens, 1)
     elif criterion == "recon":
         raise ReapError("criterion recon chooses kept sets by its own streamed pass "
-                        "(reap.prune.recon.plan_recon), not by per-expert scores")
+                        "(reap.prune.recon_pass.plan_recon), not by per-expert scores")
     else:
         raise ReapError(f"unknown criterion {criterion!r} (choose from {', '.join(CRITERIA)})")
     return s.double()

@@ -22,24 +22,12 @@ from reap.prune import budget, criteria
 from reap.prune.plan_file import PRUNE_CODE, Plan
 
 
-def make_plan(
-    *,
-    stats: list[str] | None = None,
-    config: dict | None = None,
-    model: str | None = None,
-    criterion: str = "reap",
-    latent: bool = False,
-    weights: str | None = None,
-    quota: bool = False,
-    keep: int | None = None,
-    ratio: float | None = None,
-    target_size: str | None = None,
-    scope: str = "uniform",
-    min_keep: int | None = None,
-    protect: bool = True,
-    seed: int = 0,
-    arguments: dict | None = None,
-) -> Plan:
+def make_plan(*, stats: list[str] | None = None, config: dict | None = None,
+              model: str | None = None, criterion: str = "reap", latent: bool = False,
+              weights: str | None = None, quota: bool = False, keep: int | None = None,
+              ratio: float | None = None, target_size: str | None = None, scope: str = "uniform",
+              min_keep: int | None = None, protect: bool = True, seed: int = 0,
+              arguments: dict | None = None) -> Plan:
     """Build a plan from statistics files and/or a config.json dict (see the module docstring).
 
     Without statistics, only `criterion="random"` chooses experts; otherwise the plan holds
@@ -50,10 +38,8 @@ def make_plan(
     shape = _shape(loaded, size)
     layers, E, top_k = shape
     if model and _stats_model(loaded) not in (None, model):
-        raise ReapError(
-            f"{loaded[0][1]}: statistics of model {_stats_model(loaded)}, "
-            f"not of the given checkpoint ({model})"
-        )
+        raise ReapError(f"{loaded[0][1]}: statistics of model {_stats_model(loaded)}, "
+                        f"not of the given checkpoint ({model})")
     floor_ = budget.min_keep(min_keep, top_k, E)
     per_corpus, combined, wts = _scores(loaded, criterion, latent, weights, shape, seed)
     sup = criteria.super_experts(*_max_act(loaded), layers) if (protect and loaded) else []
@@ -61,9 +47,8 @@ def make_plan(
     if scope == "global" and combined is None:
         raise ReapError("--scope global needs scores: give statistics or --criterion random")
     G = int(family(config).expert_groups(config)) if config is not None else 1
-    counts = budget.layer_counts(
-        scope, size, shape, combined, prot, floor_, keep, ratio, target_size, groups=G
-    )
+    counts = budget.layer_counts(scope, size, shape, combined, prot, floor_, keep, ratio,
+                                 target_size, groups=G)
     groups = _expert_groups(config, counts, E)
     if config is not None:  # refuse now what prune would refuse (e.g. one count per config)
         family(config).with_experts(config, dict(zip(layers, counts)))
@@ -74,25 +59,17 @@ def make_plan(
     if combined is not None:
         scores = {layer: combined[li].tolist() for li, layer in enumerate(layers)}
     return Plan(
-        n_experts=E,
-        top_k=top_k,
-        layers=layers,
-        counts=cmap,
-        keep=kept,
-        criterion=criterion if combined is not None else None,
-        scope=scope,
+        n_experts=E, top_k=top_k, layers=layers, counts=cmap, keep=kept,
+        criterion=criterion if combined is not None else None, scope=scope,
         budget=_budget(keep, ratio, target_size, floor_, size, scope, groups, counts),
         combine={"mode": "quota" if quota else "weighted", "weights": wts, "normalization": rule},
         protected=[{"layer": e.layer, "expert": e.expert, "max_act": e.max_act} for e in sup],
-        protect_rule=criteria.PROTECT_RULE if (protect and loaded) else None,
-        scores=scores,
+        protect_rule=criteria.PROTECT_RULE if (protect and loaded) else None, scores=scores,
         predicted_bytes=size.predict_bytes(cmap) if size else None,
         predicted_params=size.predict_params(cmap) if size else None,
         source_bytes=size.predict_bytes() if size else None,
         source_params=size.predict_params() if size else None,
-        model=model or _stats_model(loaded),
-        provenance=_provenance(loaded, model, arguments),
-    )
+        model=model or _stats_model(loaded), provenance=_provenance(loaded, model, arguments))
 
 
 def _load_stats(paths: list[str]) -> list[tuple[str, str, object]]:

@@ -14,7 +14,7 @@ import json
 import os
 from dataclasses import asdict, dataclass, field
 
-from reap.errors import ReapError
+from reap.errors import ReapError, is_int
 from reap.fileio import write_atomic
 
 FORMAT = "reap.plan/2"
@@ -151,6 +151,3 @@ def _check_keep(plan: Plan, where: str) -> None:
             raise ReapError(f"{where}: keep: layer {layer}: invalid kept expert list ({problem})")
 
 
-def is_int(x) -> bool:
-    """An int that is not a bool (JSON true/false must not pass as a count or an id)."""
-    return isinstance(x, int) and not isinstance(x, bool)

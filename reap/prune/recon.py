@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import os
 from dataclasses import dataclass
 
 import torch
@@ -252,65 +251,3 @@ def recon_keep(layers, counts, tokens: dict[int, LayerTokens], n_experts, protec
             tokens[layer], n_experts, counts[li], protected[li], start[layer]
         )
     return kept, record
-
-
-def plan_recon(
-    *,
-    stats: list[str],
-    checkpoint: str | None = None,
-    budget: int = 4_000_000_000,
-    progress: bool = False,
-    tokens: dict[int, LayerTokens] | None = None,
-    **plan_kw,
-):
-    """A `make_plan` plan (same arguments; its counts, protected experts and REAP scores) whose
-    kept sets recon chooses; `checkpoint` is the model to stream (default: the one the
-    statistics were calibrated on), `budget` the pass's RSS budget in bytes, `tokens` the
-    records of an earlier `collect` (skips the pass)."""
-    import time
-
-    from reap.models import family
-    from reap.prune.plan import make_plan
-    from reap.prune.recon_pass import collect, gram_kind
-    from reap.stats import ExpertStats, expand_paths
-
-    if plan_kw.pop("quota", False):
-        raise ReapError("--criterion recon does not take --quota (it weighs corpora by --weights)")
-    plan_kw["criterion"] = "reap"
-    plan = make_plan(stats=stats, **plan_kw)
-    config = plan_kw.get("config")
-    if config is not None and int(family(config).expert_groups(config)) > 1:
-        raise ReapError("--criterion recon does not support grouped routing (n_group > 1)")
-    t0 = time.perf_counter()
-    if tokens is None:
-        loaded = []
-        for p in expand_paths(stats)[0]:
-            s = ExpertStats.load(p)
-            loaded.append(
-                (str(s.meta.get("corpus") or os.path.splitext(os.path.basename(p))[0]), p, s)
-            )
-        tokens = collect(loaded, plan.combine["weights"], checkpoint, budget, progress)
-    prot = [{e["expert"] for e in plan.protected if e["layer"] == layer} for layer in plan.layers]
-    counts = [plan.counts[layer] for layer in plan.layers]
-    kept, record = recon_keep(plan.layers, counts, tokens, plan.n_experts, prot, plan.keep)
-    plan.keep, plan.criterion = kept, "recon"
-    kind = gram_kind(tokens)
-    plan.recon = {
-        "objective": OBJECTIVE + (ORTHOGONAL if kind != "full" else ""),
-        "method": f"{METHOD}; {kind} Gram",
-        "gram": kind,
-        "layers": record,
-        "seconds": time.perf_counter() - t0,
-        "scores": "plan.scores are the REAP shares (counts of a global scope)",
-    }
-    return plan
-
-
-OBJECTIVE = (
-    "per layer, sum over calibration tokens of ||routed output - output with the "
-    "dropped experts removed and the token's weights renormalised over its surviving "
-    "experts||^2 (each corpus relative to its own output energy, weighted as --weights)"
-)
-ORTHOGONAL = (
-    " (no per-token Gram in the records: expert contributions to one token taken as orthogonal)"
-)

@@ -1,4 +1,5 @@
-"""The streamed pass of `--criterion recon` (`reap.prune.recon`): rerun the statistics'
+"""The streamed pass of `--criterion recon` and `plan_recon`, which runs it and the search of
+`reap.prune.recon`: rerun the statistics'
 calibration with an observer that keeps, per MoE layer, every wanted token's routing and the
 per-token Gram of its experts' contributions (`MoERecord.gram`; the diagonal from
 `model_norm` when a record has none), as `LayerTokens`.
@@ -14,6 +15,7 @@ import tempfile
 import torch
 
 from reap.errors import ReapError
+from reap.prune import recon
 from reap.prune.recon import FIELDS, LayerTokens
 
 
@@ -147,3 +149,64 @@ def _cat(ts: list[LayerTokens]) -> LayerTokens:
         ts = [LayerTokens(t.ids, t.w, _diagonal(t.gram), t.scale) for t in ts]
     cols = [[getattr(t, f) for t in ts] for f in FIELDS]
     return LayerTokens(*(None if c[0] is None else torch.cat(c) for c in cols))
+
+
+def plan_recon(
+    *,
+    stats: list[str],
+    checkpoint: str | None = None,
+    budget: int = 4_000_000_000,
+    progress: bool = False,
+    tokens: dict[int, LayerTokens] | None = None,
+    **plan_kw,
+):
+    """A `make_plan` plan (same arguments; its counts, protected experts and REAP scores) whose
+    kept sets recon chooses; `checkpoint` is the model to stream (default: the one the
+    statistics were calibrated on), `budget` the pass's RSS budget in bytes, `tokens` the
+    records of an earlier `collect` (skips the pass)."""
+    import time
+
+    from reap.models import family
+    from reap.prune.plan import make_plan
+    from reap.stats import ExpertStats, expand_paths
+
+    if plan_kw.pop("quota", False):
+        raise ReapError("--criterion recon does not take --quota (it weighs corpora by --weights)")
+    plan_kw["criterion"] = "reap"
+    plan = make_plan(stats=stats, **plan_kw)
+    config = plan_kw.get("config")
+    if config is not None and int(family(config).expert_groups(config)) > 1:
+        raise ReapError("--criterion recon does not support grouped routing (n_group > 1)")
+    t0 = time.perf_counter()
+    if tokens is None:
+        loaded = []
+        for p in expand_paths(stats)[0]:
+            s = ExpertStats.load(p)
+            loaded.append(
+                (str(s.meta.get("corpus") or os.path.splitext(os.path.basename(p))[0]), p, s)
+            )
+        tokens = collect(loaded, plan.combine["weights"], checkpoint, budget, progress)
+    prot = [{e["expert"] for e in plan.protected if e["layer"] == layer} for layer in plan.layers]
+    counts = [plan.counts[layer] for layer in plan.layers]
+    kept, record = recon.recon_keep(plan.layers, counts, tokens, plan.n_experts, prot, plan.keep)
+    plan.keep, plan.criterion = kept, "recon"
+    kind = gram_kind(tokens)
+    plan.recon = {
+        "objective": OBJECTIVE + (ORTHOGONAL if kind != "full" else ""),
+        "method": f"{recon.METHOD}; {kind} Gram",
+        "gram": kind,
+        "layers": record,
+        "seconds": time.perf_counter() - t0,
+        "scores": "plan.scores are the REAP shares (counts of a global scope)",
+    }
+    return plan
+
+
+OBJECTIVE = (
+    "per layer, sum over calibration tokens of ||routed output - output with the "
+    "dropped experts removed and the token's weights renormalised over its surviving "
+    "experts||^2 (each corpus relative to its own output energy, weighted as --weights)"
+)
+ORTHOGONAL = (
+    " (no per-token Gram in the records: expert contributions to one token taken as orthogonal)"
+)

@@ -17,7 +17,7 @@ import os
 import shutil
 from pathlib import Path
 
-from reap.checkpoint.writer import _PLAN_FILE as WORK_MARK  # the writer's own record
+from reap.checkpoint.writer import PLAN_FILE  # the writer's own record
 from reap.errors import ReapError, WriteError
 from reap.fileio import write_atomic
 
@@ -67,7 +67,7 @@ def claim(out: str | os.PathLike, inputs: dict, overwrite: bool) -> None:
     have = _read(work / INPUTS)
     if have == inputs:
         return
-    if have is None and not (work / WORK_MARK).exists():
+    if have is None and not (work / PLAN_FILE).exists():
         raise ReapError(f"{work}: in the way of the output and not made by reap prune; remove it")
     if overwrite:
         try:

@@ -3,8 +3,8 @@
 `stream_items` reads one tensor (or one expert's adjacent tensors) at a time, so memory is bounded
 by the largest tensor; a fused tensor is assembled slice by slice. Each kept expert's sha256 (over
 its stored bytes in the family's `expert_tensor_names` order) is computed on a worker thread while
-the next is copied. Tensors of shards a previous run completed are skipped by the writer, but
-experts are still read: the manifest needs their hashes.
+the next is copied, once its bytes pass the checks `run` makes (exit 4). Tensors of shards a
+previous run completed are skipped by the writer; experts are still read (for their hashes).
 """
 
 from __future__ import annotations
@@ -13,7 +13,10 @@ import hashlib
 
 import torch
 
+from reap.errors import ExpertLoadError, ReapError
+from reap.models.base import expert_short_names
 from reap.prune.tensor_map import Item
+from reap.quant.matrix import check_matrices
 
 
 class _Hasher:
@@ -68,7 +71,8 @@ def stream_items(ck, fam, writer, items: list[Item], progress: bool, new_ids: di
         done = [writer.done(g.spec.name) for g in group]
         resumed += sum(done)
         if it.kind == "expert":  # read even when written: the manifest needs its hash
-            hasher.submit(it.expert, _copy_expert(ck, writer, group))
+            names = [g.source for g in group]
+            hasher.submit(it.expert, _checked(fam, names, _copy_expert(ck, writer, group)))
         elif not done[0]:
             writer.write(it.spec.name, _fused(ck, it) if it.kind == "fused" else _tensor(ck, it))
         bar.update(sum(g.spec.nbytes for g in group))
@@ -76,10 +80,19 @@ def stream_items(ck, fam, writer, items: list[Item], progress: bool, new_ids: di
     bar.close()
     for layer in sorted({it.spec.layer for it in items if it.kind == "fused"}):
         for j, e in enumerate(new_ids[layer]):  # an expert's slices lie in several tensors
-            hasher.submit(
-                (layer, j), list(ck.read_many(fam.expert_tensor_names(cfg, layer, e)).values())
-            )
+            names = fam.expert_tensor_names(cfg, layer, e)
+            hasher.submit((layer, j), _checked(fam, names, list(ck.read_many(names).values())))
     return hasher.close(), resumed
+
+
+def _checked(fam, names: list[str], tensors: list) -> list:
+    """One kept expert's `tensors` (stored as `names`) once they pass the checks `run` makes: a
+    verbatim copy must not carry corrupt bytes on (exit 4)."""
+    try:
+        check_matrices(fam.expert_matrices(dict(zip(expert_short_names(names), tensors))))
+    except ReapError as e:
+        raise ExpertLoadError(f"kept expert of {names[0]}: {e}") from None
+    return tensors
 
 
 def _fused(ck, it: Item) -> torch.Tensor:

@@ -5,9 +5,9 @@ equal the source expert the manifest names (and hash to the manifest's sha256, r
 both copies; a fused expert tensor is checked slice by slice through its views `X[e]`, after its
 shape [n_kept, ...]), router tensors equal the source's rows of the kept experts, those of
 unused components (UNUSED_COMPONENTS, an MTP layer) are gone, every other tensor is unchanged, no
-tensor is missing or extra, config.json is the family's `with_experts` of the source config, and
-the index maps every tensor to the shard that holds it (no missing, renamed, swapped or outside
-shard).
+tensor is missing or extra, config.json is the family's `with_experts` of the source config, each
+other file prune wrote has the sha256 the manifest records (old manifests lack them: refused), and
+the index maps every tensor to the shard holding it (no missing, renamed, swapped or outside shard).
 Reading is one tensor (or one expert) at a time, so memory stays small.
 """
 
@@ -17,11 +17,12 @@ import hashlib
 import json
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from reap.checkpoint import split_view
-from reap.errors import ReapError
+from reap.checkpoint import INDEX_NAME, split_view
+from reap.errors import CheckpointError, ReapError
 from reap.prune.write import MANIFEST, MANIFEST_FORMAT
 
 
@@ -55,6 +56,7 @@ def verify(*, pruned: str, source: str) -> VerifyResult:
         cfg = fam.Config.from_dict(old.config)
         original = {int(la): v["original"] for la, v in man["experts"].items()}
         _check_config(fam, old.config, new.config, original, pruned)
+        _check_files(pruned, man)
         expected = _expected(old, fam, original)
         _check_names(new, expected, pruned)
         nbytes = 0
@@ -75,9 +77,6 @@ def _check_index(new, pruned: str) -> None:
     """The index prune wrote is there and agrees with the shards: each entry names a shard file
     of the directory (a plain name, no path) whose header holds that tensor, and every stored
     tensor has its entry (`Checkpoint.validate`); every shard header is parsed and checked."""
-    from reap.checkpoint import INDEX_NAME
-    from reap.errors import CheckpointError
-
     if not os.path.isfile(os.path.join(pruned, INDEX_NAME)):
         raise VerifyError(f"{pruned}: {INDEX_NAME} is missing (prune always writes one)")
     try:
@@ -108,6 +107,24 @@ def _check_config(fam, source_cfg: dict, pruned_cfg: dict, original: dict, prune
             f"{pruned}/config.json is not the source config with {n} experts "
             f"(differs at {', '.join(keys[:3])})"
         )
+
+
+def _check_files(pruned: str, man: dict) -> None:
+    """Each file prune wrote beside the tensors (config, tokenizer, templates, plan copy) holds
+    the bytes whose sha256 the manifest records; there is no other (dot files aside)."""
+    root, digests = Path(pruned), man.get("files")
+    if not isinstance(digests, dict):
+        raise VerifyError(
+            f"{root / MANIFEST}: records no file digests (an older reap prune): its config and "
+            "tokenizer files cannot be checked; prune again"
+        )
+    here = {p.name for p in root.iterdir() if p.is_file() and p.suffix != ".safetensors"}
+    here -= {MANIFEST, INDEX_NAME, *(n for n in here if n.startswith("."))}
+    for name in sorted(set(digests) | here):
+        sha = hashlib.sha256((root / name).read_bytes()).hexdigest() if name in here else None
+        if sha != digests.get(name):
+            why = "missing" if sha is None else "differs from the file prune wrote"
+            raise VerifyError(f"{root / name}: {why if name in digests else 'not from prune'}")
 
 
 def _diff_keys(a, b, path=""):

@@ -11,8 +11,8 @@ with the same inputs after a crash or Ctrl-C skips the completed shards; one wit
 (`plan_file.check`), and the output may never be, hold or lie inside the source or the plan
 file (it could be replaced). Next to the weights:
 `reap_manifest.json` (per layer the original id of every new expert id, the sha256 of every kept
-expert's bytes, provenance), `reap_plan.json` (the plan), and every non-weight file of the source
-(tokenizer, ...).
+expert's bytes and of every other file written, provenance), `reap_plan.json` (the plan), and
+every non-weight file of the source (tokenizer, ...).
 """
 
 from __future__ import annotations
@@ -24,11 +24,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from reap.errors import ReapError
+from reap.errors import ReapError, is_int
 from reap.fileio import overlap
 from reap.provenance import code_version
 from reap.prune import resume
-from reap.prune.plan_file import PRUNE_CODE, Plan, check, is_int
+from reap.prune.plan_file import PRUNE_CODE, Plan, check
 from reap.prune.stream import stream_items
 from reap.prune.tensor_map import plan_items, unused_tensors
 
@@ -93,12 +93,10 @@ def prune(
         manifest = _manifest(ck, plan, new_ids, hashes, arguments)
         if dropped:
             manifest["dropped"] = {"tensors": len(dropped), "note": DROPPED_NOTE}
-        extra = {
-            MANIFEST: json.dumps(manifest, indent=1),
-            PLAN_COPY: _plan_bytes(plan).decode(),
-            **_other_files(ck),
-        }
-        path = writer.close(config, extra)
+        files = {"config.json": json.dumps(config, indent=2).encode(), PLAN_COPY: _plan_bytes(plan)}
+        files.update(_other_files(ck))  # `verify` checks each against its digest
+        manifest["files"] = {n: hashlib.sha256(b).hexdigest() for n, b in sorted(files.items())}
+        path = writer.close(None, {MANIFEST: json.dumps(manifest, indent=1), **files})
         resume.release(path)
     written = sum(p.stat().st_size for p in Path(path).iterdir() if p.suffix == ".safetensors")
     kept, seconds = sum(len(v) for v in plan.keep.values()), time.perf_counter() - t0

@@ -9,7 +9,7 @@
   quantize, the vectorized and the reference decoders, `INT4Matrix`, and `Int4Scheme` (reads a
   config's `quantization_config`);
 - `matrix`: the expert-matmul interface every quantized matrix record implements;
-- `ckernel`: builds and loads the C kernels (`mxfp4_kernels.c`).
+- `ckernel`: the one loader of the C libraries (built, checked, loaded) and their thread pool.
 
 A new format adds its codec module with a reference decoder, a matrix record and, if
 it pays, a kernel here; model code applies any record through `reap.models.blocks.linear`.

@@ -1,8 +1,8 @@
-"""Compiled dense kernels for decode-shaped matmuls (source: `dense_kernels.c` beside this
-file, built and loaded like `reap.quant.ckernel`'s): torch's bf16 CPU matmul at one or a few
-rows runs far below the memory bandwidth (and below its own fp32 GEMV), and its fp32 GEMV
-below what one AVX-512 loop reaches, so few-row x @ W.T with W bf16 (widened on the fly) or
-fp32 runs here, accumulating in fp32.
+"""Compiled dense kernels for decode-shaped matmuls (`ckernel.library("dense")`, source:
+`dense_kernels.c`): torch's bf16 CPU matmul at one or a few rows runs far below the memory
+bandwidth (and below its own fp32 GEMV), and its fp32 GEMV below what one AVX-512 loop
+reaches, so few-row x @ W.T with W bf16 (widened on the fly) or fp32 runs here, accumulating
+in fp32.
 
     y = dense_linear(x, w)  # x [..., in] with few rows, w [out, in] bf16/fp32 -> x's dtype
     usable(x, w)            # whether dense_linear takes this call (else torch does it)
@@ -16,19 +16,15 @@ process to float64 rounding), so outside `enabled()` torch does every matmul.
 
 from __future__ import annotations
 
-import ctypes
-import os
 import threading
 from contextlib import contextmanager
-from pathlib import Path
+from functools import partial
 
 import torch
 
 from reap.quant import ckernel, step_kernel
 
-_SOURCE = Path(__file__).with_name("dense_kernels.c")
 MAX_ROWS = 8  # x rows (tokens) up to which the kernel beats torch's bf16 matmul
-_LIB: list = []
 _LOCK = threading.Lock()
 _ENABLED = [0]  # open `enabled()` blocks, process-wide (the engine's expert threads see it)
 
@@ -45,30 +41,7 @@ def enabled():
             _ENABLED[0] -= 1
 
 
-def library():
-    """The compiled kernel, built once per source and machine; None if unavailable
-    (no compiler, no cache directory, or REAP_NO_CKERNEL=1)."""
-    if _LIB:  # built or found unavailable: no lock on the per-call path
-        return _LIB[0]
-    with _LOCK:
-        if not _LIB:
-            _LIB.append(None if os.environ.get("REAP_NO_CKERNEL") else _build())
-        return _LIB[0]
-
-
-def _build(flags: tuple[str, ...] = ()):
-    """The kernels compiled with extra compiler `flags` (the tests build other vector widths),
-    signatures declared; None when they cannot be built."""
-    lib = ckernel.compile_cached(_SOURCE, "dense", flags)
-    if lib is None:
-        return None
-    for name in ("reap_bf16_linear", "reap_f32_linear"):
-        getattr(lib, name).restype = None
-        getattr(lib, name).argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 5
-    for name in ("reap_bf16_gate_up", "reap_f32_gate_up"):
-        getattr(lib, name).restype = None
-        getattr(lib, name).argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 6
-    return lib
+library = partial(ckernel.library, "dense")  # the compiled kernels; None if unavailable
 
 
 def usable(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -89,17 +62,9 @@ def _many_rows(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 
 def _shapes_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
-    return (
-        _ENABLED[0] > 0
-        and w.dtype in (torch.bfloat16, torch.float32)
-        and x.dtype == w.dtype
-        and w.dim() == 2
-        and x.device.type == "cpu"
-        and w.device.type == "cpu"
-        and w.is_contiguous()
-        and w.shape[1] > 0
-        and x.shape[-1] == w.shape[1]
-    )
+    return (_ENABLED[0] > 0 and w.dtype in (torch.bfloat16, torch.float32) and x.dtype == w.dtype
+            and w.dim() == 2 and x.device.type == w.device.type == "cpu" and w.is_contiguous()
+            and w.shape[1] > 0 and x.shape[-1] == w.shape[1])  # fmt: skip
 
 
 def dense_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -125,25 +90,18 @@ def dense_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def _tiles(xf: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> None:
     lib = step_kernel.library()
-    step_kernel.pooled(lib, lib.reap_linear, xf.data_ptr(), w.data_ptr(), y.data_ptr(),
-                       xf.shape[0], *w.shape, int(w.dtype == torch.bfloat16))  # fmt: skip
+    with ckernel.spinning(lib):
+        lib.reap_linear(xf.data_ptr(), w.data_ptr(), y.data_ptr(), xf.shape[0], *w.shape,
+                        int(w.dtype == torch.bfloat16))  # fmt: skip
 
 
 def swiglu_usable(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down) -> bool:
     """Whether `swiglu` takes this call: a few rows x [.., D] and dense gate/up [F, D], down
     [D, F] that `usable` accepts."""
-    return (
-        isinstance(down, torch.Tensor)
-        and gate.shape == up.shape
-        and down.shape == gate.shape[::-1]
-        and _shapes_ok(x, gate)
-        and _few_rows(x, gate)
-        and up.dtype == gate.dtype
-        and down.dtype == gate.dtype
-        and up.device.type == down.device.type == "cpu"
-        and up.is_contiguous()
-        and down.is_contiguous()
-    )
+    return (isinstance(down, torch.Tensor) and gate.shape == up.shape == down.shape[::-1]
+            and _shapes_ok(x, gate) and _few_rows(x, gate) and up.dtype == down.dtype == gate.dtype
+            and up.device.type == down.device.type == "cpu" and up.is_contiguous()
+            and down.is_contiguous())  # fmt: skip
 
 
 def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor):

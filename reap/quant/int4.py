@@ -13,8 +13,8 @@ the product rounded once to that dtype), then cast.
     packed, scales = quantize(w, group=32)         # w [O, I] -> I32 [O, I/8], [O, I/32]
     w_hat = dequantize(packed, scales, group=32)   # [O, I] in the scales' dtype (or dtype=)
 
-`dequantize` is the vectorized path; `dequantize_reference` decodes one element at a time in
-plain Python from the bit-level rule, kept for tests. A stored matrix handed to model code is an
+`dequantize` is the vectorized path; its reference (tests/references.py) decodes one element at
+a time in plain Python from the bit-level rule. A stored matrix handed to model code is an
 `INT4Matrix`. `Int4Scheme.parse` reads and checks a config's `quantization_config`.
 """
 
@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from reap.errors import ReapError
+from reap.quant.matrix import check_range
 
 BITS = 4
 PER_WORD = 32 // BITS  # codes per int32 word
@@ -99,24 +100,6 @@ def dequantize(
     return out.to(dtype or scales.dtype)
 
 
-def dequantize_reference(
-    packed: torch.Tensor, scales: torch.Tensor, group: int, cols: int | None = None
-) -> torch.Tensor:
-    """Slow, obviously correct decode in plain Python: float64 [O, I], the exact products
-    q * scale (round to the scales' dtype to compare with `dequantize`)."""
-    cols = _check(packed, scales, group, cols)
-    words, s = packed.tolist(), scales.double().tolist()
-    rows = []
-    for wrow, srow in zip(words, s):
-        row = []
-        for i in range(cols):
-            word = wrow[i // PER_WORD] & 0xFFFFFFFF  # the word's 32 bits, unsigned
-            code = (word >> (BITS * (i % PER_WORD))) & 0xF
-            row.append((code - OFFSET) * srow[i // group])
-        rows.append(row)
-    return torch.tensor(rows, dtype=torch.float64).reshape(len(words), cols)
-
-
 def quantize(
     w: torch.Tensor, group: int, scale_dtype: torch.dtype = torch.bfloat16
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -178,13 +161,12 @@ class INT4Matrix:
 
     def check(self, what: str) -> None:
         """Raise ReapError (naming `what`) if `weight_shape` disagrees with the packed words and
-        scales, or a scale is not finite: trained weights have neither, so the bytes are corrupt."""
+        scales, or a decoded weight could be beyond `check_range`'s bound: corrupt bytes."""
         _check(self.packed, self.scales, self.group, self.shape[1])
         stored = [int(v) for v in self.shape_tensor.reshape(-1).tolist()]
         if stored != list(self.shape):
             raise ReapError(f"{what}: weight_shape {stored} != {list(self.shape)}: corrupt bytes")
-        if not bool(torch.isfinite(self.scales).all()):
-            raise ReapError(f"{what}: weight_scale holds Inf or NaN: corrupt bytes")
+        check_range(self.scales, f"{what}_scale", -Q_MIN)  # |q| <= 8
 
 
 # -- the compressed-tensors quantization_config ------------------------------------------------

@@ -17,6 +17,8 @@ from typing import Protocol, Union
 
 import torch
 
+from reap.errors import ReapError
+
 
 class QuantizedMatrix(Protocol):
     """A weight matrix W [O, I] stored by a codec (`reap.quant.mxfp4.MXFP4Matrix`,
@@ -28,13 +30,27 @@ class QuantizedMatrix(Protocol):
 
 
 Matrix = Union[torch.Tensor, QuantizedMatrix]
+# the largest decoded weight the checks accept: trained ones are O(1); a GLU multiplies two
+# projections, so weights this large near fp32/bf16's 3.4e38 within a layer or two
+MAX_WEIGHT = 2.0**16
 
 
 def check_matrices(weights: Mapping[str, Matrix]) -> None:
-    """Raise ReapError naming the first quantized matrix of `weights` whose bytes are corrupt."""
+    """Raise ReapError naming the first corrupt matrix of `weights` (dense ones: `check_range`)."""
     for name, w in weights.items():
         if not isinstance(w, torch.Tensor):
             w.check(name)
+        elif w.is_floating_point() and w.element_size() > 1:  # FP8 holds no Inf
+            check_range(w, name)
+
+
+def check_range(t: torch.Tensor, what: str, code_max: float = 1.0) -> None:
+    """ReapError naming `what` unless every value of float tensor `t` (a codec's scales: times
+    its largest code `code_max`) is finite and within +-MAX_WEIGHT; one pass, no copy."""
+    lo, hi = torch.aminmax(t) if t.numel() else (torch.zeros(()), torch.zeros(()))
+    if not -MAX_WEIGHT <= float(lo) * code_max <= float(hi) * code_max <= MAX_WEIGHT:
+        span = f"[{float(lo):g}, {float(hi):g}]" + f" x {code_max:g}" * (code_max != 1)
+        raise ReapError(f"{what}: values {span}: Inf or NaN, or beyond +-{MAX_WEIGHT:g}: corrupt")
 
 
 def stored_matrices(tensors: Mapping[str, torch.Tensor]) -> dict[str, Matrix]:

@@ -9,8 +9,8 @@ scale = 2 ** (byte - 127), byte 255 = NaN.
     w_hat = dequantize(packed, scales)    # [..., N] float32 (or dtype=)
     y = fake_quant(w)                     # quantize-dequantize with a straight-through gradient
 
-`dequantize` is the vectorized path (works on any torch device); `dequantize_reference` is a
-slow per-element decoder written from the bit-level definition, kept for tests. A stored matrix
+`dequantize` is the vectorized path (works on any torch device); a slow per-element decoder
+written from the bit-level definition is its reference (tests/references.py). A stored matrix
 handed to model code is an `MXFP4Matrix`; faster paths: `mxfp4_decode`, `mxfp4_matmul`.
 
 Quantization follows the OCP spec: shared exponent floor(log2(amax)) - 2 (clamped to the E8M0
@@ -34,6 +34,7 @@ import torch
 from torch.nn.functional import embedding
 
 from reap.errors import ReapError
+from reap.quant.matrix import MAX_WEIGHT
 
 if TYPE_CHECKING:
     from reap.quant.mxfp4_matmul import MXFP4Kernels
@@ -53,9 +54,9 @@ FP4_VALUES = torch.tensor(
 _MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 
 # byte -> the two decoded values (low nibble first)  [256, 2]
-_PAIR_LUT = torch.stack([FP4_VALUES[torch.arange(256) & 15], FP4_VALUES[torch.arange(256) >> 4]], 1)
+PAIR_LUT = torch.stack([FP4_VALUES[torch.arange(256) & 15], FP4_VALUES[torch.arange(256) >> 4]], 1)
 # byte -> 2 ** (byte - 127), NaN at 255; 2**-127 is an exact float32 subnormal  [256]
-_SCALE_LUT = torch.tensor(
+SCALE_LUT = torch.tensor(
     [2.0 ** (i - E8M0_BIAS) for i in range(255)] + [float("nan")], dtype=torch.float32
 )
 
@@ -102,42 +103,14 @@ def dequantize(
     _check_pair(packed, scales)
     # bf16/f32/f64 hold every product exactly, so compute in place; others go through float32
     work = dtype if dtype in (torch.bfloat16, torch.float32, torch.float64) else torch.float32
-    pair_lut = _PAIR_LUT.to(device=packed.device, dtype=work)
-    scale_lut = _SCALE_LUT.to(device=packed.device, dtype=work)
+    pair_lut = PAIR_LUT.to(device=packed.device, dtype=work)
+    scale_lut = SCALE_LUT.to(device=packed.device, dtype=work)
     n_blocks = scales.shape[-1]
     # embedding() is torch's fastest row gather on CPU (1.5x plain indexing here)
     values = embedding(packed.long(), pair_lut)  # [..., N//2, 2]
     values = values.reshape(*packed.shape[:-1], n_blocks, BLOCK)  # [..., B, 32]
     values = values * embedding(scales.long(), scale_lut.unsqueeze(1))  # [..., B, 32]
     return values.reshape(*packed.shape[:-1], n_blocks * BLOCK).to(dtype)
-
-
-def _e2m1_value(code: int) -> float:
-    """The E2M1 value of one 4-bit code, from its bit fields (1 sign, 2 exponent, 1 mantissa)."""
-    sign = -1.0 if code & 8 else 1.0
-    exponent, mantissa = (code >> 1) & 3, code & 1
-    if exponent == 0:  # subnormal: 0 or 0.5
-        return sign * 0.5 * mantissa
-    return sign * 2.0 ** (exponent - 1) * (1.0 + 0.5 * mantissa)
-
-
-def dequantize_reference(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """Slow, obviously correct decode, one element at a time in plain Python: float64 [..., N]."""
-    _check_pair(packed, scales)
-    p = packed.cpu().reshape(-1, packed.shape[-1]).tolist()
-    s = scales.cpu().reshape(-1, scales.shape[-1]).tolist()
-    rows = []
-    for prow, srow in zip(p, s):
-        row = []
-        for j in range(2 * len(prow)):
-            byte = prow[j // 2]
-            code = byte & 15 if j % 2 == 0 else byte >> 4
-            sbyte = srow[j // BLOCK]
-            scale = float("nan") if sbyte == E8M0_NAN else 2.0 ** (sbyte - E8M0_BIAS)
-            row.append(_e2m1_value(code) * scale)
-        rows.append(row)
-    out = torch.tensor(rows, dtype=torch.float64)
-    return out.reshape(*packed.shape[:-1], 2 * packed.shape[-1])
 
 
 def _shared_exponent(amax: torch.Tensor) -> torch.Tensor:
@@ -226,7 +199,8 @@ class MXFP4Matrix:
         return x @ self.dense(x.dtype, x.device).T
 
     def check(self, what: str) -> None:
-        """Raise ReapError if a scale byte is 255 (NaN): no trained matrix has one, so the bytes
-        are corrupt (`what` names the matrix)."""
-        if bool((self.scales == E8M0_NAN).any()):
-            raise ReapError(f"{what}: E8M0 scale byte 255 (NaN): corrupt bytes")
+        """Raise ReapError if a scale byte is 255 (NaN) or decodes weights beyond `MAX_WEIGHT`:
+        no trained matrix has one, so the bytes are corrupt (`what` names the matrix)."""
+        top = int(self.scales.max()) if self.scales.numel() else 0
+        if not float(_SCALE_LUT[top]) * 6 <= MAX_WEIGHT:  # 6: the largest E2M1 magnitude
+            raise ReapError(f"{what}: E8M0 scale byte {top}: NaN or weights beyond 2^16: corrupt")

@@ -26,8 +26,8 @@ def _table(dtype: torch.dtype) -> torch.Tensor:
     """[65536] words: entry (scale << 8 | byte) holds the byte's two values times the scale."""
     if dtype not in _TABLES:
         work = dtype if dtype in (torch.bfloat16, torch.float32) else torch.float32
-        pairs = mxfp4._PAIR_LUT.to(work)  # [256, 2] low nibble first
-        scales = mxfp4._SCALE_LUT.to(work)  # [256]
+        pairs = mxfp4.PAIR_LUT.to(work)  # [256, 2] low nibble first
+        scales = mxfp4.SCALE_LUT.to(work)  # [256]
         values = (scales[:, None, None] * pairs[None]).to(dtype)  # [256 scales, 256 bytes, 2]
         _TABLES[dtype] = values.reshape(256 * 256, 2).contiguous().view(_WORD[dtype]).reshape(-1)
     return _TABLES[dtype]

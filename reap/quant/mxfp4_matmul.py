@@ -1,6 +1,6 @@
 """MXFP4 matrix products for the engine's expert path: a fused kernel that multiplies straight
-from the packed bytes (`mxfp4_linear`; reference: `mxfp4_linear_reference`), and `MXFP4Kernels`,
-the engine's choice between it and fast decode + dense matmul.
+from the packed bytes (`mxfp4_linear`; its torch reference: `tests/test_kernels.py`), and
+`MXFP4Kernels`, the engine's choice between it and fast decode + dense matmul.
 
 At decode time an expert weight is used for one or a few tokens, so decoding it (writing 4x its
 packed bytes as bf16, then reading them back for the matmul) costs more than the arithmetic.
@@ -27,13 +27,13 @@ from reap.quant.mxfp4_decode import BufferPool, decode_mxfp4
 FUSED_MAX_ROWS = 8  # rows of x up to which the fused kernel beats decode + dense matmul
 
 
-def mxfp4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, lib=None):
+def mxfp4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor):
     """x [..., I] @ W.T for the MXFP4 matrix W [O, I] (packed uint8 [O, I/2], E8M0 scales
-    [O, I/32]) without decoding W to memory: [..., O] in x's dtype, accumulated in fp32 in the
-    order `mxfp4_linear_reference` spells out (the same for a token alone or among others).
-    None where the C kernel is unavailable (no compiler, REAP_NO_CKERNEL=1, not on CPU).
-    `lib`: another build of the kernel (tests compare the vector and portable C paths)."""
-    lib = lib or (ckernel.library() if x.device.type == "cpu" else None)
+    [O, I/32]) without decoding W to memory: [..., O] in x's dtype, accumulated in fp32 (per
+    block, lane j of two 16-lane sums takes columns 2j and 2j + 1; the sums added, the lanes
+    summed pairwise), the same for a token alone or among others.
+    None where the C kernel is unavailable (no compiler, REAP_NO_CKERNEL=1, not on CPU)."""
+    lib = ckernel.library() if x.device.type == "cpu" else None
     if lib is None:
         return None
     rows, cols = packed.shape[0], 2 * packed.shape[1]
@@ -43,7 +43,7 @@ def mxfp4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, li
         xf = xf.reshape(m, cols // 32, 16, 2).transpose(-1, -2)  # [M, I/32, 2, 16]
     xf, packed, scales = xf.contiguous(), packed.contiguous(), scales.contiguous()
     y = torch.empty(m, rows)  # [M, O] fp32
-    stab = mxfp4._SCALE_LUT
+    stab = mxfp4.SCALE_LUT
 
     def run(a: int, b: int) -> None:
         ptrs = (packed.data_ptr(), scales.data_ptr(), stab.data_ptr(), xf.data_ptr())
@@ -51,25 +51,6 @@ def mxfp4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, li
 
     ckernel.parallel(run, rows, 256, align=4)
     return y.to(x.dtype).reshape(*x.shape[:-1], rows)
-
-
-def mxfp4_linear_reference(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor):
-    """The fused kernel's arithmetic in plain torch (slow; for tests): per row and token, lane j
-    of two 16-lane fp32 accumulators adds w*x of column 2j (resp. 2j + 1) of each 32-column
-    block, blocks in order; then the two are added and the lanes summed pairwise (halves 8, 4,
-    2, 1). Equal to the kernel bit for bit when every product w*x is exact in fp32 (x with at
-    most 21 significant bits, e.g. bf16 values): an fma then rounds exactly like the add."""
-    w = mxfp4.dequantize(packed, scales, torch.float32)  # [O, I]
-    rows, cols = w.shape
-    xf = x.reshape(-1, cols).float()  # [M, I]
-    prod = (xf[:, None, :] * w[None]).reshape(len(xf), rows, cols // 32, 16, 2)  # [M, O, nb, 16, 2]
-    acc = torch.zeros(len(xf), rows, 16, 2)
-    for b in range(cols // 32):
-        acc = acc + prod[:, :, b]
-    s = acc[..., 0] + acc[..., 1]  # [M, O, 16]
-    for h in (8, 4, 2, 1):
-        s = s[..., :h] + s[..., h : 2 * h]
-    return s[..., 0].to(x.dtype).reshape(*x.shape[:-1], rows)
 
 
 def fused_available(dtype: torch.dtype, device: str) -> bool:

@@ -7,6 +7,7 @@
    (prefill_bf16dot.h), as independent of the batch, tiling and threads. */
 #include <stdlib.h>
 
+#include "step_args.h" /* P_*: reap_moe_prefill's argument block */
 #include "step_common.h"
 
 /* Tile shapes: rows per tile and tokens per full tile, sized to the vector registers (32
@@ -175,11 +176,6 @@ void reap_moe_prefill_scratch(int64_t N, int64_t K, int64_t E, int64_t F, int64_
     sizes[0] = (E + 1) + 2 * P + 2 * E * blocks;
     sizes[1] = P * (2 * D + 2 * F) + (P * (D + F) + 1) / 2; /* + bf16 copies of xg and u */
 }
-
-enum { /* reap_moe_prefill's int64 arguments */
-    P_X, P_Y, P_IDS, P_WEIGHTS, P_TABLE, P_N, P_K, P_E, P_F, P_D, P_WBF16, P_RND, P_FLOATS,
-    P_INTS, P_ADD, P_COUNT
-};
 
 typedef struct {
     const int64_t *ids, *pos;

@@ -12,7 +12,11 @@
 #include <stdlib.h>
 #include <time.h>
 
+#include "step_args.h" /* the argument blocks: A_*, M_*, T_* */
 #include "step_common.h"
+
+/* the argument layout compiled in (the loader compares it with its own) */
+const char *reap_arg_layout(void) { return REAP_ARG_LAYOUT; }
 
 /* the vector width the arithmetic runs in: 512 (AVX-512), 256 (AVX2) or 0 (plain C) */
 int reap_simd(void) {
@@ -130,16 +134,11 @@ static void route(const float *logits, int64_t E, int64_t K, int renorm, float *
 }
 
 /* ---- the two halves of a layer ------------------------------------------------------------ */
-enum { /* reap_attn_step's int64 arguments */
-    A_H, A_X2, A_SCRATCH, A_IN_NORM, A_WQ, A_WK, A_WV, A_WO, A_QNORM, A_KNORM, A_POST_NORM,
-    A_ROUTER, A_COS, A_SIN, A_KC, A_VC, A_CAP, A_POS, A_D, A_H_, A_HKV, A_DH, A_ROT, A_QK,
-    A_WINDOW, A_E, A_K, A_RENORM, A_WBF16, A_RND, A_IDS, A_WEIGHTS, A_N
-};
 
 static void qk_norm(float *q, float *k, const int64_t *a, float eps) {
     int wb = (int)a[A_WBF16], rnd = (int)a[A_RND];
-    int64_t H = a[A_H_], Hkv = a[A_HKV], Dh = a[A_DH];
-    const void *qn = (const void *)a[A_QNORM], *kn = (const void *)a[A_KNORM];
+    int64_t H = a[A_HEADS], Hkv = a[A_KV_HEADS], Dh = a[A_DH];
+    const void *qn = (const void *)a[A_Q_NORM], *kn = (const void *)a[A_K_NORM];
     if (a[A_QK] == 2) { /* over the whole projections */
         rms_norm(q, qn, wb, eps, H * Dh, q, rnd);
         rms_norm(k, kn, wb, eps, Hkv * Dh, k, rnd);
@@ -158,9 +157,9 @@ static void rotate_and_cache(float *q, float *k, const float *v, const int64_t *
     const float *cs = (const float *)a[A_COS] + pos * half;
     const float *sn = (const float *)a[A_SIN] + pos * half;
     qk_norm(q, k, a, eps);
-    rope(q, a[A_H_], Dh, a[A_ROT], cs, sn, rnd);
-    rope(k, a[A_HKV], Dh, a[A_ROT], cs, sn, rnd);
-    for (int64_t i = 0; i < a[A_HKV] * Dh; i++) {
+    rope(q, a[A_HEADS], Dh, a[A_ROT], cs, sn, rnd);
+    rope(k, a[A_KV_HEADS], Dh, a[A_ROT], cs, sn, rnd);
+    for (int64_t i = 0; i < a[A_KV_HEADS] * Dh; i++) {
         int64_t at = (i / Dh * a[A_CAP] + pos) * Dh + i % Dh;
         store((void *)a[A_KC], rnd, at, k[i]);
         store((void *)a[A_VC], rnd, at, v[i]);
@@ -178,7 +177,7 @@ static int64_t first_key(int64_t S, int64_t window) {
    value are written into the cache at pos. f = {eps, scale}. */
 void reap_attn_step(const int64_t *a, const double *f) {
     float *h = (float *)a[A_H], *x2 = (float *)a[A_X2], *sc = (float *)a[A_SCRATCH];
-    int64_t D = a[A_D], H = a[A_H_], Hkv = a[A_HKV], Dh = a[A_DH], pos = a[A_POS];
+    int64_t D = a[A_D], H = a[A_HEADS], Hkv = a[A_KV_HEADS], Dh = a[A_DH], pos = a[A_POS];
     int wb = (int)a[A_WBF16], rnd = (int)a[A_RND];
     float eps = (float)f[0];
     float *x = sc, *q = x + D, *k = q + H * Dh, *v = k + Hkv * Dh, *o = v + Hkv * Dh;
@@ -254,7 +253,7 @@ typedef struct {
 static void token_task(const void *ctx, int64_t lo, int64_t hi) {
     const tok_t *c = (const tok_t *)ctx;
     const int64_t *a = c->a;
-    int64_t D = a[A_D], HD = a[A_H_] * a[A_DH], KV = a[A_HKV] * a[A_DH];
+    int64_t D = a[A_D], HD = a[A_HEADS] * a[A_DH], KV = a[A_KV_HEADS] * a[A_DH];
     int64_t E = a[A_E], K = a[A_K], pos = a[A_POS];
     int wb = (int)a[A_WBF16], rnd = (int)a[A_RND];
     float *h = (float *)a[A_H], *x2 = (float *)a[A_X2];
@@ -294,7 +293,7 @@ static void tokens(tok_t *c, int stage, int64_t n) {
    token's top-k ids and weights [n, K] (ascending ids). f = {eps, scale}. Scratch:
    reap_attn_prefill_scratch floats. */
 void reap_attn_prefill(const int64_t *a, const double *f, int64_t n) {
-    int64_t D = a[A_D], H = a[A_H_], Hkv = a[A_HKV], Dh = a[A_DH], E = a[A_E], HD = H * Dh;
+    int64_t D = a[A_D], H = a[A_HEADS], Hkv = a[A_KV_HEADS], Dh = a[A_DH], E = a[A_E], HD = H * Dh;
     int wb = a[A_WBF16] != 0, pairs = wb && a[A_RND]; /* bf16 values: the pair order */
     float *x = (float *)a[A_SCRATCH], *q = x + n * D, *k = q + n * (HD > E ? HD : E);
     float *v = k + n * Hkv * Dh, *o = v + n * Hkv * Dh, *probs = o + n * HD;
@@ -322,7 +321,7 @@ void reap_attn_prefill(const int64_t *a, const double *f, int64_t n) {
 
 /* the scratch floats reap_attn_prefill needs for n tokens (its layer's arguments set) */
 int64_t reap_attn_prefill_scratch(const int64_t *a, int64_t n) {
-    int64_t D = a[A_D], HD = a[A_H_] * a[A_DH], KV = a[A_HKV] * a[A_DH], E = a[A_E];
+    int64_t D = a[A_D], HD = a[A_HEADS] * a[A_DH], KV = a[A_KV_HEADS] * a[A_DH], E = a[A_E];
     int64_t q = n * HD > n * E ? n * HD : n * E, bits = (n * (D > HD ? D : HD) + 1) / 2;
     return n * D + q + 2 * n * KV + n * HD + n * E + bits;
 }
@@ -331,10 +330,6 @@ int64_t reap_attn_prefill_scratch(const int64_t *a, int64_t n) {
 void reap_residual(float *h, const float *y, int64_t n, int64_t rnd) {
     for (int64_t i = 0; i < n; i++) h[i] = rb(h[i] + rb(y[i], (int)rnd), (int)rnd);
 }
-
-enum { /* reap_moe_step's int64 arguments */
-    M_X2, M_H, M_SCRATCH, M_K, M_F, M_D, M_WBF16, M_RND, M_WEIGHTS, M_GATE, M_UP, M_DOWN, M_N
-};
 
 /* The MLP half for one token: h += sum over k (in the given order, fp32) of weight_k *
    down_k(silu(gate_k x2) * up_k x2), each expert output rounded to the activation dtype, the
@@ -379,10 +374,6 @@ void reap_head_step(const float *h, const void *norm, const void *head, int64_t 
 
 /* ---- one token through every layer and the head ------------------------------------------- */
 
-enum { /* reap_token_step's int64 arguments */
-    T_LAYERS, T_ATTN, T_TABLES, T_DENSE, T_F, T_MOE, T_TIMES, T_NORM, T_HEAD, T_V, T_X, T_LOGITS,
-    T_POS, T_EMB, T_EMB_BF16, T_N
-};
 #define MAX_K 256
 
 static double seconds(void) {
@@ -405,7 +396,7 @@ void reap_token_step(const int64_t *t, const double *f) {
     const int64_t *const *tables = (const int64_t *const *)t[T_TABLES];
     const int64_t *dense = (const int64_t *)t[T_DENSE], *width = (const int64_t *)t[T_F];
     double *times = (double *)t[T_TIMES];
-    int64_t m[M_N], gp[MAX_K], up[MAX_K], dp[MAX_K];
+    int64_t m[M_COUNT], gp[MAX_K], up[MAX_K], dp[MAX_K];
     float w[MAX_K];
     memcpy(m, (const int64_t *)t[T_MOE], sizeof m);
     m[M_GATE] = (int64_t)gp, m[M_UP] = (int64_t)up, m[M_DOWN] = (int64_t)dp;

@@ -1,5 +1,6 @@
-/* The persistent thread pool of the step kernels: `reap_pool_size(n)` starts n - 1 workers,
-   `reap_parallel` (step_common.h) runs a job on them and the caller. */
+/* The one thread pool of the compiled kernels: `reap_pool_size(n)` starts n - 1 workers,
+   `reap_parallel` (step_common.h; from Python: `reap.quant.ckernel.parallel`) runs a job on
+   them and the caller. */
 #include <pthread.h>
 #include <sched.h>
 #include <stdatomic.h>
@@ -85,11 +86,14 @@ static void wake_all(void) {
     pthread_mutex_unlock(&P.mu);
 }
 
-/* Use n threads (the caller plus n - 1 workers); returns the count in use. */
+static atomic_flag busy = ATOMIC_FLAG_INIT; /* a job is open, or the pool is being resized */
+
+/* Use n threads (the caller plus n - 1 workers); returns the count in use. While another
+   thread's job holds the pool (a caller running on a worker of it) the size stays. */
 int reap_pool_size(int n) {
     if (n < 1) n = 1;
     if (n > MAX_THREADS) n = MAX_THREADS;
-    if (n == P.n) return n;
+    if (n == P.n || atomic_flag_test_and_set(&busy)) return P.n;
     if (P.n > 1) { /* stop the old workers */
         atomic_store(&P.quit, 1);
         wake_all();
@@ -102,10 +106,9 @@ int reap_pool_size(int n) {
         if (pthread_create(&P.th[i], NULL, worker, NULL) != 0) break;
         P.n = i + 1;
     }
+    atomic_flag_clear(&busy);
     return P.n;
 }
-
-static atomic_flag busy = ATOMIC_FLAG_INIT; /* a job is open (the pool runs one at a time) */
 
 /* fn(ctx, a, b) over [0, total) in chunks of at least `grain` items (about four per thread),
    shared by the caller and the workers; returns when all are done. Safe to call from several

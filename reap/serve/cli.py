@@ -74,6 +74,7 @@ def limits_of(args: argparse.Namespace):
 
 def run(args: argparse.Namespace) -> int:
     """`reap serve`: open the engine, then serve until interrupted."""
+    from reap.engine.cli import set_threads
     from reap.serve.backend import open_backend
     from reap.serve.hosts import check_host
     from reap.serve.http import Server
@@ -81,12 +82,9 @@ def run(args: argparse.Namespace) -> int:
     check_host(args.host, args.allow_remote)  # refuse before loading anything
     limits = limits_of(args)
     limits.check()
-    if args.queue < 1 or args.max_tokens_limit < 1 or (args.threads or 1) < 1:
-        raise ReapError("--queue, --max-tokens-limit and --threads must be at least 1")
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
+    if args.queue < 1 or args.max_tokens_limit < 1:
+        raise ReapError("--queue and --max-tokens-limit must be at least 1")
+    set_threads(args.threads)
     backend = open_backend(args.model, args.served_name, budget=args.budget,
                            preset=args.preset, context=args.context, device=args.device,
                            dtype=args.dtype, max_generation=args.max_tokens_limit)

@@ -8,7 +8,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from reap.errors import ReapError
+from reap.engine.generate import OptionError, request_options
+from reap.errors import ReapError, is_int
 from reap.tokenizer import encode_prompt
 
 ROLES = ("system", "user", "assistant")
@@ -104,26 +105,22 @@ class Params:
 
 
 def parse_params(body: dict[str, Any], default_max: int, limit: int) -> Params:
-    """Sampling parameters of an OpenAI request body (no seed: 0); RequestError naming the field."""
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    max_tokens = default_max if max_tokens is None else max_tokens
-    _need(_is_int(max_tokens) and 1 <= max_tokens <= limit, "max_tokens",
-          f"must be an integer in [1, {limit}] (the server limit and the room the prompt "
-          "leaves in the context)")
-    temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
-    top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
-    _need(top_p > 0, "top_p", "must be in (0, 1]")
-    seed = 0 if body.get("seed") is None else body["seed"]
-    _need(_is_int(seed) and 0 <= seed < 2**63, "seed", "must be an integer in [0, 2^63)")
-    stop = body.get("stop")
-    stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
-    _need(isinstance(stop, list) and len(stop) <= 4 and all(isinstance(x, str) and x
-                                                            for x in stop),
-          "stop", "must be a non-empty string or a list of at most 4 of them")
+    """Sampling parameters of an OpenAI request body (`reap.engine.generate.request_options`,
+    with OpenAI's bounds: temperature <= 2, at most 4 stop strings); RequestError naming the
+    field. `limit`: the server limit and the room the prompt leaves in the context."""
+    body = {**body, "max_tokens": body.get("max_completion_tokens", body.get("max_tokens"))}
+    defaults = {"max_tokens": default_max, "temperature": 1.0, "top_p": 1.0, "seed": 0, "stop": ()}
+    try:
+        o = request_options(body, defaults, limit)
+    except OptionError as e:
+        raise RequestError(str(e), e.param) from None
+    _need(o["temperature"] <= 2, "temperature", "must be a number in [0, 2]")
+    _need(len(o["stop"]) <= 4 and all(o["stop"]), "stop",
+          "must be a non-empty string or a list of at most 4 of them")
     _need(body.get("n", 1) == 1 and body.get("best_of", 1) == 1, "n", "only n=1 is supported")
     for name in _UNSUPPORTED:
         _need(body.get(name) in (None, False, []), name, "is not supported by this server")
-    return Params(max_tokens, temperature, top_p, seed, tuple(stop))
+    return Params(**o)
 
 
 def check_prompt_chars(n_chars: int, max_chars: int, param: str) -> None:
@@ -144,24 +141,11 @@ def completion_ids(body: dict[str, Any], encode: Callable[[str], list[int]],
         check_prompt_chars(len(p), max_chars, "prompt")
         ids = encode_prompt(p, encode, specials)
     else:
-        ok = isinstance(p, list) and all(_is_int(t) and t >= 0 for t in p)
+        ok = isinstance(p, list) and all(is_int(t) and t >= 0 for t in p)
         _need(ok, "prompt", "must be one string or one list of token ids")
         ids = list(p)
     _need(bool(ids), "prompt", "is empty")
     return ids
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _number(body: dict[str, Any], name: str, default: float, lo: float, hi: float) -> float:
-    v = body.get(name)
-    if v is None:
-        return default
-    _need(isinstance(v, (int, float)) and not isinstance(v, bool) and lo <= v <= hi, name,
-          f"must be a number in [{lo:g}, {hi:g}]")
-    return float(v)
 
 
 def _need(ok: bool, param: str, message: str) -> None:

@@ -147,7 +147,7 @@ class ExpertStats(ExpertSums):
         if missing:
             raise ReapError(f"{path}: statistics file lacks {', '.join(missing)}")
         check_header(path, head)
-        check_shapes(path, head, tensors)
+        check_shapes(path, head, tensors, sum_fields())
         return cls(head["layers"], head["n_experts"], head["top_k"], head["tokens"],
                    meta=head.get("meta", {}), **tensors)
 

@@ -8,20 +8,16 @@ from __future__ import annotations
 
 import torch
 
-from reap.errors import ReapError
+from reap.errors import ReapError, is_int
 
 # the largest counts a header may declare: more experts or layers than any model has
 MAX_EXPERTS = 1 << 20
 MAX_LAYERS = 1 << 16
 
 
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 def _int_field(path: str, head: dict, name: str, low: int, high: int | None = None) -> int:
     v = head.get(name)
-    if not _is_int(v) or v < low or (high is not None and v > high):
+    if not is_int(v) or v < low or (high is not None and v > high):
         bound = f"[{low}, {high}]" if high is not None else f">= {low}"
         raise ReapError(f"{path}: field {name}: {v!r} is not an integer {bound}")
     return v
@@ -31,7 +27,7 @@ def check_header(path: str, head: dict) -> None:
     """The header's layers, n_experts, top_k, tokens and meta have valid types and ranges."""
     layers = head.get("layers")
     if (not isinstance(layers, list) or not layers or len(layers) > MAX_LAYERS
-            or not all(_is_int(x) and 0 <= x < MAX_LAYERS for x in layers)):
+            or not all(is_int(x) and 0 <= x < MAX_LAYERS for x in layers)):
         raise ReapError(f"{path}: field layers: not a non-empty list of layer numbers")
     if len(set(layers)) != len(layers):
         raise ReapError(f"{path}: field layers: a layer is listed twice")
@@ -42,13 +38,12 @@ def check_header(path: str, head: dict) -> None:
         raise ReapError(f"{path}: field meta: not a JSON object")
 
 
-def check_shapes(path: str, head: dict, tensors: dict[str, torch.Tensor]) -> None:
-    """Each statistics tensor is [L, E] ([L, E, E] for coact, [S, L, E] for seq_count), integer
-    where its declared dtype is, no count negative and no sum NaN or infinite."""
-    from reap.stats import sum_fields
-
+def check_shapes(path: str, head: dict, tensors: dict[str, torch.Tensor], fields: list) -> None:
+    """Each statistics tensor of `fields` (`reap.stats.sum_fields()`) is [L, E] ([L, E, E] for
+    coact, [S, L, E] for seq_count), integer where its declared dtype is, no count negative and
+    no sum NaN or infinite."""
     L, E = len(head["layers"]), head["n_experts"]
-    for f in sum_fields():
+    for f in fields:
         t = tensors.get(f.name)
         if t is None:
             continue

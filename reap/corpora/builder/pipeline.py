@@ -29,7 +29,7 @@ from reap.corpora.store import (
     split_bytes,
     split_of,
 )
-from reap.defaults import cache_dir
+from reap.cache import cache_dir
 from reap.errors import ReapError
 from reap.fileio import write_atomic
 
