@@ -56,13 +56,9 @@ class ConfigOnly:
 
 
 def open_config_only(path: str | os.PathLike) -> ConfigOnly | None:
-    """The config-only view of directory (or http(s) URL: `remote.fetch_config_only`) `path`,
-    or None if it holds weights (or is not a directory with a config.json). CheckpointError
-    names a bad config or index file."""
-    from reap.checkpoint.remote import fetch_config_only, is_url
-
-    if is_url(path):
-        return fetch_config_only(str(path))
+    """The config-only view of directory `path` (of a URL: `remote.fetch_config_only`), or None
+    if it holds weights (or is not a directory with a config.json). CheckpointError names a bad
+    config or index file."""
     p = Path(path)
     if not p.is_dir() or not os.path.lexists(p / "config.json"):
         return None

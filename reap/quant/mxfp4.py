@@ -202,5 +202,5 @@ class MXFP4Matrix:
         """Raise ReapError if a scale byte is 255 (NaN) or decodes weights beyond `MAX_WEIGHT`:
         no trained matrix has one, so the bytes are corrupt (`what` names the matrix)."""
         top = int(self.scales.max()) if self.scales.numel() else 0
-        if not float(_SCALE_LUT[top]) * 6 <= MAX_WEIGHT:  # 6: the largest E2M1 magnitude
+        if not float(SCALE_LUT[top]) * 6 <= MAX_WEIGHT:  # 6: the largest E2M1 magnitude
             raise ReapError(f"{what}: E8M0 scale byte {top}: NaN or weights beyond 2^16: corrupt")
