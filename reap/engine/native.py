@@ -30,8 +30,8 @@ _A, _M = step_kernel.ATTN, step_kernel.MOE
 
 
 class NativeDecoder:
-    """The compiled decode path of one engine (see module docstring); `usable(chunks)` says
-    whether a step can take it, `step` runs it."""
+    """The compiled decode path of one engine (see module docstring): `usable(chunks)`, `step`;
+    `native_token` and `native_prefill` build on its argument blocks (`layer_args`, `bind`)."""
 
     def __init__(self, engine):
         self.eng = engine
@@ -41,9 +41,8 @@ class NativeDecoder:
             return
         self.specs = [model.native_layer(i) for i in range(n_layers)]  # the family's hooks
         self.head_names = model.native_head()
-        if self.head_names is None or None in self.specs:
-            return
-        if any(s.top_k > step_kernel.MAX_TOP_K for s in self.specs) or not self._dtypes_ok():
+        if (self.head_names is None or None in self.specs or not self._dtypes_ok()
+                or any(s.top_k > step_kernel.MAX_TOP_K for s in self.specs)):  # fmt: skip
             return
         self.lib = step_kernel.library()
         self.rnd = _ROUNDS[engine.dtype]
@@ -137,7 +136,7 @@ class NativeDecoder:
     def layer_args(self, i: int, spec, units: dict):
         """The layer's int64 argument block, its weight pointers refreshed when the unit's
         tensors are not the ones seen last (a streamed unit comes in a new dict each time)."""
-        self.token.unbind()  # the caller points the blocks elsewhere
+        self.token.held = None  # the caller points the blocks elsewhere: the next token binds
         held = self._static[i]
         if held is not None and held[0] is units:
             return held[1]
@@ -245,11 +244,10 @@ class NativeDecoder:
         cache.advance(1)
 
     def bind(self, spec, a, h: torch.Tensor, cache, outs: tuple = ()) -> tuple[int, int, tuple]:
-        """Point the layer's arguments at one sequence's state: h [D] (or [T, D], T positions),
-        the cache's room for them, the rope table, the outputs (MLP input, routing ids and
-        weights: the one-token buffers unless `outs`). Returns the scratch floats a one-token
-        attention half needs at any position the buffers hold, those positions (the room of
-        both the cache and the table) and the buffers (kept alive while a binding lasts)."""
+        """Point the layer's block at one sequence's h [D] (or [T, D]), its cache's room, the
+        rope table and the outputs (MLP input, routing ids, weights: the one-token buffers
+        unless `outs`). Returns the scratch floats a one-token attention half needs at any
+        position the buffers hold, those positions and the buffers (kept while bound)."""
         T = h.shape[0] if h.dim() == 2 else 1
         D, H, Hkv, Dh = a[_A["d"]], spec.heads, spec.kv_heads, spec.dk
         kc, vc = cache.room((1, Hkv, T, Dh), (1, Hkv, T, Dh), self.eng.dtype)
@@ -281,14 +279,13 @@ class NativeDecoder:
             return
         F, D = triples[0][0].shape
         scratch = self.scratch_of(len(triples) * (F + D))
-        m = self.mlp_args
         for k, (g, u, d) in enumerate(triples):
             self._ptrs[0][k], self._ptrs[1][k] = g.data_ptr(), u.data_ptr()
             self._ptrs[2][k], self._w[k] = d.data_ptr(), weights[k]
         self.point_mlp(h, scratch)
         ptrs = {k: ctypes.addressof(p) for k, p in zip(("gate", "up", "down"), self._ptrs)}
-        step_kernel.put(m, _M, k=len(triples), f=F, weights=ctypes.addressof(self._w), **ptrs)
-        self.lib.reap_moe_step(m)
+        ptrs["weights"] = ctypes.addressof(self._w)
+        self.lib.reap_moe_step(step_kernel.put(self.mlp_args, _M, k=len(triples), f=F, **ptrs))
 
     def point_mlp(self, h: torch.Tensor, scratch: torch.Tensor) -> None:
         """The MLP argument block's fields for one sequence: its input (_x2), the residual h,
@@ -300,10 +297,8 @@ class NativeDecoder:
         """Final norm and head of one sequence -> logits [V] fp32 (bf16 values with bf16
         compute, as the torch path's)."""
         norm, head, eps = self.head_names
-        w = units[head]
-        V, D = w.shape
-        logits = torch.empty(V, dtype=torch.float32)
-        x = self.scratch_of(D)
+        w, (V, D) = units[head], units[head].shape
+        logits, x = torch.empty(V, dtype=torch.float32), self.scratch_of(D)
         self.lib.reap_head_step(h.data_ptr(), units[norm].data_ptr(), w.data_ptr(), V, D,
                                 int(self.wbf16), int(self.rnd), eps, x.data_ptr(),
                                 logits.data_ptr())  # fmt: skip

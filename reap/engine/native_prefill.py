@@ -66,9 +66,8 @@ def _attention(nd, spec, a, h: torch.Tensor, cache):
     outs = torch.empty(T, D), torch.empty(T, K, dtype=torch.int64), torch.empty(T, K)
     nd.bind(spec, a, h, cache, outs)
     a[_A["scratch"]] = nd.scratch_of(nd.lib.reap_attn_prefill_scratch(a, T)).data_ptr()
-    f = nd.floats
-    f[0], f[1] = spec.eps, spec.dk**-0.5
-    nd.lib.reap_attn_prefill(a, f, T)
+    nd.floats[0], nd.floats[1] = spec.eps, spec.dk**-0.5
+    nd.lib.reap_attn_prefill(a, nd.floats, T)
     cache.advance(T)
     return outs
 

@@ -1,9 +1,7 @@
-"""A whole token in one library call (`reap_token_step`): one sequence decoding alone with the
-trunk pinned and every routed expert resident (at `--preset max`, after preload), through every
-layer (the same two halves as `reap.engine.native`'s step) and the head. Nothing can be evicted
-then, so the expert pointer tables and argument blocks are built once. A `NativeDecoder` holds
-one `WholeToken`: `ready()` says whether a token can take it, `run` runs it, and the decoder's
-other calls, which point the layer blocks elsewhere, `unbind()` it.
+"""A whole token in one library call (`reap_token_step`: every layer, the same two halves as
+`reap.engine.native`'s step, and the head) for one sequence decoding alone with the trunk pinned
+and every routed expert resident (`--preset max`, after preload): nothing can be evicted, so the
+pointer tables and argument blocks are built once. Each `NativeDecoder` holds a `WholeToken`.
 """
 
 from __future__ import annotations
@@ -24,7 +22,7 @@ class WholeToken:
     def __init__(self, nd):
         self.nd = nd
         self.tok: dict | None = None  # reap_token_step's lasting arguments (`ready`)
-        self.held: dict | None = None  # the binding to one sequence's state (`_position`)
+        self.held: dict | None = None  # the blocks' binding to a sequence (None: bind anew)
 
     def ready(self) -> bool:
         """Whether a token can run as one call: the trunk pinned and every routed expert
@@ -37,13 +35,8 @@ class WholeToken:
         return True
 
     def expert_table(self, i: int) -> tuple[torch.Tensor, int]:
-        """Layer i's [E, 3] gate/up/down pointers of every resident expert and their width
-        (once `ready`)."""
+        """Layer i's [E, 3] gate/up/down pointers of every expert and their width (once `ready`)."""
         return self.tok["pointers"][i], self.tok["f"][i]
-
-    def unbind(self) -> None:
-        """The layer blocks point elsewhere now: the next token binds anew."""
-        self.held = None
 
     def run(self, seq, token: int) -> torch.Tensor:
         """One sequence's token through every layer and the head in one call -> logits [V]."""
@@ -108,9 +101,8 @@ class WholeToken:
         return table if ok and table.dtype in (torch.bfloat16, torch.float32) else None
 
     def _expert_tables(self):
-        """Per layer its argument block, the [E, 3] gate/up/down pointers of its resident
-        experts (a dense MLP: its one triple), whether it is dense, its MLP width; and the
-        expert uses per token."""
+        """Per layer its argument block, [E, 3] gate/up/down pointers (a dense MLP: its one
+        triple), whether it is dense, its MLP width; and the expert uses per token."""
         eng = self.nd.eng
         layer_args, tables, dense, widths, uses = [], [], [], [], 0
         for i, s in enumerate(self.nd.specs):
@@ -128,12 +120,11 @@ class WholeToken:
         return layer_args, tables, dense, widths, uses
 
     def _position(self, seq) -> int:
-        """The cache position this token writes, every layer's block pointed at seq's caches
-        and rope tables, the token's h and the scratch. A binding lasts while the buffers have
-        room, the decoder's scratch has not grown and no other step pointed the blocks elsewhere
-        (`unbind`): the next token then sets only the position (in `reap_token_step`). Python
-        between two tokens runs with caches the weights just streamed through: the less of it,
-        the faster."""
+        """The cache position this token writes, every layer's block pointed at seq's caches and
+        rope tables, the token's h and the scratch. A binding lasts while the buffers have room,
+        the scratch has not grown and no other step pointed the blocks elsewhere (`held`): the
+        next token sets only the position. Python between two tokens runs with caches the
+        weights just streamed through: the less of it, the faster."""
         held, pos = self.held, seq.caches[0].length
         if not (held and held["seq"] is seq and held["pos"] == pos and pos < held["room"]
                 and held["scratch"] is self.nd.scratch_of(0)):  # fmt: skip
