@@ -1,4 +1,4 @@
-"""The compiled many-token expert call (`reap.engine.native.NativeDecoder._moe_call`, the routed
+"""The compiled many-token expert call (`reap.engine.native.NativeDecoder.moe_call`, the routed
 experts of a prefill chunk in one library call) against the torch path's expert-major dispatch
 (`blocks.dispatch_reference` over `blocks.silu_glu`), side by side in one run, on one thread:
 64 random experts top-8, hidden 1024, expert width 384 (the 1 B model of
@@ -59,10 +59,10 @@ def _setup(dtype: torch.dtype, n: int, D: int, other=None):
     ids, weights, _ = blocks.softmax_topk(torch.randn(n, E, generator=g), K, True)
     table = torch.tensor([[w.data_ptr() for w in ws[e]] for e in range(E)])
     nd = _decoder(step_kernel.library(), dtype)
-    lib_call = lambda ws=ws: nd._moe_call(x, ids, weights, table, F)  # table points into ws
+    lib_call = lambda ws=ws: nd.moe_call(x, ids, weights, table, F)  # table points into ws
     if other is not None:
         od = _decoder(other, dtype)
-        return lib_call, lambda: od._moe_call(x, ids, weights, table, F)
+        return lib_call, lambda: od.moe_call(x, ids, weights, table, F)
     ref_call = lambda: blocks.dispatch_reference(
         x, ids, weights, lambda e, xs: blocks.silu_glu(xs, *ws[e])
     )[0]

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from reap.engine import Engine, native
+from reap.engine import Engine, native, native_token
 from reap.quant import step_kernel
 
 pytestmark = pytest.mark.skipif(step_kernel.library() is None, reason="no C compiler")
@@ -82,14 +82,14 @@ def _logits(path, dtype, monkeypatch, on=True, threads=1, preset="max", together
     beyond the process (instead of `preset`)."""
     monkeypatch.setattr(native, "ENABLED", on)
     calls = []
-    step, token = native.NativeDecoder.step, native.NativeDecoder._token
+    step, token = native.NativeDecoder.step, native_token.WholeToken.run
     monkeypatch.setattr(native.NativeDecoder, "step", lambda *a: calls.append(1) or step(*a))
     if whole is not None:
-        monkeypatch.setattr(native.NativeDecoder, "_token", lambda *a: whole.append(1) or token(*a))
+        monkeypatch.setattr(native_token.WholeToken, "run", lambda *a: whole.append(1) or token(*a))
     if tables is not None:
-        et = native.NativeDecoder._expert_table
-        monkeypatch.setattr(native.NativeDecoder, "_expert_table",
-                            lambda self, *a: tables.append(self._resident()) or et(self, *a))
+        routed = native.NativeDecoder.routed
+        monkeypatch.setattr(native.NativeDecoder, "routed",
+                            lambda self, *a: tables.append(self.token.ready()) or routed(self, *a))
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
     size = {"budget": budget, "baseline": 0} if budget else {"preset": preset}
@@ -151,10 +151,11 @@ def test_native_decode_is_thread_batch_and_budget_invariant(models, dtype, monke
 
 
 def test_whole_token_bindings_follow_turns_lockstep_steps_and_growth(models, monkeypatch):
-    """A whole-token call keeps its sequence's binding to the next token (`_position`): two
-    sequences taking turns token by token, lockstep steps of both and a chunk of one between
-    (which point the blocks elsewhere), past the caches' and rope tables' growth at 256
-    positions, give each sequence the logits it gets decoding alone, bit for bit."""
+    """A whole-token call keeps its sequence's binding to the next token
+    (`WholeToken._position`): two sequences taking turns token by token, lockstep steps of both
+    and a chunk of one between (which point the blocks elsewhere), past the caches' and rope
+    tables' growth at 256 positions, give each sequence the logits it gets decoding alone, bit
+    for bit."""
     path = models["qwen3_moe", "bfloat16"]
     steps = {"a": [[(7 * i + 3) % 300 + 1] for i in range(270)],
              "b": [[(11 * i) % 300] for i in range(30)]}  # fmt: skip
@@ -166,8 +167,8 @@ def test_whole_token_bindings_follow_turns_lockstep_steps_and_growth(models, mon
             return torch.stack([eng.step([s], [c])[0] for c in chunks])
 
     whole = []
-    token = native.NativeDecoder._token
-    monkeypatch.setattr(native.NativeDecoder, "_token", lambda *a: whole.append(1) or token(*a))
+    token = native_token.WholeToken.run
+    monkeypatch.setattr(native_token.WholeToken, "run", lambda *a: whole.append(1) or token(*a))
     got = {"a": [], "b": []}
     with Engine.open(path, preset="max", context=300, dtype="bfloat16", batch=2) as eng:
         seqs = {k: eng.new_sequence() for k in steps}
@@ -193,7 +194,7 @@ def test_whole_token_calls_embed_as_the_family(models, stored, dtype, monkeypatc
     whole = []
     want = _logits(path, dtype, monkeypatch, whole=whole)
     assert whole
-    monkeypatch.setattr(native.NativeDecoder, "_lookup_table", lambda self: None)
+    monkeypatch.setattr(native_token.WholeToken, "_lookup_table", lambda self: None)
     assert torch.equal(_logits(path, dtype, monkeypatch), want)
 
 
@@ -355,7 +356,7 @@ def _moe_case(dtype, seed: int):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_many_token_experts_match_dispatch_and_do_not_depend_on_the_batch(dtype):
-    """`NativeDecoder._moe_call` (the routed experts of a prefill chunk in one call) against
+    """`NativeDecoder.moe_call` (the routed experts of a prefill chunk in one call) against
     the torch path's expert-major dispatch over the op-by-op SwiGLU, on 37 tokens (tiles and
     edges; 72 and 40 columns leave tails) with one expert missing from the table (it must
     contribute nothing); each token's row equals the same token run alone and among four
@@ -365,15 +366,15 @@ def test_many_token_experts_match_dispatch_and_do_not_depend_on_the_batch(dtype)
 
     nd, x, ids, weights, ws, table, F = _moe_case(dtype, seed=4)
     table[5] = 0
-    got = nd._moe_call(x, ids, weights, table, F)
+    got = nd.moe_call(x, ids, weights, table, F)
     run = lambda e, xs: blocks.silu_glu_reference(xs, *ws[e]) * (e != 5)
     want, _ = blocks.dispatch_reference(x, ids, weights, run)
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(got, want, atol=tol, rtol=tol)
     for t in (0, 17, 36):
-        alone = nd._moe_call(x[t : t + 1], ids[t : t + 1], weights[t : t + 1], table, F)
+        alone = nd.moe_call(x[t : t + 1], ids[t : t + 1], weights[t : t + 1], table, F)
         assert torch.equal(alone[0], got[t])
-    four = nd._moe_call(x.repeat(4, 1), ids.repeat(4, 1), weights.repeat(4, 1), table, F)
+    four = nd.moe_call(x.repeat(4, 1), ids.repeat(4, 1), weights.repeat(4, 1), table, F)
     assert torch.equal(four, got.repeat(4, 1))
 
 
@@ -407,7 +408,7 @@ def _kernel_outputs(dtype):
     xs = torch.randn(40, 1100, generator=g).to(dtype)
     four = [t.repeat(4, 1) for t in (x, ids, weights)]
     with dense_kernel.enabled():
-        out = [nd._moe_call(x, ids, weights, table, F), nd._moe_call(*four, table, F),
+        out = [nd.moe_call(x, ids, weights, table, F), nd.moe_call(*four, table, F),
                dense_kernel.dense_linear(xs, w), dense_kernel.dense_linear(xs[:20], w),
                dense_kernel.dense_linear(xs[:3], w)]  # fmt: skip
         assert dense_kernel.swiglu_usable(x[:1], *ws[0])

@@ -286,14 +286,16 @@ def test_no_getattr_on_a_family_outside_models():
             call = isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
             if call and node.func.id in {"getattr", "hasattr"} and node.args:
                 target = ast.unparse(node.args[0])
-                if target.split(".")[-1] in {"fam", "family", "cfg"} or "family(" in target:
+                last = target.split(".")[-1]  # the model's hooks are the family's contract too
+                if last in {"fam", "family", "cfg", "model"} or "family(" in target:
                     bad.append(f"{rel}:{node.lineno} {ast.unparse(node)}")
     assert not bad, "\n".join(bad)
 
 
 def test_family_modules_are_checked_against_the_contract_once():
     """Every registered family implements the contract; a module missing a hook, or taking other
-    arguments, is refused when `family()` first loads it."""
+    arguments, or whose Model is not a LayerModel (the compiled-decode hooks `native_layer` and
+    `native_head` among its members), is refused when `family()` first loads it."""
     import sys
     import types
 
@@ -319,6 +321,9 @@ def test_family_modules_are_checked_against_the_contract_once():
         with pytest.raises(TypeError, match=r"top_k\(\) cannot be called") as refused:
             family({"model_type": "reap_test_broken"})
         assert "state_bytes() is missing" in str(refused.value)
+        broken.Model, broken.top_k = object, vars(qwen3_moe)["top_k"]  # no LayerModel hooks
+        with pytest.raises(TypeError, match="Model is missing or not a LayerModel"):
+            family({"model_type": "reap_test_broken"})
     finally:
         del FAMILIES["reap_test_broken"], sys.modules[broken.__name__]
 

@@ -78,7 +78,7 @@ class Engine:
     _fused: bool = field(init=False)  # bf16 on CPU: fused expert matmuls
     _kernels: MXFP4Kernels = field(init=False)  # expert matmuls (reap.quant)
     _native: NativeDecoder = field(init=False)  # compiled one-token steps (reap.engine.native)
-    _table: torch.Tensor | None = field(init=False)  # the resident embedding table, or None
+    embedding: torch.Tensor | None = field(init=False)  # the resident embedding table, or None
 
     def __post_init__(self) -> None:
         self.metrics = RunMetrics()
@@ -91,7 +91,7 @@ class Engine:
         self._kernels = MXFP4Kernels(self.dtype, self._decoded, self._fused)
         self._native = NativeDecoder(self)  # one-token steps through compiled kernels
         pin = self.plan.embed_table > 0  # read now (the plan has room for it)
-        self._table = embedding_table(self.reader, self.binding.embed, pin, self.trunk)
+        self.embedding = embedding_table(self.reader, self.binding.embed, pin, self.trunk)
 
     @classmethod
     def open(cls, model: str | os.PathLike | None = None, budget: str | int | None = None,
@@ -144,12 +144,10 @@ class Engine:
             raise ReapError(f"first position {first}: need >= 0")
         try:
             if self._native.usable(chunks) and self._native.whole(seqs):  # one library call
-                out = self._native.step(seqs, chunks, all_positions, more)  # (no torch context)
-                return [o[first:] for o in out] if all_positions else out
+                return self._native.step(seqs, chunks, all_positions, more, first)  # no torch
             with torch.inference_mode(), dense_kernel.enabled():
                 if self._native.usable(chunks):
-                    out = self._native.step(seqs, chunks, all_positions, more)
-                    return [o[first:] for o in out] if all_positions else out
+                    return self._native.step(seqs, chunks, all_positions, more, first)
                 if native_prefill.usable(self._native, chunks):  # torch: embedding and head
                     with ckernel.torch_serial():
                         return native_prefill.step(
@@ -165,7 +163,7 @@ class Engine:
 
     def _step(self, seqs, chunks, all_positions, more, first=0):
         m, n_layers = self.model, len(self.binding.units) - 1
-        states = self._embed(chunks)
+        states = self.embed(chunks)
         sizes = [len(c) for c in chunks]
         for i in range(n_layers):
             t0 = time.perf_counter()
@@ -193,15 +191,15 @@ class Engine:
         self.unit_seconds[n_layers] += time.perf_counter() - t0
         return out if all_positions else [o[-1] for o in out]
 
-    def _embed(self, chunks: list[list[int]]) -> list:
+    def embed(self, chunks: list[list[int]]) -> list:
         """Embed each chunk: the rows the chunks use, from the resident table or read."""
         uniq = sorted({t for c in chunks for t in c})
         vocab = self.reader.info(self.binding.embed).shape[0]
         bad = [t for t in uniq if not 0 <= t < vocab]
         if bad:
             raise ReapError(f"token id {bad[0]} outside the vocabulary of {vocab}")
-        if self._table is not None:  # resident
-            rows = self._table[torch.tensor(uniq, device=self._table.device)].to(self.device)
+        if (table := self.embedding) is not None:  # resident
+            rows = table[torch.tensor(uniq, device=table.device)].to(self.device)
         else:
             t0 = time.perf_counter()
             rows = self.reader.read_rows(self.binding.embed, uniq).to(self.device)  # [U, D]

@@ -20,7 +20,6 @@ import time
 
 import torch
 
-from reap.engine import native
 from reap.models import base
 from reap.quant import ckernel, step_kernel
 
@@ -31,13 +30,12 @@ def usable(nd, chunks: list[list[int]]) -> bool:
     """Whether `step` takes a step of these chunks: the native decoder serves the model, and in
     bf16 no more than PAIR_ROWS tokens (above it torch's bf16 matmul on the CPU's bf16 dot-product
     instructions is faster; without them PAIR_ROWS is unbounded)."""
-    n = sum(len(c) for c in chunks)
-    return native.ENABLED and nd.lib is not None and (not nd.wbf16 or n <= step_kernel.PAIR_ROWS)
+    return nd.serves(chunks, step_kernel.PAIR_ROWS)
 
 
 def step(nd, seqs, chunks, all_positions: bool, more: bool, first: int) -> list[torch.Tensor]:
     """`Engine.step` of many-token chunks (see `usable`): logits per sequence as `_step`'s."""
-    states = nd.eng._embed(chunks)
+    states = nd.eng.embed(chunks)
     hs = [st.hidden.reshape(-1, st.hidden.shape[-1]).to(torch.float32, copy=True)
           for st in states]  # fmt: skip  # [T, D] each, updated in place
     with ckernel.spinning(nd.lib):  # the kernels' jobs follow each other closely
@@ -50,7 +48,7 @@ def _layer(nd, i: int, spec, seqs, hs: list[torch.Tensor]) -> None:
     eng = nd.eng
     t0 = time.perf_counter()
     units = eng.trunk.get(i)
-    args = nd._layer_args(i, spec, units)
+    args = nd.layer_args(i, spec, units)
     routes = [_attention(nd, spec, args, h, s.caches[i]) for h, s in zip(hs, seqs)]
     x2, ids, weights = (torch.cat(r) for r in zip(*routes))  # [N, D], [N, K], [N, K]
     y = _mlp(nd, i, spec, units, x2, ids, weights)
@@ -64,20 +62,14 @@ def _attention(nd, spec, a, h: torch.Tensor, cache):
     """The attention half for one sequence's tokens h [T, D] (updated in place; their keys and
     values written into the cache, advanced by T) -> the MLP input [T, D] fp32 and the routing
     ids, weights [T, K]."""
-    (T, D), K, Hkv, Dh = h.shape, max(1, spec.top_k), spec.kv_heads, spec.dk
-    x2, ids, weights = torch.empty(T, D), torch.empty(T, K, dtype=torch.int64), torch.empty(T, K)
-    kc, vc = cache.room((1, Hkv, T, Dh), (1, Hkv, T, Dh), nd.eng.dtype)
-    cos, sin = spec.rotary.table(cache.length + T)
-    for key, t in (("h", h), ("x2", x2), ("cos", cos), ("sin", sin), ("kc", kc), ("vc", vc),
-                   ("ids", ids), ("weights", weights)):  # fmt: skip
-        a[_A[key]] = t.data_ptr()
-    a[_A["cap"]], a[_A["pos"]] = kc.shape[2], cache.length
-    a[_A["scratch"]] = nd._scratch_of(nd.lib.reap_attn_prefill_scratch(a, T)).data_ptr()
-    f = nd._floats
-    f[0], f[1] = spec.eps, Dh**-0.5
-    nd.lib.reap_attn_prefill(a, f, T)
+    (T, D), K = h.shape, max(1, spec.top_k)
+    outs = torch.empty(T, D), torch.empty(T, K, dtype=torch.int64), torch.empty(T, K)
+    nd.bind(spec, a, h, cache, outs)
+    a[_A["scratch"]] = nd.scratch_of(nd.lib.reap_attn_prefill_scratch(a, T)).data_ptr()
+    nd.floats[0], nd.floats[1] = spec.eps, spec.dk**-0.5
+    nd.lib.reap_attn_prefill(a, nd.floats, T)
     cache.advance(T)
-    return x2, ids, weights
+    return outs
 
 
 def _mlp(nd, i: int, spec, units: dict, x2, ids, weights) -> torch.Tensor:
@@ -87,7 +79,7 @@ def _mlp(nd, i: int, spec, units: dict, x2, ids, weights) -> torch.Tensor:
         table = torch.tensor([[units[spec.prefix + n].data_ptr() for n in spec.mlp]])
         F = units[spec.prefix + spec.mlp[0]].shape[0]
         ones = torch.ones(x2.shape[0], 1)
-        return nd._moe_call(x2, torch.zeros_like(ones, dtype=torch.int64), ones, table, F)
+        return nd.moe_call(x2, torch.zeros_like(ones, dtype=torch.int64), ones, table, F)
     E = units[spec.prefix + spec.router].shape[0]
     return nd.routed(i, spec, x2, ids, weights, E)  # not None: `usable` bounds bf16 rows
 
@@ -101,8 +93,7 @@ def _head(nd, seqs, states, hs, all_positions: bool, more: bool, first: int):
     out = []
     for s, st, h in zip(seqs, states, hs):
         s.length += h.shape[0]
-        rows = h[first:] if all_positions else h[-1:]
-        hidden = rows.to(eng.dtype)[None]
+        hidden = (h[first:] if all_positions else h[-1:]).to(eng.dtype)[None]  # [1, T, D]
         out.append(eng.model.head(units.__getitem__, base.State(hidden, st.blocks))[0].float())
     eng.unit_seconds[-1] += time.perf_counter() - t0
     return out if all_positions else [o[-1] for o in out]

@@ -10,7 +10,8 @@ test checks this outside `models/`, `checkpoint/` and `quant/`):
   with at least `torch_dtype` (the checkpoint's dtype name, e.g. "bfloat16"); `from_dict` is
   where a config is validated, once for every command: types by the field annotations, keys
   with no safe default, the family's ranges (`reap.models.validate`; ConfigError, exit 2);
-- `Model(cfg, device, dtype)`: a `LayerModel` holding no weights (the driving protocol below);
+- `Model(cfg, device, dtype)`: a `LayerModel` holding no weights (the driving protocol below;
+  its hooks `native_layer(i)` and `native_head()` offer layers to the compiled decode step);
 - `layout(config_dict) -> list[TensorSpec]`: every tensor of the released layout, in file order,
   names without any `language_model.` prefix, tagged with component, layer, expert and role (what
   its elements hold: plain weights, MXFP4 blocks or scales, FP8 weights or scales; see
@@ -186,8 +187,9 @@ def check_family(module: ModuleType) -> ModuleType:
     )
     if "torch_dtype" not in fields or not hasattr(config, "from_dict"):
         problems.append("Config is not a dataclass with from_dict and a torch_dtype field")
-    if not inspect.isclass(getattr(module, "Model", None)):
-        problems.append("class Model is missing")
+    model = getattr(module, "Model", None)
+    if not (inspect.isclass(model) and issubclass(model, LayerModel)):
+        problems.append("class Model is missing or not a LayerModel")
     for name, n_args in family_hooks().items():
         fn = getattr(module, name, None)
         if not callable(fn):
@@ -289,6 +291,14 @@ class LayerModel:
     implement `embed`, `attn_block`, `mlp_block` and `head` (plain residual `finish_layer`)."""
 
     n_layers: int
+
+    def native_layer(self, i: int) -> Any:
+        """Layer i for the compiled decode step (`blocks.NativeLayer`); None (default): torch."""
+        return None
+
+    def native_head(self) -> tuple[str, str, float] | None:
+        """(final norm, head weight, epsilon) for the compiled decode step, or None."""
+        return None
 
     def finish_layer(self, i: int, state: State, y: torch.Tensor) -> State:
         """Add the MLP output y [B, T, D] to the residual stream."""
