@@ -59,8 +59,9 @@ def naive_moe(fam, model, cfg, get, layer: int, x, acc):
     x [N, D] -> [N, D]."""
     import torch
 
-    from reap.models import blocks, kimi_k3_blocks
     from reap.models.base import MoERecord
+    from reap.models.kimi_k3 import blocks as kimi_k3_blocks
+    from reap.models.shared import blocks
     from reap.quant.mxfp4 import dequantize
 
     p = f"model.layers.{layer}.block_sparse_moe."
@@ -99,9 +100,9 @@ def run_naive(model_dir: str, corpus: str, tokens: int, seq_len: int, out: str) 
     import torch
 
     from reap.calibrate.accumulate import StatsAccumulator
-    from reap.memstat import peak_rss
     from reap.checkpoint import Checkpoint
     from reap.corpora import calibration_sequences
+    from reap.memstat import peak_rss
     from reap.models import family
     from reap.models.base import dict_weights
     from reap.stats import ExpertStats

@@ -203,10 +203,10 @@ def step_breakdown(ckpt: Path, budget: str, threads: int, steps: int = 3) -> dic
     """Where a decode step's time goes at `budget` (in this process, O_DIRECT): seconds per
     step in trunk matmuls, routed-expert matmuls (fused), waiting for/serving routed experts
     (cache lookups, reads not yet finished), and everything else (attention cores, norms,
-    routing, AttnRes, sampling). Timing hooks on `reap.models.blocks.linear` and the engine's
+    routing, AttnRes, sampling). Timing hooks on `reap.models.shared.blocks.linear` and the engine's
     expert source; they add a little overhead of their own."""
     from reap.engine import Engine
-    from reap.models import blocks
+    from reap.models.shared import blocks
     from reap.quant.mxfp4 import MXFP4Matrix
 
     torch.set_num_threads(threads)

@@ -1,7 +1,7 @@
 """Index speed on a K3-sized checkpoint: `Checkpoint.open` vs a `safetensors.safe_open` key listing
 vs a naive `json.loads` loop, on the same files in the same run.
 
-The checkpoint is the released K3 layout (`reap.models.kimi_k3.layout` of the built-in
+The checkpoint is the released K3 layout (`reap.models.kimi_k3.family.layout` of the built-in
 `k3-full` config: 497,220 tensors) split into 96 shards by cumulative bytes, with the HF index
 and config.json. Shards are header-only sparse files (the 1.56 TB of tensor data is a hole made
 by truncate), so the disk holds only the ~80 MB of headers. "cold" evicts the shard, index and
@@ -32,7 +32,7 @@ PREFIX = "language_model."
 def build(root: Path, n_shards: int) -> dict:
     """Write the header-only K3 checkpoint under root; return its sizes."""
     from reap.models import builtin_config
-    from reap.models.kimi_k3 import layout
+    from reap.models.kimi_k3.family import layout
 
     config = builtin_config("k3-full")
     specs = layout(config)

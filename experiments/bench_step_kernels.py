@@ -33,7 +33,7 @@ import torch
 from experiments.bench_llamacpp import cpu
 from reap.engine import native
 from reap.fileio import write_atomic
-from reap.models import blocks
+from reap.models.shared import blocks
 from reap.provenance import code_version
 from reap.quant import step_kernel
 

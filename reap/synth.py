@@ -71,9 +71,9 @@ def synth(
 ) -> str:
     """Write a random checkpoint (shards, index, config.json, byte-level tokenizer) to `out`.
     dtype: "bfloat16" or "float32" for the non-expert tensors; `vision`: add a small vision
-    tower in the release's layout (`reap.models.vision.with_tiny_vision`) to a config without
+    tower in the release's layout (`reap.models.shared.vision.with_tiny_vision`) to a config without
     one. Returns the directory."""
-    from reap.models.vision import with_tiny_vision
+    from reap.models.shared.vision import with_tiny_vision
 
     if dtype not in ("bfloat16", "float32"):
         raise ReapError(f"--dtype must be bfloat16 or float32, got {dtype!r}")

@@ -1,4 +1,4 @@
-"""reap.models.attention against independent references: RoPE inverse frequencies and scaling
+"""reap.models.shared.attention against independent references: RoPE inverse frequencies and scaling
 factors equal transformers' own computation for every supported rope_type, the rotation equals
 complex multiplication, and grouped-query attention (cache, sliding window, sinks) equals a
 naive per-head softmax loop."""
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from reap.errors import ReapError
-from reap.models.attention import KVCache, Rope, gqa_attention, rope_settings
+from reap.models.shared.attention import KVCache, Rope, gqa_attention, rope_settings
 
 SCALINGS = [
     None,

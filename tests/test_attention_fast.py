@@ -1,4 +1,4 @@
-"""Decode fast paths of `reap.models.attention` against their references: RoPE from the grown
+"""Decode fast paths of `reap.models.shared.attention` against their references: RoPE from the grown
 cos/sin table == RoPE computed per call (bit for bit), and the preallocated KV / MLA caches
 (written in place, grown in 256-position steps) == the concatenation of everything appended."""
 
@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 
-from reap.models.attention import KVCache, MLACache, Rope, gqa_attention
+from reap.models.shared.attention import KVCache, MLACache, Rope, gqa_attention
 
 
 @pytest.mark.parametrize("interleaved", [False, True])
@@ -43,7 +43,7 @@ def test_fused_gqa_attention_matches_the_op_by_op_reference(dtype, window):
     of 20 then single tokens over the cache; fp32 within 1e-5, bf16 within a bf16 step (the
     reference rounds its scores and probabilities to bf16, the fused kernel keeps fp32); the
     fused result does not depend on the thread count."""
-    from reap.models.attention import gqa_attention_reference
+    from reap.models.shared.attention import gqa_attention_reference
 
     g = torch.Generator().manual_seed(3)
     B, S, H, Hkv, D = 2, 30, 8, 2, 16

@@ -8,9 +8,10 @@ import pytest
 import torch
 from references import mxfp4_dequantize_reference
 
-from reap.models import attention as A
-from reap.models import blocks as B
-from reap.models import kda, kimi_k3_blocks
+from reap.models.kimi_k3 import blocks as kimi_k3_blocks
+from reap.models.shared import attention as A
+from reap.models.shared import blocks as B
+from reap.models.shared import kda
 from reap.quant import mxfp4
 
 
@@ -224,7 +225,7 @@ def test_situ_formula():
 
 
 def test_softmax_topk_matches_a_naive_router():
-    from reap.models.blocks import softmax_topk
+    from reap.models.shared.blocks import softmax_topk
 
     torch.manual_seed(3)
     logits = torch.randn(7, 10)
@@ -242,7 +243,7 @@ def test_softmax_topk_matches_a_naive_router():
 
 
 def test_silu_glu_matches_the_formula():
-    from reap.models.blocks import silu_glu
+    from reap.models.shared.blocks import silu_glu
 
     torch.manual_seed(4)
     x, g, u, d = torch.randn(3, 8), torch.randn(5, 8), torch.randn(5, 8), torch.randn(8, 5)

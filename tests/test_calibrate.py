@@ -159,7 +159,7 @@ def naive_moe_record(x, t, cfg, layer):
     float64 from the raw tensors, every statistic from its definition (REAP-style hooks)."""
     from references import mxfp4_dequantize_reference as dequantize_reference
 
-    from reap.models import blocks
+    from reap.models.shared import blocks
 
     p = f"model.layers.{layer}.block_sparse_moe."
     def d(n):

@@ -628,7 +628,7 @@ def test_a_model_that_announces_its_routing_gets_prefetched_experts(tiny, ref, m
     """If the MoE block calls `experts.prefetch(layer, ids)` before dispatching (the hook the
     engine's ExpertSource offers), every miss is read in the background and the logits do not
     change. The hook is simulated by wrapping the shared dispatch."""
-    from reap.models import blocks
+    from reap.models.shared import blocks
 
     model, get = ref
     ids = [5, 17, 200, 31, 7]

@@ -6,7 +6,7 @@ dispatch against the sorting `dispatch_reference` (bit for bit), alone and insid
 import pytest
 import torch
 
-from reap.models import blocks
+from reap.models.shared import blocks
 from reap.quant import dense_kernel
 
 needs_kernel = pytest.mark.skipif(dense_kernel.library() is None, reason="no C compiler")

@@ -12,8 +12,9 @@ from references import mxfp4_linear_reference
 
 from reap.checkpoint import Checkpoint
 from reap.engine import Engine
-from reap.models import blocks, family
+from reap.models import family
 from reap.models.base import dict_weights
+from reap.models.shared import blocks
 from reap.quant import ckernel, mxfp4, mxfp4_matmul
 from reap.quant.mxfp4 import MXFP4Matrix
 from reap.quant.mxfp4_matmul import FUSED_MAX_ROWS, MXFP4Kernels, mxfp4_linear

@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 
 from reap.checkpoint import Checkpoint
 from reap.cli import main
-from reap.models import deepseek_v3 as ds
+from reap.models.deepseek_v3 import family as ds
 from reap.sizes import SizeModel
 
 PROMPT = [3, 100, 7, 200, 55, 9, 1, 250, 17, 42, 11, 300]

@@ -20,11 +20,11 @@ import torch
 from reap.checkpoint import Checkpoint
 from reap.cli import main
 from reap.errors import ReapError
-from reap.models import blocks as B
-from reap.models import deepseek_v3 as ds
 from reap.models import family
-from reap.models.attention import rope_settings
 from reap.models.base import dict_weights
+from reap.models.deepseek_v3 import family as ds
+from reap.models.shared import blocks as B
+from reap.models.shared.attention import rope_settings
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 PROMPT = [[3, 100, 7, 200, 55, 9, 1, 250, 17, 42, 11, 300]]

@@ -27,9 +27,9 @@ from safetensors.torch import load_file, save_file
 from reap.checkpoint import Checkpoint
 from reap.cli import main
 from reap.errors import ReapError
-from reap.models import deepseek_v3 as ds
 from reap.models import family
 from reap.models.base import dict_weights
+from reap.models.deepseek_v3 import family as ds
 from reap.quant import int4
 
 # The compressed-tensors block of Kimi's INT4 releases (as the Kimi-K2.5 report shows it:

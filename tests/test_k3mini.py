@@ -17,8 +17,9 @@ from references import mxfp4_dequantize_reference
 import reap.models
 from reap.checkpoint import Checkpoint
 from reap.corpora import sample_sequences
-from reap.models import family, kimi_k3
+from reap.models import family
 from reap.models.base import dict_weights
+from reap.models.kimi_k3 import family as kimi_k3
 from reap.quant import mxfp4
 from reap.tokenizer import load_tokenizer
 

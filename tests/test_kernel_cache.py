@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from reap.models import blocks
+from reap.models.shared import blocks
 from reap.quant import ckernel, dense_kernel, mxfp4, step_kernel
 from reap.quant.mxfp4_decode import decode_mxfp4
 

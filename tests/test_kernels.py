@@ -13,7 +13,7 @@ import pytest
 import torch
 from references import mxfp4_linear_reference
 
-from reap.models import blocks
+from reap.models.shared import blocks
 from reap.quant import ckernel, dense_kernel, mxfp4, step_kernel
 from reap.quant.mxfp4_decode import decode_mxfp4
 from reap.quant.mxfp4_matmul import mxfp4_linear

@@ -12,9 +12,10 @@ from references import mxfp4_dequantize_reference
 
 from reap.checkpoint import Checkpoint
 from reap.errors import ReapError
-from reap.models import blocks as B
-from reap.models import builtin_config, family, kimi_k3
+from reap.models import builtin_config, family
 from reap.models.base import dict_weights
+from reap.models.kimi_k3 import family as kimi_k3
+from reap.models.shared import blocks as B
 from reap.synth import synth
 
 PROMPT = [[3, 100, 7, 200, 55, 9, 1, 250, 17, 42, 11, 300]]

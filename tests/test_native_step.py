@@ -339,7 +339,7 @@ def _moe_case(dtype, seed: int):
     """A prefill MoE call's inputs: 37 tokens (tiles and edges; 72 and 40 columns leave tails),
     8 experts, top 3, and a NativeDecoder around the step library: (decoder, x, ids, weights,
     expert weights, [E, 3] pointer table, F)."""
-    from reap.models import blocks
+    from reap.models.shared import blocks
 
     g = torch.Generator().manual_seed(seed)
     N, K, E, D, F = 37, 3, 8, 72, 40
@@ -362,7 +362,7 @@ def test_many_token_experts_match_dispatch_and_do_not_depend_on_the_batch(dtype)
     contribute nothing); each token's row equals the same token run alone and among four
     copies of the batch (about 14 and 55 tokens an expert: both kinds of AVX2 tile), bit for
     bit."""
-    from reap.models import blocks
+    from reap.models.shared import blocks
 
     nd, x, ids, weights, ws, table, F = _moe_case(dtype, seed=4)
     table[5] = 0

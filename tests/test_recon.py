@@ -204,7 +204,7 @@ def k3_inputs(model, n_seq=2, seq_len=12):
 def naive_k3_gram(m, get, x, rec):
     """G [N, K, K] of one LatentMoE layer by per-token, per-slot loops: u_k = up(g * o_k) / rms
     of the token's weighted latent sum (K3's RMSNorm), o_k = expert k on down(x)."""
-    from reap.models.kimi_k3_blocks import expert_glu
+    from reap.models.kimi_k3.blocks import expert_glu
 
     pre = f"model.layers.{rec.layer}.block_sparse_moe."
     down, up = (
@@ -288,7 +288,7 @@ def check_exact_objective(m, get, xs, recs, E, monkeypatch, module, name, norm):
 
 def test_k3_objective_is_the_pruned_block_error(tiny, monkeypatch):
     """The key proof (LatentMoE with its RMSNorm): objective = ||y - y'||^2 of the block run."""
-    from reap.models import kimi_k3_blocks
+    from reap.models.kimi_k3 import blocks as kimi_k3_blocks
 
     m, get, xs, recs = k3_inputs(tiny[1])
     E = m.cfg.num_experts
@@ -308,7 +308,7 @@ def test_qwen3_moe_gram_and_objective(tmp_path, monkeypatch):
     its forward), and the objective equals the pruned block's error."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    from reap.models import blocks
+    from reap.models.shared import blocks
     from tests import family_runner as R
 
     path, hf = R.save_hf_tiny(Qwen3MoeForCausalLM, Qwen3MoeConfig, QWEN, tmp_path / "m", seed=2)

@@ -23,7 +23,9 @@ from safetensors.torch import load_file, save_file
 
 from reap.checkpoint import Checkpoint
 from reap.cli import main
-from reap.models import family, kimi_k3, kimi_k25, kimi_linear
+from reap.models import family, kimi_linear
+from reap.models.deepseek_v3 import kimi_k25
+from reap.models.kimi_k3 import family as kimi_k3
 from reap.sizes import SizeModel
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")

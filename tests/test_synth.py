@@ -14,7 +14,9 @@ from reap import synth
 from reap.checkpoint import Checkpoint
 from reap.cli import main
 from reap.errors import CheckpointError
-from reap.models import builtin_config, kda, kimi_k3
+from reap.models import builtin_config
+from reap.models.kimi_k3 import family as kimi_k3
+from reap.models.shared import kda
 from reap.quant import mxfp4
 from reap.tokenizer import load_tokenizer
 

@@ -127,7 +127,7 @@ def test_mxfp4_widths_not_multiples_of_32_are_refused(tmp_path, capsys):
 def test_kda_chunks_stay_finite_at_fast_decays():
     """Per-step log decays of -17 (Kimi Linear's gate is unbounded): the chunked form equals the
     step-by-step reference instead of overflowing to NaN."""
-    from reap.models.kda import kda_chunked, kda_recurrent
+    from reap.models.shared.kda import kda_chunked, kda_recurrent
 
     g = torch.Generator().manual_seed(0)
     B, T, H, D = 1, 40, 2, 8

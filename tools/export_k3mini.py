@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 
 from reap.checkpoint import Checkpoint, CheckpointWriter
-from reap.models import kimi_k3
 from reap.models.base import dict_weights
+from reap.models.kimi_k3 import family as kimi_k3
 from reap.quant import mxfp4
 from tools import train_k3mini
 
@@ -273,7 +273,7 @@ on the train splits of reap's shipped corpora, so that calibration, analysis, pr
 engine have a default model with real language and domain structure (random weights have none).
 It is a test instrument, not a useful language model.
 
-## Architecture (`config.json`; read by `reap.models.kimi_k3` and by mlx-lm's `kimi_k3`)
+## Architecture (`config.json`; read by `reap.models.kimi_k3.family` and by mlx-lm's `kimi_k3`)
 {arch}
 - Parameters: {params:.2f} M total, {experts:.2f} M in routed experts, about {active:.2f} M
   active per token (embedding lookup excluded).
@@ -287,7 +287,7 @@ It is a test instrument, not a useful language model.
 - {steps} steps, {tokens:.2f} M tokens, {minutes:.0f} minutes of CPU wall time (shared machine).
 - AdamW (betas 0.9/0.95, weight decay 0.1 on matrices), peak learning rate {lr}, warmup then
   cosine to 10 %; gradient clipping 1.0; float32.
-- Same forward code as the engine: `reap.models.kimi_k3.Model` through the weight getter, KDA
+- Same forward code as the engine: `reap.models.kimi_k3.family.Model` through the weight getter, KDA
   in the chunked WY form, expert-major dispatch.
 - Load balancing without an auxiliary loss: after every step each MoE layer's correction bias
   moves by +/-{gamma} toward uniform expert load.

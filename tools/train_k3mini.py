@@ -3,7 +3,7 @@ with sigmoid routing, shared experts, dense layer 0, AttnRes) trained on CPU on 
 of the shipped corpora, finished quantization-aware and exported with MXFP4 routed experts in the
 released checkpoint layout.
 
-The forward pass is the engine's own: `reap.models.kimi_k3.Model` driven through the weight
+The forward pass is the engine's own: `reap.models.kimi_k3.family.Model` driven through the weight
 getter, with weights held as float32 tensors that autograd trains. Routed experts are stacked per
 layer ([E, F, Dl] etc.) and handed to the model one expert at a time through an ExpertSource;
 load balancing is aux-loss-free (the router's `e_score_correction_bias` is nudged after every step
@@ -33,8 +33,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from reap.models import builtin_config, kimi_k3
+from reap.models import builtin_config
 from reap.models.base import dict_weights
+from reap.models.kimi_k3 import family as kimi_k3
 from reap.quant import mxfp4
 from reap.tokenizer import EOS_TOKEN as EOS
 from reap.tokenizer import byte_tokenizer_files

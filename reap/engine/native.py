@@ -1,6 +1,6 @@
 """Decode steps through the compiled step kernels (`reap.quant.step_kernel`): when every
 sequence of a step advances by one token, on the CPU, and the family describes each layer as a
-`reap.models.blocks.NativeLayer` with dense bf16/fp32 weights, a layer costs two library calls
+`models.shared.blocks.NativeLayer` with dense bf16/fp32 weights, a layer costs two library calls
 per sequence (attention half, then the MLP half with the routed experts' weights) and the head
 one, instead of some fifty torch ops and Python calls; a sequence decoding alone with every
 weight resident takes one call for the whole token (`reap.engine.native_token`). Matrix-vector
@@ -22,7 +22,7 @@ import time
 import torch
 
 from reap.engine.native_token import WholeToken
-from reap.models import blocks
+from reap.models.shared import blocks
 from reap.quant import ckernel, step_kernel
 
 ENABLED = True  # False: every step through the torch path (the reference), for the tests

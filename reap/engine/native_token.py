@@ -10,7 +10,7 @@ import ctypes
 
 import torch
 
-from reap.models import blocks
+from reap.models.shared import blocks
 from reap.quant import step_kernel
 
 _A, _T = step_kernel.ATTN, step_kernel.TOKEN

@@ -28,9 +28,10 @@ import torch
 
 from reap.checkpoint import TensorSpec, view_name
 from reap.errors import ReapError
-from reap.models import base, blocks, validate
-from reap.models.attention import KVCache, Rope, gqa_attention, rope_settings
+from reap.models import base, validate
 from reap.models.base import ExpertSource, Weights, decoder_specs, dtype_code
+from reap.models.shared import blocks
+from reap.models.shared.attention import KVCache, Rope, gqa_attention, rope_settings
 from reap.quant import mxfp4
 
 DENSE_TENSORS = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")

@@ -1,7 +1,7 @@
 """Kimi Linear (`model_type` kimi_linear, e.g. moonshotai/Kimi-Linear-48B-A3B): config, checkpoint
-layout and torch model. It is Kimi K3's ancestor and shares K3's pieces (`reap.models.kimi_k3`:
+layout and torch model. It is Kimi K3's ancestor and shares K3's pieces (`kimi_k3.family`:
 config fields, MLA and MLP specs, the router tensors, the model's embed/head/caches; KDA and MLA
-from `reap.models.blocks`).
+from `reap.models.shared.blocks`).
 
 Where it differs from K3 (references: transformers 5 `KimiLinearForCausalLM`, mlx-lm
 `kimi_linear.py`): SiLU GLU MLPs and experts; routed experts are plain per-expert tensors
@@ -22,8 +22,11 @@ import torch
 
 from reap.checkpoint import TensorSpec
 from reap.errors import ReapError
-from reap.models import attention, base, blocks, kda, kimi_k3, kimi_k3_config, validate
+from reap.models import base, validate
 from reap.models.base import ExpertSource, Observer, Weights, decoder_specs, dtype_code
+from reap.models.kimi_k3 import config as kimi_k3_config
+from reap.models.kimi_k3 import family as kimi_k3
+from reap.models.shared import attention, blocks, kda
 from reap.quant.matrix import stored_matrices as expert_matrices  # noqa: F401 - family hook
 
 # shared with K3: same names, same meaning

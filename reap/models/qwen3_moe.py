@@ -24,9 +24,10 @@ import torch
 
 from reap.checkpoint import TensorSpec
 from reap.errors import ReapError
-from reap.models import base, blocks, validate
-from reap.models.attention import KVCache, Rope, gqa_attention, rope_settings
+from reap.models import base, validate
 from reap.models.base import ExpertSource, Weights, decoder_specs, dtype_code
+from reap.models.shared import blocks
+from reap.models.shared.attention import KVCache, Rope, gqa_attention, rope_settings
 from reap.quant.matrix import stored_matrices as expert_matrices  # noqa: F401 - family hook
 
 

@@ -12,5 +12,5 @@
 - `ckernel`: the one loader of the C libraries (built, checked, loaded) and their thread pool.
 
 A new format adds its codec module with a reference decoder, a matrix record and, if
-it pays, a kernel here; model code applies any record through `reap.models.blocks.linear`.
+it pays, a kernel here; model code applies any record through `reap.models.shared.blocks.linear`.
 """

@@ -122,7 +122,7 @@ class INT4Matrix:
     """A weight matrix W [O, I] stored pack-quantized: `packed` int32 [O, I/8], `scales`
     [O, I/group] (float), `shape_tensor` the stored `weight_shape` (checked, never trusted for
     the size).
-    A typed record, not a tensor: `reap.models.blocks.linear` applies it through `linear(x)`,
+    A typed record, not a tensor: `reap.models.shared.blocks.linear` applies it through `linear(x)`,
     which decodes it whole (`dequantize`) in x's dtype."""
 
     packed: torch.Tensor

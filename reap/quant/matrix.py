@@ -1,6 +1,6 @@
 """The expert-matmul interface: how model code multiplies by a weight matrix that may be stored
 quantized. A quantized matrix is a typed record of its codec's tensors (`MXFP4Matrix`,
-`reap.quant.int4.INT4Matrix`) with `linear(x)`; `reap.models.blocks.linear(x, w)` calls it, or does the dense matmul for a tensor.
+`reap.quant.int4.INT4Matrix`) with `linear(x)`; `reap.models.shared.blocks.linear(x, w)` calls it, or does the dense matmul for a tensor.
 Nothing imitates a tensor: code that needs the values asks for `dense(dtype)`.
 
 A family's `expert_matrices(tensors)` turns one routed expert's stored tensors (short names) into

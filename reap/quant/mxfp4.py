@@ -174,7 +174,7 @@ def fake_quant(w: torch.Tensor) -> torch.Tensor:
 @dataclass(frozen=True, eq=False)
 class MXFP4Matrix:
     """A weight matrix W [O, I] stored in MXFP4: packed uint8 [O, I/2], E8M0 scales uint8
-    [O, I/32]. A typed record, not a tensor: `reap.models.blocks.linear` applies it through
+    [O, I/32]. A typed record, not a tensor: `reap.models.shared.blocks.linear` applies it through
     `linear(x)`, which uses `kernels` when set (the engine's `reap.quant.mxfp4_matmul.MXFP4Kernels`:
     fused kernel or fast decode) and else the reference, `dequantize` in x's dtype."""
 

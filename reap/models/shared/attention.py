@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from reap.errors import ReapError
-from reap.models.blocks import WeightFn, linear, rms_norm
+from reap.models.shared.blocks import WeightFn, linear, rms_norm
 
 Tensor = torch.Tensor
 

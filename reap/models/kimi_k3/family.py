@@ -15,17 +15,19 @@ import torch
 
 from reap.checkpoint import TensorSpec
 from reap.errors import ReapError
-from reap.models import attention, base, blocks, kda, kimi_k3_config, validate
+from reap.models import base, validate
 from reap.models.base import ExpertSource, State, Weights, dtype_code
-from reap.models.kimi_k3_blocks import (
+from reap.models.kimi_k3 import config as kimi_k3_config
+from reap.models.kimi_k3.blocks import (
     MoEDims,
     attn_res_mix,
     expert_matrices,  # noqa: F401 - family hook
     latent_moe,
 )
-from reap.models.kimi_k3_chat import chat_format  # noqa: F401 - family hook (chat markers)
-from reap.models.vision import check as check_vision
-from reap.models.vision import vision_specs
+from reap.models.kimi_k3.chat import chat_format  # noqa: F401 - family hook (chat markers)
+from reap.models.shared import attention, blocks, kda
+from reap.models.shared.vision import check as check_vision
+from reap.models.shared.vision import vision_specs
 
 # the six tensors of a routed expert, file order: w1 gate, w2 down, w3 up; E2M1 pairs, E8M0 scales
 EXPERT_TENSORS = tuple(f"w{i}.weight_{k}" for i in (1, 2, 3) for k in ("packed", "scale"))
@@ -139,7 +141,7 @@ class Config:
 def layout(config_dict: dict) -> list[TensorSpec]:
     """Every tensor of the released layout in file order (names without `language_model.`).
 
-    A `vision_config` adds the vision tower and projector (`reap.models.vision`): stored in
+    A `vision_config` adds the vision tower and projector (`reap.models.shared.vision`): stored in
     the release, never read by the text model, copied verbatim by prune."""
     cfg = Config.from_dict(config_dict)
     fdt = dtype_code(cfg.torch_dtype)

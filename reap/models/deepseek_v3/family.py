@@ -4,7 +4,7 @@ torch model driven layer by layer through the protocol of `reap.models.base`.
 As transformers' `DeepseekV3ForCausalLM` and mlx-lm's `deepseek_v3`: MLA with (YaRN) RoPE on the
 rope part, dense first layers, then MoE: sigmoid router, `e_score_correction_bias` for selection
 only, limited to the `topk_group` best of `n_group` groups; SiLU GLU experts stored per expert, and
-shared experts. Quantized releases are read in place (`reap.models.deepseek_quant`): FP8
+shared experts. Quantized releases are read in place (`reap.models.deepseek_v3.quant`): FP8
 (F8_E4M3 projections with F32 block scales `weight_scale_inv`) dequantized as pulled, and
 compressed-tensors INT4 (Kimi-K2-Thinking's routed experts) applied as `INT4Matrix` records.
 Shapes: B batch, T tokens, N = B*T, D hidden, V vocab, E n_experts, G n_group, K top_k, O/I a
@@ -35,9 +35,10 @@ import torch
 
 from reap.checkpoint import TensorSpec
 from reap.errors import ReapError
-from reap.models import attention, base, blocks, validate
+from reap.models import base, validate
 from reap.models.base import ExpertSource, Weights, decoder_specs, dtype_code
-from reap.models.deepseek_quant import Quant, expert_matrices
+from reap.models.deepseek_v3.quant import Quant, expert_matrices
+from reap.models.shared import attention, blocks
 from reap.quant import fp8
 from reap.quant.matrix import Matrix
 

@@ -2,8 +2,8 @@
 dense tensor or a quantized matrix record, see `reap.quant.matrix`), the SiTU and SiLU GLUs, the
 routers (DeepSeek's grouped top-k, softmax top-k), expert-major dispatch (`routed_experts`,
 reported through `report_moe`) and the Llama-style model ends. Softmax attention (GQA, MLA) lives
-in `reap.models.attention`, Kimi Delta Attention in `reap.models.kda`, Kimi K3's LatentMoE and
-AttnRes in `reap.models.kimi_k3_blocks`.
+in `attention`, Kimi Delta Attention in `kda`, Kimi K3's LatentMoE and
+AttnRes in `reap.models.kimi_k3.blocks`.
 
 Functions take tensors, not modules: families pull weights by name and pass them in. Dimension
 letters: B batch, T new tokens, S all tokens (cache + new), N = B*T, H heads, Dk key/query head
@@ -308,7 +308,7 @@ class NativeLayer:
     heads: int
     kv_heads: int
     dk: int  # per-head width
-    rotary: Any  # reap.models.attention.Rope (rotate-half pairing)
+    rotary: Any  # reap.models.shared.attention.Rope (rotate-half pairing)
     window: int | None  # sliding-window length, or None
     eps: float  # the RMSNorms' epsilon
     router: str | None  # router weight after the prefix; None: `mlp` is a dense SwiGLU

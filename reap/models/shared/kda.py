@@ -1,6 +1,6 @@
 """Kimi Delta Attention (KDA, the gated delta rule of Kimi Linear and Kimi K3): the short
 causal convolution, the per-step recurrence (the slow reference) and its chunked WY form, and the
-whole attention block. Dimension letters as in `reap.models.blocks`: B batch, T new tokens,
+whole attention block. Dimension letters as in `reap.models.shared.blocks`: B batch, T new tokens,
 H heads, Dk key/query head width, Dv value head width, C chunk length.
 """
 
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn.functional import conv1d, pad, silu, softplus
 
-from reap.models.blocks import WeightFn, linear, rms_norm
+from reap.models.shared.blocks import WeightFn, linear, rms_norm
 
 Tensor = torch.Tensor
 

@@ -1,9 +1,9 @@
 """Kimi K3's own blocks: the LatentMoE (sigmoid router with selection bias, routed experts in a
 down-projected space with MXFP4 weights, RMSNorm of their weighted sum, up-projection, shared
 experts) and the AttnRes residual mix. Shared blocks (norms, GLUs, KDA, dispatch) are in
-`reap.models.blocks`; the family itself (config, layout, model) in `reap.models.kimi_k3`.
+`reap.models.shared.blocks`; the family itself (config, layout, model) in `kimi_k3.family`.
 
-Dimension letters as in `reap.models.blocks`: N tokens, D hidden, Dl latent width, E n_experts,
+Dimension letters as in `shared.blocks`: N tokens, D hidden, Dl latent width, E n_experts,
 K top_k, M one expert's tokens.
 """
 
@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from reap.models.base import ExpertSource, Observer
-from reap.models.blocks import (
+from reap.models.shared.blocks import (
     WeightFn,
     glu_mlp,
     linear,
@@ -84,7 +84,7 @@ class MoEDims:
 
     @classmethod
     def from_config(cls, cfg) -> MoEDims:
-        """The settings of a Kimi K3 config (`reap.models.kimi_k3.Config`)."""
+        """The settings of a Kimi K3 config (`reap.models.kimi_k3.family.Config`)."""
         routing = (cfg.num_experts_per_token, cfg.routed_scaling_factor, cfg.moe_renormalize)
         latent = (cfg.routed_expert_hidden_size is not None, cfg.latent_moe_use_norm)
         act = (cfg.activation_situ_beta or 1.0, cfg.activation_situ_linear_beta)

@@ -1,10 +1,10 @@
 """Kimi K2.5-style releases (`model_type` kimi_k25, e.g. moonshotai/Kimi-K2.5): a DeepSeek-V3 /
 Kimi K2 text model under `text_config` with a MoonViT vision tower and projector beside it.
 
-The text model is `reap.models.deepseek_v3` unchanged (same config fields, tensors, router and
+The text model is `deepseek_v3.family` unchanged (same config fields, tensors, router and
 experts; the release stores its text tensors under a `language_model.` prefix, which the
 checkpoint layer strips); the tower and projector (`vision_tower.*`, `mm_projector.*`, stored
-without the prefix) are `reap.models.vision`'s, listed so that binding recognises them, sizes
+without the prefix) are `reap.models.shared.vision`'s, listed so that binding recognises them, sizes
 count them and prune copies them verbatim. Reference for the text path: mlx-lm 0.32.2
 `models/kimi_k25.py` (a DeepSeek-V3 language model; sanitize drops the vision tensors)."""
 
@@ -13,9 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from reap.checkpoint import TensorSpec
-from reap.models import base, deepseek_v3, vision
+from reap.models import base
 from reap.models.base import dtype_code
-from reap.models.deepseek_v3 import (  # noqa: F401 - family hooks, the text model's
+from reap.models.deepseek_v3 import family as deepseek_v3
+from reap.models.deepseek_v3.family import (  # noqa: F401 - family hooks, the text model's
     Model,
     calibration_widths,
     expert_groups,
@@ -27,6 +28,7 @@ from reap.models.deepseek_v3 import (  # noqa: F401 - family hooks, the text mod
     top_k,
     with_experts,
 )
+from reap.models.shared import vision
 
 chat_format = base.own_template  # the release ships its chat template
 
@@ -38,7 +40,7 @@ class Config(deepseek_v3.Config):
     @classmethod
     def from_dict(cls, d: dict) -> Config:
         """From the release's config.json: `text_config` as DeepSeek-V3's; a `vision_config`
-        must be one `reap.models.vision` can lay out (ConfigError naming its key)."""
+        must be one `reap.models.shared.vision` can lay out (ConfigError naming its key)."""
         if isinstance(d, dict) and d.get("vision_config") is not None:
             vision.check(d["vision_config"])
         return super().from_dict(_as_released(d))

@@ -1,4 +1,4 @@
-"""The quantization of DeepSeek-V3-style releases (`reap.models.deepseek_v3` and the families
+"""The quantization of DeepSeek-V3-style releases (`reap.models.deepseek_v3.family` and the families
 built on it, e.g. Kimi K2.5-style `kimi_k25`): which Linear weights a checkpoint stores
 quantized, under which tensor names, and how they are read back.
 

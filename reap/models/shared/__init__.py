@@ -1,0 +1,1 @@
+"""Blocks the families share: attention variants, KDA, the MoE router and expert blocks, MoonViT."""
