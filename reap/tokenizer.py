@@ -153,29 +153,13 @@ class KimiTokenizer:
 
 def _kimi_pieces(text: str) -> Iterator[str]:
     """`text` cut as the release cuts it before BPE: chunks of at most 400,000 characters, each
-    cut so no run of whitespace or of non-whitespace exceeds 25,000 characters."""
+    cut so no run of whitespace or of non-whitespace exceeds 25,000 characters (re's whitespace
+    is str.isspace, the release's test)."""
     for at in range(0, len(text), _MAX_CHUNK_CHARS):
         chunk = text[at:at + _MAX_CHUNK_CHARS]
-        if all(len(r) <= _MAX_RUN_CHARS for r in _RUNS.findall(chunk)):
-            yield chunk  # the usual case: nothing to cut (re's \s is str.isspace)
-        else:
-            yield from _cut_runs(chunk)
-
-
-_RUNS = re.compile(r"\s+|\S+")
-
-
-def _cut_runs(chunk: str) -> Iterator[str]:
-    start, run, space = 0, 0, chunk[:1].isspace()
-    for i, ch in enumerate(chunk):
-        if ch.isspace() != space:
-            run, space = 1, ch.isspace()
-            continue
-        run += 1
-        if run > _MAX_RUN_CHARS:
-            yield chunk[start:i]
-            start, run = i, 1
-    yield chunk[start:]
+        cuts = [m.start() + k for m in re.finditer(r"\s+|\S+", chunk)
+                for k in range(_MAX_RUN_CHARS, len(m[0]), _MAX_RUN_CHARS)]
+        yield from (chunk[a:b] for a, b in zip([0, *cuts], [*cuts, len(chunk)]))
 
 
 def encode_prompt(text: str, encode: Callable[[str], list[int]],
@@ -283,8 +267,7 @@ def read_ranks(path: Path, limit: int) -> dict[bytes, int]:
     if sorted(ranks.values()) != list(range(len(ranks))):
         raise CheckpointError(f"{path}: ranks are not the ids 0..{len(ranks) - 1}, each once "
                               "(a duplicate token or rank, or a gap)")
-    missing = [b for b in range(256) if bytes([b]) not in ranks]
-    if missing:  # tiktoken panics on text holding such a byte
+    if missing := [b for b in range(256) if bytes([b]) not in ranks]:  # tiktoken panics on it
         raise CheckpointError(f"{path}: no rank for the single byte {missing[0]:#04x} "
                               f"({len(missing)} of the 256 bytes missing)")
     return ranks

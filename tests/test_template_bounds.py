@@ -18,6 +18,7 @@ import psutil
 import pytest
 
 from reap.errors import CheckpointError
+from reap.serve import sandbox
 from reap.serve.chat import ChatTemplate
 from reap.serve.params import Message, RequestError
 
@@ -25,10 +26,14 @@ MSGS = [Message("user", "hi")]
 NESTED = "{% for i in range(100000) %}{% for j in range(100000) %}BODY{% endfor %}{% endfor %}"
 
 
-def refusal(source: str, seconds: float = 1.0, max_chars: int = 100_000) -> str:
+@pytest.fixture
+def one_second(monkeypatch):
+    monkeypatch.setattr(sandbox, "SECONDS", 1.0)
+
+
+def refusal(source: str, max_chars: int = 100_000) -> str:
     """The one-line refusal of rendering `source` (fails if it renders or takes over 60 s)."""
     tpl = ChatTemplate(source)
-    tpl.seconds = seconds
     out: dict = {}
 
     def render():
@@ -57,28 +62,29 @@ def refusal(source: str, seconds: float = 1.0, max_chars: int = 100_000) -> str:
     ("{% macro f(n) %}{% if n %}{{ f(n-1) }}{{ f(n-1) }}{% endif %}{% endmacro %}{{ f(60) }}",
      "took over the 1 s limit"),
 ])
-def test_hostile_templates_are_refused_naming_the_bound(source, bound):
+def test_hostile_templates_are_refused_naming_the_bound(one_second, source, bound):
     assert bound in refusal(source)
 
 
 @pytest.mark.parametrize("source,message", [
-    ("{% for m in messages %}{{ m.content }", "chat template does not compile: "),
+    ("{% for m in messages %}{{ m.content }", "TemplateSyntaxError: unexpected '}'"),
     ("{{ messages[0].nothing.deeper }}", "UndefinedError"),
     ("{{ raise_exception('no\\nway') }}", "chat template refused the request: no way"),
     ("{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(1) }}", "RecursionError"),
 ])
-def test_template_errors_are_one_line(source, message):
+def test_template_errors_are_one_line(one_second, source, message):
     assert message in refusal(source)
 
 
-def test_a_render_after_a_refusal_and_a_valid_render_in_bounds():
+def test_a_render_after_a_refusal_and_a_valid_render_in_bounds(monkeypatch):
     tpl = ChatTemplate("{% if messages[0].content == 'loop' %}" + NESTED.replace("BODY", "")
                        + "{% endif %}{{ messages[0].content }}|{{ bos_token }}",
                        {"bos_token": "[BOS]"})
-    tpl.seconds = 1.0
-    with pytest.raises(RequestError, match="took over the 1 s limit"):
-        tpl.render([Message("user", "loop")])
-    assert tpl.render(MSGS) == "hi|[BOS]"  # a fresh child after the stopped one
+    with monkeypatch.context() as m:
+        m.setattr(sandbox, "SECONDS", 1.0)
+        with pytest.raises(RequestError, match="took over the 1 s limit"):
+            tpl.render([Message("user", "loop")])
+    assert tpl.render(MSGS) == "hi|[BOS]"
     with pytest.raises(RequestError, match="over the limit of 3 characters"):
         tpl.render(MSGS, max_chars=3)
 
@@ -110,12 +116,15 @@ class EchoBackend:
         pass
 
 
-def test_server_answers_during_and_after_a_refused_render():
+def render_children() -> list[psutil.Process]:
+    return [p for p in psutil.Process().children() if "sandbox.py" in " ".join(p.cmdline())]
+
+
+def test_server_answers_during_and_after_a_refused_render(monkeypatch):
     from reap.serve.http import Server
 
-    tpl = ChatTemplate(NESTED.replace("BODY", ""))
-    tpl.seconds = 3.0
-    server = Server(EchoBackend(tpl), "127.0.0.1", 0).start()
+    monkeypatch.setattr(sandbox, "SECONDS", 3.0)
+    server = Server(EchoBackend(ChatTemplate(NESTED.replace("BODY", ""))), "127.0.0.1", 0).start()
     base = server.url.removesuffix("/v1")
     answer: dict = {}
 
@@ -131,8 +140,8 @@ def test_server_answers_during_and_after_a_refused_render():
     try:
         thread = threading.Thread(target=chat, daemon=True)
         thread.start()
-        for _ in range(600):  # the render's child process is started
-            if tpl._renderer._child is not None or not thread.is_alive():
+        for _ in range(600):  # until the render's process is running
+            if render_children() or not thread.is_alive():
                 break
             time.sleep(0.05)
         with urllib.request.urlopen(base + "/health", timeout=10) as r:
@@ -142,8 +151,6 @@ def test_server_answers_during_and_after_a_refused_render():
         assert "took over the 3 s limit" in answer["body"]["error"]["message"]
         with urllib.request.urlopen(base + "/health", timeout=10) as r:
             assert r.status == 200
-        # nothing keeps burning: the stopped render's child is gone or waits for the next one
-        child = tpl._renderer._child
-        assert child is None or psutil.Process(child.pid).status() != psutil.STATUS_RUNNING
+        assert render_children() == []  # killed: nothing keeps burning
     finally:
         server.stop()

@@ -37,8 +37,8 @@ from reap.checkpoint.header import load_json
 from reap.checkpoint.spec import MAX_JSON_BYTES
 from reap.errors import CheckpointError
 from reap.models.base import ChatFormat
+from reap.serve import sandbox
 from reap.serve.params import Message, RequestError
-from reap.serve.sandbox import SECONDS, Renderer
 from reap.serve.stream import REASONING_MARKERS
 from reap.tokenizer import protect, token_text
 
@@ -79,8 +79,6 @@ class ChatTemplate:
     `think_open`/`think_close` delimit the reasoning channel of generated text.
     """
 
-    seconds = SECONDS  # the render time bound
-
     def __init__(self, source: str | None = None, special: dict[str, str] | None = None,
                  builtin: ChatFormat | None = None):
         self.source, self.builtin = source, builtin
@@ -97,7 +95,6 @@ class ChatTemplate:
             else REASONING_MARKERS
         self.think_open, self.think_close = markers
         self.protected: tuple[str, ...] = ()  # special tokens kept as text in message content
-        self._renderer = Renderer(source) if source is not None else None
 
     @classmethod
     def from_dir(cls, path: str | os.PathLike, builtin: ChatFormat | None = None) -> ChatTemplate:
@@ -106,19 +103,17 @@ class ChatTemplate:
         config = load_json(config_path, "tokenizer config") if config_path.is_file() else {}
         special = {k: token_text(config.get(k)) for k in SPECIAL_KEYS}
         special = {k: v for k, v in special.items() if v}
-        jinja_path = Path(path, "chat_template.jinja")
-        if jinja_path.is_file():
-            try:
-                return cls(read_regular(jinja_path, "chat template", MAX_JSON_BYTES).decode(),
-                           special, builtin)
-            except UnicodeDecodeError as e:
-                raise CheckpointError(f"{jinja_path}: not UTF-8 text ({e.reason})") from None
-        return cls(_pick_template(config.get("chat_template"), path), special, builtin)
+        jinja = Path(path, "chat_template.jinja")
+        try:
+            source = read_regular(jinja, "chat template", MAX_JSON_BYTES).decode() \
+                if jinja.is_file() else _pick_template(config.get("chat_template"), path)
+        except UnicodeDecodeError as e:
+            raise CheckpointError(f"{jinja}: not UTF-8 text ({e.reason})") from None
+        return cls(source, special, builtin)
 
     def render(self, messages: list[Message], thinking: bool = True,
                extra: dict[str, Any] | None = None, max_chars: int = 1 << 24) -> str:
-        """Prompt text for `messages` plus the generation prompt; `extra` reaches the template,
-        whose output is bounded (`reap.serve.sandbox`: `max_chars`, `seconds`)."""
+        """Prompt text for `messages` plus the generation prompt; `extra` reaches the template."""
         if self.source is None:
             if self.builtin is None or not self.builtin.renders:
                 raise RequestError("this checkpoint ships no chat template and its model family "
@@ -128,7 +123,10 @@ class ChatTemplate:
         env_kwargs.update(extra or {})
         env_kwargs.update(thinking=thinking, enable_thinking=thinking, add_generation_prompt=True,
                           messages=[_as_dict(m) for m in self._guard(messages)])
-        return self._renderer.render(env_kwargs, max_chars, self.seconds)
+        reply = sandbox.render(self.source, env_kwargs, max_chars)
+        if "text" not in reply:
+            raise RequestError(reply["error"])
+        return reply["text"]
 
     def _guard(self, messages: list[Message]) -> list[Message]:
         if not self.protected:
