@@ -478,7 +478,7 @@ def _kill(proc) -> None:
         proc.wait(10)
 
 
-# --- the harness -----------------------------------------------------------------------------------
+# --- the harness ----------------------------------------------------------------------------------
 
 def execute(cases: list[Case], work: Path, timeout: float = 60.0, commands=("run", "calibrate",
             "serve"), log=None, progress=None) -> list[dict]:

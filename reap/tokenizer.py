@@ -243,7 +243,8 @@ def load_kimi_tokenizer(d: Path) -> KimiTokenizer:
     try:
         tok = KimiTokenizer(ranks, named, None, name=KIMI_RANKS)
     except ValueError as e:  # tiktoken's, e.g. special tokens too long for its regex
-        raise CheckpointError(f"{cfg_path}: tiktoken refuses the tokenizer ({' '.join(str(e).split())[:200]})") from None
+        raise CheckpointError(f"{cfg_path}: tiktoken refuses it ({str(e).splitlines()[0]})"
+                              ) from None
     if len(tok.specials) < KIMI_SPECIAL_SLOTS:
         raise CheckpointError(f"{cfg_path}: added_tokens_decoder gives two ids the same text")
     tok.eos_id = _eos_id(d, tok.specials.get, tok.vocab_size)
@@ -301,8 +302,7 @@ def _eos_id(d: Path, token_to_id: Callable[[str], int | None], n_vocab: int) -> 
         if isinstance(eid, list):
             eid = eid[0] if eid else None
         if isinstance(eid, int) and not 0 <= eid < n_vocab:
-            raise CheckpointError(f"{d / name}: eos_token_id {eid} is not a token id "
-                                  f"(0..{n_vocab - 1})")
+            raise CheckpointError(f"{d / name}: eos_token_id {eid} is not in 0..{n_vocab - 1}")
         if isinstance(eid, int):
             return eid
     return None
