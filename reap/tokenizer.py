@@ -153,29 +153,13 @@ class KimiTokenizer:
 
 def _kimi_pieces(text: str) -> Iterator[str]:
     """`text` cut as the release cuts it before BPE: chunks of at most 400,000 characters, each
-    cut so no run of whitespace or of non-whitespace exceeds 25,000 characters."""
+    cut so no run of whitespace or of non-whitespace exceeds 25,000 characters (re's whitespace
+    is str.isspace, the release's test)."""
     for at in range(0, len(text), _MAX_CHUNK_CHARS):
         chunk = text[at:at + _MAX_CHUNK_CHARS]
-        if all(len(r) <= _MAX_RUN_CHARS for r in _RUNS.findall(chunk)):
-            yield chunk  # the usual case: nothing to cut (re's \s is str.isspace)
-        else:
-            yield from _cut_runs(chunk)
-
-
-_RUNS = re.compile(r"\s+|\S+")
-
-
-def _cut_runs(chunk: str) -> Iterator[str]:
-    start, run, space = 0, 0, chunk[:1].isspace()
-    for i, ch in enumerate(chunk):
-        if ch.isspace() != space:
-            run, space = 1, ch.isspace()
-            continue
-        run += 1
-        if run > _MAX_RUN_CHARS:
-            yield chunk[start:i]
-            start, run = i, 1
-    yield chunk[start:]
+        cuts = [m.start() + k for m in re.finditer(r"\s+|\S+", chunk)
+                for k in range(_MAX_RUN_CHARS, len(m[0]), _MAX_RUN_CHARS)]
+        yield from (chunk[a:b] for a, b in zip([0, *cuts], [*cuts, len(chunk)]))
 
 
 def encode_prompt(text: str, encode: Callable[[str], list[int]],
@@ -236,7 +220,7 @@ def load_tokenizer(checkpoint_dir: str | Path) -> Tokenizer | KimiTokenizer:
         tok = HFTokenizer.from_file(str(path))
     except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception on bad JSON
         raise CheckpointError(f"{path}: cannot load tokenizer ({str(e).splitlines()[0]})") from None
-    return Tokenizer(tok, _eos_id(d, tok.token_to_id))
+    return Tokenizer(tok, _eos_id(d, tok.token_to_id, tok.get_vocab_size()))
 
 
 def load_kimi_tokenizer(d: Path) -> KimiTokenizer:
@@ -256,8 +240,14 @@ def load_kimi_tokenizer(d: Path) -> KimiTokenizer:
         raise CheckpointError(f"{cfg_path}: added_tokens_decoder id {outside[0]} is outside the "
                               f"special ids {base}..{base + KIMI_SPECIAL_SLOTS - 1} of "
                               f"{KIMI_RANKS}")
-    tok = KimiTokenizer(ranks, named, None, name=KIMI_RANKS)
-    tok.eos_id = _eos_id(d, tok.specials.get)
+    try:
+        tok = KimiTokenizer(ranks, named, None, name=KIMI_RANKS)
+    except ValueError as e:  # tiktoken's, e.g. special tokens too long for its regex
+        raise CheckpointError(f"{cfg_path}: tiktoken refuses it ({str(e).splitlines()[0]})"
+                              ) from None
+    if len(tok.specials) < KIMI_SPECIAL_SLOTS:
+        raise CheckpointError(f"{cfg_path}: added_tokens_decoder gives two ids the same text")
+    tok.eos_id = _eos_id(d, tok.specials.get, tok.vocab_size)
     return tok
 
 
@@ -278,6 +268,9 @@ def read_ranks(path: Path, limit: int) -> dict[bytes, int]:
     if sorted(ranks.values()) != list(range(len(ranks))):
         raise CheckpointError(f"{path}: ranks are not the ids 0..{len(ranks) - 1}, each once "
                               "(a duplicate token or rank, or a gap)")
+    if missing := [b for b in range(256) if bytes([b]) not in ranks]:  # tiktoken panics on it
+        raise CheckpointError(f"{path}: no rank for the single byte {missing[0]:#04x} "
+                              f"({len(missing)} of the 256 bytes missing)")
     return ranks
 
 
@@ -289,15 +282,15 @@ def _named_tokens(cfg: dict, path: Path) -> dict[int, tuple[str, bool]]:
     named = {}
     for key, entry in added.items():
         text = token_text(entry)
-        if not key.isdigit() or text is None:
-            raise CheckpointError(f"{path}: added_tokens_decoder[{key!r}] is not an id with a "
-                                  "'content' string")
+        if not re.fullmatch("[0-9]{1,18}", key) or not text:
+            raise CheckpointError(f"{path}: added_tokens_decoder[{key[:40]!r}] is not an id "
+                                  "with a non-empty 'content' string")
         flag = entry.get("special", True) if isinstance(entry, dict) else True
         named[int(key)] = (text, bool(flag))
     return named
 
 
-def _eos_id(d: Path, token_to_id: Callable[[str], int | None]) -> int | None:
+def _eos_id(d: Path, token_to_id: Callable[[str], int | None], n_vocab: int) -> int | None:
     from reap.checkpoint.header import load_json  # the checkpoint layer imports torch
     from reap.models.validate import text_of
 
@@ -309,6 +302,8 @@ def _eos_id(d: Path, token_to_id: Callable[[str], int | None]) -> int | None:
         eid = cfg.get("eos_token_id", text_of(cfg).get("eos_token_id"))
         if isinstance(eid, list):
             eid = eid[0] if eid else None
+        if isinstance(eid, int) and not 0 <= eid < n_vocab:
+            raise CheckpointError(f"{d / name}: eos_token_id {eid} is not in 0..{n_vocab - 1}")
         if isinstance(eid, int):
             return eid
     return None

@@ -170,7 +170,8 @@ class App:
                 messages = parse_messages(body.get("messages"))
                 check_prompt_chars(sum(len(m.content) + len(m.reasoning) for m in messages),
                                    self.max_prompt_chars, "messages")
-                prompt = b.template.render(messages, thinking_option(body), template_kwargs(body))
+                prompt = b.template.render(messages, thinking_option(body), template_kwargs(body),
+                                           self.max_prompt_chars)
                 check_prompt_chars(len(prompt), self.max_prompt_chars, "messages")
                 ids = encode_prompt(prompt, b.encode, b.special,
                                     protected=bool(b.template.protected))

@@ -2,9 +2,8 @@
 
 `ChatTemplate` renders with, in order of preference:
 - the checkpoint's own template (`chat_template.jinja`, or `chat_template` in
-  `tokenizer_config.json`), in a sandboxed Jinja environment set up as Hugging Face sets it up
-  for templates (`raise_exception`, `strftime_now`, a `tojson` taking `ensure_ascii`/`indent`/
-  `sort_keys`, the tokenizer config's special tokens such as `bos_token`), with
+  `tokenizer_config.json`), in Jinja's sandbox in a child process, within a time and an output
+  bound (`reap.serve.sandbox`), given the tokenizer config's special tokens (`bos_token`, ...),
   `add_generation_prompt=True`, reasoning passed as `reasoning_content` and `thinking`, and the
   thinking switch as `thinking` (Kimi's spelling) and `enable_thinking` (Qwen's);
 - else the built-in `ChatFormat` its model family declares (`chat_format` of the family module,
@@ -29,14 +28,16 @@ and which strings end a turn besides the end-of-text token (`stop`).
 
 from __future__ import annotations
 
-import json
 import os
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from reap.checkpoint.files import read_regular
 from reap.checkpoint.header import load_json
+from reap.checkpoint.spec import MAX_JSON_BYTES
+from reap.errors import CheckpointError
 from reap.models.base import ChatFormat
+from reap.serve import sandbox
 from reap.serve.params import Message, RequestError
 from reap.serve.stream import REASONING_MARKERS
 from reap.tokenizer import protect, token_text
@@ -94,7 +95,6 @@ class ChatTemplate:
             else REASONING_MARKERS
         self.think_open, self.think_close = markers
         self.protected: tuple[str, ...] = ()  # special tokens kept as text in message content
-        self._compiled = None
 
     @classmethod
     def from_dir(cls, path: str | os.PathLike, builtin: ChatFormat | None = None) -> ChatTemplate:
@@ -103,14 +103,16 @@ class ChatTemplate:
         config = load_json(config_path, "tokenizer config") if config_path.is_file() else {}
         special = {k: token_text(config.get(k)) for k in SPECIAL_KEYS}
         special = {k: v for k, v in special.items() if v}
-        jinja_path = os.path.join(path, "chat_template.jinja")
-        if os.path.isfile(jinja_path):
-            with open(jinja_path, encoding="utf-8") as f:
-                return cls(f.read(), special, builtin)
-        return cls(_pick_template(config.get("chat_template"), path), special, builtin)
+        jinja = Path(path, "chat_template.jinja")
+        try:
+            source = read_regular(jinja, "chat template", MAX_JSON_BYTES).decode() \
+                if jinja.is_file() else _pick_template(config.get("chat_template"), path)
+        except UnicodeDecodeError as e:
+            raise CheckpointError(f"{jinja}: not UTF-8 text ({e.reason})") from None
+        return cls(source, special, builtin)
 
     def render(self, messages: list[Message], thinking: bool = True,
-               extra: dict[str, Any] | None = None) -> str:
+               extra: dict[str, Any] | None = None, max_chars: int = 1 << 24) -> str:
         """Prompt text for `messages` plus the generation prompt; `extra` reaches the template."""
         if self.source is None:
             if self.builtin is None or not self.builtin.renders:
@@ -121,12 +123,10 @@ class ChatTemplate:
         env_kwargs.update(extra or {})
         env_kwargs.update(thinking=thinking, enable_thinking=thinking, add_generation_prompt=True,
                           messages=[_as_dict(m) for m in self._guard(messages)])
-        try:
-            return self._template().render(**env_kwargs)
-        except RequestError:
-            raise
-        except Exception as e:  # noqa: BLE001 - any Jinja error: the template's or the request's
-            raise RequestError(f"chat template failed: {type(e).__name__}: {e}") from None
+        reply = sandbox.render(self.source, env_kwargs, max_chars)
+        if "text" not in reply:
+            raise RequestError(reply["error"])
+        return reply["text"]
 
     def _guard(self, messages: list[Message]) -> list[Message]:
         if not self.protected:
@@ -137,44 +137,6 @@ class ChatTemplate:
     def opens_thinking(self, prompt: str) -> bool:
         """Whether generation starts inside the reasoning channel (the prompt ends opening it)."""
         return prompt.rstrip().endswith(self.think_open)
-
-    def _template(self):
-        if self._compiled is None:
-            self._compiled = _compile(self.source)
-        return self._compiled
-
-
-def _compile(source: str):
-    try:
-        from jinja2.exceptions import TemplateError
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-    except ImportError:
-        raise RequestError("this checkpoint ships a chat template: install jinja2 to use it"
-                           ) from None
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=["jinja2.ext.loopcontrols"])
-    env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now)
-    env.filters["tojson"] = _tojson
-    try:
-        return env.from_string(source)
-    except TemplateError as e:
-        raise RequestError(f"chat template does not compile: {e}") from None
-
-
-def _raise_exception(message: str):
-    raise RequestError(f"chat template refused the request: {message}")
-
-
-def _strftime_now(fmt: str) -> str:
-    """The local time now in `fmt` (templates such as gpt-oss's date their system message)."""
-    return datetime.now().strftime(fmt)
-
-
-def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
-    """JSON without Jinja's HTML escaping, with the options templates pass."""
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                      sort_keys=sort_keys)
 
 
 def _as_dict(m: Message) -> dict[str, str]:
