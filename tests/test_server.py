@@ -663,6 +663,60 @@ def test_32_clients_3_requests_no_resets(served):
     assert s.httpd.errors == 0
 
 
+def _wait_for(condition, seconds: float = 30) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "the condition did not hold within the bound"
+        time.sleep(0.01)
+
+
+def _stop_within(server, seconds: float) -> bool:
+    t = threading.Thread(target=server.stop, daemon=True)
+    t.start()
+    t.join(seconds)
+    return not t.is_alive()
+
+
+def test_stop_with_a_full_queue_answers_the_queued_request_and_returns(served):
+    """A stop while a job holds the engine and the queue is full: the queued request is
+    answered 503 and the stop returns (it used to wait on the full queue until the engine let
+    go)."""
+    backend = FakeBackend()
+    backend.gate.clear()  # the first request holds the engine
+    s, _client = served(backend, queue_size=1)
+    answers = []
+
+    def ask():
+        answers.append(post(s.url + "/completions", {"prompt": "hi", "max_tokens": 4}, 60))
+
+    held, queued = (threading.Thread(target=ask, daemon=True) for _ in range(2))
+    held.start()
+    _wait_for(lambda: backend.inside == 1)
+    queued.start()
+    _wait_for(lambda: s.app.worker.jobs.full())
+    try:
+        assert _stop_within(s, 30)
+        queued.join(30)
+        assert [a[0] for a in answers] == [503]
+        assert "shutting down" in answers[0][1]["error"]["message"]
+    finally:
+        backend.gate.set()
+
+
+def test_stop_cancels_a_long_generation(served):
+    """A stop during a long generation cancels it between tokens and closes the backend; it
+    used to wait for the engine for 30 s."""
+    backend = FakeBackend(delay=0.05)  # 1,000 tokens: 50 s
+    s, client = served(backend)
+    got = []
+    ask = threading.Thread(target=lambda: got.append(client.completions.create(
+        model="fake-model", prompt="hi", max_tokens=1000, temperature=0.9, seed=1)), daemon=True)
+    ask.start()
+    _wait_for(lambda: backend.inside == 1)
+    assert _stop_within(s, 20)
+    assert backend.closed == 1 and backend.inside == 0
+
+
 # --------------------------------------------------------------------------- real engine
 
 @pytest.fixture(scope="module")

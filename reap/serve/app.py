@@ -13,6 +13,7 @@ requests use seed 0: the same request gives the same text.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
@@ -77,24 +78,38 @@ class Worker:
     def __init__(self, backend, queue_size: int = 16):
         self.backend = backend
         self.jobs: queue.Queue = queue.Queue(maxsize=queue_size)
-        self.served = 0
+        self.served, self.current, self.stopping = 0, None, False
         self.thread = threading.Thread(target=self._loop, name="reap-engine", daemon=True)
         self.thread.start()
 
     def submit(self, job: Job) -> None:
         """Enqueue `job`; ApiError(503) when the queue is full."""
         try:
+            if self.stopping:
+                raise queue.Full
             self.jobs.put_nowait(job)
         except queue.Full:
             raise ApiError(503, "the server is busy: request queue is full, retry later",
                            type_="server_error", code="queue_full") from None
 
-    def stop(self) -> None:
-        self.jobs.put(None)
-        self.thread.join(timeout=30)
+    def stop(self, seconds: float = 5.0) -> bool:
+        """Cancel the running job and fail the queued ones (503); True when the engine thread
+        ended within `seconds`."""
+        self.stopping = True
+        if (job := self.current) is not None:
+            job.cancelled.set()
+        gone = ApiError(503, "the server is shutting down", "server_error")
+        with contextlib.suppress(queue.Empty):
+            while True:
+                if (job := self.jobs.get_nowait()) is not None:
+                    job.events.put(("error", gone))
+        self.jobs.put(None)  # the queue was just drained and takes no new job: never blocks
+        self.thread.join(timeout=seconds)
+        return not self.thread.is_alive()
 
     def _loop(self) -> None:
         while (job := self.jobs.get()) is not None:
+            self.current = job
             try:
                 self._run(job)
             except ApiError as e:

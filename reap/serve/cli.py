@@ -2,14 +2,22 @@
 (`reap.serve.http`) until interrupted.
 
     reap serve [MODEL] --port 8000 --budget 8GB
+
+Ctrl-C (SIGINT) or SIGTERM stops it whatever the clients are doing: it stops accepting,
+cancels the running generation, answers queued requests 503 and exits 5 within `STOP_SECONDS`.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
+import threading
 
-from reap.errors import ReapError
+from reap.errors import EXIT_INTERRUPTED, ReapError
+
+STOP_SECONDS = 10  # the longest a stop may take before the process exits regardless
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -97,8 +105,25 @@ def run(args: argparse.Namespace) -> int:
         raise
     print(f"reap serve: {backend.model_id} at {server.url} (Ctrl-C stops)", file=sys.stderr,
           flush=True)
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM stops like Ctrl-C
     try:
-        server.httpd.serve_forever()  # in this thread, until Ctrl-C (exit 5)
+        server.httpd.serve_forever()  # in this thread, until Ctrl-C or SIGTERM (exit 5)
     finally:
+        watchdog = threading.Timer(STOP_SECONDS, _exit_now)
+        watchdog.daemon = True
+        watchdog.start()
         server.stop()
     return 0
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def _exit_now() -> None:
+    """Whatever still runs `STOP_SECONDS` after a stop began (a generation, a client, the
+    interpreter's exit) does not keep the process alive."""
+    print(f"reap: interrupted (not stopped within {STOP_SECONDS} s: exiting now)", file=sys.stderr,
+          flush=True)
+    os._exit(EXIT_INTERRUPTED)

@@ -237,9 +237,10 @@ class Server:
         return self
 
     def stop(self) -> None:
-        """Stop accepting, finish the current job, close the backend."""
+        """Stop accepting, cancel the running and queued jobs, close the backend (left to the
+        process's exit when the engine does not stop within 5 s)."""
         if self._thread is not None:
             self.httpd.shutdown()
         self.httpd.server_close()
-        self.app.worker.stop()
-        self.app.backend.close()
+        if self.app.worker.stop():
+            self.app.backend.close()
