@@ -771,7 +771,10 @@ def test_real_engine_end_to_end(tiny, served):
     assert results == {"a": sampled.text, "b": other.text}
 
 
-def test_cli_serves_until_interrupted_and_refuses_public_bind(tiny):
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_cli_serves_until_interrupted_and_refuses_public_bind(tiny, sig):
+    """Ctrl-C and SIGTERM both stop the server with the documented exit code (SIGTERM used to
+    kill it, exit -15, with no stop)."""
     import os
     import signal
     import subprocess
@@ -798,7 +801,7 @@ def test_cli_serves_until_interrupted_and_refuses_public_bind(tiny):
         status, body = post(url + "/completions", {"prompt": "hi", "max_tokens": 2,
                                                    "temperature": 0})
         assert status == 200 and body["usage"]["completion_tokens"] >= 1
-        p.send_signal(signal.SIGINT)
+        p.send_signal(getattr(signal, sig))
         assert p.wait(60) == 5  # the documented exit code for an interrupt
     finally:
         watchdog.cancel()
