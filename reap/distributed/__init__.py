@@ -19,6 +19,10 @@ machines need the same `reap` installed.
 
 from __future__ import annotations
 
+import atexit
+import signal
+import threading
+
 from reap.errors import ReapError
 
 INSTALL = 'pip install -e ".[distributed]"'
@@ -35,7 +39,8 @@ def require_ray():
 
 def connect(address: str | None):
     """Join the cluster at `address` (None: the one already joined, else RAY_ADDRESS or a new
-    local one); returns the `ray` module."""
+    local one); returns the `ray` module. From the main thread, SIGTERM then stops the driver
+    like Ctrl-C, and the driver's exit stops the local cluster it started (`ray.shutdown`)."""
     ray = require_ray()
     if ray.is_initialized():
         return ray
@@ -44,4 +49,11 @@ def connect(address: str | None):
                  configure_logging=False)
     except (ConnectionError, ValueError, RuntimeError) as e:
         raise ReapError(f"--ray {address or ''}: cannot join the Ray cluster: {e}") from None
+    atexit.register(ray.shutdown)
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _interrupt)  # after ray.init, which sets its own
     return ray
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
