@@ -21,6 +21,7 @@ import torch
 
 from reap.checkpoint import TEXT_PREFIX, CheckpointWriter, TensorSpec
 from reap.errors import ReapError
+from reap.fileio import OVERWRITE_HELP
 from reap.models import BUILTIN, builtin_config, family
 from reap.quant import int4, mxfp4
 from reap.tokenizer import byte_tokenizer_files
@@ -210,7 +211,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="dtype of the non-expert tensors (experts are always MXFP4)",
     )
     p.add_argument("--shard-gb", type=float, default=5.0, help="max shard size in GB (default 5)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    p.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     p.add_argument(
         "--vision",
         action="store_true",

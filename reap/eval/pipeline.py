@@ -15,12 +15,15 @@ progress bar counts every token to be read or generated.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from reap.errors import ExpertLoadError
 from reap.eval.builds import Engines
-from reap.eval.cache import Cache, check_out_dir
+from reap.eval.cache import Cache
 from reap.eval.results import results_document
 from reap.eval.tasks import make_tasks, run_with_progress
 from reap.eval.workload import prepare_workload
+from reap.fileio import check_out_dir
 
 
 def evaluate(
@@ -52,7 +55,7 @@ def evaluate(
     --ray` passes `reap.distributed.eval.ray_runner`), same arguments."""
     from reap.eval.report import write_report
 
-    outdir = check_out_dir(out)
+    outdir = Path(check_out_dir(out))
     w = prepare_workload(
         builds, reference, corpora, max_docs, max_tokens_per_doc, prompts, gen_domains, gen_tokens
     )

@@ -6,7 +6,8 @@ bytes. So before the first shard, `record` stores the identity of the inputs (`i
 plan's sha256, the source's fingerprint and file sizes and times, the shard size and the code
 version) in the work directory as INPUTS; a rerun `claim`s the work directory only when the
 identity is equal (without `overwrite` anything else is refused: the output would mix two
-jobs), and `release` removes the record from the finished checkpoint.
+jobs; one killed before its first shard holds nothing to keep and is cleared), and `release`
+removes the record from the finished checkpoint.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from reap.fileio import write_atomic
 
 INPUTS = ".reap-prune-inputs"
 FORMAT = "reap.prune_inputs/1"
+EARLY = {WORK_MARK, f"{WORK_MARK}.tmp", f"{INPUTS}.tmp"}  # all a prune writes before its record
 
 
 class OutputExists(ReapError):
@@ -67,9 +69,10 @@ def claim(out: str | os.PathLike, inputs: dict, overwrite: bool) -> None:
     have = _read(work / INPUTS)
     if have == inputs:
         return
-    if have is None and not (work / WORK_MARK).exists():
+    early = have is None and set(os.listdir(work)) <= EARLY  # killed before its first shard
+    if have is None and not early and not (work / WORK_MARK).exists():
         raise ReapError(f"{work}: in the way of the output and not made by reap prune; remove it")
-    if overwrite:
+    if overwrite or early:
         try:
             shutil.rmtree(work)
         except OSError as e:
