@@ -86,21 +86,20 @@ def overlap(path: str | os.PathLike, sources) -> tuple[str, str] | None:
     return None
 
 
-def _blocking_file(path: str) -> str | None:
-    """The first existing ancestor of `path` that is not a directory, or None."""
+def _not_under_a_file(path: str, flag: str) -> str:
+    """`path`, unless an existing ancestor is not a directory (ReapError)."""
     parent = os.path.dirname(os.path.abspath(path))
     while parent and not os.path.exists(parent):
         parent = os.path.dirname(parent)
-    return parent if parent and not os.path.isdir(parent) else None
+    if parent and not os.path.isdir(parent):
+        raise ReapError(f"{flag} {path}: {parent} is a file, not a directory")
+    return path
 
 
 def check_out_dir(path: str | os.PathLike, flag: str = "--out") -> str:
     """Vet (and create) an output directory; returns the path. ReapError (exit 2) when it is a
     file or lies under one, WriteError (exit 3) when it cannot be created."""
-    path = os.fspath(path)
-    blocker = _blocking_file(path)
-    if blocker is not None:
-        raise ReapError(f"{flag} {path}: {blocker} is a file, not a directory")
+    path = _not_under_a_file(os.fspath(path), flag)
     if os.path.exists(path) and not os.path.isdir(path):
         raise ReapError(f"{flag} {path}: exists and is not a directory")
     try:
@@ -127,10 +126,9 @@ def made_by_reap(path: str | os.PathLike) -> bool:
     "metadata.format", an index's) starts with "reap.", a safetensors file whose header metadata
     does (statistics), or a directory holding such an index or a prune manifest."""
     path = os.fspath(path)
-    if _kind(path) == "directory":
-        return any(os.path.lexists(p) and made_by_reap(p)
-                   for p in (os.path.join(path, name) for name in _TAGGED))
     try:
+        if _kind(path) == "directory":
+            return any(made_by_reap(os.path.join(path, name)) for name in _TAGGED)
         if _kind(path) != "file":  # opening a FIFO would block
             return False
         with open(path, "rb") as f:
@@ -153,10 +151,7 @@ def claim_out(
     reap made (`made_by_reap`, or an empty directory) is replaced only with `overwrite`; anything
     else (another file or directory, a link, FIFO, socket or device) is ReapError (exit 2)
     naming the path, `overwrite` or not. Returns whether something will be replaced."""
-    path, want = os.fspath(path), "directory" if directory else "file"
-    blocker = _blocking_file(path)
-    if blocker is not None:
-        raise ReapError(f"{flag} {path}: {blocker} is a file, not a directory")
+    path, want = _not_under_a_file(os.fspath(path), flag), "directory" if directory else "file"
     if not os.path.lexists(path):
         return False
     if _kind(path) != want:

@@ -296,23 +296,17 @@ def run_prune(args: argparse.Namespace) -> int:
     if args.max_shard_size is not None:
         limit = positive_size(args.max_shard_size, "--max-shard-size")
     arguments = {k: v for k, v in vars(args).items() if not k.startswith("_")}
-    from reap.prune.resume import OutputExists
     from reap.prune.write import prune
 
-    try:
-        r = prune(
-            model=args.model,
-            plan=args.plan,
-            out=args.out,
-            max_shard_bytes=limit,
-            overwrite=args.overwrite,
-            progress=not args.no_progress,
-            arguments=arguments,
-        )
-    except OutputExists as e:  # the library's message names its keyword argument
-        raise ReapError(
-            f"{e.path}: {e.reason} (give --overwrite to replace it, or another --out)"
-        ) from None
+    r = prune(
+        model=args.model,
+        plan=args.plan,
+        out=args.out,
+        max_shard_bytes=limit,
+        overwrite=args.overwrite,
+        progress=not args.no_progress,
+        arguments=arguments,
+    )
     from reap.units import format_bytes
 
     pred = f", predicted {format_bytes(r.predicted_bytes)}" if r.predicted_bytes else ""

@@ -6,8 +6,8 @@ bytes. So before the first shard, `record` stores the identity of the inputs (`i
 plan's sha256, the source's fingerprint and file sizes and times, the shard size and the code
 version) in the work directory as INPUTS; a rerun `claim`s the work directory only when the
 identity is equal (without `overwrite` anything else is refused: the output would mix two
-jobs; one killed before its first shard holds nothing to keep and is cleared), and `release`
-removes the record from the finished checkpoint.
+jobs; one killed before its first shard is cleared), and `release` removes the record from the
+finished checkpoint.
 """
 
 from __future__ import annotations
@@ -25,15 +25,6 @@ from reap.fileio import write_atomic
 INPUTS = ".reap-prune-inputs"
 FORMAT = "reap.prune_inputs/1"
 EARLY = {WORK_MARK, f"{WORK_MARK}.tmp", f"{INPUTS}.tmp"}  # all a prune writes before its record
-
-
-class OutputExists(ReapError):
-    """The output directory, or a half-written one of other inputs, is in the way; `reason`
-    says how. The CLI names its flag instead of the keyword argument."""
-
-    def __init__(self, path: str, reason: str):
-        super().__init__(f"{path}: {reason} (pass overwrite=True to replace it, or another out)")
-        self.path, self.reason = path, reason
 
 
 def work_dir(out: str | os.PathLike) -> Path:
@@ -59,7 +50,7 @@ def identity(ck, plan_bytes: bytes, max_shard_bytes: int, code: str) -> dict:
 
 def claim(out: str | os.PathLike, inputs: dict, overwrite: bool) -> None:
     """Make sure `<out>.partial/`, if there, may be resumed with `inputs`: keep it when it
-    records the same inputs, remove it when `overwrite`, else raise OutputExists naming the
+    records the same inputs, remove it when `overwrite`, else raise ReapError naming the
     inputs that differ. Call only after checking that it holds no input."""
     work = work_dir(out)
     if not os.path.lexists(work):
@@ -83,7 +74,7 @@ def claim(out: str | os.PathLike, inputs: dict, overwrite: bool) -> None:
     else:
         fields = [k for k in inputs if have.get(k) != inputs[k]]
         reason = f"half-written by a prune of other inputs ({', '.join(fields)} differ)"
-    raise OutputExists(str(work), reason)
+    raise ReapError(f"{work}: {reason} (give --overwrite to replace it, or another --out)")
 
 
 def record(out: str | os.PathLike, inputs: dict) -> None:
