@@ -5,16 +5,19 @@ place in reap is here.
 file is renamed into place, otherwise the temporary file is removed. Failures become
 `WriteError` (exit code 3) naming the file. `replace_dir` moves a finished directory into place;
 `overlap` tells whether an output path is, holds or lies inside an input (never to be replaced).
-`check_out_dir` / `check_out_file` vet an `--out` before any work: a path unusable as given (a
-file where a directory is needed, a directory where a file is) is bad input (exit 2), a
-directory that cannot be created is a write failure (exit 3).
+`claim_out` is the one rule for an `--out` that replaces what is there (a checkpoint, a plan,
+statistics or a result file): reap replaces only what it made, and only with `--overwrite`.
+`check_out_dir` vets (and creates) a directory that a command adds its own files to. A path
+unusable as given is bad input (exit 2); a directory that cannot be created is exit 3.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
+import stat
 from collections.abc import Iterator
 
 from reap.errors import ReapError, WriteError
@@ -35,6 +38,8 @@ def atomic_path(
             fd = os.open(tmp, os.O_RDONLY)
             os.fsync(fd)
             os.close(fd)
+        if os.path.lexists(path) and _kind(path) != "file":  # a rename would replace a device
+            raise ReapError(f"{path}: is a {_kind(path)}; reap replaces only regular files")
         os.replace(tmp, path)
     except OSError as e:
         raise WriteError(f"cannot write {path}: {e.strerror or e}") from e
@@ -81,21 +86,20 @@ def overlap(path: str | os.PathLike, sources) -> tuple[str, str] | None:
     return None
 
 
-def _blocking_file(path: str) -> str | None:
-    """The first existing ancestor of `path` that is not a directory, or None."""
+def _not_under_a_file(path: str, flag: str) -> str:
+    """`path`, unless an existing ancestor is not a directory (ReapError)."""
     parent = os.path.dirname(os.path.abspath(path))
     while parent and not os.path.exists(parent):
         parent = os.path.dirname(parent)
-    return parent if parent and not os.path.isdir(parent) else None
+    if parent and not os.path.isdir(parent):
+        raise ReapError(f"{flag} {path}: {parent} is a file, not a directory")
+    return path
 
 
 def check_out_dir(path: str | os.PathLike, flag: str = "--out") -> str:
     """Vet (and create) an output directory; returns the path. ReapError (exit 2) when it is a
     file or lies under one, WriteError (exit 3) when it cannot be created."""
-    path = os.fspath(path)
-    blocker = _blocking_file(path)
-    if blocker is not None:
-        raise ReapError(f"{flag} {path}: {blocker} is a file, not a directory")
+    path = _not_under_a_file(os.fspath(path), flag)
     if os.path.exists(path) and not os.path.isdir(path):
         raise ReapError(f"{flag} {path}: exists and is not a directory")
     try:
@@ -105,13 +109,58 @@ def check_out_dir(path: str | os.PathLike, flag: str = "--out") -> str:
     return path
 
 
-def check_out_file(path: str | os.PathLike, flag: str = "--out") -> str:
-    """Vet an output file path before the work that produces it; returns the path. ReapError
-    (exit 2) when it is a directory or lies under a file; writing itself reports WriteError."""
+OVERWRITE_HELP = "replace an existing output that reap made (anything else is refused)"
+_TAGGED = ("model.safetensors.index.json", "reap_manifest.json")  # a reap checkpoint's tags
+_MAX_TAG = 64 << 20  # a tagged JSON is far smaller
+
+
+def _kind(path: str) -> str:
+    mode = os.lstat(path).st_mode
+    kinds = ((stat.S_ISLNK, "symbolic link"), (stat.S_ISDIR, "directory"), (stat.S_ISREG, "file"),
+             (stat.S_ISFIFO, "FIFO"), (stat.S_ISSOCK, "socket"), (stat.S_ISCHR, "device"))
+    return next((name for test, name in kinds if test(mode)), "device")
+
+
+def made_by_reap(path: str | os.PathLike) -> bool:
+    """Whether `path` carries the tag of a reap artifact: a regular JSON file whose "format" (or
+    "metadata.format", an index's) starts with "reap.", a safetensors file whose header metadata
+    does (statistics), or a directory holding such an index or a prune manifest."""
     path = os.fspath(path)
-    blocker = _blocking_file(path)
-    if blocker is not None:
-        raise ReapError(f"{flag} {path}: {blocker} is a file, not a directory")
-    if os.path.isdir(path):
-        raise ReapError(f"{flag} {path}: is a directory, a file name is needed")
-    return path
+    try:
+        if _kind(path) == "directory":
+            return any(made_by_reap(os.path.join(path, name)) for name in _TAGGED)
+        if _kind(path) != "file":  # opening a FIFO would block
+            return False
+        if path.endswith(".safetensors"):
+            from safetensors import safe_open
+
+            with safe_open(path, framework="np") as f:
+                d = json.loads((f.metadata() or {})["reap"])
+        else:
+            with open(path, "rb") as f:
+                d = json.loads(f.read(_MAX_TAG))
+        tag = d.get("format", (d.get("metadata") or {}).get("format"))
+    except Exception:  # noqa: BLE001 - unreadable or foreign (safetensors' own errors included)
+        return False
+    return isinstance(tag, str) and tag.startswith("reap.")
+
+
+def claim_out(
+    path: str | os.PathLike, overwrite: bool, flag: str = "--out", directory: bool = False
+) -> bool:
+    """The one rule for an output that replaces what is at `path`: nothing there is fine; what
+    reap made (`made_by_reap`, or an empty directory) is replaced only with `overwrite`; anything
+    else (another file or directory, a link, FIFO, socket or device) is ReapError (exit 2)
+    naming the path, `overwrite` or not. Returns whether something will be replaced."""
+    path, want = _not_under_a_file(os.fspath(path), flag), "directory" if directory else "file"
+    if not os.path.lexists(path):
+        return False
+    if _kind(path) != want:
+        raise ReapError(f"{flag} {path}: is a {_kind(path)}, not a {want}; choose another")
+    if not (made_by_reap(path) or (directory and not os.listdir(path))):
+        raise ReapError(f"{flag} {path}: exists and was not made by reap, which never replaces "
+                        f"it (--overwrite or not); choose another {flag}")
+    if not overwrite:
+        raise ReapError(f"{flag} {path}: already exists (give --overwrite to replace it, or "
+                        f"another {flag})")
+    return True

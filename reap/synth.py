@@ -22,6 +22,7 @@ import torch
 from reap.checkpoint import CheckpointWriter, TensorSpec
 from reap.checkpoint.config_only import LayoutTable
 from reap.errors import ReapError
+from reap.fileio import OVERWRITE_HELP
 from reap.models import BUILTIN, builtin_config, family
 from reap.models.validate import text_of, text_prefix
 from reap.quant import fp8, int4, mxfp4
@@ -212,7 +213,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="dtype of the non-expert tensors (experts are always MXFP4)",
     )
     p.add_argument("--shard-gb", type=float, default=5.0, help="max shard size in GB (default 5)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    p.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     p.add_argument(
         "--vision",
         action="store_true",

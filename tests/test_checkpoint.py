@@ -441,7 +441,7 @@ def test_stale_partial_of_other_layout_is_discarded(tmp_path):
 def test_existing_output_is_refused_unless_overwrite(tmp_path):
     specs, data = _layout()
     _write(tmp_path / "ck", specs, data)
-    with pytest.raises(WriteError, match="already exists"):
+    with pytest.raises(ReapError, match="already exists"):
         CheckpointWriter(tmp_path / "ck", specs)
     data["model.layers.0.count"] = torch.tensor(8)
     _write(tmp_path / "ck", specs, data, overwrite=True)
@@ -449,6 +449,7 @@ def test_existing_output_is_refused_unless_overwrite(tmp_path):
         assert ck.read("model.layers.0.count").item() == 8
     assert sorted(os.listdir(tmp_path)) == ["ck"]
     (tmp_path / "x.partial").mkdir()
+    (tmp_path / "x.partial" / "notes.txt").write_text("mine")
     with pytest.raises(WriteError, match="not made by this writer"):
         CheckpointWriter(tmp_path / "x", specs)
 

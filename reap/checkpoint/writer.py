@@ -10,7 +10,8 @@ and resumably.
 
 Every shard's assignment and header are fixed from the specs before any data is written. Files
 are written under `<out>.partial/` (each shard under a temporary name, renamed when complete);
-`close()` adds the index, config and extra files and renames the directory to `<out>`.
+`close()` adds the index (tagged as reap's: `reap.fileio.claim_out` replaces only tagged
+outputs), config and extra files and renames the directory to `<out>`.
 """
 
 from __future__ import annotations
@@ -35,9 +36,10 @@ from reap.checkpoint.spec import (
     stored_key,
 )
 from reap.errors import EXIT_USAGE, ReapError, WriteError
-from reap.fileio import atomic_path, replace_dir, write_atomic
+from reap.fileio import atomic_path, claim_out, replace_dir, write_atomic
 
 PLAN_FILE = ".reap-plan"  # identity of the shard plan a partial directory belongs to
+INDEX_FORMAT = "reap.checkpoint/1"  # the index's metadata.format: reap wrote this checkpoint
 
 
 @dataclass
@@ -106,7 +108,8 @@ class CheckpointWriter:
     Shards hold at most `max_shard_bytes` of tensor data (a single larger tensor gets its own);
     text tensors are stored as `prefix + name`, vision tensors under their own names. A new
     writer for the same `out_dir` and identical specs resumes: completed shards are kept and
-    `done(name)` is True for their tensors. An existing `out_dir` is refused unless `overwrite`."""
+    `done(name)` is True for their tensors. An existing `out_dir` is replaced only when reap made
+    it and `overwrite` (`reap.fileio.claim_out`)."""
 
     def __init__(
         self,
@@ -121,11 +124,7 @@ class CheckpointWriter:
         self.specs = list(specs)
         self.overwrite = overwrite
         _check_specs(self.specs)
-        if self.out_dir.exists() and not overwrite:
-            raise WriteError(
-                f"{self.out_dir}: already exists (pass overwrite=True to replace it)",
-                exit_code=EXIT_USAGE,
-            )
+        claim_out(self.out_dir, overwrite, directory=True)
         self.shards = _plan_shards(self.specs, int(max_shard_bytes), prefix)
         self._shard_of = {n: i for i, sh in enumerate(self.shards) for n in sh.names}
         self._next = 0  # index in specs of the next tensor to write
@@ -145,8 +144,8 @@ class CheckpointWriter:
     def _prepare_partial(self) -> None:
         """Create `<out>.partial/`, or resume it when it belongs to the same plan."""
         plan_path = self.partial / PLAN_FILE
-        if self.partial.exists():
-            if not plan_path.exists():
+        if self.partial.exists():  # a writer killed before its plan file leaves at most its tmp
+            if not plan_path.exists() and set(os.listdir(self.partial)) - {f"{PLAN_FILE}.tmp"}:
                 raise WriteError(
                     f"{self.partial}: exists but was not made by this writer; remove it",
                     exit_code=EXIT_USAGE,
@@ -218,7 +217,7 @@ class CheckpointWriter:
         for sh in self.shards:
             weight_map.update((k, sh.file) for k in json.loads(sh.header[8:]) if k[:2] != "__")
         index = {
-            "metadata": {"total_size": sum(s.nbytes for s in self.specs)},
+            "metadata": {"total_size": sum(s.nbytes for s in self.specs), "format": INDEX_FORMAT},
             "weight_map": dict(sorted(weight_map.items())),
         }
         files[INDEX_NAME] = json.dumps(index, indent=2)
@@ -239,7 +238,8 @@ class CheckpointWriter:
                 path = self.partial / fname  # a resumed job reuses the temporary name
                 write_atomic(path, data, tmp=f"{path}.tmp", fsync=True)
             (self.partial / PLAN_FILE).unlink()
-            replace_dir(self.partial, self.out_dir)  # an existing one only with overwrite=True
+            claim_out(self.out_dir, self.overwrite, directory=True)  # still reap's, or gone
+            replace_dir(self.partial, self.out_dir)
         except OSError as e:
             raise WriteError(f"{self.out_dir}: cannot finish checkpoint ({e.strerror})") from None
         return str(self.out_dir)

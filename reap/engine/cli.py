@@ -19,7 +19,7 @@ import sys
 
 from reap.engine.memory import PRESET_HELP, PRESETS
 from reap.errors import EXIT_EXPERT_LOAD, ReapError, is_int
-from reap.fileio import check_out_file, write_atomic
+from reap.fileio import OVERWRITE_HELP, claim_out, write_atomic
 
 MAX_THREADS = 4096  # torch takes a C int; more threads than this is a typo
 
@@ -86,6 +86,7 @@ def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "each matrix shape stay out of the rates")
     p.add_argument("--json", action="store_true", help="print text, token ids, plan and metrics")
     p.add_argument("--out", help="also write the JSON result to this file")
+    p.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     p.add_argument("--quiet", action="store_true", help="do not print the plan and metrics")
 
 
@@ -154,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
     if args.plan_only:
         return _plan_only(args, batch)
     if args.out:
-        check_out_file(args.out)
+        claim_out(args.out, args.overwrite)
     set_threads(args.threads)
     engine = Engine.open(args.model, budget=args.budget, preset=args.preset, context=args.context,
                          device=args.device, dtype=args.dtype, batch=batch,
@@ -169,6 +170,7 @@ def run(args: argparse.Namespace) -> int:
             generate(engine, None, requests=_requests(args, engine))
         gens, metrics = generate(engine, None, requests=_requests(args, engine))
         result = {
+            "format": "reap.run/1",  # what `claim_out` recognises as reap's
             "model": engine.path,
             "fingerprint": engine.fingerprint,
             "generations": [g.as_dict() for g in gens],

@@ -16,7 +16,6 @@ import json
 import os
 from pathlib import Path
 
-from reap.errors import ReapError
 from reap.fileio import write_atomic
 from reap.provenance import sha256_file
 
@@ -69,11 +68,3 @@ class Cache:
         """Store `payload` (with the fields it was keyed on, for provenance) atomically."""
         data = {"key": key, "fields": fields, "payload": payload}
         write_atomic(self.path(kind, key), json.dumps(data, ensure_ascii=False))
-
-
-def check_out_dir(out: str | Path) -> Path:
-    """The output directory, created if needed (ReapError if it is a file)."""
-    out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise ReapError(f"--out {out}: exists and is not a directory")
-    return out

@@ -20,13 +20,13 @@ from pathlib import Path
 
 from reap.errors import ExpertLoadError
 from reap.eval.builds import Engines
-from reap.eval.cache import Cache, check_out_dir
+from reap.eval.cache import Cache
 from reap.eval.page import html_report
 from reap.eval.report import markdown_generations, markdown_report, write_plots
 from reap.eval.results import results_document
 from reap.eval.tasks import make_tasks, run_with_progress
 from reap.eval.workload import prepare_workload
-from reap.fileio import write_atomic
+from reap.fileio import check_out_dir, write_atomic
 
 
 def evaluate(
@@ -56,7 +56,7 @@ def evaluate(
     Raises ExpertLoadError (exit 4) after writing if a routed expert failed to load.
     run_tasks: what computes the uncached tasks (default `tasks.run_with_progress`; `reap eval
     --ray` passes `reap.distributed.eval.ray_runner`), same arguments."""
-    outdir = check_out_dir(out)
+    outdir = Path(check_out_dir(out))
     w = prepare_workload(
         builds, reference, corpora, max_docs, max_tokens_per_doc, prompts, gen_domains, gen_tokens
     )

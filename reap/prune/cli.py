@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from reap.errors import ReapError
+from reap.fileio import OVERWRITE_HELP, claim_out
 from reap.prune import plan_predict
 from reap.prune.budget import positive_size
 from reap.prune.criteria import CRITERIA
@@ -109,6 +110,7 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--layers", type=int, help="with a built-in --config: its first N layers")
     p.add_argument("--out", help="plan JSON to write")
+    p.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     p.add_argument("--dry-run", action="store_true", help="print the size table, write nothing")
     p.add_argument(
         "--criterion",
@@ -185,6 +187,11 @@ def run_plan(args: argparse.Namespace) -> int:
         config, model = _calibrated_model(args.stats[0])
     if not args.dry_run and not args.out:
         raise ReapError("give --out plan.json (or --dry-run)")
+    if not args.dry_run:
+        from reap.stats import expand_paths
+
+        _check_plan_out(args.out, expand_paths(args.stats)[0], path)
+        claim_out(args.out, args.overwrite)
     arguments = {k: v for k, v in vars(args).items() if not k.startswith("_")}
     planner = make_plan
     if args.criterion == "recon":
@@ -217,7 +224,6 @@ def run_plan(args: argparse.Namespace) -> int:
             "without statistics a plan has counts only: give statistics files, "
             "--criterion random, or --dry-run"
         )
-    _check_plan_out(args.out, [s["path"] for s in plan.provenance["stats"]], path)
     print(plan.save(args.out), file=sys.stderr)
     return 0
 
@@ -281,7 +287,7 @@ def add_prune_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plan", required=True, help="plan JSON from `reap plan`")
     p.add_argument("--out", required=True, help="output directory (appears when complete)")
     p.add_argument("--max-shard-size", help="largest shard, e.g. 5GB (default: the source's)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing output")
+    p.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -290,23 +296,17 @@ def run_prune(args: argparse.Namespace) -> int:
     if args.max_shard_size is not None:
         limit = positive_size(args.max_shard_size, "--max-shard-size")
     arguments = {k: v for k, v in vars(args).items() if not k.startswith("_")}
-    from reap.prune.resume import OutputExists
     from reap.prune.write import prune
 
-    try:
-        r = prune(
-            model=args.model,
-            plan=args.plan,
-            out=args.out,
-            max_shard_bytes=limit,
-            overwrite=args.overwrite,
-            progress=not args.no_progress,
-            arguments=arguments,
-        )
-    except OutputExists as e:  # the library's message names its keyword argument
-        raise ReapError(
-            f"{e.path}: {e.reason} (give --overwrite to replace it, or another --out)"
-        ) from None
+    r = prune(
+        model=args.model,
+        plan=args.plan,
+        out=args.out,
+        max_shard_bytes=limit,
+        overwrite=args.overwrite,
+        progress=not args.no_progress,
+        arguments=arguments,
+    )
     from reap.units import format_bytes
 
     pred = f", predicted {format_bytes(r.predicted_bytes)}" if r.predicted_bytes else ""

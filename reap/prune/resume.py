@@ -6,7 +6,8 @@ bytes. So before the first shard, `record` stores the identity of the inputs (`i
 plan's sha256, the source's fingerprint and file sizes and times, the shard size and the code
 version) in the work directory as INPUTS; a rerun `claim`s the work directory only when the
 identity is equal (without `overwrite` anything else is refused: the output would mix two
-jobs), and `release` removes the record from the finished checkpoint.
+jobs; one killed before its first shard is cleared), and `release` removes the record from the
+finished checkpoint.
 """
 
 from __future__ import annotations
@@ -23,15 +24,7 @@ from reap.fileio import write_atomic
 
 INPUTS = ".reap-prune-inputs"
 FORMAT = "reap.prune_inputs/1"
-
-
-class OutputExists(ReapError):
-    """The output directory, or a half-written one of other inputs, is in the way; `reason`
-    says how. The CLI names its flag instead of the keyword argument."""
-
-    def __init__(self, path: str, reason: str):
-        super().__init__(f"{path}: {reason} (pass overwrite=True to replace it, or another out)")
-        self.path, self.reason = path, reason
+EARLY = {PLAN_FILE, f"{PLAN_FILE}.tmp", f"{INPUTS}.tmp"}  # all a prune writes before its record
 
 
 def work_dir(out: str | os.PathLike) -> Path:
@@ -57,7 +50,7 @@ def identity(ck, plan_bytes: bytes, max_shard_bytes: int, code: str) -> dict:
 
 def claim(out: str | os.PathLike, inputs: dict, overwrite: bool) -> None:
     """Make sure `<out>.partial/`, if there, may be resumed with `inputs`: keep it when it
-    records the same inputs, remove it when `overwrite`, else raise OutputExists naming the
+    records the same inputs, remove it when `overwrite`, else raise ReapError naming the
     inputs that differ. Call only after checking that it holds no input."""
     work = work_dir(out)
     if not os.path.lexists(work):
@@ -67,9 +60,10 @@ def claim(out: str | os.PathLike, inputs: dict, overwrite: bool) -> None:
     have = _read(work / INPUTS)
     if have == inputs:
         return
-    if have is None and not (work / PLAN_FILE).exists():
+    early = have is None and set(os.listdir(work)) <= EARLY  # killed before its first shard
+    if have is None and not early and not (work / PLAN_FILE).exists():
         raise ReapError(f"{work}: in the way of the output and not made by reap prune; remove it")
-    if overwrite:
+    if overwrite or early:
         try:
             shutil.rmtree(work)
         except OSError as e:
@@ -80,7 +74,7 @@ def claim(out: str | os.PathLike, inputs: dict, overwrite: bool) -> None:
     else:
         fields = [k for k in inputs if have.get(k) != inputs[k]]
         reason = f"half-written by a prune of other inputs ({', '.join(fields)} differ)"
-    raise OutputExists(str(work), reason)
+    raise ReapError(f"{work}: {reason} (give --overwrite to replace it, or another --out)")
 
 
 def record(out: str | os.PathLike, inputs: dict) -> None:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from reap.errors import ReapError, is_int
-from reap.fileio import overlap
+from reap.fileio import claim_out, overlap
 from reap.provenance import code_version
 from reap.prune import resume
 from reap.prune.plan_file import PRUNE_CODE, Plan, check
@@ -140,8 +140,7 @@ def _inputs(model: str, ck, plan_path: str | None) -> list[str]:
 
 def _check_out(out: str, sources: list[str], overwrite: bool) -> None:
     """Refuse an output that is, holds or lies inside an input (or whose half-written
-    `<out>.partial` does): replacing it would destroy the input. Then refuse an existing
-    output that is not a directory, or any unless `overwrite`."""
+    `<out>.partial` does): replacing it would destroy the input. Then `claim_out`."""
     for path in (out, resume.work_dir(out)):
         hit = overlap(path, sources)
         if hit:
@@ -149,10 +148,7 @@ def _check_out(out: str, sources: list[str], overwrite: bool) -> None:
                 f"{path}: the output {hit[0]} the input {hit[1]}; choose an output directory "
                 "outside the source model and the plan"
             )
-    if os.path.lexists(out) and (os.path.islink(out) or not os.path.isdir(out)):
-        raise ReapError(f"{out}: the output exists and is not a directory; choose another")
-    if os.path.lexists(out) and not overwrite:
-        raise resume.OutputExists(out, "already exists")
+    claim_out(out, overwrite, directory=True)
 
 
 def _pruned_config(fam, config: dict, plan: Plan) -> dict:

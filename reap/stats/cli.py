@@ -7,7 +7,7 @@ import argparse
 import json
 
 from reap.errors import ReapError
-from reap.fileio import check_out_file
+from reap.fileio import OVERWRITE_HELP, claim_out
 from reap.stats import ExpertStats, merge
 
 
@@ -18,6 +18,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     mg = sub.add_parser("merge", help="merge statistics of corpus shards or runs exactly")
     mg.add_argument("paths", nargs="+")
     mg.add_argument("--out", required=True, help="output .safetensors path")
+    mg.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
 
 
 def _check_same_model(paths: list[str], parts: list[ExpertStats]) -> None:
@@ -31,7 +32,7 @@ def _check_same_model(paths: list[str], parts: list[ExpertStats]) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.action == "merge":
-        check_out_file(args.out)
+        claim_out(args.out, args.overwrite)
         parts = [ExpertStats.load(p) for p in args.paths]
         _check_same_model(args.paths, parts)
         merged = merge(parts)
