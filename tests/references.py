@@ -72,3 +72,10 @@ def mxfp4_linear_reference(x: torch.Tensor, packed: torch.Tensor, scales: torch.
     for h in (8, 4, 2, 1):
         s = s[..., :h] + s[..., h : 2 * h]
     return s[..., 0].to(x.dtype).reshape(*x.shape[:-1], rows)
+
+
+def rope_reference(rope, x: torch.Tensor, start: int, interleaved: bool = False) -> torch.Tensor:
+    """`Rope.apply` with cos and sin computed for these positions only (no table)."""
+    pos = torch.arange(start, start + x.shape[1], dtype=torch.float64)
+    cos, sin = rope._cos_sin(pos)
+    return rope._rotate(x, cos, sin, interleaved)

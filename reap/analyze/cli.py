@@ -80,21 +80,11 @@ def run(args: argparse.Namespace) -> int:
 
     _check(args)
     check_out_dir(args.out)
-    result = analyze(
-        args.stats,
-        top_m=args.top_m,
-        criteria=args.criteria,
-        bootstrap=args.bootstrap,
-        ci_method=args.ci,
-        seed=args.seed,
-        alpha=args.alpha,
-        specialist_ratio=args.specialist_ratio,
-        min_load=args.min_load,
-        permutations=args.permutations,
-        communities=not args.no_communities,
-        community_nulls=args.community_nulls,
-        progress=not args.quiet,
-    )
+    result = analyze(args.stats, top_m=args.top_m, criteria=args.criteria,
+                     bootstrap=args.bootstrap, ci_method=args.ci, seed=args.seed, alpha=args.alpha,
+                     specialist_ratio=args.specialist_ratio, min_load=args.min_load,
+                     permutations=args.permutations, communities=not args.no_communities,
+                     community_nulls=args.community_nulls, progress=not args.quiet)
     files = write_report(result, args.out, with_plots=not args.no_plots, progress=not args.quiet)
     for note in result.notes:
         print(f"note: {note}", file=sys.stderr)

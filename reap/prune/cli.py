@@ -198,23 +198,11 @@ def run_plan(args: argparse.Namespace) -> int:
         planner = functools.partial(
             plan_recon, checkpoint=path, budget=positive_size(args.budget, "--budget")
         )
-    plan = planner(
-        stats=args.stats,
-        config=config,
-        model=model,
-        criterion=args.criterion,
-        latent=args.latent,
-        weights=args.weights,
-        quota=args.quota,
-        keep=args.keep,
-        ratio=args.ratio,
-        target_size=args.target_size,
-        scope=args.scope,
-        min_keep=args.min_keep,
-        protect=not args.no_protect,
-        seed=args.seed,
-        arguments=arguments,
-    )
+    plan = planner(stats=args.stats, config=config, model=model, criterion=args.criterion,
+                   latent=args.latent, weights=args.weights, quota=args.quota, keep=args.keep,
+                   ratio=args.ratio, target_size=args.target_size, scope=args.scope,
+                   min_keep=args.min_keep, protect=not args.no_protect, seed=args.seed,
+                   arguments=arguments)
     print(size_table(plan))
     plan_predict.predict_plan(plan, args)
     if args.dry_run:
