@@ -16,7 +16,7 @@ from html.parser import HTMLParser
 import numpy as np
 import pytest
 
-from reap.errors import WriteError
+from reap.errors import ReapError
 from reap.eval.generations import Prompt, with_metrics
 from reap.eval.page import COLOURS
 from reap.eval.results import _generation_results
@@ -208,9 +208,9 @@ def test_reports_are_rebuilt_from_results_json_and_written_atomically(tmp_path):
     assert not [f for f in os.listdir(tmp_path) if ".tmp." in f]
     blocked = tmp_path / "c"
     (blocked / "report.md").mkdir(parents=True)  # a directory where the file must go
-    with pytest.raises(WriteError) as e:
+    with pytest.raises(ReapError) as e:  # bad input (exit 2): reap replaces only files
         write_report(make_results(), blocked, plots=False)
-    assert e.value.exit_code == 3 and "report.md" in str(e.value)
+    assert e.value.exit_code == 2 and "report.md" in str(e.value)
 
 
 # -- headless Chromium --------------------------------------------------------------------------
