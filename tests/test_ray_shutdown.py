@@ -1,4 +1,4 @@
-"""`reap calibrate --ray` stopped by SIGTERM: the driver exits with the documented code and no
+"""`reap calibrate --ray` stopped by SIGTERM or Ctrl-C (SIGINT to the driver alone): the driver exits with the documented code and no
 process it started (the local cluster's gcs_server, raylet, agents and workers) outlives it."""
 
 import os
@@ -27,7 +27,8 @@ def _alive(p) -> bool:
         return False
 
 
-def test_sigterm_stops_the_driver_and_the_local_cluster_it_started(tmp_path):
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_a_signal_stops_the_driver_and_the_local_cluster_it_started(tmp_path, sig):
     from reap.synth import synth
 
     model = synth("k3-tiny", tmp_path / "k3", seed=0, dtype="float32")
@@ -50,7 +51,7 @@ def test_sigterm_stops_the_driver_and_the_local_cluster_it_started(tmp_path):
             started.update({q.pid: q for q in _descendants(p.pid)})
             time.sleep(0.3)
         assert p.poll() is None, "the run ended before the signal: give it more tokens"
-        p.send_signal(signal.SIGTERM)
+        p.send_signal(getattr(signal, sig))
         assert p.wait(120) == 5, p.stderr.read()
         deadline = time.monotonic() + 60
         while (left := [q for q in started.values() if _alive(q)]) and time.monotonic() < deadline:
