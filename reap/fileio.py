@@ -131,14 +131,15 @@ def made_by_reap(path: str | os.PathLike) -> bool:
             return any(made_by_reap(os.path.join(path, name)) for name in _TAGGED)
         if _kind(path) != "file":  # opening a FIFO would block
             return False
-        if path.endswith(".safetensors"):
+        with open(path, "rb") as f:
+            text = f.read(_MAX_TAG) if f.read(1) == b"{" else None
+        if text is None:  # not JSON: a safetensors file, whatever its name
             from safetensors import safe_open
 
             with safe_open(path, framework="np") as f:
                 d = json.loads((f.metadata() or {})["reap"])
         else:
-            with open(path, "rb") as f:
-                d = json.loads(f.read(_MAX_TAG))
+            d = json.loads(b"{" + text)
         tag = d.get("format", (d.get("metadata") or {}).get("format"))
     except Exception:  # noqa: BLE001 - unreadable or foreign (safetensors' own errors included)
         return False

@@ -198,3 +198,20 @@ def test_calibrate_keeps_a_work_directory_it_did_not_make(env, tmp_path, capsys)
             "--no-progress", "--out", out]
     refused(capsys, argv, "notes.txt", "did not write")
     assert (out / ".work" / "notes.txt").read_text() == "mine"
+
+
+# the fast subset of experiments/fuzz_paths.py: one batch driver, one killed-at-start prune
+FUZZ_ONLY = ["plan/fifo", "plan/socket", "plan/link_to_fifo", "plan/foreign_json", "plan/own",
+             "prune/foreign_dir", "prune/foreign_model", "prune/foreign_partial",
+             "prune/early_partial_plan", "synth/foreign_model", "synth/own/overwrite",
+             "stats/own"]
+
+
+def test_fuzz_paths_subset_loses_nothing(tmp_path):
+    from experiments import fuzz_paths
+
+    records = fuzz_paths.execute(tmp_path, timeout=60.0, kills=1, only=FUZZ_ONLY)
+    bad = [(r["key"], r["verdict"], r["note"], r["line"]) for r in records if r["verdict"] != "clean"]
+    assert not bad, bad
+    assert {r["obstacle"] for r in records} >= {"fifo", "foreign_dir", "killed_at_start"}
+    assert len(records) >= 20
