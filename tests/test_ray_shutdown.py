@@ -1,4 +1,5 @@
-"""`reap calibrate --ray` stopped by SIGTERM or Ctrl-C (SIGINT to the driver alone): the driver exits with the documented code and no
+"""`reap calibrate --ray` ended by SIGTERM, Ctrl-C (SIGINT to the driver alone), a killed worker
+or success: the driver exits with the documented code and no
 process it started (the local cluster's gcs_server, raylet, agents and workers) outlives it."""
 
 import os
@@ -27,36 +28,62 @@ def _alive(p) -> bool:
         return False
 
 
-@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
-def test_a_signal_stops_the_driver_and_the_local_cluster_it_started(tmp_path, sig):
+def _start(tmp_path, tokens: int):
     from reap.synth import synth
 
     model = synth("k3-tiny", tmp_path / "k3", seed=0, dtype="float32")
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # a new local cluster
     env["OMP_NUM_THREADS"] = "1"
     cmd = [sys.executable, "-m", "reap.cli", "calibrate", str(model), "--corpus", "en",
-           "--tokens", "400000", "--seq-len", "64", "--no-progress", "--ray", "--workers", "1",
+           "--tokens", str(tokens), "--seq-len", "64", "--no-progress", "--ray", "--workers", "1",
            "--out", str(tmp_path / "stats")]
-    p = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                         text=True)
-    started = {}
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def _watch_until_workers(p, started: dict) -> None:
+    """Record the driver's descendants until the cluster and a task's worker run."""
+    deadline = time.monotonic() + 180
+    while not any(q.name().startswith("ray::") and "Agent" not in q.name()
+                  for q in started.values() if _alive(q)):
+        if p.poll() is not None:
+            return
+        assert time.monotonic() < deadline, "the local cluster did not start"
+        started.update({q.pid: q for q in _descendants(p.pid)})
+        time.sleep(0.1)
+    started.update({q.pid: q for q in _descendants(p.pid)})
+
+
+def _none_left(started: dict) -> None:
+    deadline = time.monotonic() + 60
+    while (left := [q for q in started.values() if _alive(q)]) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not left, [(q.pid, q.name()) for q in left]
+
+
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGINT", "killed worker", "success"])
+def test_however_the_driver_ends_no_process_it_started_outlives_it(tmp_path, how):
+    tokens = 400_000 if how.startswith("SIG") else 2_000
+    p, started = _start(tmp_path, tokens), {}
     try:
-        deadline = time.monotonic() + 180
-        while not any("raylet" in q.name() for q in started.values() if _alive(q)):
-            assert p.poll() is None, p.stderr.read()
-            assert time.monotonic() < deadline, "the local cluster did not start"
-            started.update({q.pid: q for q in _descendants(p.pid)})
-            time.sleep(0.2)
-        for _ in range(10):  # the workers start after the cluster
-            started.update({q.pid: q for q in _descendants(p.pid)})
-            time.sleep(0.3)
-        assert p.poll() is None, "the run ended before the signal: give it more tokens"
-        p.send_signal(getattr(signal, sig))
-        assert p.wait(120) == 5, p.stderr.read()
-        deadline = time.monotonic() + 60
-        while (left := [q for q in started.values() if _alive(q)]) and time.monotonic() < deadline:
-            time.sleep(0.5)
-        assert not left, [(q.pid, q.name()) for q in left]
+        _watch_until_workers(p, started)
+        if how.startswith("SIG"):
+            for _ in range(10):  # the run under way, past Ray's own start-up
+                started.update({q.pid: q for q in _descendants(p.pid)})
+                time.sleep(0.3)
+            assert p.poll() is None, "the run ended before the signal: give it more tokens"
+            p.send_signal(getattr(signal, how))
+            assert p.wait(120) == 5, p.stderr.read()
+        else:
+            if how == "killed worker":
+                for q in list(started.values()):
+                    if q.name().startswith("ray::") and "Agent" not in q.name() and _alive(q):
+                        q.kill()
+            rc = p.wait(300)
+            err = p.stderr.read()
+            assert rc in (0, 1, 2, 3, 4, 5) and "Traceback" not in err, err
+            assert rc == 0 or how == "killed worker", err
+        _none_left(started)
     finally:
         p.kill()
         for q in started.values():
