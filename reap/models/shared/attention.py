@@ -103,16 +103,10 @@ class Rope:
     def apply(self, x: Tensor, start: int, interleaved: bool = False) -> Tensor:
         """Rotate x [B, T, H, Dk] at positions start..start+T-1 (rotate-half pairing of dims
         i and i + d/2; `interleaved` pairs 2i and 2i+1). Dims past d pass unchanged. cos and
-        sin come from a table grown on demand (`apply_reference` computes them per call)."""
+        sin come from a table grown on demand (tests/references.py computes them per call)."""
         cos, sin = self.table(start + x.shape[1])
         return self._rotate(x, cos[start : start + x.shape[1]], sin[start : start + x.shape[1]],
                             interleaved)  # fmt: skip
-
-    def apply_reference(self, x: Tensor, start: int, interleaved: bool = False) -> Tensor:
-        """`apply` with cos and sin computed for these positions only."""
-        pos = torch.arange(start, start + x.shape[1], dtype=torch.float64)
-        cos, sin = self._cos_sin(pos)
-        return self._rotate(x, cos, sin, interleaved)
 
     def _cos_sin(self, pos: Tensor) -> tuple[Tensor, Tensor]:
         ang = pos[:, None] * self.inv_freq[None]  # [T, d/2] float64
