@@ -323,10 +323,6 @@ class Model(blocks.PreNormModel):
         o = o.reshape(Bn, T, -1)  # [B, T, H*Dh]
         return blocks.linear(o, w("o_proj.weight")) + w("o_proj.bias")
 
-    def is_moe(self, i: int) -> bool:
-        """Every GPT-OSS layer routes to experts."""
-        return True
-
     def _moe(
         self, i: int, get: Weights, x: torch.Tensor, experts: ExpertSource, observer
     ) -> torch.Tensor:
