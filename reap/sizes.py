@@ -222,12 +222,6 @@ def resolve_source(model: str, layers: int | None = None) -> Source:
         return Source(ck.config, model)
 
 
-def resolve_config(model: str, layers: int | None = None) -> tuple[dict, str | None]:
-    """(config.json dict, checkpoint path or URL; None for a built-in or config-only model)."""
-    src = resolve_source(model, layers)
-    return src.config, src.path
-
-
 def check_index(src, specs: list[TensorSpec], family_name: str) -> int:
     """Check a config-only directory's index (if any) against the layout `specs`: every tensor
     it names must be one the layout has (CheckpointError naming the index and the first one

@@ -1,11 +1,12 @@
 """Slow, obviously correct references of the library's fast paths that only tests use: the
-MXFP4 and INT4 decoders written element by element from the bit-level definitions, and the
-fused MXFP4 kernel's arithmetic spelled out in torch."""
+MXFP4 and INT4 decoders written element by element from the bit-level definitions, the
+fused MXFP4 kernel's arithmetic spelled out in torch, and RoPE computed per call."""
 
 from __future__ import annotations
 
 import torch
 
+from reap.models.shared.attention import Rope
 from reap.quant import int4, mxfp4
 
 
@@ -74,8 +75,15 @@ def mxfp4_linear_reference(x: torch.Tensor, packed: torch.Tensor, scales: torch.
     return s[..., 0].to(x.dtype).reshape(*x.shape[:-1], rows)
 
 
-def rope_reference(rope, x: torch.Tensor, start: int, interleaved: bool = False) -> torch.Tensor:
-    """`Rope.apply` with cos and sin computed for these positions only (no table)."""
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """Unpack bytes uint8 [..., M] into 4-bit codes uint8 [..., 2*M] (low nibble first)."""
+    mxfp4._check_uint8(packed, "packed")
+    codes = torch.stack([packed & 15, packed >> 4], dim=-1)  # [..., M, 2]
+    return codes.reshape(*packed.shape[:-1], 2 * packed.shape[-1])
+
+
+def rope_reference(rope: Rope, x: torch.Tensor, start: int, interleaved: bool = False):
+    """`rope.apply` with cos and sin computed for these positions only."""
     pos = torch.arange(start, start + x.shape[1], dtype=torch.float64)
     cos, sin = rope._cos_sin(pos)
     return rope._rotate(x, cos, sin, interleaved)

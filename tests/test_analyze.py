@@ -45,9 +45,28 @@ from reap.analyze.synthetic import (
     planted_profiles,
     routed_stats,
     sequence_probs,
-    uniform_corpora,
     write_corpora,
 )
+
+
+def uniform_corpora(
+    names: list[str],
+    *,
+    n_layers: int = 4,
+    n_experts: int = 64,
+    top_k: int = 4,
+    n_seqs: int = 16,
+    tokens_per_seq: int = 64,
+    seed: int = 0,
+) -> list:
+    """Corpora that all route uniformly at random: the null of no structure at all."""
+    probs = np.full((n_seqs, n_layers, n_experts), 1.0 / n_experts)
+    seeds = np.random.SeedSequence(seed).generate_state(len(names))
+    return [
+        routed_stats(probs, tokens_per_seq=tokens_per_seq, top_k=top_k, seed=int(s), corpus=n)
+        for n, s in zip(names, seeds)
+    ]
+
 
 # ---------------------------------------------------------------- exact null vs brute force
 

@@ -142,7 +142,7 @@ def test_pruned_checkpoint_loads_in_transformers_with_the_engines_logits(tiny, t
     R.check_prune(path, tmp_path / "pruned", keep=5)
     cfg = json.loads((Path(path) / "config.json").read_text())
     assert kimi_linear.with_experts(cfg, {1: 4, 2: 4, 3: 4})["num_experts"] == 4
-    with pytest.raises(ReapError, match="one num_experts for every layer"):
+    with pytest.raises(ReapError, match="one expert count for all layers"):
         kimi_linear.with_experts(cfg, {1: 4, 2: 6, 3: 5})
 
 

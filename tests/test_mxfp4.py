@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 from references import mxfp4_dequantize_reference as dequantize_reference
+from references import unpack_nibbles
 
 from reap.errors import ReapError
 from reap.quant.mxfp4 import (
@@ -16,7 +17,6 @@ from reap.quant.mxfp4 import (
     pack_nibbles,
     qdq,
     quantize,
-    unpack_nibbles,
 )
 
 GRID = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]

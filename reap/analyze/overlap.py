@@ -25,7 +25,7 @@ import numpy as np
 
 from reap.analyze import chance
 from reap.errors import ReapError, first_difference
-from reap.stats import ExpertStats, expand_paths
+from reap.stats import ExpertStats
 
 CRITERIA = ("count", "reap_mass")
 
@@ -78,11 +78,6 @@ def from_stats(stats: ExpertStats, path: str = "", name: str | None = None) -> C
         if not np.array_equal(sc.long().sum(0).numpy(), stats.count.numpy()):
             raise ReapError(f"{where}: seq_count does not sum to count (inconsistent statistics)")
     return CorpusUsage(name, path, stats, count, stats.reap_sum.double().numpy())
-
-
-def expand_inputs(paths: list[str]) -> tuple[list[str], list[str]]:
-    """Statistics files to analyze (see `reap.stats.expand_paths`): (files, skipped)."""
-    return expand_paths(paths)
 
 
 def load_corpora(paths: list[str]) -> list[CorpusUsage]:

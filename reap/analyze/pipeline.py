@@ -15,7 +15,7 @@ from reap.analyze import bootstrap as boot
 from reap.analyze import cluster, overlap, specialists
 from reap.analyze.overlap import CRITERIA, CorpusUsage
 from reap.errors import ReapError
-from reap.stats import ExpertStats
+from reap.stats import ExpertStats, expand_paths
 
 
 @dataclass
@@ -69,7 +69,7 @@ class AnalysisResult:
 def _as_corpora(stats: list) -> tuple[list[CorpusUsage], list[str]]:
     """The corpora, and the files a directory held that are not per-corpus statistics."""
     if all(isinstance(s, (str, os.PathLike)) for s in stats):
-        files, skipped = overlap.expand_inputs([os.fspath(s) for s in stats])
+        files, skipped = expand_paths([os.fspath(s) for s in stats])
         return overlap.load_corpora(files), skipped
     out = []
     for s in stats:
@@ -95,7 +95,7 @@ def analyze(stats: list, *, top_m: list[float] = (0.25,), criteria: list[str] = 
     """Overlap of expert usage between corpora against chance, with uncertainty and clusters.
 
     stats: statistics file paths (a directory stands for its per-corpus files, see
-    `overlap.expand_inputs`), `ExpertStats` or `CorpusUsage`, one per corpus (>= 2).
+    `reap.stats.expand_paths`), `ExpertStats` or `CorpusUsage`, one per corpus (>= 2).
     top_m: important-set sizes, integers or fractions of n_experts. bootstrap: replicates over
     calibration sequences (0 = none). permutations: sequence shuffles for the specialist and
     expert-cluster chance levels. community_nulls: random graphs per layer for modularity.

@@ -286,10 +286,6 @@ class HttpCache:
     def _save(self, name: str, st: dict) -> None:
         write_atomic(self._sidecar(name), json.dumps(st).encode())
 
-    def cached_bytes(self) -> int:
-        """Bytes of shard data present in the cache (as recorded by the sidecars)."""
-        return sum(b - a for st in self._states.values() for a, b in st["ranges"])
-
 
 def _read_bytes(path: Path, offset: int, n: int) -> bytes:
     fd = os.open(path, os.O_RDONLY)

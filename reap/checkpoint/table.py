@@ -94,10 +94,6 @@ class TensorTable(Mapping[str, TensorInfo]):
     def __len__(self) -> int:
         return len(self._where)
 
-    def shard_of(self, name: str) -> str:
-        """The file holding tensor `name`, without parsing its shard."""
-        return self._shards[self._where[self._key(name)]].path
-
 
 def _slice(info: TensorInfo, index: int) -> TensorInfo:
     """The view `X[index]` of stored tensor X [E, ...]: its contiguous byte range, shape [...]."""

@@ -145,6 +145,20 @@ def ungrouped(config_dict: dict) -> int:
     return 1
 
 
+def one_count(n_experts: int | dict[int, int]) -> int:
+    """The count a `with_experts` request keeps in every layer, for a config.json holding one
+    expert count for all layers (ReapError when the per-layer counts differ)."""
+    from reap.errors import ReapError
+
+    counts = set(n_experts.values()) if isinstance(n_experts, dict) else {n_experts}
+    if len(counts) != 1:
+        raise ReapError(
+            "config.json holds one expert count for all layers, so a plan must keep the same "
+            f"number in every layer (got {sorted(counts)}): use a uniform or per-layer scope"
+        )
+    return int(counts.pop())
+
+
 def expert_key_by(pattern: str) -> Callable[[str], tuple[int, int] | None]:
     """An `expert_key` hook: (layer, expert) from the two groups of regex `pattern` searched in a
     tensor name (prefix optional), else None."""

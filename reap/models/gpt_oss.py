@@ -204,17 +204,10 @@ def router_tensors(cfg: Config | dict, layer: int) -> dict[str, int]:
 def with_experts(config_dict: dict, n_experts: int | dict[int, int]) -> dict:
     """The config with `n_experts` routed experts in every layer (top_k capped at it). GPT-OSS
     configs hold one count for all layers, so per-layer counts must all be equal."""
-    if isinstance(n_experts, dict):
-        counts = set(n_experts.values())
-        if len(counts) != 1:
-            raise ReapError(
-                "gpt_oss: config.json holds one expert count for all layers, so a plan must "
-                f"keep the same number in every layer (got {sorted(counts)}); use per-layer scope"
-            )
-        n_experts = counts.pop()
+    n = base.one_count(n_experts)
     out = copy.deepcopy(config_dict)
-    out["num_local_experts"] = int(n_experts)
-    out["num_experts_per_tok"] = min(out.get("num_experts_per_tok", 4), int(n_experts))
+    out["num_local_experts"] = n
+    out["num_experts_per_tok"] = min(out.get("num_experts_per_tok", 4), n)
     return out
 
 
@@ -329,10 +322,6 @@ class Model(blocks.PreNormModel):
         o = gqa_attention(q, k, proj("v"), cache, cfg.head_dim**-0.5, sinks, cfg.window(i))
         o = o.reshape(Bn, T, -1)  # [B, T, H*Dh]
         return blocks.linear(o, w("o_proj.weight")) + w("o_proj.bias")
-
-    def is_moe(self, i: int) -> bool:
-        """Every GPT-OSS layer routes to experts."""
-        return True
 
     def _moe(
         self, i: int, get: Weights, x: torch.Tensor, experts: ExpertSource, observer

@@ -205,18 +205,10 @@ def with_experts(config_dict: dict, n_experts: int | dict[int, int]) -> dict:
     """The config with `n_experts` routed experts in every MoE layer (top_k capped at it). The
     config has one `num_experts` for all layers, so differing per-layer counts are refused, as
     are counts that break the expert groups (kept experts regroup in ascending original id)."""
-    if isinstance(n_experts, dict):
-        counts = set(n_experts.values())
-        if len(counts) != 1:
-            raise ReapError(
-                "kimi_linear: the config holds one num_experts for every layer; a plan keeping "
-                f"different counts per layer ({min(counts)}-{max(counts)}) cannot be written "
-                "(use a per-layer scope)"
-            )
-        n_experts = counts.pop()
-    out = kimi_k3.with_experts(config_dict, int(n_experts))
+    n = base.one_count(n_experts)
+    out = kimi_k3.with_experts(config_dict, n)
     text = out.get("text_config", out)
-    n, G = int(n_experts), int(text.get("num_expert_group", 1))
+    G = int(text.get("num_expert_group", 1))
     if n % G or int(text.get("topk_group", 1)) * (n // G) < text["num_experts_per_token"]:
         raise ReapError(
             f"kimi_linear: {n} experts do not fill num_expert_group={G} groups with top_k "

@@ -226,13 +226,7 @@ def set_experts(config_dict: dict, n_experts: int | dict[int, int], key: str) ->
     """config.json with `n_experts` routed experts per MoE layer (under `key` and any alias
     already present), top-k capped at that count. The Hugging Face configs hold one count for
     every layer, so differing per-layer counts are refused."""
-    counts = set(n_experts.values()) if isinstance(n_experts, dict) else {n_experts}
-    if len(counts) != 1:
-        raise ReapError(
-            "this family's config.json has one expert count for all layers: "
-            "prune every layer to the same count (a uniform or layer-scope plan)"
-        )
-    n = int(counts.pop())
+    n = base.one_count(n_experts)
     out = copy.deepcopy(config_dict)
     text = out.get("text_config", out)
     for k in {key} | ({"num_experts", "num_local_experts"} & text.keys()):

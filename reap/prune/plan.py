@@ -33,7 +33,7 @@ def make_plan(*, stats: list[str] | None = None, config: dict | None = None,
     Without statistics, only `criterion="random"` chooses experts; otherwise the plan holds
     counts only (`keep` None), enough for a size table.
     """
-    loaded = _load_stats(stats or [])
+    loaded = load_stats(stats or [])
     size = _size_model(config)
     shape = _shape(loaded, size)
     layers, E, top_k = shape
@@ -72,7 +72,7 @@ def make_plan(*, stats: list[str] | None = None, config: dict | None = None,
         model=model or _stats_model(loaded), provenance=_provenance(loaded, model, arguments))
 
 
-def _load_stats(paths: list[str]) -> list[tuple[str, str, object]]:
+def load_stats(paths: list[str]) -> list[tuple[str, str, object]]:
     """[(corpus name, path, ExpertStats)]; all from one model and layer set. A directory (a
     calibration output) stands for its per-corpus files."""
     from reap.stats import ExpertStats, expand_paths

@@ -167,8 +167,7 @@ def plan_recon(
     import time
 
     from reap.models import family
-    from reap.prune.plan import make_plan
-    from reap.stats import ExpertStats, expand_paths
+    from reap.prune.plan import load_stats, make_plan
 
     if plan_kw.pop("quota", False):
         raise ReapError("--criterion recon does not take --quota (it weighs corpora by --weights)")
@@ -179,13 +178,7 @@ def plan_recon(
         raise ReapError("--criterion recon does not support grouped routing (n_group > 1)")
     t0 = time.perf_counter()
     if tokens is None:
-        loaded = []
-        for p in expand_paths(stats)[0]:
-            s = ExpertStats.load(p)
-            loaded.append(
-                (str(s.meta.get("corpus") or os.path.splitext(os.path.basename(p))[0]), p, s)
-            )
-        tokens = collect(loaded, plan.combine["weights"], checkpoint, budget, progress)
+        tokens = collect(load_stats(stats), plan.combine["weights"], checkpoint, budget, progress)
     prot = [{e["expert"] for e in plan.protected if e["layer"] == layer} for layer in plan.layers]
     counts = [plan.counts[layer] for layer in plan.layers]
     kept, record = recon.recon_keep(plan.layers, counts, tokens, plan.n_experts, prot, plan.keep)

@@ -32,7 +32,7 @@ class _Hasher:
 
     def submit(self, key: tuple[int, int], tensors: list[torch.Tensor]) -> None:
         self._collect()
-        self.pending = (key, self.pool.submit(_sha256, tensors))
+        self.pending = (key, self.pool.submit(tensors_sha256, tensors))
 
     def _collect(self) -> None:
         if self.pending is not None:
@@ -46,7 +46,8 @@ class _Hasher:
         return self.hashes
 
 
-def _sha256(tensors: list[torch.Tensor]) -> str:
+def tensors_sha256(tensors: list[torch.Tensor]) -> str:
+    """The sha256 of the tensors' bytes, one after another (the manifest's per-expert hash)."""
     h = hashlib.sha256()
     for t in tensors:
         h.update(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()))

@@ -77,13 +77,6 @@ def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
     return codes[..., 0::2] | (codes[..., 1::2] << 4)
 
 
-def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
-    """Unpack bytes uint8 [..., M] into 4-bit codes uint8 [..., 2*M] (low nibble first)."""
-    _check_uint8(packed, "packed")
-    codes = torch.stack([packed & 15, packed >> 4], dim=-1)  # [..., M, 2]
-    return codes.reshape(*packed.shape[:-1], 2 * packed.shape[-1])
-
-
 def _check_pair(packed: torch.Tensor, scales: torch.Tensor) -> None:
     _check_uint8(packed, "packed")
     _check_uint8(scales, "scales")

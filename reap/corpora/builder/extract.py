@@ -170,8 +170,6 @@ def code_text(source: str) -> str:
 
 # --- SWORD zText Bible modules (public-domain translations ship this way in Debian) ---
 
-_OSIS_BOOK = re.compile(r'<div[^>]*type="book"[^>]*/?>')
-_OSIS_ID = re.compile(r'osisID="([^"]+)"')
 _OSIS_CHAPTER = re.compile(r'<chapter\b[^>]*\bsID="([^"]+)"[^>]*/>')
 _OSIS_DROP = re.compile(r"<note\b.*?</note>|<title\b.*?</title>|<milestone\b[^>]*/>", re.DOTALL)
 

@@ -245,12 +245,10 @@ def router_tensors(cfg: Config | dict, layer: int) -> dict[str, int]:
 def with_experts(config_dict: dict, n_experts: int | dict[int, int]) -> dict:
     """The config with `n_experts` routed experts per MoE layer (top_k capped at it): one count
     for all layers, a multiple of `n_group` leaving top_k in the `topk_group` best groups."""
-    counts = set(n_experts.values()) if isinstance(n_experts, dict) else {n_experts}
-    if len(counts) != 1:  # transformers reads no per-layer counts
-        raise ReapError(f"deepseek_v3 needs a uniform expert count, not {sorted(counts)}")
+    n = base.one_count(n_experts)  # transformers reads no per-layer counts
     out = copy.deepcopy(config_dict)
     text = out.get("text_config", out)
-    n, G = int(counts.pop()), int(text.get("n_group") or 1)
+    G = int(text.get("n_group") or 1)
     if n < 1 or n % G:
         raise ReapError(f"deepseek_v3: keep a multiple of n_group={G} experts, not {n}")
     text["n_routed_experts"] = n

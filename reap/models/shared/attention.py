@@ -103,7 +103,7 @@ class Rope:
     def apply(self, x: Tensor, start: int, interleaved: bool = False) -> Tensor:
         """Rotate x [B, T, H, Dk] at positions start..start+T-1 (rotate-half pairing of dims
         i and i + d/2; `interleaved` pairs 2i and 2i+1). Dims past d pass unchanged. cos and
-        sin come from a table grown on demand (the tests' `rope_reference`: per call)."""
+        sin come from a table grown on demand (tests/references.py computes them per call)."""
         cos, sin = self.table(start + x.shape[1])
         return self._rotate(x, cos[start : start + x.shape[1]], sin[start : start + x.shape[1]],
                             interleaved)  # fmt: skip
