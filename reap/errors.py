@@ -54,3 +54,17 @@ def first_difference(a: list, b: list, what: str = "layers") -> str:
     left = repr(a[i]) if i < len(a) else "(end)"
     right = repr(b[i]) if i < len(b) else "(end)"
     return f"{what} differ at position {i}: {left} vs {right} ({len(a)} and {len(b)} {what})"
+
+
+def sigterm_as_interrupt() -> None:
+    """From the main thread: SIGTERM raises KeyboardInterrupt, so it stops a command the way
+    Ctrl-C does (exit `EXIT_INTERRUPTED`); elsewhere a no-op (only that thread may set handlers)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _raise_interrupt)
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt

@@ -20,10 +20,8 @@ machines need the same `reap` installed.
 from __future__ import annotations
 
 import atexit
-import signal
-import threading
 
-from reap.errors import ReapError
+from reap.errors import ReapError, sigterm_as_interrupt
 
 INSTALL = 'pip install -e ".[distributed]"'
 
@@ -50,10 +48,6 @@ def connect(address: str | None):
     except (ConnectionError, ValueError, RuntimeError) as e:
         raise ReapError(f"--ray {address or ''}: cannot join the Ray cluster: {e}") from None
     atexit.register(ray.shutdown)
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _interrupt)  # after ray.init, which sets its own
+    sigterm_as_interrupt()  # after ray.init, which sets its own
     return ray
 
-
-def _interrupt(signum, frame):
-    raise KeyboardInterrupt

@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
 import threading
 
-from reap.errors import EXIT_INTERRUPTED, ReapError
+from reap.errors import EXIT_INTERRUPTED, ReapError, sigterm_as_interrupt
 
 STOP_SECONDS = 10  # the longest a stop may take before the process exits regardless
 
@@ -105,8 +104,7 @@ def run(args: argparse.Namespace) -> int:
         raise
     print(f"reap serve: {backend.model_id} at {server.url} (Ctrl-C stops)", file=sys.stderr,
           flush=True)
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM stops like Ctrl-C
+    sigterm_as_interrupt()
     try:
         server.httpd.serve_forever()  # in this thread, until Ctrl-C or SIGTERM (exit 5)
     finally:
@@ -115,10 +113,6 @@ def run(args: argparse.Namespace) -> int:
         watchdog.start()
         server.stop()
     return 0
-
-
-def _interrupt(signum, frame):
-    raise KeyboardInterrupt
 
 
 def _exit_now() -> None:
