@@ -50,7 +50,7 @@ def _exit_code(p: subprocess.Popen) -> int | None:
 
 STUCK = """
 import sys, threading, time
-from reap.interrupt import on_interrupt
+from reap.errors import on_interrupt
 on_interrupt(1.0)
 threading.Thread(target=time.sleep, args=(3600,)).start()  # not a daemon: exit waits for it
 print("ready", flush=True)

@@ -27,8 +27,7 @@ import signal
 import threading
 from concurrent.futures import Future
 
-from reap.errors import ReapError
-from reap.interrupt import exiting, on_interrupt
+from reap.errors import ReapError, exiting, on_interrupt
 
 INSTALL = 'pip install -e ".[distributed]"'
 GRACE = 15  # seconds from SIGINT/SIGTERM to exit, the local cluster stopped
@@ -50,7 +49,7 @@ def require_ray():
 def connect(address: str | None):
     """Join the cluster at `address` (None: the one already joined, else RAY_ADDRESS or a new
     local one, stopped with all its processes when this one exits); returns the `ray` module.
-    SIGINT and SIGTERM stop the driver (`reap.interrupt`, GRACE)."""
+    SIGINT and SIGTERM stop the driver (`reap.errors.on_interrupt`, GRACE)."""
     ray = require_ray()
     if ray.is_initialized():
         return ray
@@ -71,9 +70,8 @@ def connect(address: str | None):
 
 
 def _init(ray, **kw) -> None:
-    """ray.init in a thread that lives on: no signal lands inside it (a Ray half made crashes),
-    Ray sets no SIGTERM handler, and what it starts (PR_SET_PDEATHSIG: it dies with the thread
-    that started it) lives on."""
+    """ray.init in a thread that lives on: no signal lands in it (a Ray half made crashes), Ray
+    sets no SIGTERM handler, and what it starts lives on (it dies with its starter thread)."""
     done: Future = Future()
 
     def start() -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from reap.errors import ReapError
+from reap.errors import ReapError, on_interrupt
 
 STOP_SECONDS = 10  # the longest a stop may take before the process exits regardless
 STOP = ("Ctrl-C (SIGINT) or SIGTERM stops it whatever the clients are doing: it stops accepting,"
@@ -83,7 +83,6 @@ def limits_of(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     """`reap serve`: open the engine, then serve until interrupted."""
     from reap.engine.cli import set_threads
-    from reap.interrupt import on_interrupt
     from reap.serve.backend import open_backend
     from reap.serve.hosts import check_host
     from reap.serve.http import Server
