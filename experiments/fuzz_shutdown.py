@@ -200,16 +200,23 @@ def ray_trial(model: str, spec: str, out: str, end: str, rng: random.Random) -> 
     return {**rec, "signal_at": None if want == 0 else f"{when} + {delay:.2f} s"}
 
 
-def run(seed: int, n_serve: int, n_ray: int) -> dict:
-    sys.path.insert(0, str(REPO / "tests"))
-    import family_runner as R
+def corpora(root: Path) -> str:
+    """Two small local jsonl corpora; their mixture spec."""
+    root.mkdir()
+    for kind, text in (("prose", "lorem ipsum dolor sit amet {i} " * 8),
+                       ("code", "def f{i}(x):\n    return x * {i}\n")):
+        lines = [json.dumps({"id": f"{kind}-{i}", "text": text.format(i=i)}) for i in range(400)]
+        (root / f"{kind}.jsonl").write_text("\n".join(lines) + "\n")
+    return f"{root / 'prose.jsonl'}+{root / 'code.jsonl'}"
 
+
+def run(seed: int, n_serve: int, n_ray: int) -> dict:
     from reap.synth import synth
 
     rng, trials = random.Random(seed), []
     with tempfile.TemporaryDirectory(prefix="fuzz-shutdown-") as tmp:
         model = str(synth("k3-tiny", Path(tmp) / "k3-tiny", seed=0, dtype="float32"))
-        spec = R.write_corpora(Path(tmp) / "corpora")
+        spec = corpora(Path(tmp) / "corpora")
         for i in range(n_serve):
             kind, sig = LOADS[i % len(LOADS)], rng.choice(["SIGINT", "SIGTERM"])
             trials.append({"surface": "serve", "load": kind, "signal": sig,
