@@ -3,15 +3,22 @@
 Library code raises `ReapError` (or a subclass) for anything a user can cause: a bad path, a
 corrupt file, an unknown config. `reap.cli` prints `reap: error: <message>` and exits with the
 error's `exit_code`; nothing else reaches the user as a traceback. `is_int` is the integer
-check of every input parser.
+check of every input parser. `on_interrupt` makes SIGINT and SIGTERM exit 5 within a deadline.
 """
+
+import os
+import signal
+import sys
+import threading
+import time
 
 EXIT_OK = 0
 EXIT_FAILURE = 1  # a forward, binding or runtime failure
 EXIT_USAGE = 2  # bad arguments, unknown config, unreadable or corrupt input, refused plan
 EXIT_WRITE = 3  # the work finished but its result could not be written
 EXIT_EXPERT_LOAD = 4  # a routed expert failed to load: results are not trustworthy
-EXIT_INTERRUPTED = 5  # Ctrl-C
+EXIT_INTERRUPTED = 5  # Ctrl-C or SIGTERM
+_FIRED: list = []  # signals received, or None from `exiting()`: the next one exits at once
 
 
 class ReapError(Exception):
@@ -56,15 +63,31 @@ def first_difference(a: list, b: list, what: str = "layers") -> str:
     return f"{what} differ at position {i}: {left} vs {right} ({len(a)} and {len(b)} {what})"
 
 
-def sigterm_as_interrupt() -> None:
-    """From the main thread: SIGTERM raises KeyboardInterrupt, so it stops a command the way
-    Ctrl-C does (exit `EXIT_INTERRUPTED`); elsewhere a no-op (only that thread may set handlers)."""
-    import signal
-    import threading
+def on_interrupt(grace: float, force=None) -> None:
+    """From now on SIGINT and SIGTERM raise KeyboardInterrupt in the main thread (exit 5
+    through `reap.cli`); `grace` s after the first, at a second one, or at any once `exiting()`,
+    `force()` runs and the process exits 5 at once: no stuck thread holds it (main thread only,
+    else a no-op; for commands that hold threads or processes: serve, --ray)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
 
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _raise_interrupt)
+    def hard_exit() -> None:
+        if force is not None:
+            force()
+        print("reap: interrupted (exiting now, cleanup cut short)", file=sys.stderr, flush=True)
+        os._exit(EXIT_INTERRUPTED)
+
+    def handler(signum, frame) -> None:
+        if _FIRED:
+            hard_exit()
+        _FIRED.append(signum)
+        threading.Thread(target=lambda: (time.sleep(grace), hard_exit()), daemon=True).start()
+        raise KeyboardInterrupt
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, handler)
 
 
-def _raise_interrupt(signum, frame):
-    raise KeyboardInterrupt
+def exiting() -> None:
+    """Cleanup under way: a signal now exits at once rather than interrupting it half done."""
+    _FIRED.append(None)

@@ -26,7 +26,7 @@ from reap.serve.hosts import check_host
 from reap.serve.http import Server
 from reap.serve.limits import Limits
 from reap.serve.params import parse_messages
-from reap.serve.stream import ReasoningSplitter, TextStream, split_reasoning
+from reap.serve.stream import ReasoningSplitter, TextStream
 from reap.tokenizer import encode_prompt
 
 openai = pytest.importorskip("openai")
@@ -224,6 +224,12 @@ def test_encode_prompt_maps_special_tokens():
     assert encode_prompt("x<|ab|>y<|a|><|a|>", enc, specials) == [120, 1001, 121, 1000, 1000]
     assert encode_prompt("<|a|", enc, specials) == list(b"<|a|")
     assert encode_prompt("x<|ab|>", enc, {}) == list(b"x<|ab|>")
+
+
+def split_reasoning(text: str, thinking: bool) -> tuple[str, str]:
+    s = ReasoningSplitter(thinking)
+    parts = [s.feed(text), s.flush()]
+    return "".join(p[0] for p in parts), "".join(p[1] for p in parts)
 
 
 def test_reasoning_splitter_any_chunking():

@@ -10,7 +10,7 @@ import sys
 from types import SimpleNamespace
 
 from reap.calibrate import cli as calibrate_cli
-from reap.distributed import INSTALL, require_ray
+from reap.distributed import GRACE, INSTALL, require_ray
 from reap.errors import ReapError
 from reap.eval import cli as eval_cli
 
@@ -18,7 +18,8 @@ from reap.eval import cli as eval_cli
 def _add_ray(p: argparse.ArgumentParser, what: str, after: str, workers: str) -> None:
     p.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
                    help=f"run {what} on a Ray cluster (ADDRESS, default: RAY_ADDRESS or a new "
-                        f"local one{after}; needs {INSTALL})")
+                        f"local one on 127.0.0.1{after}; needs {INSTALL}); SIGINT or SIGTERM "
+                        f"stops the driver and its local cluster within {GRACE} s, exit 5")
     p.add_argument("--workers", type=int, default=2,
                    help=f"with --ray: {workers}, each within --budget (default 2)")
 

@@ -50,15 +50,16 @@ def make_tracker(ray):
 
 def unwrap(ray, ref):
     """`ray.get(ref)`, with a worker's ReapError re-raised as itself (one line, its exit code)
-    and a worker lost past its retries as a runtime failure (exit 1)."""
+    and any other Ray failure (a worker or actor lost past its retries...) as one line, exit 1."""
     try:
         return ray.get(ref)
     except ray.exceptions.RayTaskError as e:
         if isinstance(e.cause, ReapError):
             raise e.cause from None
         raise RuntimeError(f"a Ray worker failed: {type(e.cause).__name__}: {e.cause}") from None
-    except (ray.exceptions.WorkerCrashedError, ray.exceptions.RayActorError) as e:
-        raise ReapError(f"a Ray worker died past its retries: {e}", exit_code=1) from None
+    except ray.exceptions.RayError as e:
+        line = (str(e).strip().splitlines() or [""])[0]
+        raise ReapError(f"Ray: {type(e).__name__}: {line}", exit_code=1) from None
 
 
 def gather(ray, keys: list, submit, workers: int, tracker, *, total: float, initial: float,
@@ -77,7 +78,7 @@ def gather(ray, keys: list, submit, workers: int, tracker, *, total: float, init
                 key = queue.pop(0)
                 pending[submit(key)] = key
             ready, _ = ray.wait(list(pending), num_returns=1, timeout=POLL_S)
-            done, notes = ray.get(tracker.snapshot.remote())
+            done, notes = unwrap(ray, tracker.snapshot.remote())
             bar.n = min(total, initial + sum(done.values()))
             bar.set_postfix_str(f"{len(pending)} running", refresh=False)
             bar.refresh()

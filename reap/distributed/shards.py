@@ -52,6 +52,7 @@ def run_shards(ray, job: jobs.Job, *, shards: int, workers: int, progress: bool,
                hook=None, on_done=None, on_poll=None) -> list[dict]:
     """Calibrate every unfinished shard on the cluster (at most `workers` at once, one CPU and,
     on --device cuda, one GPU each); returns each shard's record (shard.json) in order."""
+    from reap.calibrate import artifacts as art
     from reap.calibrate import runner
 
     kw = {k: v for k, v in job.kw.items() if k not in ("progress", "shard", "hooks")}
@@ -76,12 +77,8 @@ def run_shards(ray, job: jobs.Job, *, shards: int, workers: int, progress: bool,
     gather(ray, todo, submit, workers, tracker, total=job.n_seq * T,
            initial=sum(sizes[k] for k in sizes if k not in todo), on_done=done,
            progress=progress, desc=f"calibrate x{workers}", on_poll=on_poll)
-    return [_read_json(os.path.join(job.shard_dir(k), "shard.json")) for k in range(1, shards + 1)]
-
-
-def _read_json(path: str) -> dict:
-    with open(path) as f:
-        return json.load(f)
+    return [art.read_json(os.path.join(job.shard_dir(k), "shard.json"))
+            for k in range(1, shards + 1)]
 
 
 def save_shard(job: jobs.Job, k: int, result: dict) -> None:

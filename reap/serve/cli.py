@@ -3,26 +3,27 @@
 
     reap serve [MODEL] --port 8000 --budget 8GB
 
-Ctrl-C (SIGINT) or SIGTERM stops it whatever the clients are doing: it stops accepting,
-cancels the running generation, answers queued requests 503 and exits 5 within `STOP_SECONDS`.
+Ctrl-C (SIGINT) or SIGTERM stops it whatever the clients are doing (`STOP`, in --help).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-import threading
 
-from reap.errors import EXIT_INTERRUPTED, ReapError, sigterm_as_interrupt
+from reap.errors import ReapError, on_interrupt
 
 STOP_SECONDS = 10  # the longest a stop may take before the process exits regardless
+STOP = ("Ctrl-C (SIGINT) or SIGTERM stops it whatever the clients are doing: it stops accepting,"
+        "\ncancels the running generation, answers queued requests 503 and exits 5 within "
+        f"{STOP_SECONDS} s.")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Arguments of `reap serve`."""
     from reap.engine.memory import PRESET_HELP, PRESETS
 
+    p.description += "\n\n" + STOP
     p.add_argument("model", nargs="?", default=None,
                    help="checkpoint directory or http(s) URL of one (fetched on demand into "
                         "~/.cache/reap/http); default: the bundled default model")
@@ -86,6 +87,7 @@ def run(args: argparse.Namespace) -> int:
     from reap.serve.hosts import check_host
     from reap.serve.http import Server
 
+    on_interrupt(STOP_SECONDS)  # from the start: a signal while the engine loads exits 5 too
     check_host(args.host, args.allow_remote)  # refuse before loading anything
     limits = limits_of(args)
     limits.check()
@@ -104,20 +106,9 @@ def run(args: argparse.Namespace) -> int:
         raise
     print(f"reap serve: {backend.model_id} at {server.url} (Ctrl-C stops)", file=sys.stderr,
           flush=True)
-    sigterm_as_interrupt()
     try:
         server.httpd.serve_forever()  # in this thread, until Ctrl-C or SIGTERM (exit 5)
     finally:
-        watchdog = threading.Timer(STOP_SECONDS, _exit_now)
-        watchdog.daemon = True
-        watchdog.start()
         server.stop()
     return 0
 
-
-def _exit_now() -> None:
-    """Whatever still runs `STOP_SECONDS` after a stop began (a generation, a client, the
-    interpreter's exit) does not keep the process alive."""
-    print(f"reap: interrupted (not stopped within {STOP_SECONDS} s: exiting now)", file=sys.stderr,
-          flush=True)
-    os._exit(EXIT_INTERRUPTED)

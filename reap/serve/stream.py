@@ -120,13 +120,6 @@ class ReasoningSplitter:
         return (held, "") if self.in_reasoning else ("", held)
 
 
-def split_reasoning(text: str, thinking: bool) -> tuple[str, str]:
-    """(reasoning, content) of a whole generated text."""
-    s = ReasoningSplitter(thinking)
-    parts = [s.feed(text), s.flush()]
-    return "".join(p[0] for p in parts), "".join(p[1] for p in parts)
-
-
 def _partial_suffix(buf: str, marker: str) -> int:
     """Length of the longest suffix of `buf` that is a proper prefix of `marker`."""
     for n in range(min(len(marker) - 1, len(buf)), 0, -1):
