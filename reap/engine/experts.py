@@ -1,6 +1,4 @@
-"""The routed-expert cache: experts read on demand (one positioned read per expert: its six
-tensors are contiguous) into a slab of fixed-size slots, evicted by LFU with aging; reads of a
-layer's experts can start in background threads as soon as its routing is known.
+"""The routed-expert cache (`ExpertCache`, which says why LFU with aging).
 
     names = functools.partial(fam.expert_tensor_names, cfg)  # (layer, expert) -> stored names
     cache = ExpertCache(reader, capacity_bytes, names, fam.expert_matrices)

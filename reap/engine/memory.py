@@ -17,11 +17,6 @@ recurrent state) that grows with the declared context. The plan gives the budget
 Trunk before experts: a pinned byte of trunk saves one byte of reading on every token, a cached
 byte of experts only when that expert is chosen again. A plan above 95 % of the memory actually
 available (MemAvailable, capped by the cgroup limit) is refused before anything is read.
-
-    mb = ModelBytes(...)                       # from reap.engine.store.model_bytes(checkpoint)
-    plan = plan_memory(mb, budget=parse_bytes("8GB"), context=4096)  # reap.units
-    check_available(plan)                      # ReapError (exit 2) naming the shortfall
-    print(plan.describe())
 """
 
 from __future__ import annotations
@@ -56,12 +51,9 @@ PRESET_HELP = (
 
 @dataclass(frozen=True)
 class ModelBytes:
-    """What the plan needs to know about a checkpoint, in bytes as stored.
-
-    `units[i]` is trunk unit i (decoder layers in order, then the output head; `unit_names`
-    names them); `expert_bytes[i]` is one routed expert of unit i (0 where none) and
-    `n_experts[i]` how many it has. State costs are per sequence.
-    """
+    """What the plan needs to know about a checkpoint, in bytes as stored: per trunk unit
+    (decoder layers, then the head) its bytes, one routed expert's (0 where none) and how many
+    it has. State costs are per sequence."""
 
     unit_names: list[str]
     units: list[int]
@@ -125,16 +117,9 @@ class MemoryPlan:
 
     @property
     def total(self) -> int:
-        return (
-            self.baseline
-            + self.resident
-            + self.state
-            + self.scratch
-            + self.pinned_bytes
-            + self.ring_bytes
-            + self.expert_cache
-            + self.embed_table
-        )
+        parts = (self.baseline, self.resident, self.state, self.scratch, self.pinned_bytes,
+                 self.ring_bytes, self.expert_cache, self.embed_table)
+        return sum(parts)
 
     def describe(self) -> str:
         """A human-readable table of the plan."""
@@ -247,10 +232,8 @@ def plan_memory(
     prefill_chunk: int = 512,
     baseline: int = 0,
 ) -> MemoryPlan:
-    """Split `budget` bytes: fixed costs, then the ring, then pinned trunk, then expert cache,
-    then the embedding table.
-
-    Raises ReapError (exit 2) if the budget cannot hold the smallest runnable plan."""
+    """Split `budget` bytes in the module docstring's order; ReapError (exit 2) if it cannot
+    hold the smallest runnable plan."""
     state, scratch = fixed_costs(mb, context, batch, prefill_chunk)
     need = minimum_budget(mb, context, batch, prefill_chunk, baseline)
     if budget < need:
@@ -303,9 +286,8 @@ def _pin(units: list[int], free: int) -> set[int]:
 
 
 def check_available(plan: MemoryPlan, available: int | None = None) -> None:
-    """Refuse (ReapError, exit 2) a plan above 95 % of the memory actually available.
-
-    The baseline is already in use, so it is not counted against what is available."""
+    """Refuse (ReapError, exit 2) a plan above 95 % of the memory actually available (the
+    baseline, already in use, is not counted against it)."""
     source = "given"
     if available is None:
         available, source = available_memory()

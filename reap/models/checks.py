@@ -5,9 +5,7 @@
     guard = FiniteGuard(fam, cfg, specs, path)
     guard(name, tensor)                                       # NaN/Inf in a norm or router: exit 2
 
-`check_binding` matches the checkpoint to the family layout strictly (a missing tensor, a wrong
-shape or dtype, a tensor the layout does not use). `FiniteGuard` checks, once per tensor when it
-is first read, that the small tensors feeding routing and normalization (norm weights, router
+`FiniteGuard` checks, once per tensor when it is first read, that the small tensors feeding routing and normalization (norm weights, router
 weights and biases) hold no NaN or Inf: such a value does not fail loudly later, it turns every
 routing decision or logit into NaN (then token 0). The large matrices are never scanned.
 """

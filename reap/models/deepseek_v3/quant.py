@@ -10,10 +10,7 @@ quantized, under which tensor names, and how they are read back.
   compressed-tensors matches them ("Linear" is every torch Linear: the `*_proj` projections and
   `lm_head`; the MoE router is not one).
 
-`Quant.from_config(text)` decides once per config (ConfigError, exit 2, for what it cannot read);
-`Quant.stored(spec)` expands a layout entry into the tensors stored for it, `stored_names(name)`
-names them, `load(get, name)` reads the weight back; `expert_matrices` is the family hook pairing
-one routed expert's INT4 tensors into `INT4Matrix` records.
+`Quant.from_config(text)` decides once per config (ConfigError, exit 2, for what it cannot read).
 """
 
 from __future__ import annotations
