@@ -158,11 +158,8 @@ def planted_corpora(
     with_seq_count: bool = True,
     **profile_kw,
 ) -> list[ExpertStats]:
-    """Statistics of every corpus of `families`, routed through one synthetic model.
-
-    Members of a family share a home block of experts; families' blocks are disjoint, so
-    cross-family top-m sets overlap less than chance. See `planted_profiles` for the knobs.
-    """
+    """Statistics of every corpus of `families`, routed through one synthetic model (knobs:
+    `planted_profiles`): cross-family top-m sets overlap less than chance."""
     profiles, _ = planted_profiles(
         families=families, n_layers=n_layers, n_experts=n_experts, seed=seed, **profile_kw
     )

@@ -39,11 +39,9 @@ class Binding:
 
 
 def bind(tensors: dict, fam, config: dict, path: str) -> Binding:
-    """Match the checkpoint's tensors to the family layout, strictly: a missing tensor, a wrong
-    shape or dtype, or a tensor the layout does not use is a binding failure (exit 1; the check
-    calibration makes too, `reap.models.checks.check_binding`). What the text model never reads
-    (`reap.models.checks.NOT_READ`: the vision tower, unused buffers, an MTP layer) is
-    recognised, not bound."""
+    """Match the checkpoint's tensors to the family layout strictly, as calibration does
+    (`reap.models.checks.check_binding`; exit 1); what the text model never reads is recognised,
+    not bound."""
     specs = check_binding(tensors, fam, config, path)
     guard = FiniteGuard(fam, fam.Config.from_dict(config), specs, path)
     n_layers = 1 + max((s.layer for s in specs if s.layer is not None), default=-1)

@@ -4,10 +4,8 @@ A model is seen as *trunk units* read once per forward pass (each decoder layer 
 experts, and the output head), routed experts read on demand, and per-sequence state (KV cache and
 recurrent state) that grows with the declared context. The plan gives the budget, in this order, to
 
-1. the process baseline (interpreter, torch; measured), always-resident small tensors, the
-   sequence state for `batch` sequences at `context` positions, and scratch (activations of one
-   prefill chunk, the largest weight's working copy, an expert's decoded weights, and a fixed
-   64 MB of allocator and library slack);
+1. the process baseline (measured), always-resident small tensors, the sequence state for
+   `batch` sequences at `context` positions, and scratch (see `fixed_costs`);
 2. the streamed-layer ring (2 slots of the largest streamed unit: one computing, one being read);
 3. pinned trunk units (never re-read), because every unit is read on every token;
 4. the routed-expert cache (whatever is left);
@@ -78,6 +76,11 @@ class ModelBytes:
     def experts_total(self) -> int:
         return sum(b * n for b, n in zip(self.expert_bytes, self.n_experts))
 
+# MemoryPlan.to_dict's keys, in the order `reap run --json` has always printed them
+_SUMMARY = ("budget", "total", "baseline", "resident", "state", "scratch", "pinned_units",
+            "pinned_bytes", "ring_slots", "slot_bytes", "expert_cache", "embed_table",
+            "streamed_bytes", "context", "batch", "prefill_chunk")
+
 
 @dataclass
 class MemoryPlan:
@@ -98,6 +101,10 @@ class MemoryPlan:
     unit_names: list[str] = field(default_factory=list)
     units: list[int] = field(default_factory=list)
     embed_table: int = 0  # the embedding table held resident (0: read by rows)
+
+    @property
+    def pinned_units(self) -> list[str]:
+        return [self.unit_names[i] for i in self.pinned]
 
     @property
     def pinned_bytes(self) -> int:
@@ -141,24 +148,7 @@ class MemoryPlan:
 
     def to_dict(self) -> dict:
         """JSON-ready summary."""
-        return {
-            "budget": self.budget,
-            "total": self.total,
-            "baseline": self.baseline,
-            "resident": self.resident,
-            "state": self.state,
-            "scratch": self.scratch,
-            "pinned_units": [self.unit_names[i] for i in self.pinned],
-            "pinned_bytes": self.pinned_bytes,
-            "ring_slots": self.ring_slots,
-            "slot_bytes": self.slot_bytes,
-            "expert_cache": self.expert_cache,
-            "embed_table": self.embed_table,
-            "streamed_bytes": self.streamed_bytes,
-            "context": self.context,
-            "batch": self.batch,
-            "prefill_chunk": self.prefill_chunk,
-        }
+        return {k: getattr(self, k) for k in _SUMMARY}
 
 
 def _size(n: int) -> str:

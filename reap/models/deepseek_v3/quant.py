@@ -57,10 +57,8 @@ INT4_PARTS = (
 @dataclass(frozen=True)
 class Quant:
     """How a DeepSeek-V3-style checkpoint stores its Linear weights, read from the text config's
-    `quantization_config`: block-scaled FP8 (quant_method "fp8": F8_E4M3 with F32
-    `weight_scale_inv`), compressed-tensors pack-quantized INT4 (Kimi-K2-Thinking and K2.5-style
-    releases: `reap.quant.int4`), or plain. Families built on this one reuse it: `from_config`
-    decides, `stored`/`stored_names` name the tensors, `load` reads a weight back."""
+    `quantization_config`: block-scaled FP8, compressed-tensors pack-quantized INT4, or plain.
+    Families built on this one reuse it."""
 
     fp8_block: tuple[int, int] | None = None
     fp8_skip: tuple[str, ...] = ()
