@@ -1,14 +1,10 @@
 """The `reap` command: one entry point that dispatches to each stage's subcommand.
 
-Each subcommand lives with the stage that does the work and is two functions,
-`add_arguments(parser)` and `run(args) -> int` (the exit code): those of a module, or, written
-`module:NAME`, those of the object NAME in it (a CLI module serving several subcommands).
-Modules are imported only when their subcommand runs, so `reap --help` stays fast and a broken
-optional stage cannot break the others. Errors a user can cause are `reap.errors.ReapError`:
-printed as one line, exit code from the error. Exit codes: 0 ok, 1 runtime failure, 2 bad input
-or arguments, 3 result not written, 4 a routed expert failed to load, 5 interrupted.
-Integer arguments are checked here for every subcommand: seeds lie in [0, 2^32) (what every
-generator reap seeds accepts) and no integer exceeds 64 bits.
+Each subcommand lives with the stage that does the work as `add_arguments(parser)` and
+`run(args) -> int` (the exit code), of a module or, written `module:NAME`, of the object NAME in
+it. Modules are imported only when their subcommand runs, so `reap --help` stays fast and a
+broken optional stage cannot break the others. A `reap.errors.ReapError` is printed as one line
+with its exit code (EPILOG). Integer arguments are checked here for every subcommand.
 """
 
 from __future__ import annotations

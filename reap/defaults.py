@@ -1,11 +1,7 @@
-"""The default model every command uses when none is given.
-
-The default is k3-mini, the small K3-architecture model trained on the shipped corpora and
-bundled in `reap/models/k3mini/` (see its MODEL_CARD.md). Where it is absent (a checkout before
-it was trained), a random `k3-tiny` (seed 0, float32) is synthesized into the cache on first use,
-and the caller is told that statistics of random weights are for trying the pipeline only.
-The checkpoint writer renames a finished directory into place, so concurrent first uses cannot
-leave a half-written model.
+"""The default model every command uses when none is given: the bundled k3-mini
+(`reap/models/k3mini/`, see its MODEL_CARD.md), else, in a checkout before it was trained, a
+random `k3-tiny` synthesized into the cache on first use (renamed into place when finished, so
+concurrent first uses cannot leave a half-written model).
 """
 
 from __future__ import annotations

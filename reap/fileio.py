@@ -1,14 +1,7 @@
 """Atomic file writes shared by every stage: nothing already written is lost. Every rename into
-place in reap is here.
-
-`atomic_path(path)` yields a temporary name beside `path`; when the block ends without error the
-file is renamed into place, otherwise the temporary file is removed. Failures become
-`WriteError` (exit code 3) naming the file. `replace_dir` moves a finished directory into place;
-`overlap` tells whether an output path is, holds or lies inside an input (never to be replaced).
-`claim_out` is the one rule for an `--out` that replaces what is there (a checkpoint, a plan,
-statistics or a result file): reap replaces only what it made, and only with `--overwrite`.
-`check_out_dir` vets (and creates) a directory that a command adds its own files to. A path
-unusable as given is bad input (exit 2); a directory that cannot be created is exit 3.
+place in reap is here, and `claim_out` is the one rule for an `--out` that replaces what is there:
+reap replaces only what it made, and only with `--overwrite`. Write failures are `WriteError`
+(exit 3) naming the file; a path unusable as given is bad input (exit 2).
 """
 
 from __future__ import annotations

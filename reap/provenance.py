@@ -2,9 +2,7 @@
 
 `code_version(parts)` is `reap <version> src <digest>`, the digest a sha256 over the source files
 that determine the artifact (an edit there, committed or not, changes it; unrelated modules do
-not). Artifacts record it next to the model fingerprint, corpus sha256 and arguments. Each
-stage names its parts once, beside the artifact it writes (e.g. `reap.prune.plan_file.PRUNE_CODE`).
-`sha256_file(path)` is the digest artifacts record of an input file.
+not). Each stage names its parts once, beside the artifact it writes.
 """
 
 from __future__ import annotations

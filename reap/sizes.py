@@ -1,12 +1,8 @@
 """Size model: parameter and byte census of a checkpoint layout, and byte predictions for
-pruned builds (`reap info` in `reap.info_cli`, and `reap plan --target-size`).
-
-Everything is computed from the family's `layout(config)` (every tensor's name, dtype, shape,
-component, layer, expert), so a config alone answers the full-scale questions without weights.
-Routed experts are counted per layer; an expert's unit cost includes its rows of the router
-tensors (sliced when pruning), so `predict_bytes` of a plan is what `reap prune` writes.
-Components the text model never reads (`UNUSED_COMPONENTS`, e.g. an MTP layer) count in the
-census and in the source's size, not in active parameters or pruned builds (prune drops them).
+pruned builds (`reap info`, `reap plan --target-size`), all from the family's `layout(config)`,
+so a config alone answers the full-scale questions without weights. An expert's unit cost
+includes its rows of the router tensors (sliced when pruning), so `predict_bytes` of a plan is
+what `reap prune` writes; unused components (e.g. an MTP layer) count only in the source.
 """
 
 from __future__ import annotations
@@ -129,9 +125,6 @@ class SizeModel:
         unused = self.unused_params + self.input_embedding_params
         return self.total_params - vision - routed + chosen - unused
 
-    def keep_all(self) -> dict[int, int]:
-        return {layer: self.n_experts for layer in self.moe_layers}
-
     def predict_bytes(self, keep: dict[int, int] | int | None = None) -> int:
         """Checkpoint bytes (tensor data + safetensors headers) with `keep` experts per layer; the
         source (keep None) also holds the unused components a pruned build leaves out."""
@@ -146,10 +139,8 @@ class SizeModel:
     def predict_params(self, keep: dict[int, int] | int | None = None) -> int:
         """Parameters with `keep` experts per layer (the source, keep None: unused ones too)."""
         unused = self.unused_params if keep is None else 0
-        keep = self._keep(keep)
-        return (
-            unused + self.fixed_params + sum(self.expert_params[la] * k for la, k in keep.items())
-        )
+        keep = self._keep(keep).items()
+        return unused + self.fixed_params + sum(self.expert_params[la] * k for la, k in keep)
 
     def max_uniform_keep(self, target_bytes: int) -> int:
         """Largest per-layer expert count whose checkpoint fits in `target_bytes` (0 if none)."""
@@ -163,10 +154,8 @@ class SizeModel:
         return lo
 
     def _keep(self, keep) -> dict[int, int]:
-        if keep is None:
-            return self.keep_all()
-        if isinstance(keep, int):
-            return {layer: keep for layer in self.moe_layers}
+        if keep is None or isinstance(keep, int):
+            return {layer: self.n_experts if keep is None else keep for layer in self.moe_layers}
         return keep
 
 

@@ -3,10 +3,8 @@ the released layout, for tests, benchmarks and size checks without the real weig
 
 Every tensor is drawn from its own generator seeded by (seed, name), so the same seed gives
 byte-identical files whatever the sharding. Values are scaled so activations stay O(1) through
-the layers: weights ~ N(0, 1/fan_in), norm weights ~ 1, realistic KDA decay parameters, a small
-router bias. Quantized weights (MXFP4, block FP8, INT4) are drawn in floats and quantized with
-their codec, fused experts written as one tensor [E, ...]; large MXFP4 ones (k3-full) get random
-E2M1 codes and scales directly, so memory stays bounded and writing runs at disk speed.
+the layers. Quantized weights are drawn in floats and quantized with their codec; large MXFP4
+ones (k3-full) get random codes and scales directly, so memory stays bounded.
 """
 
 from __future__ import annotations

@@ -1,23 +1,15 @@
-"""Tokenizers shipped with checkpoints: loading any `tokenizer.json`, Kimi's tiktoken format
-(`tiktoken.model` + `tokenizer_config.json`, no `tokenizer.json`), the byte-level one that
-`reap synth` writes (token id = UTF-8 byte value, 256 = end of text), and encoding text in which
-special tokens (chat markers) are spelled out.
+"""Tokenizers shipped with checkpoints: any `tokenizer.json` (the byte-level one `reap synth`
+writes is an ordinary byte-level BPE with no merges: id = byte value, 256 = end of text), Kimi's
+tiktoken format, and encoding text in which special tokens (chat markers) are spelled out.
 
-The byte-level tokenizer is an ordinary Hugging Face `tokenizers` byte-level BPE with no merges,
-so a trained BPE tokenizer saved the same way loads through the same `load_tokenizer`.
-
-Kimi releases (K2, K2-Thinking, Kimi-Linear, K3) ship BPE ranks (`tiktoken.model`: one
-`base64(token bytes) rank` line per token) and name their special tokens in
-`tokenizer_config.json`'s `added_tokens_decoder`. `KimiTokenizer` reads them natively with the
-`tiktoken` package the way the release's `tokenization_kimi.py` does: the release's split
-pattern, and special ids from the base vocabulary size up (258 of them: the named ones, the rest
-`<|reserved_token_{id}|>`). Text is always encoded as text (`encode` never yields a special id),
-as the release encodes it with `allow_special_tokens=False`.
+Kimi releases ship BPE ranks (`tiktoken.model`) and name their special tokens in
+`tokenizer_config.json`; `KimiTokenizer` reads them with `tiktoken` the way the release's
+`tokenization_kimi.py` does (its split pattern, 258 special ids from the base vocabulary up).
+Text is always encoded as text, as the release encodes it with `allow_special_tokens=False`.
 
 A chat prompt is rendered as text with its markers spelled out; `encode_prompt` maps the markers
-to their ids. Message content that spells a marker must stay text: `protect` marks each spelled
-marker in content (a noncharacter after its first character) before rendering, and
-`encode_prompt` encodes marked spellings as text and removes the marks.
+to their ids. Content that spells a marker stays text: `protect` marks each spelling (a
+noncharacter after its first character) before rendering, and `encode_prompt` unmarks it.
 """
 
 from __future__ import annotations

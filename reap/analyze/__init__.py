@@ -2,10 +2,7 @@
 
 `analyze(stats, ...)` (in `pipeline`) compares two or more corpora's expert statistics and
 returns an `AnalysisResult`; `write_report(result, out_dir)` (in `report`) writes tables,
-summary.json, figures and report.md. Modules: `chance` (exact null of set overlap), `overlap`
-(sets and distributions per pair), `bootstrap` (intervals over sequences), `specialists`,
-`cluster` (corpora, experts, co-activation communities), `plots`, `markdown`, `synthetic`
-(statistics with planted structure), `cli` (`reap analyze`).
+summary.json, figures and report.md.
 """
 
 from reap.analyze.pipeline import AnalysisResult, analyze

@@ -1,13 +1,10 @@
 """Confidence intervals by resampling calibration sequences (the unit that is independent).
 
 Tokens of one sequence share a topic and route alike, so resampling tokens would understate
-the uncertainty; the statistics keep per-sequence routed counts (`seq_count`, [S, L, E]) for
-exactly this. A replicate draws S sequences with replacement per corpus, sums their counts, and
-recomputes every count-based quantity: top-m sets and their Jaccard, JSD, cosine, sum(min).
-Intervals are basic (reverse-percentile) bootstrap intervals, see `bootstrap_ci`. REAP mass has no per-sequence record, so sets chosen by
-REAP mass get no interval; corpora without `seq_count` get none at all (reported, not invented).
-
-Dimension letters: N replicates, S sequences, L layers, E experts.
+the uncertainty; a replicate draws S sequences with replacement per corpus from the per-sequence
+counts (`seq_count`, [S, L, E]) and recomputes every count-based quantity. REAP mass has no
+per-sequence record, so sets chosen by it get no interval; corpora without `seq_count` get none
+at all (reported, not invented). Dimension letters: N replicates, S sequences, L layers, E experts.
 """
 
 from __future__ import annotations
@@ -97,7 +94,7 @@ def bootstrap_ci(
     [2 x est - q_hi, 2 x est - q_lo], which removes the first-order bias sampling noise adds to
     divergences and top-m overlaps (noise always makes JSD larger and sum(min) smaller, and a
     replicate is noisier than the sample). "percentile" is [q_lo, q_hi]: it inherits that bias
-    twice and under-covers badly for similar corpora (tests/test_analyze.py measures both).
+    twice and under-covers badly for similar corpora.
     """
     q_lo, q_hi = np.nanpercentile(reps, [50 * (1 - level), 50 * (1 + level)], axis=0)
     if method == "percentile":

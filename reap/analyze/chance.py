@@ -1,15 +1,11 @@
 """What overlap chance alone produces: the exact null distribution of set overlap.
 
-Two corpora each mark an "important" set of experts in a layer of n experts, of sizes a and b.
-If the sets had nothing to do with each other (B a uniformly random b-subset, whatever A is),
-the intersection size K is hypergeometric: P(K=k) = C(a,k) C(n-a,b-k) / C(n,b), and the Jaccard
-index J = K / (a+b-K) is a monotone function of K. Everything here follows exactly from that:
-the expected Jaccard, its spread, the central band chance covers, and p-values (exact, i.e. the
-limit of a permutation test with infinitely many permutations). Across layers the selections are
-independent under the null, so the total intersection is a sum of independent hypergeometrics
-whose distribution is their convolution: an exact test over all layers at once.
-
-Multiple layers means multiple tests: `fdr_bh` gives Benjamini-Hochberg adjusted p-values.
+If two important sets of sizes a and b among n experts had nothing to do with each other, their
+intersection K is hypergeometric: P(K=k) = C(a,k) C(n-a,b-k) / C(n,b), and the Jaccard index
+J = K / (a+b-K) is monotone in K. Everything here follows exactly from that (expected Jaccard,
+spread, the central band, exact p-values). Across layers the selections are independent under
+the null, so the total intersection's distribution is the convolution of the layers': an exact
+test over all layers at once. `fdr_bh` adjusts per-layer p-values (Benjamini-Hochberg).
 """
 
 from __future__ import annotations

@@ -1,18 +1,14 @@
 """Clusters: corpora by usage, experts by their per-corpus profile, co-activation communities.
 
-- Corpora: distance = Jensen-Shannon distance (sqrt of the divergence, a metric) between their
-  routing distributions, averaged over layers; average-linkage hierarchical clustering (scipy),
-  drawn as a dendrogram.
-- Experts: each (layer, expert) used enough is a point whose coordinates are its corpus shares
-  (see `reap.analyze.specialists`); k-means with k chosen by the silhouette score.
+- Corpora: average-linkage clustering of the Jensen-Shannon distance between their routing
+  distributions, averaged over layers.
+- Experts: each (layer, expert) used enough is a point whose coordinates are its corpus shares;
+  k-means with k chosen by the silhouette score.
 - Co-activation: per layer, the graph whose edge weight is how many tokens routed to both
-  experts (coact, diagonal dropped). Modularity compares each edge with the co-occurrence
-  expected from the experts' own loads (the configuration model: d_i d_j / 2W with d_i =
-  count_i x (top_k - 1)), so communities are groups that co-fire more than their loads predict.
-  Greedy agglomerative modularity maximization (Clauset-Newman-Moore) on a dense matrix. Its
-  chance baseline: the same algorithm on a graph of Poisson co-occurrences at the expected
-  rates (an approximation of independent routing), since greedy search finds some modularity
-  in pure noise.
+  experts. Modularity compares each edge with the co-occurrence expected from the experts' own
+  loads (the configuration model), so communities are groups that co-fire more than their loads
+  predict (greedy Clauset-Newman-Moore). Its chance baseline: the same algorithm on Poisson
+  co-occurrences at the expected rates, since greedy search finds some modularity in pure noise.
 
 Dimension letters: C corpora, L layers, E experts.
 """
@@ -114,14 +110,10 @@ def cluster_experts(
     null: Shuffled | None = None,
     n_null: int = 10,
 ) -> ExpertClustering | None:
-    """Cluster used experts by share profile; None when too few distinct points.
-
-    Experts count as used when their mean usage rate over corpora is at least `min_load` times
-    uniform. Silhouettes use a seeded sample of at most `sample` points. Chance levels, from
-    sequence shuffles (`specialists.shuffle_sequences`): the same search (best k) on the first
-    `n_null` shuffles, since k-means finds "clusters" in noise too; and the profile dispersion on
-    every shuffle. Dispersion says whether experts are corpus-specific at all, the silhouette
-    whether they fall into sharper groups than noise would.
+    """Cluster used experts (mean usage rate at least `min_load` times uniform) by share profile;
+    None when too few distinct points. Chance levels from sequence shuffles: the same search on
+    the first `n_null` shuffles, since k-means finds "clusters" in noise too, and the profile
+    dispersion on every shuffle (are experts corpus-specific at all?).
     """
     used, x = _used_shares(profiles.freq, profiles.min_load)
     scores, models = _sweep(x, k_max, seed, sample)

@@ -1,19 +1,16 @@
 """Overlap of expert usage between corpora, per layer and over all layers, against chance.
 
 Two views of "do corpus A and corpus B use the same experts":
-- Sets: each corpus's important experts in a layer (its top-m by a criterion: routed count, or
-  REAP mass = sum of gate weight x output norm) and their Jaccard index, next to the exact
-  Jaccard that chance gives sets of the same sizes (`reap.analyze.chance`), with exact p-values
-  per layer (Benjamini-Hochberg adjusted over layers) and over all layers together.
-- Distributions: the per-layer routing distributions (counts normalized to sum 1) compared by
-  Jensen-Shannon divergence (base 2, in [0, 1]), cosine similarity and weighted overlap
-  sum(min(p, q)) = 1 - total variation distance.
+- Sets: each corpus's top-m experts in a layer by a criterion (routed count, or REAP mass) and
+  their Jaccard index, next to the exact Jaccard chance gives sets of the same sizes
+  (`reap.analyze.chance`), with exact p-values per layer and over all layers together.
+- Distributions: the per-layer routing distributions compared by Jensen-Shannon divergence
+  (base 2), cosine similarity and sum(min(p, q)) = 1 - total variation distance.
 
-Ties at the set boundary are kept together (an expert scoring exactly the m-th score is in),
-and never-used experts are never important, so sets are a deterministic function of the scores
-and the hypergeometric null is exact whenever the experts are exchangeable.
-
-Dimension letters: C corpora, L layers, E experts, S sequences, N bootstrap replicates.
+Ties at the set boundary are kept together and never-used experts are never important, so sets
+are a deterministic function of the scores and the hypergeometric null is exact whenever the
+experts are exchangeable. Dimension letters: C corpora, L layers, E experts, S sequences,
+N bootstrap replicates.
 """
 
 from __future__ import annotations

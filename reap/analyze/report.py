@@ -1,8 +1,7 @@
 """Write an `AnalysisResult`: tidy tables (Parquet + CSV), a JSON summary, PNG plots, report.md.
 
 `write_report(result, out_dir)` writes everything atomically (temp name, then rename) and
-returns the paths it wrote. The markdown states each finding in numbers next to its chance
-baseline, p-value and interval, and says "not significant" where a result is not.
+returns the paths it wrote.
 """
 
 from __future__ import annotations

@@ -1,19 +1,15 @@
 """Specialist and generalist experts: whose usage is concentrated on one corpus, who serves all.
 
-Per layer and expert, a corpus's usage rate is freq_c = count_c / tokens_c (the share of the
-corpus's tokens routed to the expert; the rates of a layer sum to top_k), so corpora of
-different sizes weigh alike. Against the equal-weight mix of the corpora:
-    lift_c = freq_c / mean_c' freq_c'   and   share_c = freq_c / sum_c' freq_c' = lift_c / C.
-An expert is a specialist of corpus c when c uses it at least `ratio` times as often as any other
-corpus and at least `min_load` times the uniform rate top_k / E (rarely used experts are noise);
-a generalist when every corpus uses it at least `min_load` times the uniform rate and it is no
-specialist.
+A corpus's usage rate of an expert is freq_c = count_c / tokens_c, so corpora of different sizes
+weigh alike; share_c = freq_c / sum_c' freq_c'. An expert is a specialist of corpus c when c uses
+it at least `ratio` times as often as any other corpus and at least `min_load` times the uniform
+rate top_k / E (rarely used experts are noise); a generalist when every corpus uses it at least
+`min_load` times the uniform rate and it is no specialist.
 
 Sampling noise alone makes "specialists" among corpora that route identically, so the count is
 given next to a chance baseline: the same count after shuffling whole calibration sequences
-between corpora (sizes kept), which destroys any real corpus effect. That needs `seq_count`.
-
-Dimension letters: C corpora, L layers, E experts, S sequences, P permutations.
+between corpora (sizes kept; needs `seq_count`). Dimension letters: C corpora, L layers,
+E experts, S sequences, P permutations.
 """
 
 from __future__ import annotations

@@ -4,12 +4,7 @@ Real statistics come from `reap calibrate`; these are made by simulating a route
 of every sequence routes to `top_k` distinct experts drawn without replacement in proportion to
 a per-sequence usage distribution (Gumbel top-k). The result is an ordinary `ExpertStats`
 (counts, co-activation, per-sequence counts, gate and output-norm sums), so analysis code cannot
-tell it from a calibration run, while the truth it should recover is known.
-
-`planted_corpora` builds corpora in families: each family has a home block of experts per layer
-(disjoint between families) on top of a generalist block everyone uses, so members of a family
-share experts and different families overlap less than chance. `routed_stats` is the building
-block: given per-sequence usage distributions it simulates the routing.
+tell it from a calibration run, while the truth it should recover is known (`planted_corpora`).
 
 Dimension letters: S sequences, L layers, E experts, T tokens per sequence, K top_k.
 """
@@ -163,11 +158,8 @@ def planted_corpora(
     with_seq_count: bool = True,
     **profile_kw,
 ) -> list[ExpertStats]:
-    """Statistics of every corpus of `families`, routed through one synthetic model.
-
-    Members of a family share a home block of experts; families' blocks are disjoint, so
-    cross-family top-m sets overlap less than chance. See `planted_profiles` for the knobs.
-    """
+    """Statistics of every corpus of `families`, routed through one synthetic model (knobs:
+    `planted_profiles`): cross-family top-m sets overlap less than chance."""
     profiles, _ = planted_profiles(
         families=families, n_layers=n_layers, n_experts=n_experts, seed=seed, **profile_kw
     )

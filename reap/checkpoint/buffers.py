@@ -2,12 +2,10 @@
 on `Checkpoint` (ring slots, expert-cache slabs), so steady-state decoding allocates nothing.
 
     reader = BufferReader(checkpoint, direct=False, kinds=("trunk", "experts"))
-    need = reader.span(infos)                        # buffer bytes, alignment slack included
     views = reader.read_into(infos, buf, "experts")  # name -> tensor viewing buf
-    reader.io.bytes["experts"], reader.io.reads, reader.io.seconds
 
-Reads are `RunReader`'s, as the checkpoint's own, through descriptors of its own (never closed
-while reads run in other threads); remote checkpoints fetch missing bytes first.
+Reads go through descriptors of the reader's own (never closed while reads run in other
+threads); remote checkpoints fetch missing bytes first.
 """
 
 from __future__ import annotations

@@ -1,28 +1,17 @@
 """safetensors headers and HF index files: build, read, scan fast, validate strictly.
 
-`encode_header` is the one place a header is built (the checkpoint writer, calibration's token
-expert file) and `entry_bytes` its size estimate (`reap.sizes`). `parse_header` and
-`check_entries` are the one validation of a header, for local shards and remote ones alike
-(`remote.py`), as strict as the safetensors library: a length prefix within the file and under
-100 MB, a JSON object (string metadata), known dtypes, integer shapes and offsets, byte lengths
-matching dtype x shape, and entries tiling the data region exactly, so that a header length off
-by one byte is refused instead of read one byte off.
+`encode_header` is the one place a header is built and `entry_bytes` its size estimate.
+`parse_header` and `check_entries` are the one validation of a header, local or remote, as
+strict as the safetensors library, and entries must tile the data region exactly, so that a
+header length off by one byte is refused instead of read one byte off.
 
 Opening a 497,220-tensor checkpoint must take well under a second, and fully parsing ~76 MB of
 header JSON into Python objects does not (several seconds). So opening is two-tier:
-
-- `scan_shard` reads a shard's header with one positioned read (regular files only: a FIFO
-  would block), checks its framing (length prefix, size, JSON object) and extracts only the
-  tensor keys. On the canonical compact form that the safetensors library and our writer emit
-  (`"key":{"dtype":..,"shape":..,"data_offsets":..}`), the header split at its quotes has
-  exactly ten tokens per tensor, so keys are one slice and the form is verified with C-level
-  list counts. Anything else (escapes, whitespace, another key order) falls back to
-  `json.loads`.
-- `parse_shard` fully parses and validates one shard (`check_entries`) the first time any of
-  its tensors is used, and checks its keys against the scan.
-- `load_index` parses an HF index (size-capped) and checks its shard names (`shard_name`).
-
-Names: a tensor's name is its key without the `language_model.` prefix, where it has one.
+`scan_shard` checks a header's framing and extracts only the tensor keys (on the canonical
+compact form the header split at its quotes has exactly ten tokens per tensor, so keys are one
+slice; anything else falls back to `json.loads`), and `parse_shard` fully validates a shard the
+first time any of its tensors is used. A tensor's name is its key without the
+`language_model.` prefix, where it has one.
 """
 
 from __future__ import annotations

@@ -1,17 +1,14 @@
 """Checkpoint writer: stream declared tensors into deterministic safetensors shards, atomically
 and resumably.
 
-    specs = [TensorSpec("model.embed_tokens.weight", "BF16", (V, D)), ...]   # in write order
     w = CheckpointWriter(out, specs, max_shard_bytes=5e9, prefix="language_model.")
-    for s in specs:
+    for s in specs:                         # in write order
         if not w.done(s.name):              # a resumed job skips completed shards
             w.write(s.name, tensor_or_bytes)
     w.close(config, extra_files={"tokenizer.json": text})
 
 Every shard's assignment and header are fixed from the specs before any data is written. Files
-are written under `<out>.partial/` (each shard under a temporary name, renamed when complete);
-`close()` adds the index (tagged as reap's: `reap.fileio.claim_out` replaces only tagged
-outputs), config and extra files and renames the directory to `<out>`.
+are written under `<out>.partial/`, renamed to `<out>` by `close()`.
 """
 
 from __future__ import annotations

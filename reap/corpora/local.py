@@ -1,13 +1,9 @@
 """User-named text sources: local `.txt` / `.jsonl` / `.parquet` files and `hf:` hub datasets.
 
-They split like shipped corpora: each document gets a key (file name plus block index, or the
-record's `id`) and `store.split_of(key)` decides train / calibration / eval, so held-out text
-stays held out whatever the source.
-- `.txt` file: one document per blank-line-separated block; a directory: one per `.txt` file.
-- `.jsonl`: one document per line, field `text` (and `id` if present).
-- `.parquet`: column `text` (and `id` if present); needs pyarrow.
-- `hf:NAME[:CONFIG][:SPLIT][:FIELD]`: a `datasets` hub dataset (default split `train`, field
-  `text`); needs the `datasets` package and its cache or network.
+They split like shipped corpora (`store.split_of` of each document's key: file name plus block
+index, or the record's `id`), so held-out text stays held out whatever the source. A `.txt` file
+holds one document per blank-line-separated block (a directory: one per file); `.jsonl` and
+`.parquet` a `text` field (and `id`); `hf:NAME[:CONFIG][:SPLIT][:FIELD]` needs `datasets`.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """The shipped corpus store: file format, split rule, reading and listing.
 
-Layout under the corpora root (the repository's `corpora/`, or `$REAP_CORPORA_DIR`):
-`<name>/recipe.json` (how to build it), `<name>/manifest.json` (what was built: sources,
-versions, licences, counts, sha256) and `<name>/<split>.jsonl.xz`, one JSON object per line
-`{"id", "text", "source"}` sorted by id. A *mix* corpus (e.g. `eu`) has a recipe with a `mix`
-field naming other corpora and no data of its own.
+Under the corpora root (the repository's `corpora/`, or `$REAP_CORPORA_DIR`): `<name>/recipe.json`,
+`<name>/manifest.json` (what was built, with sha256) and `<name>/<split>.jsonl.xz`, one
+`{"id", "text", "source"}` per line sorted by id. A *mix* corpus (e.g. `eu`) names other corpora.
 
 Split rule: a document's key (its path with the language removed, plus `#i` for the i-th chunk
 of a big file) hashes to sha256 mod 1000: < 50 eval, < 150 calibration, else train, so every

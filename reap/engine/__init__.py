@@ -9,29 +9,20 @@ trunk resident, streaming the other layers through a ring buffer and caching rou
         for token in engine.stream([1, 2, 3], max_tokens=8): ...
         logits = engine.logits([[1, 2, 3]])        # [[3, V]] next-token logits per position
 
-Modules: `memory` (the plan), `binding` (checkpoint -> trunk units, byte census), `store`
-(positioned reads, pinned trunk, streamed-layer ring), `experts` (routed-expert cache), `core`
-(Engine: open and the layer-by-layer step; expert matmuls by `reap.quant`), `generate`
-(sampling, stop strings, lockstep batches), `run_metrics`, `remote` (checkpoints over HTTP), `cli`
-(`reap run`). `reap.serve` builds on this API. Importing this package loads nothing heavy.
+`reap.serve` builds on this API. Importing this package loads nothing heavy.
 """
 
 from __future__ import annotations
 
-__all__ = ["Engine", "Generation", "Request", "default_model"]
+import importlib
+
+# public name -> the module defining it, imported on first use
+_LAZY = {"Engine": "reap.engine.core", "Generation": "reap.engine.generate",
+         "Request": "reap.engine.generate", "default_model": "reap.defaults"}
+__all__ = list(_LAZY)
 
 
 def __getattr__(name: str):
-    if name == "Engine":
-        from reap.engine.core import Engine
-
-        return Engine
-    if name in ("Generation", "Request"):
-        from reap.engine import generate
-
-        return getattr(generate, name)
-    if name == "default_model":
-        from reap.defaults import default_model
-
-        return default_model
-    raise AttributeError(f"module 'reap.engine' has no attribute {name!r}")
+    if name not in _LAZY:
+        raise AttributeError(f"module 'reap.engine' has no attribute {name!r}")
+    return getattr(importlib.import_module(_LAZY[name]), name)

@@ -2,12 +2,9 @@
 
     b = bind(checkpoint.tensors, fam, config, path)       # strict: missing/unused -> exit 1
     fam, cfg, b, dtype, mb, plan = plan_checkpoint(config, tensors, path, "auto", "8GB", ...)
-    mb = model_bytes(checkpoint.tensors, b, state_costs(fam, cfg, 2), top_k, torch.bfloat16)
 
-The engine reads a checkpoint as *trunk units* (each decoder layer without its routed experts,
-then the head) plus routed experts read on demand; the embedding table is read by rows. Works on
-anything with `.shape`, `.dtype` and `.nbytes` per tensor name (TensorInfo, or TensorSpec for a
-layout with no checkpoint, as the benchmark's full-K3 extrapolation does).
+Works on anything with `.shape`, `.dtype` and `.nbytes` per tensor name (TensorInfo, or
+TensorSpec for a layout with no checkpoint).
 """
 
 from __future__ import annotations
@@ -42,11 +39,9 @@ class Binding:
 
 
 def bind(tensors: dict, fam, config: dict, path: str) -> Binding:
-    """Match the checkpoint's tensors to the family layout, strictly: a missing tensor, a wrong
-    shape or dtype, or a tensor the layout does not use is a binding failure (exit 1; the check
-    calibration makes too, `reap.models.checks.check_binding`). What the text model never reads
-    (`reap.models.checks.NOT_READ`: the vision tower, unused buffers, an MTP layer) is
-    recognised, not bound."""
+    """Match the checkpoint's tensors to the family layout strictly, as calibration does
+    (`reap.models.checks.check_binding`; exit 1); what the text model never reads is recognised,
+    not bound."""
     specs = check_binding(tensors, fam, config, path)
     guard = FiniteGuard(fam, fam.Config.from_dict(config), specs, path)
     n_layers = 1 + max((s.layer for s in specs if s.layer is not None), default=-1)
@@ -74,16 +69,10 @@ def bind(tensors: dict, fam, config: dict, path: str) -> Binding:
 
 def state_costs(fam, cfg, act_bytes: int) -> tuple[int, int, int, int]:
     """(KV bytes per position, recurrent-state bytes per sequence, activation bytes per token,
-    attention-score bytes per (query, key) pair) of one sequence, computing with `act_bytes`-byte
-    activations: the family's `state_bytes(cfg, act_bytes)` (part of the family contract).
-
-    - KV per position: what the attention caches hold per token, summed over layers (MLA latent
-      + rope key; K and V of every KV head for GQA; a sliding-window layer counts here too);
-    - recurrent per sequence: fixed-size state independent of length (KDA/linear-attention
-      state and conv tails; 0 without such layers);
-    - activation per token: peak transient bytes per token of one layer's forward;
-    - score per pair: bytes per (query, key) pair of one attention layer's scores (fp32 scores,
-      probabilities and mask: 12 bytes x the most heads of any layer)."""
+    attention-score bytes per (query, key) pair) of one sequence with `act_bytes`-byte
+    activations, from the family's `state_bytes`: KV summed over layers (sliding-window ones
+    too); recurrent state independent of length (KDA state, conv tails); the peak transient
+    bytes per token of one layer; fp32 scores, probabilities and mask of one attention layer."""
     costs = tuple(int(c) for c in fam.state_bytes(cfg, act_bytes))
     if len(costs) != 4 or min(costs) < 0:
         raise ReapError(

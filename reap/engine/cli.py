@@ -17,6 +17,7 @@ import argparse
 import json
 import sys
 
+from reap.defaults import default_model
 from reap.engine.memory import PRESET_HELP, PRESETS
 from reap.errors import EXIT_EXPERT_LOAD, ReapError, is_int
 from reap.fileio import OVERWRITE_HELP, claim_out, write_atomic
@@ -164,8 +165,6 @@ def run(args: argparse.Namespace) -> int:
     with engine:
         if not args.quiet:
             print(engine.plan.describe(), file=sys.stderr)
-        if args.plan_only:
-            return 0
         if args.warmup:
             generate(engine, None, requests=_requests(args, engine))
         gens, metrics = generate(engine, None, requests=_requests(args, engine))
@@ -229,10 +228,7 @@ def _plan_tensors(model: str | None) -> tuple[str, dict, dict]:
     index, if any, checked against the layout as `reap info` checks it)."""
     from reap.sizes import check_index, layout, resolve_source
 
-    if model is None:
-        from reap.defaults import default_model
-
-        model = default_model()
+    model = default_model() if model is None else model
     src = resolve_source(str(model))
     if src.config_only is None:
         from reap.checkpoint import open_checkpoint

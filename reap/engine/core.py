@@ -1,12 +1,6 @@
 """The streaming engine: binds a checkpoint to its model family, plans memory, and runs forward
 steps layer by layer with weights pulled from the pinned trunk, the streamed-layer ring and the
-routed-expert cache.
-
-    engine = Engine.open("path/to/model", budget="8GB", context=4096)
-    print(engine.plan.describe())
-    gens = engine.generate(["Hello"], max_tokens=32)             # see reap.engine.generate
-    logits = engine.logits([[1, 2, 3]])                          # [[T, V]] teacher forcing
-    engine.close()
+routed-expert cache (usage: `reap.engine`).
 
 A step advances any number of sequences in lockstep (prefill chunks or single decode tokens):
 each trunk unit is fetched once per step and serves every sequence; attention runs per sequence
@@ -26,6 +20,7 @@ from typing import Any
 import torch
 
 from reap.checkpoint import BufferReader, open_checkpoint
+from reap.defaults import default_model
 from reap.engine import memory, native_prefill
 from reap.engine.binding import Binding, plan_checkpoint
 from reap.engine.experts import ExpertCache
@@ -299,10 +294,7 @@ class _ExpertSource:
 
 def _open_checkpoint(model):
     """(Checkpoint, its path or URL) for MODEL: None = the default model; http(s) = remote."""
-    if model is None:
-        from reap.defaults import default_model
-
-        model = default_model()
+    model = default_model() if model is None else model
     ckpt = open_checkpoint(model)
     if not ckpt.config:
         raise ReapError(f"{model}: no config.json; the engine needs a model directory")

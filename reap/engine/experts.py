@@ -1,6 +1,4 @@
-"""The routed-expert cache: experts read on demand (one positioned read per expert: its six
-tensors are contiguous) into a slab of fixed-size slots, evicted by LFU with aging; reads of a
-layer's experts can start in background threads as soon as its routing is known.
+"""The routed-expert cache (`ExpertCache`, which says why LFU with aging).
 
     names = functools.partial(fam.expert_tensor_names, cfg)  # (layer, expert) -> stored names
     cache = ExpertCache(reader, capacity_bytes, names, fam.expert_matrices)
@@ -27,21 +25,18 @@ from reap.quant.matrix import check_matrices
 
 
 class ExpertCache:
-    """Routed experts read on demand (one positioned read per expert: its six tensors are
-    contiguous) into a slab of fixed-size slots, evicted by LFU with exponential aging.
+    """Routed experts read on demand into a slab of fixed-size slots, evicted by LFU with aging.
 
     Why LFU with aging and not LRU: a decode step visits every MoE layer in order, so the
     experts it touches form a cyclic scan much larger than most caches; LRU evicts each expert
     just before the next token wants it again, while LFU keeps the experts the router keeps
     choosing. Aging (each hit weighs 2^(t/half_life) for access counter t) lets the resident set
     follow a change of topic. Experts fetched in the current layer are never evicted until
-    `release()`: the model may still hold views of them. `prefetch(layer, ids)` starts the reads
-    of a layer's routed experts in background threads as soon as the routing is known.
+    `release()`: the model may still hold views of them.
 
-    A failed read raises nothing: it is recorded in `failed` and the expert is served as None
-    so the engine can finish and report exit code 4. Corrupt bytes count as a failed read: with
-    `matrices_of` (the family's `expert_matrices`), each read's quantized matrices are checked
-    by their codecs in the reading thread (e.g. no E8M0 scale byte 255)."""
+    A failed read (corrupt bytes included: with `matrices_of`, each read's quantized matrices
+    are checked by their codecs) raises nothing: it is recorded in `failed` and the expert is
+    served as None so the engine can finish and report exit code 4."""
 
     def __init__(
         self,

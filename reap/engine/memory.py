@@ -4,10 +4,8 @@ A model is seen as *trunk units* read once per forward pass (each decoder layer 
 experts, and the output head), routed experts read on demand, and per-sequence state (KV cache and
 recurrent state) that grows with the declared context. The plan gives the budget, in this order, to
 
-1. the process baseline (interpreter, torch; measured), always-resident small tensors, the
-   sequence state for `batch` sequences at `context` positions, and scratch (activations of one
-   prefill chunk, the largest weight's working copy, an expert's decoded weights, and a fixed
-   64 MB of allocator and library slack);
+1. the process baseline (measured), always-resident small tensors, the sequence state for
+   `batch` sequences at `context` positions, and scratch (see `fixed_costs`);
 2. the streamed-layer ring (2 slots of the largest streamed unit: one computing, one being read);
 3. pinned trunk units (never re-read), because every unit is read on every token;
 4. the routed-expert cache (whatever is left);
@@ -17,11 +15,6 @@ recurrent state) that grows with the declared context. The plan gives the budget
 Trunk before experts: a pinned byte of trunk saves one byte of reading on every token, a cached
 byte of experts only when that expert is chosen again. A plan above 95 % of the memory actually
 available (MemAvailable, capped by the cgroup limit) is refused before anything is read.
-
-    mb = ModelBytes(...)                       # from reap.engine.store.model_bytes(checkpoint)
-    plan = plan_memory(mb, budget=parse_bytes("8GB"), context=4096)  # reap.units
-    check_available(plan)                      # ReapError (exit 2) naming the shortfall
-    print(plan.describe())
 """
 
 from __future__ import annotations
@@ -56,12 +49,9 @@ PRESET_HELP = (
 
 @dataclass(frozen=True)
 class ModelBytes:
-    """What the plan needs to know about a checkpoint, in bytes as stored.
-
-    `units[i]` is trunk unit i (decoder layers in order, then the output head; `unit_names`
-    names them); `expert_bytes[i]` is one routed expert of unit i (0 where none) and
-    `n_experts[i]` how many it has. State costs are per sequence.
-    """
+    """What the plan needs to know about a checkpoint, in bytes as stored: per trunk unit
+    (decoder layers, then the head) its bytes, one routed expert's (0 where none) and how many
+    it has. State costs are per sequence."""
 
     unit_names: list[str]
     units: list[int]
@@ -86,6 +76,11 @@ class ModelBytes:
     def experts_total(self) -> int:
         return sum(b * n for b, n in zip(self.expert_bytes, self.n_experts))
 
+# MemoryPlan.to_dict's keys, in the order `reap run --json` has always printed them
+_SUMMARY = ("budget", "total", "baseline", "resident", "state", "scratch", "pinned_units",
+            "pinned_bytes", "ring_slots", "slot_bytes", "expert_cache", "embed_table",
+            "streamed_bytes", "context", "batch", "prefill_chunk")
+
 
 @dataclass
 class MemoryPlan:
@@ -108,6 +103,10 @@ class MemoryPlan:
     embed_table: int = 0  # the embedding table held resident (0: read by rows)
 
     @property
+    def pinned_units(self) -> list[str]:
+        return [self.unit_names[i] for i in self.pinned]
+
+    @property
     def pinned_bytes(self) -> int:
         return sum(self.units[i] for i in self.pinned)
 
@@ -125,16 +124,9 @@ class MemoryPlan:
 
     @property
     def total(self) -> int:
-        return (
-            self.baseline
-            + self.resident
-            + self.state
-            + self.scratch
-            + self.pinned_bytes
-            + self.ring_bytes
-            + self.expert_cache
-            + self.embed_table
-        )
+        parts = (self.baseline, self.resident, self.state, self.scratch, self.pinned_bytes,
+                 self.ring_bytes, self.expert_cache, self.embed_table)
+        return sum(parts)
 
     def describe(self) -> str:
         """A human-readable table of the plan."""
@@ -156,24 +148,7 @@ class MemoryPlan:
 
     def to_dict(self) -> dict:
         """JSON-ready summary."""
-        return {
-            "budget": self.budget,
-            "total": self.total,
-            "baseline": self.baseline,
-            "resident": self.resident,
-            "state": self.state,
-            "scratch": self.scratch,
-            "pinned_units": [self.unit_names[i] for i in self.pinned],
-            "pinned_bytes": self.pinned_bytes,
-            "ring_slots": self.ring_slots,
-            "slot_bytes": self.slot_bytes,
-            "expert_cache": self.expert_cache,
-            "embed_table": self.embed_table,
-            "streamed_bytes": self.streamed_bytes,
-            "context": self.context,
-            "batch": self.batch,
-            "prefill_chunk": self.prefill_chunk,
-        }
+        return {k: getattr(self, k) for k in _SUMMARY}
 
 
 def _size(n: int) -> str:
@@ -247,10 +222,8 @@ def plan_memory(
     prefill_chunk: int = 512,
     baseline: int = 0,
 ) -> MemoryPlan:
-    """Split `budget` bytes: fixed costs, then the ring, then pinned trunk, then expert cache,
-    then the embedding table.
-
-    Raises ReapError (exit 2) if the budget cannot hold the smallest runnable plan."""
+    """Split `budget` bytes in the module docstring's order; ReapError (exit 2) if it cannot
+    hold the smallest runnable plan."""
     state, scratch = fixed_costs(mb, context, batch, prefill_chunk)
     need = minimum_budget(mb, context, batch, prefill_chunk, baseline)
     if budget < need:
@@ -303,9 +276,8 @@ def _pin(units: list[int], free: int) -> set[int]:
 
 
 def check_available(plan: MemoryPlan, available: int | None = None) -> None:
-    """Refuse (ReapError, exit 2) a plan above 95 % of the memory actually available.
-
-    The baseline is already in use, so it is not counted against what is available."""
+    """Refuse (ReapError, exit 2) a plan above 95 % of the memory actually available (the
+    baseline, already in use, is not counted against it)."""
     source = "given"
     if available is None:
         available, source = available_memory()

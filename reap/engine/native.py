@@ -1,17 +1,12 @@
 """Decode steps through the compiled step kernels (`reap.quant.step_kernel`): when every
-sequence of a step advances by one token, on the CPU, and the family describes each layer as a
+sequence of a step advances by one token on the CPU, and the family describes each layer as a
 `models.shared.blocks.NativeLayer` with dense bf16/fp32 weights, a layer costs two library calls
-per sequence (attention half, then the MLP half with the routed experts' weights) and the head
-one, instead of some fifty torch ops and Python calls; a sequence decoding alone with every
-weight resident takes one call for the whole token (`reap.engine.native_token`). Matrix-vector
-products are split over a persistent pool of the engine's thread count.
+per sequence and the head one, instead of some fifty torch ops and Python calls; a sequence
+decoding alone with every weight resident takes one call for the whole token (`native_token`).
 
-Everything else is the engine's own: the trunk store and ring (`get`), the expert cache (reads,
-prefetch, hit counts, failures: a failed expert contributes nothing, as the zeros the torch
-path runs), the KV caches (written in place), the timings. The torch path (`Engine._step`) is
-the reference: the same arithmetic up to the order of a few reductions (norm means, attention),
-each value rounded to bf16 where torch rounds it (`tests/test_native_step.py` holds the two
-together). Set `ENABLED = False` (or REAP_NO_NATIVE=1) to run every step through torch.
+The engine's stores, expert cache (a failed expert contributes nothing), KV caches and timings
+serve as they are. The torch path (`Engine._step`) is the reference, up to the order of a few
+reductions. Set `ENABLED = False` (or REAP_NO_NATIVE=1) to run every step through torch.
 """
 
 from __future__ import annotations

@@ -1,17 +1,12 @@
 """Many-token steps (prefill chunks, perplexity windows) through the compiled step kernels, for
 the layers `reap.engine.native` runs one token at a time: per layer, one library call per
-sequence for the attention half (`reap_attn_prefill`: input norm, the q/k/v products in one job
-over the pool, q/k norms, RoPE, the KV-cache write, causal attention, output product, residual,
-post norm, router and top-k of every token); then the routed experts of every token of the step
-in one call (`NativeDecoder.routed`, a dense MLP as one expert of weight 1) and the residual.
-torch is left the embedding and the head.
+sequence for the attention half (`reap_attn_prefill`), then the routed experts of every token of
+the step in one call (`NativeDecoder.routed`; a dense MLP as one expert of weight 1); torch is
+left the embedding and the head.
 
-The torch path runs some forty small ops a layer here (norms, rotations, casts, routing) on one
-thread between the kernels' products; on 1b float32 at 2 threads they were a tenth of a
-32-token prefill. The arithmetic is the decode step's (`reap_attn_step`): fp32 buffers, bf16
-rounding where torch rounds, products through the many-token tiles (`dot1`). It is the path of
-every many-token step the native decoder serves, resident or streamed, so a run's numbers do not
-depend on its memory preset.
+Why: torch runs some forty small ops a layer on one thread between the kernels' products (a
+tenth of a 32-token prefill on 1b float32 at 2 threads). The arithmetic is the decode step's,
+so a run's numbers do not depend on its memory preset.
 """
 
 from __future__ import annotations

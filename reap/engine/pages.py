@@ -3,9 +3,6 @@
 spares the TLB and lets the hardware prefetcher run across page boundaries (about 5-10 % more
 read bandwidth in the engine's matrix-vector products on the machine measured). Elsewhere, or
 when the advice is refused, a plain buffer: the contents are the same either way.
-
-    buf = weight_buffer(nbytes)              # uint8 [nbytes], zeroed (touched now)
-    buf = weight_buffer(nbytes, touch=False) # to be filled by a read
 """
 
 from __future__ import annotations

@@ -1,13 +1,11 @@
 """Trunk residency for the streaming engine: the pinned trunk units and the streamed-layer ring
 with a background reader (the routed-expert cache is in `reap.engine.experts`).
 
-    reader = BufferReader(checkpoint, direct=False, kinds=IO_KINDS)  # reap.checkpoint
     trunk = TrunkStore(reader, units, pinned, slots=2, slot_bytes=...)
     weights = trunk.get(i)                           # unit i's tensors; unit i+1.. read meanwhile
-    table = embedding_table(reader, name, pin, trunk)  # resident embedding table, or None
 
 Reads go straight into long-lived ring slots so steady-state decoding allocates nothing and the
-resident set stays inside the memory plan; how bytes are read is `reap.checkpoint`'s business.
+resident set stays inside the memory plan.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """Model families and built-in configs.
 
 `family(config_dict)` returns the module that implements a checkpoint's architecture, registered
-in FAMILIES and checked against the contract `reap.models.base.Family` when first loaded. The
-folder shows the architecture: the contract (`base`, `validate`, `checks`), the blocks families
-share (`shared/`: attention, KDA, the MoE blocks, MoonViT), one file per family, and a folder
-for a family with satellites (`kimi_k3/`, `deepseek_v3/`: config, blocks, chat, quantization,
-the K2.5 wrapper). `builtin_config(name)` (`kimi_k3/builtin.py`) returns a full config.json
-dict for the built-in K3-architecture configs used by tests, `reap synth` and the size model:
+in FAMILIES and checked against the contract `reap.models.base.Family` when first loaded.
+`builtin_config(name)` (`kimi_k3/builtin.py`) returns a full config.json dict for the built-in
+K3-architecture configs used by tests, `reap synth` and the size model:
 
 - `k3-tiny`: every code path (dense layer 0, KDA and MLA layers, several AttnRes blocks, LatentMoE
   with norm, shared experts, top-k > 1), widths of 32-64: a forward takes milliseconds.

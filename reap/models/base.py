@@ -1,33 +1,21 @@
 """The family contract: what every model family module provides, and the layer-by-layer protocol.
 
-Each family is one module under `reap.models` (e.g. `kimi_k3.py`, registered in `FAMILIES`)
-implementing `Family` below; the first time `reap.models.family(config_dict)` loads a module,
-`check_family` refuses it (TypeError) if it lacks a member or a hook cannot take the contract's
-arguments. Stages ask the family; none reads its config fields or tensor names (the structure
-test checks this outside `models/`, `checkpoint/` and `quant/`):
+Each family is one module under `reap.models` (registered in `FAMILIES`) implementing `Family`
+below; `check_family` refuses it (TypeError) when first loaded if it lacks a member or a hook
+cannot take the contract's arguments. Stages ask the family; none reads its config fields or
+tensor names (the structure test checks this outside `models/`, `checkpoint/` and `quant/`):
 
-- `Config`: a dataclass whose field names are the `config.json` names, `Config.from_dict(d)`,
-  with at least `torch_dtype` (the checkpoint's dtype name, e.g. "bfloat16"); `from_dict` is
-  where a config is validated, once for every command: types by the field annotations, keys
-  with no safe default, the family's ranges (`reap.models.validate`; ConfigError, exit 2);
-- `Model(cfg, device, dtype)`: a `LayerModel` holding no weights (the driving protocol below;
-  its hooks `native_layer(i)` and `native_head()` offer layers to the compiled decode step);
-- `layout(config_dict) -> list[TensorSpec]`: every tensor of the released layout, in file order,
-  names without any `language_model.` prefix, tagged with component, layer, expert and role (what
-  its elements hold: plain weights, MXFP4 blocks or scales, FP8 weights or scales; see
-  `reap.checkpoint.spec.ROLE_WEIGHTS`);
-- `expert_key(name) -> (layer, expert) | None`; `expert_tensor_names(cfg, layer, expert)`: one
-  routed expert's tensors as stored (an FP8 or MXFP4 checkpoint names its scales too);
-- `router_tensors(cfg, layer) -> {name: axis}` (sliced along the expert axis when pruning),
-  `with_experts(config_dict, n) -> dict`, `expert_groups(config_dict) -> int` (routing groups a
-  plan keeps equally many experts in; 1 for ungrouped routers), `top_k(cfg) -> int`;
-- `state_bytes(cfg, act_bytes)`: the engine's per-sequence cache and activation sizes (see
-  `reap.engine.binding.state_costs` for the four numbers);
-- `calibration_widths(cfg, n_layers) -> ActivationWidths`: what calibration's memory plan needs;
-- `expert_matrices(tensors)`: one routed expert's stored tensors (short names) as the weights its
-  code multiplies by, quantized ones paired into records (see `reap.quant.matrix`);
-- `chat_format(config_dict) -> ChatFormat | None`: the built-in chat markers for checkpoints that
-  ship no chat template (None: the checkpoint's own template, else chat is refused).
+- `Config`: a dataclass whose field names are the `config.json` names; `Config.from_dict(d)` is
+  where a config is validated, once for every command (`reap.models.validate`; exit 2);
+- `Model(cfg, device, dtype)`: a `LayerModel` holding no weights (the driving protocol below);
+- `layout(config_dict)`: every tensor of the released layout in file order, names without any
+  `language_model.` prefix, tagged with component, layer, expert and role;
+- `expert_key`, `expert_tensor_names`, `router_tensors` (sliced along the expert axis when
+  pruning), `with_experts`, `expert_groups` (1 for ungrouped routers), `top_k`;
+- `state_bytes` (see `reap.engine.binding.state_costs`), `calibration_widths`;
+- `expert_matrices(tensors)`: one routed expert's stored tensors as the weights its code
+  multiplies by (`reap.quant.matrix`);
+- `chat_format(config_dict)`: the built-in chat markers, or None (the checkpoint's template).
 
 Driving a model layer by layer (shapes: B batch, T tokens, D hidden, V vocab): weights are
 pulled by name through a `Weights` getter, so the same code runs fully in memory (tests, the
@@ -40,10 +28,9 @@ reference forward) and one layer at a time with weights streamed from disk (cali
         state = model.finish_layer(i, state, y)
     logits = model.head(get, state)                    # [B, T, V]
 
-`model.forward(get, ids, caches=None, experts=None, observer=None)` is that loop. MoE layers
-dispatch expert-major: experts in ascending id order, each run once on all of its tokens, its
-weights fetched by `experts(layer, expert)`; weighted outputs are accumulated in that fixed order so
-results do not depend on caching or memory budgets.
+MoE layers dispatch expert-major: experts in ascending id order, each run once on all of its
+tokens, weighted outputs accumulated in that fixed order so results do not depend on caching or
+memory budgets.
 """
 
 from __future__ import annotations
@@ -338,15 +325,11 @@ class LayerModel:
 class ChatFormat:
     """A family's built-in chat format, for checkpoints that ship no chat template: the marker
     opening each role's turn, the one closing every turn, and the reasoning-block delimiters
-    (rendered by `reap.serve.chat.render_markers`). A family module's `chat_format(config_dict)`
-    returns one, or None when the checkpoint's own tokenizer chat template must be used.
+    (rendered by `reap.serve.chat.render_markers`).
 
-    Optional: `answer_open`/`answer_close` wrap the answer after the reasoning block; `stop`
-    lists strings that end a reply besides `end`; `keep_reasoning` keeps the reasoning of every
-    assistant turn (not only those after the last user turn); `bare_answer` omits the reasoning
-    block entirely when thinking is off (instead of an empty one); `renders=False` declares
-    the markers only (to split replies), for families whose checkpoints must bring their own
-    template."""
+    Optional: `answer_open`/`answer_close` wrap the answer; `stop` ends a reply besides `end`;
+    `keep_reasoning` keeps every assistant turn's reasoning; `bare_answer` omits the reasoning
+    block when thinking is off; `renders=False` declares the markers only (to split replies)."""
 
     system: str
     user: str

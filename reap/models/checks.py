@@ -5,9 +5,7 @@
     guard = FiniteGuard(fam, cfg, specs, path)
     guard(name, tensor)                                       # NaN/Inf in a norm or router: exit 2
 
-`check_binding` matches the checkpoint to the family layout strictly (a missing tensor, a wrong
-shape or dtype, a tensor the layout does not use). `FiniteGuard` checks, once per tensor when it
-is first read, that the small tensors feeding routing and normalization (norm weights, router
+`FiniteGuard` checks, once per tensor when it is first read, that the small tensors feeding routing and normalization (norm weights, router
 weights and biases) hold no NaN or Inf: such a value does not fail loudly later, it turns every
 routing decision or logit into NaN (then token 0). The large matrices are never scanned.
 """
@@ -33,10 +31,8 @@ def check_binding(tensors: Mapping, fam, config: dict, path: str, layout=None) -
     """The layout's TensorSpecs the text model reads, after checking that `tensors` (name ->
     anything with `.shape` and `.dtype`) holds each with its shape and a dtype the family reads
     (`read_dtypes`) and nothing the layout does not name; else ReapError (exit 1, "tensor
-    binding failed"). Tensors the text model never reads (`NOT_READ`: the vision tower, unused
-    buffers such as K2's `rotary_emb.inv_freq`, UNUSED_COMPONENTS) are recognised, checked the
-    same way when present, and not returned. `layout`: `fam.layout(config)` when the caller has
-    built it already (seconds at K3 size)."""
+    binding failed"). Tensors the text model never reads (`NOT_READ`) are checked the same way
+    when present, and not returned. `layout`: `fam.layout(config)` if the caller has it."""
     layout = fam.layout(config) if layout is None else layout
     specs = [s for s in layout if s.component not in NOT_READ]
     known = {split_view(s.name)[0] for s in layout}  # fused views: stored name

@@ -7,14 +7,9 @@ is grouped-query attention with q/k/v/o biases, YaRN RoPE, a learned per-head si
 linear (top-k on the logits, softmax over the chosen) and whose experts are biased GLUs with
 interleaved gate/up columns, clamped at `swiglu_limit`: (up + 1) * gate * sigmoid(alpha * gate).
 
-Experts are stored fused, one tensor per layer with the expert axis first, in one of two forms:
-- the MXFP4 release (`quantization_config.quant_method` "mxfp4"): `gate_up_proj_blocks`
-  [E, 2F, D/32, 16] uint8, `gate_up_proj_scales` [E, 2F, D/32] uint8 (E8M0), `down_proj_blocks`
-  [E, D, F/32, 16], `down_proj_scales` [E, D, F/32], plus `{gate_up,down}_proj_bias`;
-- transformers' `save_pretrained` (dequantized): `gate_up_proj` [E, D, 2F], `down_proj` [E, F, D]
-  plus the biases.
-Expert e is addressed by the checkpoint's fused views `X[e]` (see `reap.checkpoint`); `sanitize`
-is the one place that turns either form into plain matrices. Shapes: B batch, T tokens,
+Experts are stored fused, one tensor per layer with the expert axis first: MXFP4 blocks, scales
+and biases in the release, dequantized matrices and biases as transformers saves them. Expert e
+is addressed by the fused views `X[e]` (see `reap.checkpoint`). Shapes: B batch, T tokens,
 D hidden, V vocab, H heads, Hkv kv heads, Dh head width, E n_experts, K top_k, F expert width.
 """
 

@@ -1,17 +1,11 @@
 """Kimi Linear (`model_type` kimi_linear, e.g. moonshotai/Kimi-Linear-48B-A3B): config, checkpoint
-layout and torch model. It is Kimi K3's ancestor and shares K3's pieces (`kimi_k3.family`:
-config fields, MLA and MLP specs, the router tensors, the model's embed/head/caches; KDA and MLA
-from `reap.models.shared.blocks`).
+layout and torch model. It is Kimi K3's ancestor and shares K3's pieces (`kimi_k3.family`).
 
 Where it differs from K3 (references: transformers 5 `KimiLinearForCausalLM`, mlx-lm
-`kimi_linear.py`): SiLU GLU MLPs and experts; routed experts are plain per-expert tensors
-`block_sparse_moe.experts.e.w{1,2,3}.weight` working in the model width (no LatentMoE, no MXFP4);
-the KDA output gate is low-rank (g_a_proj, g_b_proj), its decay unbounded and A_log stored
-[1, 1, H, 1]; the residual stream is plain pre-norm (no AttnRes); the router (fp32 logits) may
-group experts as DeepSeek-V3's does (the shared `blocks.grouped_route`).
-
-Configs come as released (`linear_attn_config`, `first_k_dense_replace`) or as transformers 5
-writes them (`layer_types`, `mlp_layer_types`, `dtype`); `_normalize` maps both onto `Config`.
+`kimi_linear.py`): SiLU GLU MLPs and experts; plain per-expert tensors in the model width (no
+LatentMoE, no MXFP4); a low-rank KDA output gate, unbounded decay and A_log stored [1, 1, H, 1];
+plain pre-norm residuals (no AttnRes); a router that may group experts as DeepSeek-V3's does.
+Configs come as released or as transformers 5 writes them; `_normalize` maps both onto `Config`.
 Shapes: B batch, T tokens, N = B*T, D hidden, V vocab, E n_experts, K top_k, H KDA heads."""
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """Qwen3-MoE and OLMoE (`model_type` qwen3_moe, olmoe): softmax top-k routed SwiGLU experts
 behind grouped-query RoPE attention with q/k RMSNorm, read from Hugging Face checkpoints in place.
 
-Also the shared core of `reap.models.mixtral`, which differs only in names and config fields:
-`Naming` says where the MoE block and an expert's three matrices live, so the layout, the expert
-names and the model are written once. Differences handled here, all read from config.json:
-Qwen3-MoE normalizes q and k per head and may keep dense MLP layers (`mlp_only_layers`,
-`decoder_sparse_step`) and renormalize the top-k weights (`norm_topk_prob`); OLMoE normalizes
-the whole q and k projections and may clip q, k, v (`clip_qkv`).
+Also the shared core of `reap.models.mixtral`, which differs only in names and config fields
+(`Naming`). Qwen3-MoE normalizes q and k per head and may keep dense MLP layers and renormalize
+the top-k weights; OLMoE normalizes the whole q and k projections and may clip q, k, v.
 
 References: transformers 5 `modeling_qwen3_moe.py` / `modeling_olmoe.py`, mlx-lm `qwen3_moe.py` /
 `olmoe.py`. Shapes: B batch, T tokens, N = B*T, D hidden, H heads, Hkv key/value heads,

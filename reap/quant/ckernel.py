@@ -1,17 +1,13 @@
 """One loader and one thread pool for the compiled C kernels of `reap.quant`.
 
-`library(name)` builds a library's sources (`_LIBRARIES`) on first use with `$CC` (default `cc`)
-`-O3 -march=native` then `$CFLAGS`, and loads it through ctypes (calls release the GIL). The
-cache is a trust boundary: a private directory (0700; one another user owns or others can write
-is passed over for a temporary one), builds to a temp name then renamed, a sha256 recorded
-beside each library; a library is loaded only when it is ours, others cannot write it and its
-bytes match the record, else it is built again. Without a compiler the torch paths run and
-stderr says once what that costs. The pool is the step library's (`step_pool.c`): `parallel`
-runs a Python range function on it; library calls that split their own work over it run
-inside `spinning`.
+`library(name)` builds a library on first use with `$CC` (default `cc`) `-O3 -march=native` then
+`$CFLAGS`, and loads it through ctypes (calls release the GIL). The cache is a trust boundary: a
+private directory, builds renamed into place, a sha256 recorded beside each library; a library
+is loaded only when it is ours, others cannot write it and its bytes match the record, else it
+is built again. Without a compiler the torch paths run and stderr says once what that costs.
 
     lib = library("dense")        # the loaded library, or None (no compiler, REAP_NO_CKERNEL=1)
-    parallel(run, rows, 256)      # run(a, b) on row ranges, over the pool
+    parallel(run, rows, 256)      # run(a, b) on row ranges, over the step library's pool
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
-"""Compiled dense kernels for decode-shaped matmuls (`ckernel.library("dense")`, source:
-`dense_kernels.c`): torch's bf16 CPU matmul at one or a few rows runs far below the memory
-bandwidth (and below its own fp32 GEMV), and its fp32 GEMV below what one AVX-512 loop
-reaches, so few-row x @ W.T with W bf16 (widened on the fly) or fp32 runs here, accumulating
-in fp32.
-
-    y = dense_linear(x, w)  # x [..., in] with few rows, w [out, in] bf16/fp32 -> x's dtype
-    usable(x, w)            # whether dense_linear takes this call (else torch does it)
-    with enabled(): ...     # the engine's forward steps opt in; nothing else does
+"""Compiled dense kernels for decode-shaped matmuls (`dense_kernels.c`): torch's bf16 CPU matmul
+at one or a few rows runs far below the memory bandwidth, so few-row x @ W.T with W bf16 or fp32
+runs here, accumulating in fp32.
 
 The kernel and torch's matmul round differently, and which one runs depends on how many rows a
 call has, so a token's numbers would depend on how it was batched. The engine fixes its own
-batching, so it opts in; calibration must not (a sharded or distributed run has to equal one
+batching, so it opts in (`with enabled()`); calibration must not (a sharded run has to equal one
 process to float64 rounding), so outside `enabled()` torch does every matmul.
 """
 

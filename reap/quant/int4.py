@@ -13,9 +13,8 @@ the product rounded once to that dtype), then cast.
     packed, scales = quantize(w, group=32)         # w [O, I] -> I32 [O, I/8], [O, I/32]
     w_hat = dequantize(packed, scales, group=32)   # [O, I] in the scales' dtype (or dtype=)
 
-`dequantize` is the vectorized path; its reference (tests/references.py) decodes one element at
-a time in plain Python from the bit-level rule. A stored matrix handed to model code is an
-`INT4Matrix`. `Int4Scheme.parse` reads and checks a config's `quantization_config`.
+A stored matrix handed to model code is an `INT4Matrix`; `Int4Scheme.parse` reads and checks a
+config's `quantization_config`.
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
 """The expert-matmul interface: how model code multiplies by a weight matrix that may be stored
 quantized. A quantized matrix is a typed record of its codec's tensors (`MXFP4Matrix`,
-`reap.quant.int4.INT4Matrix`) with `linear(x)`; `reap.models.shared.blocks.linear(x, w)` calls it, or does the dense matmul for a tensor.
-Nothing imitates a tensor: code that needs the values asks for `dense(dtype)`.
-
-A family's `expert_matrices(tensors)` turns one routed expert's stored tensors (short names) into
-its weights, pairing each quantized matrix's tensors into its record; the engine attaches its
-kernels to those records (`reap.quant.mxfp4_matmul.MXFP4Kernels.attach`) and checks their bytes
-(`check_matrices`). A new codec adds one record class with these two methods (and `dense`,
-`shape`).
+`reap.quant.int4.INT4Matrix`) with `linear(x)`, `dense(dtype)` and `shape`; nothing imitates a
+tensor. A family's `expert_matrices(tensors)` pairs one routed expert's stored tensors into
+records, to which the engine attaches its kernels and whose bytes it checks (`check_matrices`).
 """
 
 from __future__ import annotations

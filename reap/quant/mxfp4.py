@@ -9,9 +9,8 @@ scale = 2 ** (byte - 127), byte 255 = NaN.
     w_hat = dequantize(packed, scales)    # [..., N] float32 (or dtype=)
     y = fake_quant(w)                     # quantize-dequantize with a straight-through gradient
 
-`dequantize` is the vectorized path (works on any torch device); a slow per-element decoder
-written from the bit-level definition is its reference (tests/references.py). A stored matrix
-handed to model code is an `MXFP4Matrix`; faster paths: `mxfp4_decode`, `mxfp4_matmul`.
+A stored matrix handed to model code is an `MXFP4Matrix`; faster paths: `mxfp4_decode`,
+`mxfp4_matmul`.
 
 Quantization follows the OCP spec: shared exponent floor(log2(amax)) - 2 (clamped to the E8M0
 range [-127, 127]), elements rounded to nearest with ties to even onto the E2M1 grid, saturating

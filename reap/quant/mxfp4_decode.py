@@ -1,12 +1,10 @@
 """Fast MXFP4 decoding, bit-identical to its reference `reap.quant.mxfp4.dequantize`.
 
 One table lookup per packed byte: the table is indexed by (scale byte, packed byte) and holds both
-decoded values of the byte already multiplied by the block scale, packed into one 4-byte (bf16
-pair) or 8-byte (fp32 pair) word. Every entry is the product `reap.quant.mxfp4` computes (E2M1
-value times 2^(e-127), exact in bf16 and fp32), so the result equals `dequantize` bit for bit
-(tests/test_engine.py checks it). Two implementations of the lookup: the C loop of
-`reap.quant.ckernel` and a pure-torch one (rows in chunks of about a megabyte so the widened index
-stays in cache), used when no compiler is available or `REAP_NO_CKERNEL=1`.
+decoded values of the byte already multiplied by the block scale (exact in bf16 and fp32), packed
+into one 4-byte (bf16 pair) or 8-byte (fp32 pair) word. The lookup runs in C (`ckernel`) or in
+torch (rows in chunks of about a megabyte so the widened index stays in cache) when no compiler
+is available or `REAP_NO_CKERNEL=1`.
 
     w = decode_mxfp4(packed, scales, torch.bfloat16, pool)   # [O, N/2] + [O, N/32] -> [O, N]
 """

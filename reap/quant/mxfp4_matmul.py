@@ -1,15 +1,13 @@
 """MXFP4 matrix products for the engine's expert path: a fused kernel that multiplies straight
-from the packed bytes (`mxfp4_linear`; its torch reference: `tests/test_kernels.py`), and
-`MXFP4Kernels`, the engine's choice between it and fast decode + dense matmul.
+from the packed bytes (`mxfp4_linear`), and `MXFP4Kernels`, the engine's choice between it and
+fast decode + dense matmul.
 
-At decode time an expert weight is used for one or a few tokens, so decoding it (writing 4x its
-packed bytes as bf16, then reading them back for the matmul) costs more than the arithmetic.
-`mxfp4_linear` works per 32-column block: 16 bytes become 32 fp32 weights in registers (AVX-512
-permute of a 16-entry table; a plain-C loop elsewhere, same arithmetic), times the block scale,
-fused-multiply-added into fp32 accumulators in a fixed order. The engine uses it for bf16 compute
-on few rows; float32 keeps decode + dense matmul, equal bit for bit to the in-memory forward.
+Why: at decode time an expert weight is used for one or a few tokens, so decoding it (writing 4x
+its packed bytes as bf16, then reading them back) costs more than the arithmetic. The kernel
+decodes each 32-column block into fp32 registers, times the block scale, and accumulates in a
+fixed order. The engine uses it for bf16 compute on few rows; float32 keeps decode + dense
+matmul, equal bit for bit to the in-memory forward.
 
-    y = mxfp4_linear(x, packed, scales)             # x [M, N] -> [M, O], None without the C kernel
     kernels = MXFP4Kernels(torch.bfloat16, pool, fused=fused_available(torch.bfloat16, "cpu"))
     weights = kernels.attach(fam.expert_matrices(tensors))   # MXFP4Matrix records use `kernels`
 """

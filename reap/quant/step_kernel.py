@@ -1,10 +1,8 @@
-"""The compiled decode step (`ckernel.library("step")`: `step_kernels.c`, the many-token experts
-in `prefill_kernels.c`, the pool in `step_pool.c`, arithmetic in `step_common.h`, argument
-blocks in `step_args.h`): one token through a pre-norm layer (RMSNorm, grouped-query RoPE
-attention over a KV cache, softmax top-k router, SwiGLU experts) in two calls and the head in a
-third, or a whole token in one; products split by rows over the pool (`ckernel.spinning`),
+"""The compiled decode step (`ckernel.library("step")`; sources `step_kernels.c`,
+`prefill_kernels.c`, `step_pool.c` and their headers): one token through a pre-norm layer
+(RMSNorm, grouped-query RoPE attention over a KV cache, softmax top-k router, SwiGLU experts) in
+two calls and the head in a third, or a whole token in one; products split by rows over the pool,
 results never depending on the thread count (arithmetic documented in the C source).
-`REAP_NO_CKERNEL=1` or `REAP_NO_NATIVE=1` turns it off (the torch path runs every step).
 
     lib = library()                                   # None when unavailable
     lib.reap_attn_step(put(block, ATTN, h=..., ...), floats)  # int64 blocks filled by name

@@ -2,13 +2,9 @@
 one worker thread that owns the model and runs them one at a time (HTTP threads only parse,
 enqueue and format, so generations never interleave). The queue is bounded: 503 when full.
 
-The worker drives a backend (`reap.serve.backend.EngineBackend` or any object with its members):
-`model_id`, `template` (a `ChatTemplate`), `eos_id`, `special` (special token text -> id),
-`context` (tokens, or None), `encode(text)`, `decode(ids)`, `tokens(ids, *, max_tokens,
-temperature, top_p, seed)` (a generator of ids; closing it stops generation), `expert_failures`
-(a list that grows when an expert fails to load) and `close()`. Detokenization, stop strings,
-end-of-turn ids and `max_tokens` are handled here, identically for every backend. With no `seed`,
-requests use seed 0: the same request gives the same text.
+The worker drives a backend (`reap.serve.backend.EngineBackend` or any object with its members).
+Detokenization, stop strings, end-of-turn ids and `max_tokens` are handled here, identically
+for every backend. With no `seed`, requests use seed 0: the same request gives the same text.
 """
 
 from __future__ import annotations

@@ -3,27 +3,19 @@
 `ChatTemplate` renders with, in order of preference:
 - the checkpoint's own template (`chat_template.jinja`, or `chat_template` in
   `tokenizer_config.json`), in Jinja's sandbox in a child process, within a time and an output
-  bound (`reap.serve.sandbox`), given the tokenizer config's special tokens (`bos_token`, ...),
-  `add_generation_prompt=True`, reasoning passed as `reasoning_content` and `thinking`, and the
-  thinking switch as `thinking` (Kimi's spelling) and `enable_thinking` (Qwen's);
-- else the built-in `ChatFormat` its model family declares (`chat_format` of the family module,
-  see `reap.models.base`), rendered by `render_markers`:
+  bound (`reap.serve.sandbox`), with reasoning and the thinking switch under both Kimi's and
+  Qwen's spellings;
+- else the built-in `ChatFormat` its model family declares, rendered by `render_markers`:
 
       {system}{text}{end}    {user}{text}{end}
       {assistant}{think_open}{reasoning}{think_close}{text}{end}
       generation prompt: {assistant}{think_open}                (thinking on, the default)
                          {assistant}{think_open}{think_close}   (thinking off)
 
-  No default system message is inserted; assistant turns before the last user turn lose their
-  reasoning (an empty thinking block);
+  with no default system message; turns before the last user turn lose their reasoning;
 - with neither, chat requests are refused (plain completions still work).
 
-Message content that spells a special token stays text: with `protected` special tokens set,
-`render` marks them in content (`reap.tokenizer.protect`) and the prompt must be encoded with
-`encode_prompt(..., protected=True)`.
-
-A family's format also says where generated text is reasoning (`think_open` .. `think_close`)
-and which strings end a turn besides the end-of-text token (`stop`).
+Message content that spells a special token stays text (`reap.tokenizer.protect`).
 """
 
 from __future__ import annotations

@@ -3,12 +3,8 @@
 Routes: GET /v1/models, GET /v1/models/{id}, POST /v1/completions, POST /v1/chat/completions
 (both with `stream: true` as server-sent events), GET /health. Every error, from any method or
 malformed request, has OpenAI's JSON shape `{"error": {"message", "type", "param", "code"}}` and
-closes the connection: 400 bad request (or a prompt too long for the context), 403 a Host or
-browser Origin not served (`reap.serve.hosts`), 404 unknown route or model, 405 a method other
-than GET/POST, 408 a request not received within the read timeout, 411/413 a body without a
-length or over the limit, 415 a POST body that is not `application/json`, 503 queue full or too
-many connections (`reap.serve.limits`), 500 generation failure. The work behind each route is
-`reap.serve.app.App`'s; this module only moves JSON in and out.
+closes the connection. The work behind each route is `reap.serve.app.App`'s; this module only
+moves JSON in and out.
 """
 
 from __future__ import annotations

@@ -1,12 +1,10 @@
 """`reap corpora build`: regenerate corpora from their recipes.
 
-For each recipe: fetch its packages (`apt-get download` into a cache, unpacked in pure Python),
-extract and clean every source, split documents by key hash, and write the calibration and eval
-splits in full and the train split capped to the recipe's `train_cap_mb`, as xz-compressed
-JSONL, plus `manifest.json` with sources, versions, licences, counts and sha256. Everything is
-written atomically. Rebuilding from the same package versions reproduces the manifest's sha256;
-a different version is reported as a warning. Recipes with local-only sources (text of unclear
-provenance) build only with `local_only=True` and never into the shipped corpora directory.
+For each recipe: fetch its packages, extract and clean every source, split documents by key
+hash, and write the splits (train capped to `train_cap_mb`) as xz-compressed JSONL plus
+`manifest.json`, atomically. Rebuilding from the same package versions reproduces the manifest's
+sha256; a different version is reported as a warning. Recipes with local-only sources build only
+with `local_only=True` and never into the shipped corpora directory.
 """
 
 from __future__ import annotations

@@ -4,26 +4,19 @@ torch model driven layer by layer through the protocol of `reap.models.base`.
 As transformers' `DeepseekV3ForCausalLM` and mlx-lm's `deepseek_v3`: MLA with (YaRN) RoPE on the
 rope part, dense first layers, then MoE: sigmoid router, `e_score_correction_bias` for selection
 only, limited to the `topk_group` best of `n_group` groups; SiLU GLU experts stored per expert, and
-shared experts. Quantized releases are read in place (`reap.models.deepseek_v3.quant`): FP8
-(F8_E4M3 projections with F32 block scales `weight_scale_inv`) dequantized as pulled, and
-compressed-tensors INT4 (Kimi-K2-Thinking's routed experts) applied as `INT4Matrix` records.
-Shapes: B batch, T tokens, N = B*T, D hidden, V vocab, E n_experts, G n_group, K top_k, O/I a
-weight's output/input width.
+shared experts. Quantized releases (FP8, compressed-tensors INT4) are read in place
+(`reap.models.deepseek_v3.quant`). Shapes: B batch, T tokens, N = B*T, D hidden, V vocab,
+E n_experts, G n_group, K top_k, O/I a weight's output/input width.
 
-Multi-token-prediction (MTP) layers `model.layers.{L + j}` (L = num_hidden_layers, j <
-num_nextn_predict_layers; DeepSeek-V3/R1 store one) are listed, tagged "mtp", and never read, as in
-transformers and mlx-lm (`reap.checkpoint.spec.UNUSED_COMPONENTS`). Pruning drops them and writes
-`num_nextn_predict_layers: 0`: an MTP layer with uncalibrated, unpruned experts would disagree
-with the pruned model, and speculative decoding is not our use. transformers writes the key
-(default 1) but saves no MTP layer, so a config it wrote (`dtype`, not `torch_dtype`) lists none.
+Multi-token-prediction (MTP) layers `model.layers.{L + j}` are listed, tagged "mtp", and never
+read, as in transformers and mlx-lm. Pruning drops them and writes `num_nextn_predict_layers: 0`:
+an MTP layer with uncalibrated, unpruned experts would disagree with the pruned model, and
+speculative decoding is not our use.
 
-Kimi K2 releases (`model_type` kimi_k2) also store each layer's `self_attn.rotary_emb.inv_freq`
-buffer, [(hidden / heads) / 2] in the checkpoint's dtype (the release's own rotary module's):
-listed as component "buffers", never read (RoPE frequencies are computed from the config, as
-every loader does: transformers ignores checkpoint `rotary_emb.inv_freq` keys, mlx-lm's sanitize
-and the inference engines' DeepSeek weight loaders skip them by name), optional for binding
-(K2.5-style releases have none), and kept verbatim by prune like any other non-expert tensor,
-so a pruned K2 holds what the release holds and loads wherever the release loads."""
+Kimi K2 releases also store each layer's `self_attn.rotary_emb.inv_freq` buffer: listed as
+component "buffers", never read (RoPE frequencies come from the config, as every loader does),
+optional for binding, and kept verbatim by prune, so a pruned K2 loads wherever the release loads.
+"""
 
 from __future__ import annotations
 

@@ -1,11 +1,8 @@
 """Kimi K2.5-style releases (`model_type` kimi_k25, e.g. moonshotai/Kimi-K2.5): a DeepSeek-V3 /
 Kimi K2 text model under `text_config` with a MoonViT vision tower and projector beside it.
 
-The text model is `deepseek_v3.family` unchanged (same config fields, tensors, router and
-experts; the release stores its text tensors under a `language_model.` prefix, which the
-checkpoint layer strips); the tower and projector (`vision_tower.*`, `mm_projector.*`, stored
-without the prefix) are `reap.models.shared.vision`'s, listed so that binding recognises them, sizes
-count them and prune copies them verbatim. Reference for the text path: mlx-lm 0.32.2
+The text model is `deepseek_v3.family` unchanged (its `language_model.` prefix is stripped by
+the checkpoint layer); the tower and projector are `reap.models.shared.vision`'s. Reference for the text path: mlx-lm 0.32.2
 `models/kimi_k25.py` (a DeepSeek-V3 language model; sanitize drops the vision tensors)."""
 
 from __future__ import annotations

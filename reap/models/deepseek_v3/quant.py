@@ -10,10 +10,7 @@ quantized, under which tensor names, and how they are read back.
   compressed-tensors matches them ("Linear" is every torch Linear: the `*_proj` projections and
   `lm_head`; the MoE router is not one).
 
-`Quant.from_config(text)` decides once per config (ConfigError, exit 2, for what it cannot read);
-`Quant.stored(spec)` expands a layout entry into the tensors stored for it, `stored_names(name)`
-names them, `load(get, name)` reads the weight back; `expert_matrices` is the family hook pairing
-one routed expert's INT4 tensors into `INT4Matrix` records.
+`Quant.from_config(text)` decides once per config (ConfigError, exit 2, for what it cannot read).
 """
 
 from __future__ import annotations
@@ -60,10 +57,8 @@ INT4_PARTS = (
 @dataclass(frozen=True)
 class Quant:
     """How a DeepSeek-V3-style checkpoint stores its Linear weights, read from the text config's
-    `quantization_config`: block-scaled FP8 (quant_method "fp8": F8_E4M3 with F32
-    `weight_scale_inv`), compressed-tensors pack-quantized INT4 (Kimi-K2-Thinking and K2.5-style
-    releases: `reap.quant.int4`), or plain. Families built on this one reuse it: `from_config`
-    decides, `stored`/`stored_names` name the tensors, `load` reads a weight back."""
+    `quantization_config`: block-scaled FP8, compressed-tensors pack-quantized INT4, or plain.
+    Families built on this one reuse it."""
 
     fp8_block: tuple[int, int] | None = None
     fp8_skip: tuple[str, ...] = ()

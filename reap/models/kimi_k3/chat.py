@@ -2,15 +2,12 @@
 checkpoint ships no chat template (the family hook `kimi_k3.chat_format`), and by which it
 splits a K3 reply into reasoning and answer (also when the checkpoint's own template renders).
 
-The K3 release's template (tests/fixtures/releases/kimi-k3) wraps each message as
+The K3 release's template wraps each message as
 `<|open|>message role="user"<|sep|>...<|close|>message<|sep|><|end_of_msg|>`; an assistant
-message holds a think block `<|open|>think<|sep|>...<|close|>think<|sep|>` (only when thinking
-is on; reasoning of every turn kept) and a response block `<|open|>response<|sep|>...
-<|close|>response<|sep|>`. The generation prompt opens the assistant message and its think
-block (thinking on) or its response block (off). The release template also declares tools and,
-with thinking on, a `thinking_effort` system message: the built-in format renders neither, so
-a checkpoint without the release's template gets the same message segments without those
-(tests/test_chat_release.py checks this against the release's template).
+message holds a think block (only when thinking is on; every turn's reasoning kept) and a
+response block. The release template also declares tools and, with thinking on, a
+`thinking_effort` system message: the built-in format renders neither (tests/test_chat_release.py
+checks the rest against the release's template).
 """
 
 from __future__ import annotations

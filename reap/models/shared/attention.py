@@ -1,13 +1,8 @@
 """Softmax attention variants shared by the families: RoPE (default, linear, YaRN, Llama-3
 scaling), grouped-query attention over a growing KV cache with optional sliding window and
-per-head sink logits (Qwen3-MoE, Mixtral, OLMoE, GPT-OSS), and multi-head latent attention (MLA)
-with a compressed latent KV cache, NoPE (Kimi K3, Kimi Linear) or with RoPE (DeepSeek-V3).
-For GQA, families do their own projections and norms and call these on per-head tensors.
-
-    theta, scaling = rope_settings(config_dict)
-    rope = Rope.create(head_dim, theta, scaling)
-    q, k = rope.apply(q, cache.length), rope.apply(k, cache.length)
-    o = gqa_attention(q, k, v, cache, scale=head_dim**-0.5)      # [B, T, H, Dv]
+per-head sink logits, and multi-head latent attention (MLA) with a compressed latent KV cache,
+NoPE (Kimi K3, Kimi Linear) or with RoPE (DeepSeek-V3). For GQA, families do their own
+projections and norms and call these on per-head tensors.
 
 Dimension letters: B batch, T new tokens, S all tokens (cache + new), H query heads, Hkv key/value
 heads (H a multiple of Hkv), Dk query/key width, Dv value width, d rotated width, R latent KV width.

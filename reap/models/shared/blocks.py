@@ -1,9 +1,7 @@
-"""Shared torch blocks for the model families: norms, `linear` (the expert-matmul hook: a
-dense tensor or a quantized matrix record, see `reap.quant.matrix`), the SiTU and SiLU GLUs, the
-routers (DeepSeek's grouped top-k, softmax top-k), expert-major dispatch (`routed_experts`,
-reported through `report_moe`) and the Llama-style model ends. Softmax attention (GQA, MLA) lives
-in `attention`, Kimi Delta Attention in `kda`, Kimi K3's LatentMoE and
-AttnRes in `reap.models.kimi_k3.blocks`.
+"""Shared torch blocks for the model families: norms, `linear` (the expert-matmul hook, see
+`reap.quant.matrix`), the SiTU and SiLU GLUs, the routers, expert-major dispatch and the
+Llama-style model ends. Attention lives in `attention` and `kda`, Kimi K3's own blocks in
+`reap.models.kimi_k3.blocks`.
 
 Functions take tensors, not modules: families pull weights by name and pass them in. Dimension
 letters: B batch, T new tokens, S all tokens (cache + new), N = B*T, H heads, Dk key/query head
@@ -41,10 +39,8 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 def linear(x: Tensor, w: Matrix) -> Tensor:
     """x [..., in] @ w[out, in].T -> [..., out] in x's dtype and device: a dense tensor is cast,
-    a quantized matrix (`reap.quant.matrix.QuantizedMatrix`) applies itself. bf16 or fp32
-    weights times a few rows of their dtype (decode) go to a compiled GEMV
-    (`reap.quant.dense_kernel`: torch's runs below the memory bandwidth); `linear_reference` is
-    the plain torch path."""
+    a quantized matrix applies itself; a few rows of bf16 or fp32 (decode) go to a compiled GEMV
+    (`reap.quant.dense_kernel`: torch's runs below the memory bandwidth)."""
     if not isinstance(w, Tensor):
         return w.linear(x)
     if dense_kernel.usable(x, w):
@@ -318,14 +314,10 @@ class NativeLayer:
 
 
 class PreNormModel(LayerModel):
-    """A LayerModel with the Llama-style pieces: embedding `model.embed_tokens.weight`; layers of
-    `input_layernorm`, the family's `_attention`, residual, `post_attention_layernorm`, then a
-    dense SwiGLU `mlp.` or the family's `_moe` (x [N, D], the default ExpertSource reading the
-    family's `expert_tensor_names`, set as a static method); final RMSNorm `model.norm.weight`
-    and head `lm_head.weight` (or the tied table). Needs `cfg` with `num_hidden_layers`,
-    `rms_norm_eps`, `tie_word_embeddings` and `is_moe(layer)` (or an `is_moe` override); `_w`
-    casts every weight to the compute dtype (override it to keep some in fp32 or to
-    dequantize)."""
+    """A LayerModel with the Llama-style pieces: embedding, layers of input norm, the family's
+    `_attention`, residual, post-attention norm, then a dense SwiGLU `mlp.` or the family's
+    `_moe`; final RMSNorm and head (or the tied table). `_w` casts every weight to the compute
+    dtype (override it to keep some in fp32 or to dequantize)."""
 
     expert_tensor_names: Callable[..., list[str]]
     cache_type: type  # the per-layer decode cache (`new_caches`)

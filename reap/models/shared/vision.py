@@ -1,18 +1,10 @@
 """The Kimi vision tower (MoonViT) and its projector, as the releases store them: tensors the
 text model never reads, listed so that binding recognises them, sizes count them and `reap
 prune` copies them byte for byte (component "vision", stored without the `language_model.`
-prefix the text tensors carry).
-
-    specs = vision_specs(config_dict["vision_config"], "BF16")
-
-Read from the release's own `vision_config` keys (`vt_hidden_size`, `vt_num_hidden_layers`,
-`vt_intermediate_size`, `vt_num_attention_heads`, `qkv_hidden_size`, `patch_size`,
-`init_pos_emb_height/width`, `mm_hidden_size`, `merge_kernel_size`, `text_hidden_size`,
-`mm_projector_type`, `norm_type`, `linear_bias`, `attn_bias`, `patch_embed_proj_bias`).
-Two projector types are released: "patchmerger" (K2.5: a LayerNorm on the merged patches before
-two biased linears) and "patchmergerv2" (K3: two linears, then an RMSNorm at the text width).
-Shapes: W tower width, M MLP width, Q attention width, P patch side, C merged patch width
-(mm_hidden_size x merge kernel area), D text width. Used by the K3 and K2.5 families' `layout`.
+prefix). Read from the release's own `vision_config` keys. Two projector types are released:
+"patchmerger" (K2.5: a LayerNorm on the merged patches before two biased linears) and
+"patchmergerv2" (K3: two linears, then an RMSNorm at the text width). Shapes: W tower width,
+M MLP width, Q attention width, P patch side, C merged patch width, D text width.
 """
 
 from __future__ import annotations
