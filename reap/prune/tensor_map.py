@@ -49,6 +49,8 @@ def plan_items(
     dropped = unused_tensors(fam, ck.config) if dropped is None else dropped
     new_ids = {layer: {e: j for j, e in enumerate(ids)} for layer, ids in plan.keep.items()}
     fused = fused_tensors(fam, cfg, plan.layers)
+    if fused and plan.merge:
+        raise ReapError(f"{ck.path}: merging experts stored in fused tensors is not supported")
     found = _experts_found(ck, fam, plan, fused, dropped)
     routers = {}
     for layer in plan.layers:
