@@ -179,3 +179,80 @@ def test_merged_build_equals_the_naive_equations(qwen, method, naive):
     with Engine.open(str(out), preset="ultra", context=64, dtype="float32") as eng:
         got = eng.logits([ids12])[0].numpy()
     assert float(np.abs(got - ref).max()) < R.ATOL
+
+
+def test_manifest_maps_every_output_expert_and_verify_catches_a_tampered_merge(qwen):
+    """The manifest names every output expert's sources and weights (the plan's groups, each
+    source once) with a re-encoding error (0 for a copied expert); one flipped byte in a merged
+    expert fails `verify` naming the tensor (exit 2)."""
+    import shutil
+
+    from reap.checkpoint import Checkpoint
+
+    root, path, *_ = qwen
+    plan, out = build(qwen, "hc-smoe", "tamper")
+    man = json.loads((out / "reap_manifest.json").read_text())
+    assert man["merge"]["method"] == "hc-smoe" and "router" in man["merge"]
+    merged = None
+    for layer, rec in man["experts"].items():
+        groups = plan["merge"]["groups"][layer]
+        assert rec["sources"] == [[e for e, _ in g] for g in groups]
+        assert rec["weights"] == [[w for _, w in g] for g in groups]
+        assert rec["original"] == [g[0] for g in rec["sources"]]
+        assert sorted(e for g in rec["sources"] for e in g) == list(range(8))
+        for j, (src, err) in enumerate(zip(rec["sources"], rec["reencode_error"])):
+            assert (err == 0) if len(src) == 1 else (0 <= err < 1e-6)  # float32 stays float32
+            merged = merged or (len(src) > 1 and (int(layer), j))
+    bad = root / "tampered"
+    shutil.copytree(out, bad)
+    name = f"model.layers.{merged[0]}.mlp.experts.{merged[1]}.up_proj.weight"
+    with Checkpoint.open(str(bad)) as ck:
+        info = ck.tensors[name]
+        file, start = Path(ck.path) / info.file, info.start
+    with open(file, "r+b") as f:
+        f.seek(start + 1)
+        byte = f.read(1)
+        f.seek(start + 1)
+        f.write(bytes([byte[0] ^ 0x10]))
+    assert main(["verify", str(bad), "--source", path]) == 2
+
+
+@pytest.fixture(scope="module")
+def k3(tmp_path_factory):
+    """The shipped k3-mini (K3 layout, MXFP4 experts) calibrated with merge statistics."""
+    from reap.calibrate.pipeline import calibrate
+    from reap.defaults import BUNDLED as K3MINI_DIR
+
+    root = tmp_path_factory.mktemp("k3merge")
+    calibrate(model=str(K3MINI_DIR), corpus="code", tokens=128, seq_len=32, out=str(root / "s"),
+              merge_stats=16, progress=False)
+    return root, str(K3MINI_DIR)
+
+
+@pytest.mark.parametrize("method", ["hc-smoe", "m-smoe"])
+def test_k3_layout_mxfp4_experts_are_merged_in_float32_and_reencoded(k3, method):
+    """Merged MXFP4 experts are the MXFP4 encoding of the frequency-weighted average of the
+    decoded sources (neurons aligned for m-smoe), within the manifest's re-encoding error; the
+    build verifies and the engine runs it."""
+    from reap.checkpoint import Checkpoint
+    from reap.quant import mxfp4
+
+    root, src = k3
+    plan, out = root / f"{method}.json", root / method
+    assert main(["plan", str(root / "s"), "--model", src, "--method", method, "--keep", "16",
+                 "--out", str(plan)]) == 0
+    assert main(["prune", src, "--plan", str(plan), "--out", str(out), "--no-progress"]) == 0
+    assert main(["verify", str(out), "--source", src]) == 0
+    man = json.loads((out / "reap_manifest.json").read_text())
+    layer, rec = next(iter(man["experts"].items()))
+    j = next(j for j, s in enumerate(rec["sources"]) if len(s) > 1)
+    assert 0 < rec["reencode_error"][j] < 0.2
+    prefix = lambda e: f"model.layers.{layer}.block_sparse_moe.experts.{e}.w1.weight_"
+    with Checkpoint.open(src) as a, Checkpoint.open(str(out)) as b:
+        got = mxfp4.dequantize(b.read(prefix(j) + "packed"), b.read(prefix(j) + "scale"))
+        if method == "hc-smoe":  # no alignment: the plain average
+            want = sum(w * mxfp4.dequantize(a.read(prefix(e) + "packed"),
+                                            a.read(prefix(e) + "scale"))
+                       for e, w in zip(rec["sources"][j], rec["weights"][j]))
+            assert torch.equal(got, mxfp4.qdq(want))
+    assert main(["run", str(out), "--prompt-ids", "1,2,3", "--max-tokens", "4"]) == 0
