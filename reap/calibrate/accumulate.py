@@ -127,12 +127,10 @@ def _to_cpu(r: MoERecord) -> MoERecord:
 
 
 class OutputProbe:
-    """Every expert's output on a fixed token sample, routed to it or not, summed per corpus into
-    `ExpertSums.out_sum` [E, Dx] (HC-SMoE's expert representation; `reap calibrate
-    --merge-stats`). Token g of the calibration (row-major over [S, T]) is in the sample when
-    g % stride == 0. The expert source's `probe` (`routed_experts` calls it): it wraps the
-    layer's source and expert function, so a routed expert runs on the sample with the same
-    read; `finish` reads and runs the experts a pass did not route."""
+    """Every expert's output on a token sample (calibration token g when g % stride == 0),
+    routed to it or not, summed per corpus into `ExpertSums.out_sum` (`--merge-stats`). As the
+    expert source's `probe` it wraps the layer's source and expert function (`routed_experts`),
+    so a routed expert runs on the sample with the same read; `finish` runs the others."""
 
     def __init__(self, acc: StatsAccumulator, stride: int):
         self.acc, self.stride, self.pending = acc, stride, None

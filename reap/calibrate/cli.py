@@ -26,14 +26,12 @@ once per pass (the pass count is recorded). Interrupted runs resume with the sam
 
 
 MERGE_STATS_HELP = (
-    "also record what expert merging needs (`reap plan --method hc-smoe|m-smoe`), in the same "
-    "pass: the router-score Gram over all tokens (E*E float64 per layer) and every expert's "
-    "output summed over a sample of about N tokens (every (S*T//N)-th), routed to it or not. "
-    "Cost: E*N extra expert evaluations per MoE layer (an expert the pass routes is read once; "
-    "one it does not is read again), and L*E*(4*Dx+8*E+8) bytes per statistics file, Dx the "
-    "experts' output width. Kimi K3 (92 MoE layers, 896 experts, latent Dx 3584) with N=1024: "
-    "0.92 M expert evaluations per layer (as many as routing 57,000 tokens to top-16) and "
-    "1.8 GB per file. Default 0: off")
+    "also record what `reap plan --method hc-smoe|m-smoe` needs: the router-score Gram (E*E per "
+    "layer) and every expert's output summed over about N sampled tokens, routed or not. Cost: "
+    "E*N expert evaluations per MoE layer (an expert the pass did not route is read again) and "
+    "L*E*(4*Dx+8*E+8) bytes per statistics file (Dx: expert width). Kimi K3 (92 layers, 896 "
+    "experts, Dx 3584), N=1024: 0.92 M evaluations per layer (routing 57,000 tokens to top-16 "
+    "costs as many), 1.8 GB per file. Default 0: off")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -1,14 +1,10 @@
-"""The merged experts of an expert-merging build (`reap prune` on a `--method` plan).
-
-An output expert whose group has several members is their frequency-weighted average, computed
-in float32 from the decoded source tensors and stored in the source's format: each tensor keeps
-its name pattern, dtype and shape; a quantized matrix (the layout's roles: MXFP4, FP8, INT4) is
-decoded and re-encoded with our codecs (`reap.quant`), plain tensors are rounded to their dtype.
-With `align` "weight-matching" (M-SMoE), each member's intermediate neurons are first permuted
-to match the dominant expert's: the linear assignment minimising the summed squared distance of
-the neurons' weights (rows of the input matrices, columns of the output matrix). The relative
-Frobenius error of the re-encoding, ||stored - merged|| / ||merged|| over the expert's matrices,
-goes to the manifest. `verify` recomputes each merged expert with the same code.
+"""Merged experts (`reap prune` on a `--method` plan): a group of several source experts becomes
+their weighted average, in float32 from the decoded tensors, stored like the source (names,
+dtypes, shapes; quantized matrices, by layout role, re-encoded with `reap.quant`'s codecs). With
+align "weight-matching" (M-SMoE) each member's neurons are first permuted to the dominant's: the
+linear assignment minimising the summed squared distance of the neurons' weights (input matrix
+rows, output matrix columns). The re-encoding's relative Frobenius error goes to the manifest;
+`verify` recomputes each merged expert with this code.
 """
 
 from __future__ import annotations
@@ -26,7 +22,7 @@ _OUTPUT_NAMES = ("down", "w2")
 
 
 class Merger:
-    """Merged tensors of a build's groups ({layer: [[[expert, weight], ...] per new id]})."""
+    """Merged tensors of a build's groups {layer: [[[expert, weight], ...] per new id]}."""
 
     def __init__(self, ck, fam, groups: dict[int, list], align: str | None):
         self.ck, self.fam, self.groups, self.align = ck, fam, groups, align
@@ -35,9 +31,9 @@ class Merger:
         self.errors: dict[tuple[int, int], float] = {}
 
     def members(self, layer: int, new: int) -> list | None:
-        """[[expert, weight], ...] of output expert `new`, or None when it is one source expert."""
-        group = self.groups[layer][new] if layer in self.groups else None
-        return group if group is not None and len(group) > 1 else None
+        """[[expert, weight], ...] of output expert `new`; None when it is one source expert."""
+        group = self.groups.get(layer, [[0]] * (new + 1))[new]
+        return group if len(group) > 1 else None
 
     def tensors(self, layer: int, new: int) -> list[torch.Tensor]:
         """Output expert `new`'s stored tensors in `expert_tensor_names` order."""

@@ -161,27 +161,19 @@ def _check_keep(plan: Plan, where: str) -> None:
 def _check_merge(plan: Plan, where: str) -> None:
     """Each layer's groups partition its experts, group j led by keep[layer][j], with finite
     non-negative weights summing to 1."""
-    import math
-
     groups = plan.merge.get("groups") if isinstance(plan.merge, dict) else None
     if plan.keep is None or not isinstance(groups, dict) or sorted(groups) != sorted(
             str(la) for la in plan.layers):
         raise ReapError(f"{where}: merge: not one group list for each of the layers")
     for layer in plan.layers:
-        gs, problem = groups[str(layer)], None
         try:
-            ids = [e for g in gs for e, _ in g]
-            weights = [[float(w) for _, w in g] for g in gs]
-            lead = [g[0][0] for g in gs]
+            gs = [[(int(e), float(w)) for e, w in g] for g in groups[str(layer)]]
+            ok = sorted(e for g in gs for e, _ in g) == list(range(plan.n_experts)) and all(
+                w >= 0 for g in gs for _, w in g) and all(abs(sum(w for _, w in g) - 1) < 1e-6
+                                                          for g in gs)
+            ok = ok and [g[0][0] for g in gs] == plan.keep[layer]
         except (TypeError, ValueError, IndexError):
-            ids, weights, lead, problem = [], [], [], "not lists of [expert, weight] pairs"
-        if problem is None and sorted(ids) != list(range(plan.n_experts)):
-            problem = f"the groups do not hold each of the {plan.n_experts} experts once"
-        elif problem is None and lead != plan.keep[layer]:
-            problem = "group j must start with keep[layer][j]"
-        elif problem is None and not all(
-                all(w >= 0 and math.isfinite(w) for w in ws) and abs(sum(ws) - 1) < 1e-6
-                for ws in weights):
-            problem = "weights must be finite, non-negative and sum to 1 in each group"
-        if problem:
-            raise ReapError(f"{where}: merge: layer {layer}: {problem}")
+            ok = False
+        if not ok:
+            raise ReapError(f"{where}: merge: layer {layer}: groups must hold each expert once, "
+                            "group j led by keep[j], weights >= 0 summing to 1")
