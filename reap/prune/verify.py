@@ -49,10 +49,8 @@ def verify(*, pruned: str, source: str) -> VerifyResult:
         _check_index(new, pruned)
         man = _manifest(pruned)
         if man["source"]["fingerprint"] != old.fingerprint():
-            raise VerifyError(
-                f"{source} is not the checkpoint {pruned} was pruned from "
-                "(fingerprint differs from the manifest's)"
-            )
+            raise VerifyError(f"{source} is not the checkpoint {pruned} was pruned from "
+                              "(fingerprint differs from the manifest's)")
         fam = family(old.config)
         cfg = fam.Config.from_dict(old.config)
         original = {int(la): v["original"] for la, v in man["experts"].items()}
@@ -106,10 +104,8 @@ def _check_config(fam, source_cfg: dict, pruned_cfg: dict, original: dict, prune
     want = fam.with_experts(source_cfg, n)
     if pruned_cfg != want:
         keys = sorted(_diff_keys(want, pruned_cfg))
-        raise VerifyError(
-            f"{pruned}/config.json is not the source config with {n} experts "
-            f"(differs at {', '.join(keys[:3])})"
-        )
+        raise VerifyError(f"{pruned}/config.json is not the source config with {n} experts "
+                          f"(differs at {', '.join(keys[:3])})")
 
 
 def _check_files(pruned: str, man: dict) -> None:
