@@ -25,6 +25,15 @@ When the tokens of a pass do not all fit, the MLP runs in several passes and eac
 once per pass (the pass count is recorded). Interrupted runs resume with the same arguments."""
 
 
+MERGE_STATS_HELP = (
+    "also record what `reap plan --method hc-smoe|m-smoe` needs: the router-score Gram (E*E per "
+    "layer) and every expert's output summed over about N sampled tokens, routed or not. Cost: "
+    "E*N expert evaluations per MoE layer (an expert the pass did not route is read again) and "
+    "L*E*(4*Dx+8*E+8) bytes per statistics file (Dx: expert width). Kimi K3 (92 layers, 896 "
+    "experts, Dx 3584), N=1024: 0.92 M evaluations per layer (routing 57,000 tokens to top-16 "
+    "costs as many), 1.8 GB per file. Default 0: off")
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=None,
                    help="checkpoint directory (default: the bundled k3-mini, see "
@@ -47,6 +56,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="per-sequence counts [S, L, E] for bootstrap (auto: when <= 256 MB)")
     p.add_argument("--shard", default="1/1",
                    help="K/N: calibrate only the K-th of N parts of the sequences")
+    p.add_argument("--merge-stats", type=int, default=0, metavar="N", help=MERGE_STATS_HELP)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.epilog = (p.epilog or "") + "\n\n" + EPILOG_MEMORY
 
@@ -81,6 +91,8 @@ def calibrate_kwargs(args: argparse.Namespace) -> dict:
 
     if args.batch is not None and args.batch < 1:
         raise ReapError(f"--batch must be at least 1, got {args.batch}")
+    if args.merge_stats < 0:
+        raise ReapError(f"--merge-stats must be >= 0, got {args.merge_stats}")
     if args.tokens < 1:
         raise ReapError(f"--tokens must be positive, got {args.tokens}")
     check_out_dir(args.out)
@@ -89,6 +101,7 @@ def calibrate_kwargs(args: argparse.Namespace) -> dict:
                 out=args.out, budget=parse_bytes(args.budget), device=args.device,
                 dtype=args.dtype, seed=args.seed, batch=args.batch,
                 save_token_experts=args.save_token_experts, progress=not args.no_progress,
+                **({"merge_stats": args.merge_stats} if args.merge_stats else {}),
                 seq_counts={"auto": None, "on": True, "off": False}[args.seq_counts])
 
 

@@ -20,7 +20,7 @@ import torch
 
 from reap.calibrate import artifacts as art
 from reap.calibrate import runner
-from reap.calibrate.accumulate import StatsAccumulator
+from reap.calibrate.accumulate import OutputProbe, StatsAccumulator
 from reap.calibrate.memory import plan_batches
 from reap.calibrate.spill import SpillStore
 from reap.checkpoint import Checkpoint
@@ -66,7 +66,7 @@ def calibrate(*, corpus: str, tokens: int, seq_len: int, out: str, model: str | 
               seed: int = 0, batch: int | None = None, save_token_experts: bool = False,
               seq_counts: bool | None = None, shard: tuple[int, int] = (1, 1),
               max_pass_seqs: int | None = None, progress: bool = True,
-              hooks=None, observe=None) -> runner.CalibrateResult:
+              hooks=None, observe=None, merge_stats: int = 0) -> runner.CalibrateResult:
     """Stream `tokens` calibration tokens of corpus mixture `corpus` (e.g. "zh:3+code:1")
     through `model` in sequences of `seq_len` and write per-corpus expert statistics to `out`.
 
@@ -74,7 +74,8 @@ def calibrate(*, corpus: str, tokens: int, seq_len: int, out: str, model: str | 
     per-sequence counts (None: when they take at most 256 MB). shard (k, n): only the k-th of n
     contiguous parts of the sampled sequences (merge the parts with `reap stats merge`).
     max_pass_seqs: cap the sequences per MLP pass below what the budget allows (tests use it
-    to force several passes).
+    to force several passes). merge_stats N > 0: also what expert merging needs (see
+    `reap.calibrate.cli.MERGE_STATS_HELP`), every expert run on about N sampled tokens.
     hooks(layer) runs after each committed layer; observe(record, corpus index [N]) receives
     every MoE record (`StatsAccumulator.record_sink`), with `MoERecord.gram` when `observe` has
     `wants_gram` true (not in the memory plan: N*K*Dl fp32 per MLP pass). Re-running with the
@@ -99,7 +100,8 @@ def calibrate(*, corpus: str, tokens: int, seq_len: int, out: str, model: str | 
         args = {"model": path, "corpus": corpus, "tokens": tokens, "seq_len": seq_len,
                 "seed": seed, "budget": budget, "device": device, "dtype": dtype, "batch": batch,
                 "shard": list(shard), "save_token_experts": save_token_experts,
-                "seq_counts": seq_counts, "max_pass_seqs": max_pass_seqs}
+                "seq_counts": seq_counts, "max_pass_seqs": max_pass_seqs,
+                **({"merge_stats": merge_stats} if merge_stats else {})}
         identity = {"arguments": args, "model": ckpt.fingerprint(),
                     "corpus_sha256": corpus_fingerprint(corpus, art.SPLIT),
                     "code_version": code_version(art.RESULT_CODE), "sequences": [s0, s1]}
@@ -183,13 +185,17 @@ def _make_run(ckpt, setup, ids, seq_corpus, n_corpora, identity, out, budget, ba
         store = SpillStore.from_manifest(work, S, prog["store"])
         store.cleanup()  # files of the layer that was interrupted
     expert_names = functools.partial(fam.expert_tensor_names, setup.cfg)  # (layer, expert)
-    acc = StatsAccumulator(size.n_experts, size.top_k, seq_corpus, T, n_corpora, seq_counts)
+    merge_stats = identity["arguments"].get("merge_stats", 0)
+    acc = StatsAccumulator(size.n_experts, size.top_k, seq_corpus, T, n_corpora, seq_counts,
+                           prob_gram=merge_stats > 0)
     run = runner.Run(ckpt=ckpt, model=setup.model, moe_layers=size.moe_layers, ids=ids,
                      plan=plan, store=store, acc=acc,
                      weights=runner.LayerWeights(ckpt, setup.device, setup.guard),
                      experts=runner.StoreExperts(ckpt, expert_names, setup.device,
                                                  fam.expert_matrices),
                      work=work, identity=identity, device=setup.device)
+    if merge_stats:
+        run.experts.probe = OutputProbe(acc, max(1, S * T // merge_stats))
     run.done = -1 if prog is None else prog["done"]
     if prog is not None:
         run.counters = dict(prog["counters"])

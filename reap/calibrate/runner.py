@@ -93,6 +93,7 @@ class StoreExperts:
         self.pass_reads: dict[tuple[int, int], int] = {}
         self.max_reads = 0
         self.total = 0
+        self.probe = None  # an OutputProbe (--merge-stats)
 
     def new_pass(self) -> None:
         """Start counting reads of a new MLP pass."""
@@ -191,6 +192,8 @@ def _moe(run: Run, i: int) -> None:
         run.acc.span(p0, p1)
         run.experts.new_pass()
         y = run.model.mlp_block(i, run.weights, x, experts=run.experts, observer=run.acc)
+        if run.experts.probe is not None:
+            run.experts.probe.finish()
         del x
         for s0, s1 in run.batches(p0, p1):
             state, loaded = _load_state(run, s0, s1)

@@ -50,7 +50,8 @@ from reap.checkpoint.spec import split_view
 
 # (layer, expert) -> that expert's tensors by short name, e.g. "w1.weight_packed", "w1.weight_scale".
 # A source may also have `prefetch(layer, expert_ids)`: MoE layers call it with every expert they
-# are about to use (ascending ids) once routing is known, before the first fetch.
+# are about to use (ascending ids) once routing is known, before the first fetch; and a `probe`
+# (layer, x, source, run) -> (source, run) that sees the layer's expert inputs x [N, Dx].
 ExpertSource = Callable[[int, int], Mapping[str, torch.Tensor]]
 
 # name (without prefix) -> tensor; raises reap.errors.CheckpointError for unknown names.

@@ -68,10 +68,8 @@ def layer_counts(
     else:
         total = keep * L if keep is not None else round(ratio * E * L)
         if not sum(floor) <= total <= E * L:
-            raise ReapError(
-                f"budget of {total} experts is outside [{sum(floor)}, {E * L}] "
-                f"(the per-layer minimum {floor_} x {L} layers .. all)"
-            )
+            raise ReapError(f"budget of {total} experts is outside [{sum(floor)}, {E * L}] "
+                            f"(the per-layer minimum {floor_} x {L} layers .. all)")
 
         def admit(counts, li):
             return sum(counts) < total

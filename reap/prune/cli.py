@@ -25,6 +25,7 @@ from reap.fileio import OVERWRITE_HELP, claim_out
 from reap.prune import plan_predict
 from reap.prune.budget import positive_size
 from reap.prune.criteria import CRITERIA
+from reap.prune.merge_plan import METHODS, ROUTER_RULE, make_merge_plan
 from reap.prune.plan import make_plan
 from reap.prune.plan_file import Plan
 from reap.prune.recon_pass import plan_recon
@@ -41,6 +42,15 @@ RECON_HELP = (
     "tokens*top_k*expert width*4 bytes, held while it runs), tokens*top_k*(4*top_k+14) bytes "
     "per MoE layer of records, and seconds per layer of search (O(tokens*top_k^3) per step); "
     "reap/ean read only the statistics"
+)
+
+
+MERGE_HELP = (
+    "hc-smoe: average-linkage clustering (Euclidean) of the experts' mean outputs on sampled "
+    "tokens; m-smoe: the most frequent experts are dominant, the others join the dominant one "
+    "of most similar router scores, neurons aligned by weight matching. Both merge a group by "
+    "frequency-weighted averaging, in float32, re-encoded in the source's format; router: "
+    + ROUTER_RULE
 )
 
 
@@ -138,6 +148,8 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-keep", type=int, help="global scope: least experts per layer (>= top_k)")
     p.add_argument("--no-protect", action="store_true", help="do not protect super experts")
     p.add_argument("--seed", type=int, default=0, help="seed of --criterion random")
+    p.add_argument("--method", choices=METHODS, help="merge experts instead of dropping them "
+                   "(statistics from `reap calibrate --merge-stats`): " + MERGE_HELP)
     add_predict_arguments(p)
 
 
@@ -194,7 +206,9 @@ def run_plan(args: argparse.Namespace) -> int:
         claim_out(args.out, args.overwrite)
     arguments = {k: v for k, v in vars(args).items() if not k.startswith("_")}
     planner = make_plan
-    if args.criterion == "recon":
+    if args.method:
+        planner = functools.partial(make_merge_plan, method=args.method)
+    elif args.criterion == "recon":
         planner = functools.partial(
             plan_recon, checkpoint=path, budget=positive_size(args.budget, "--budget")
         )

@@ -97,10 +97,8 @@ def parse_weights(text: str | None, corpora: list[str]) -> dict[str, float]:
         out[name.strip()] = w
     unknown = sorted(set(out) - set(corpora))
     if unknown:
-        raise ReapError(
-            f"--weights names {', '.join(unknown)}, not among the statistics' "
-            f"corpora ({', '.join(corpora)})"
-        )
+        raise ReapError(f"--weights names {', '.join(unknown)}, not among the statistics' "
+                        f"corpora ({', '.join(corpora)})")
     missing = sorted(set(corpora) - set(out))
     if missing:
         raise ReapError(f"--weights gives no weight for corpus {', '.join(missing)}")
@@ -152,10 +150,8 @@ def select_layer(
     then filled up to n by the combined score [E].
     """
     if len(protected) > n:
-        raise ReapError(
-            f"{len(protected)} protected experts exceed the {n} to keep in a layer "
-            f"(raise the budget or use --no-protect)"
-        )
+        raise ReapError(f"{len(protected)} protected experts exceed the {n} to keep in a layer "
+                        f"(raise the budget or use --no-protect)")
     kept = set(protected)
     if quota:
         room = n - len(kept)

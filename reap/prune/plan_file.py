@@ -5,7 +5,9 @@ loads it (`Plan.load`). `check` is the one validation of a plan: `Plan.load` run
 `prune` again against the model it prunes. The file is the record's fields as JSON, tagged with
 `format` (FORMAT); layer keys are strings in the file and ints in the record. Format 2 added
 `predictions` (what the plan keeps of each corpus, `reap.prune.predict`); format-1 plans load
-with `predictions` None.
+with `predictions` None; format 3 added `merge` (expert merging, `reap.prune.merge_plan`):
+{"method", "router", "align", "groups": {layer: [[[expert, weight], ...] per output expert]}},
+group j's first member being keep[layer][j].
 """
 
 from __future__ import annotations
@@ -17,8 +19,8 @@ from dataclasses import asdict, dataclass, field
 from reap.errors import ReapError, is_int
 from reap.fileio import write_atomic
 
-FORMAT = "reap.plan/2"
-READABLE = ("reap.plan/1", FORMAT)  # formats `Plan.load` reads
+FORMAT = "reap.plan/3"
+READABLE = ("reap.plan/1", "reap.plan/2", FORMAT)  # formats `Plan.load` reads
 # sources that decide what a plan and a pruned checkpoint contain: their `code_version` parts
 PRUNE_CODE = ("prune", "checkpoint", "models", "sizes.py", "stats")
 
@@ -49,6 +51,7 @@ class Plan:
     provenance: dict = field(default_factory=dict)
     predictions: dict | None = None  # reap.prune.predict.predict's record
     recon: dict | None = None  # --criterion recon: objective, method, per-layer search record
+    merge: dict | None = None  # --method hc-smoe|m-smoe: the groups (module docstring)
     format: str = FORMAT
 
     def to_json(self) -> dict:
@@ -74,7 +77,7 @@ class Plan:
             for k in ("counts", "keep", "scores"):
                 if d.get(k) is not None:
                     d[k] = {int(layer): v for layer, v in d[k].items()}
-            d["format"] = FORMAT  # a format-1 plan is a format-2 plan without predictions
+            d["format"] = FORMAT  # older formats lack predictions and merge
             plan = cls(**d)
         except (OSError, ValueError, TypeError, AttributeError, RecursionError) as e:
             raise ReapError(f"{path}: cannot read plan ({e})") from e
@@ -113,6 +116,8 @@ def check(plan: Plan, where: str = "plan", shape: tuple[list[int], int, int] | N
             )
     if plan.keep is not None:
         _check_keep(plan, where)
+    if plan.merge is not None:
+        _check_merge(plan, where)
 
 
 def _check_model(plan: Plan, where: str, shape: tuple[list[int], int, int]) -> None:
@@ -151,3 +156,24 @@ def _check_keep(plan: Plan, where: str) -> None:
             raise ReapError(f"{where}: keep: layer {layer}: invalid kept expert list ({problem})")
 
 
+
+
+def _check_merge(plan: Plan, where: str) -> None:
+    """Each layer's groups partition its experts, group j led by keep[layer][j], with finite
+    non-negative weights summing to 1."""
+    groups = plan.merge.get("groups") if isinstance(plan.merge, dict) else None
+    if plan.keep is None or not isinstance(groups, dict) or sorted(groups) != sorted(
+            str(la) for la in plan.layers):
+        raise ReapError(f"{where}: merge: not one group list for each of the layers")
+    for layer in plan.layers:
+        try:
+            gs = [[(int(e), float(w)) for e, w in g] for g in groups[str(layer)]]
+            ok = sorted(e for g in gs for e, _ in g) == list(range(plan.n_experts)) and all(
+                w >= 0 for g in gs for _, w in g) and all(abs(sum(w for _, w in g) - 1) < 1e-6
+                                                          for g in gs)
+            ok = ok and [g[0][0] for g in gs] == plan.keep[layer]
+        except (TypeError, ValueError, IndexError):
+            ok = False
+        if not ok:
+            raise ReapError(f"{where}: merge: layer {layer}: groups must hold each expert once, "
+                            "group j led by keep[j], weights >= 0 summing to 1")

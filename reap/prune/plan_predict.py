@@ -44,10 +44,8 @@ def run_compare(args) -> int:
         if sources:
             plan.predictions = predict(plan, sources, reps=args.bootstrap, seed=args.seed)
         elif plan.predictions is None:
-            raise ReapError(
-                f"{path}: predictions: the plan has none (a reap.plan/1 file or "
-                "one made without statistics); give STATS or --against"
-            )
+            raise ReapError(f"{path}: predictions: the plan has none (a reap.plan/1 file or "
+                            "one made without statistics); give STATS or --against")
         named.append((os.path.basename(path), plan))
     text = compare_markdown(named)
     print(text, end="")

@@ -109,10 +109,8 @@ def collect(
         for m, part in zip(metas, parts):
             key = _run_key(m)
             if not key[1] or not key[2]:
-                raise ReapError(
-                    f"{path}: statistics without their calibration arguments "
-                    "(recon reruns the calibration pass)"
-                )
+                raise ReapError(f"{path}: statistics without their calibration arguments "
+                                "(recon reruns the calibration pass)")
             runs.setdefault(key, {})[part] = weights[name] / total / len(parts)
     merged: dict[int, list[LayerTokens]] = {}
     for key, want in runs.items():

@@ -54,8 +54,10 @@ def tensors_sha256(tensors: list[torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-def stream_items(ck, fam, writer, items: list[Item], progress: bool, new_ids: dict[int, list[int]]):
-    """Copy every item into the writer; returns ({(layer, new id): sha256}, resumed count)."""
+def stream_items(ck, fam, writer, items: list[Item], progress: bool, new_ids: dict[int, list[int]],
+                 merger=None):
+    """Copy every item into the writer (an expert the `merge_write.Merger` merges: its merged
+    tensors); returns ({(layer, new id): sha256}, resumed count)."""
     from tqdm import tqdm
 
     hasher, cfg = _Hasher(), fam.Config.from_dict(ck.config)
@@ -73,7 +75,13 @@ def stream_items(ck, fam, writer, items: list[Item], progress: bool, new_ids: di
         resumed += sum(done)
         if it.kind == "expert":  # read even when written: the manifest needs its hash
             names = [g.source for g in group]
-            hasher.submit(it.expert, _checked(fam, names, _copy_expert(ck, writer, group)))
+            if merger is not None and merger.members(*it.expert):
+                tensors = merger.tensors(*it.expert)
+                for g, t in zip(group, tensors):
+                    writer.write(g.spec.name, t)
+            else:
+                tensors = _copy_expert(ck, writer, group)
+            hasher.submit(it.expert, _checked(fam, names, tensors))
         elif not done[0]:
             writer.write(it.spec.name, _fused(ck, it) if it.kind == "fused" else _tensor(ck, it))
         bar.update(sum(g.spec.nbytes for g in group))

@@ -49,6 +49,8 @@ def plan_items(
     dropped = unused_tensors(fam, ck.config) if dropped is None else dropped
     new_ids = {layer: {e: j for j, e in enumerate(ids)} for layer, ids in plan.keep.items()}
     fused = fused_tensors(fam, cfg, plan.layers)
+    if fused and plan.merge:
+        raise ReapError(f"{ck.path}: merging experts stored in fused tensors is not supported")
     found = _experts_found(ck, fam, plan, fused, dropped)
     routers = {}
     for layer in plan.layers:
@@ -115,10 +117,8 @@ def _experts_found(
                 found.setdefault((fused[name], e), set()).add(view_name(name, e))
     layers = sorted({layer for layer, _ in found})
     if layers != sorted(plan.layers):
-        raise ReapError(
-            f"{ck.path}: the checkpoint's routed-expert layers and the plan's disagree "
-            f"({first_difference(layers, sorted(plan.layers))})"
-        )
+        raise ReapError(f"{ck.path}: the checkpoint's routed-expert layers and the plan's disagree "
+                        f"({first_difference(layers, sorted(plan.layers))})")
     for layer in layers:
         n = 1 + max(e for la, e in found if la == layer)
         if n != plan.n_experts:
@@ -149,8 +149,6 @@ def _expert_items(ck, fam, cfg, key: tuple[int, int], new: int, present: set[str
 
 def _sliced_shape(info, axis: int, n: int, n_experts: int) -> tuple[int, ...]:
     if axis >= len(info.shape) or info.shape[axis] != n_experts:
-        raise ReapError(
-            f"router tensor {info.name}: shape {info.shape} has no axis {axis} of "
-            f"{n_experts} experts"
-        )
+        raise ReapError(f"router tensor {info.name}: shape {info.shape} has no axis {axis} of "
+                        f"{n_experts} experts")
     return tuple(n if i == axis else s for i, s in enumerate(info.shape))

@@ -49,10 +49,8 @@ def verify(*, pruned: str, source: str) -> VerifyResult:
         _check_index(new, pruned)
         man = _manifest(pruned)
         if man["source"]["fingerprint"] != old.fingerprint():
-            raise VerifyError(
-                f"{source} is not the checkpoint {pruned} was pruned from "
-                "(fingerprint differs from the manifest's)"
-            )
+            raise VerifyError(f"{source} is not the checkpoint {pruned} was pruned from "
+                              "(fingerprint differs from the manifest's)")
         fam = family(old.config)
         cfg = fam.Config.from_dict(old.config)
         original = {int(la): v["original"] for la, v in man["experts"].items()}
@@ -66,10 +64,12 @@ def verify(*, pruned: str, source: str) -> VerifyResult:
                 _check_fused(new, old, name, len(rows[1]))
             elif kind != "expert":
                 nbytes += _compare(new, old, name, src, rows)
+        merger = _merger(old, fam, man)
         for layer, ids in original.items():
             shas = man["experts"][str(layer)]["sha256"]  # indexed, not zipped: none may be skipped
             for j, e in enumerate(ids):
-                nbytes += _check_expert(new, old, fam, cfg, layer, j, e, shas[j])
+                want = merger.tensors(layer, j) if merger and merger.members(layer, j) else None
+                nbytes += _check_expert(new, old, fam, cfg, (layer, j, e), shas[j], want)
     n_stored = sum(1 for n in expected if split_view(n)[1] is None)  # views are not tensors
     return VerifyResult(n_stored, nbytes, sum(len(v) for v in original.values()))
 
@@ -104,10 +104,8 @@ def _check_config(fam, source_cfg: dict, pruned_cfg: dict, original: dict, prune
     want = fam.with_experts(source_cfg, n)
     if pruned_cfg != want:
         keys = sorted(_diff_keys(want, pruned_cfg))
-        raise VerifyError(
-            f"{pruned}/config.json is not the source config with {n} experts "
-            f"(differs at {', '.join(keys[:3])})"
-        )
+        raise VerifyError(f"{pruned}/config.json is not the source config with {n} experts "
+                          f"(differs at {', '.join(keys[:3])})")
 
 
 def _check_files(pruned: str, man: dict) -> None:
@@ -204,16 +202,34 @@ def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     return _bytes(a) == _bytes(b)
 
 
-def _check_expert(new, old, fam, cfg, layer: int, j: int, e: int, sha: str) -> int:
-    """Expert j of the pruned layer == expert e of the source, byte for byte and by hash."""
+def _merger(old, fam, man: dict):
+    """The `Merger` recomputing a merged build's experts from the manifest's groups, or None."""
+    if not man.get("merge"):
+        return None
+    from reap.prune.merge_write import Merger
+
+    try:
+        groups = {int(la): [[[int(e), float(w)] for e, w in zip(*ew)] for ew in zip(
+            v["sources"], v["weights"])] for la, v in man["experts"].items()}
+    except (KeyError, TypeError, ValueError) as e:
+        raise VerifyError(f"{MANIFEST}: merge groups unreadable ({e})") from None
+    return Merger(old, fam, groups, man["merge"].get("align"))
+
+
+def _check_expert(new, old, fam, cfg, key: tuple[int, int, int], sha: str, merged=None) -> int:
+    """Expert j of the pruned layer == expert e of the source (`key` (layer, j, e)), or the
+    `merged` tensors recomputed from the source, byte for byte and by hash."""
+    layer, j, e = key
     names_new = fam.expert_tensor_names(cfg, layer, j)
     names_old = fam.expert_tensor_names(cfg, layer, e)
-    got, want = new.read_many(names_new), old.read_many(names_old)
+    got = new.read_many(names_new)
+    want = old.read_many(names_old) if merged is None else dict(zip(names_old, merged))
     n = 0
     for a, b in zip(names_new, names_old):
         ta, tb = got[a], want[b]
         if ta.dtype != tb.dtype or ta.shape != tb.shape or not _same_bytes(ta, tb):
-            raise VerifyError(f"tensor {a} differs from source expert tensor {b}")
+            what = "source expert tensor" if merged is None else "recomputed merge of"
+            raise VerifyError(f"tensor {a} differs from {what} {b}")
         n += new.tensors[a].nbytes
     if tensors_sha256([got[a] for a in names_new]) != sha:  # the source's bytes are the same
         raise VerifyError(

@@ -89,8 +89,13 @@ def prune(
         resume.claim(out, inputs, overwrite)
         writer = CheckpointWriter(out, specs, limit, prefix=ck.prefix, overwrite=overwrite)
         resume.record(out, inputs)
-        hashes, resumed = stream_items(ck, fam, writer, items, progress, new_ids)
-        manifest = _manifest(ck, plan, new_ids, hashes, arguments)
+        merger = None
+        if plan.merge:
+            from reap.prune.merge_write import Merger
+
+            merger = Merger(ck, fam, plan_groups(plan.merge), plan.merge.get("align"))
+        hashes, resumed = stream_items(ck, fam, writer, items, progress, new_ids, merger)
+        manifest = _manifest(ck, plan, new_ids, hashes, arguments, merger)
         if dropped:
             manifest["dropped"] = {"tensors": len(dropped), "note": DROPPED_NOTE}
         files = {"config.json": json.dumps(config, indent=2).encode(), PLAN_COPY: _plan_bytes(plan)}
@@ -173,13 +178,27 @@ def _largest_shard(ck) -> int:
     return max(per_file.values(), default=1)
 
 
-def _manifest(ck, plan: Plan, new_ids, hashes, arguments) -> dict:
+def plan_groups(merge: dict) -> dict[int, list]:
+    """A plan's (or manifest's) merge groups by int layer."""
+    return {int(layer): gs for layer, gs in merge["groups"].items()}
+
+
+def _manifest(ck, plan: Plan, new_ids, hashes, arguments, merger=None) -> dict:
     experts = {}
     for layer, ids in new_ids.items():
         experts[str(layer)] = {
             "original": ids,
             "sha256": [hashes[(layer, j)] for j in range(len(ids))],
         }
+        if merger is not None:  # every output expert's sources, weights and re-encoding error
+            gs = merger.groups[layer]
+            experts[str(layer)].update(
+                sources=[[e for e, _ in g] for g in gs], weights=[[w for _, w in g] for g in gs],
+                reencode_error=[merger.errors.get((layer, j), 0.0) for j in range(len(ids))])
+    merge = None if merger is None else {
+        **{k: v for k, v in plan.merge.items() if k != "groups"},
+        "reencode_error": "relative Frobenius error of the stored merged expert: "
+                          "||decoded stored - float32 merge|| / ||float32 merge||, all matrices"}
     return {
         "format": MANIFEST_FORMAT,
         "hash_rule": HASH_RULE,
@@ -187,6 +206,7 @@ def _manifest(ck, plan: Plan, new_ids, hashes, arguments) -> dict:
         "plan_sha256": hashlib.sha256(_plan_bytes(plan)).hexdigest(),
         "n_experts": {"source": plan.n_experts, "kept": sorted(set(plan.counts.values()))},
         "experts": experts,
+        **({"merge": merge} if merge else {}),
         "provenance": {
             "code_version": code_version(PRUNE_CODE),
             "arguments": arguments or {},

@@ -33,6 +33,7 @@ _COUNT = {"dtype": torch.int64, "merge": "sum"}
 _SUM = {"dtype": torch.float64, "merge": "sum"}
 _MAX = {"dtype": torch.float32, "merge": "max"}
 _PER_SEQUENCE = {"dtype": torch.int32, "merge": "cat"}
+_OUT = {"dtype": torch.float32, "merge": "sum"}  # float32: [L, E, Dx] is large at scale
 
 
 @dataclass(kw_only=True)
@@ -51,9 +52,15 @@ class ExpertSums:
     prob_mass: torch.Tensor = field(metadata=_SUM)  # sum over ALL tokens of router probability
     coact: torch.Tensor = field(metadata=_COUNT)  # [*R, E, E] tokens routed to both i and j
     seq_count: torch.Tensor | None = field(default=None, metadata=_PER_SEQUENCE)  # [S, *R, E]
+    # with `reap calibrate --merge-stats` (expert merging): sum over ALL tokens of p_i * p_j,
+    # p the router scores [E]; each expert's output summed over a token sample, routed or not
+    # ([*R, E, Dx], Dx the experts' output width), and that sample's size
+    prob_gram: torch.Tensor | None = field(default=None, metadata=_SUM)  # [*R, E, E]
+    out_sum: torch.Tensor | None = field(default=None, metadata=_OUT)  # [*R, E, Dx]
+    out_count: torch.Tensor | None = field(default=None, metadata=_COUNT)
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        """Field name -> tensor, omitting an absent seq_count."""
+        """Field name -> tensor, omitting absent optional fields."""
         return {f.name: getattr(self, f.name) for f in sum_fields()
                 if getattr(self, f.name) is not None}
 
@@ -69,7 +76,7 @@ def zero_sums(n_experts: int, n_seq: int | None = None, rows: tuple[int, ...] = 
     E = n_experts
     out = {f.name: torch.zeros((*rows, E, E) if f.name == "coact" else (*rows, E),
                                dtype=f.metadata["dtype"])
-           for f in sum_fields() if f.name != "seq_count"}
+           for f in sum_fields() if f.default is MISSING}
     if n_seq is not None:
         out["seq_count"] = torch.zeros((n_seq, *rows, E), dtype=torch.int32)
     return out
@@ -200,11 +207,13 @@ def merge(parts: list[ExpertStats], meta: dict | None = None) -> ExpertStats:
     for f in sum_fields():
         name, rule = f.name, f.metadata["merge"]
         vals = [getattr(p, name) for p in parts]
+        if any(v is None for v in vals):
+            continue  # an optional field some part lacks
         if rule == "sum":
             out[name] = torch.stack(vals).sum(0)
         elif rule == "max":
             out[name] = torch.stack(vals).amax(0)
-        elif all(v is not None for v in vals):
+        else:
             out[name] = torch.cat(vals)
     m = dict(meta if meta is not None else a.meta)
     m["merged_from"] = [p.meta for p in parts]

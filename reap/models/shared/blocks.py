@@ -238,6 +238,9 @@ def routed_experts(x: Tensor, ids: Tensor, weights: Tensor, layer: int, experts:
     prefetch = getattr(experts, "prefetch", None)
     if prefetch is not None:  # a streaming source may start every read now, in the background
         prefetch(layer, sorted(set(ids.reshape(-1).tolist())))
+    probe = getattr(experts, "probe", None)  # calibration's merge statistics (OutputProbe)
+    if probe is not None:
+        experts, run = probe(layer, x, experts, run)
     if x.shape[0] == 1 and to_model is None and FAST_ONE_TOKEN:
         return _one_token(x, ids, weights, layer, experts, run), None
     return dispatch(x, ids, weights, lambda e, xs: run(xs, experts(layer, e)), to_model, gram)
