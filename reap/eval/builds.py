@@ -70,7 +70,7 @@ class Engines:
             device=o["device"],
             dtype=o["dtype"],
             batch=o["plan_batch"],
-            max_generation=max(1, o["gen_tokens"]),
+            max_generation=o["context"],  # the plan does not depend on it
         )
 
     def reference_engine(self):

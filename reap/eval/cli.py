@@ -45,6 +45,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma-separated prompt domains to generate for (default: all)")
     p.add_argument("--gen-tokens", type=int, default=64,
                    help="tokens generated per prompt, greedy (default 64; 0: no generations)")
+    p.add_argument("--tasks", default="", help="comma-separated lm-eval tasks run on every "
+                   "column, e.g. arc_easy,hellaswag (needs reap[bench]; 2048-token contexts, "
+                   "greedy); scores with value +- 1.96 lm-eval stderr")
+    p.add_argument("--task-path", metavar="DIR", help="more lm-eval task YAMLs (--include_path)")
+    p.add_argument("--task-limit", type=int, help="documents per task (default all)")
     mem = p.add_mutually_exclusive_group()
     mem.add_argument("--budget", help="RAM budget of the whole process, e.g. 64GB (split "
                                       "between the reference and the build being evaluated)")
@@ -79,7 +84,7 @@ def run(args: argparse.Namespace, run_tasks=None) -> int:
     from reap.eval.pipeline import evaluate
     from reap.fileio import check_out_dir
 
-    for name in ("max_docs", "max_tokens_per_doc", "batch", "gen_batch"):
+    for name in ("max_docs", "max_tokens_per_doc", "batch", "gen_batch", "task_limit"):
         _positive("--" + name.replace("_", "-"), getattr(args, name))
     for name in ("gen_tokens", "bootstrap"):
         _positive("--" + name.replace("_", "-"), getattr(args, name), zero_ok=True)
@@ -91,6 +96,7 @@ def run(args: argparse.Namespace, run_tasks=None) -> int:
         prompts=args.prompts, gen_domains=_list(args.gen_domains), gen_tokens=args.gen_tokens,
         budget=args.budget, preset=args.preset, device=args.device, dtype=args.dtype,
         bootstrap=args.bootstrap, batch=args.batch, gen_batch=args.gen_batch,
+        tasks=_list(args.tasks) or [], task_path=args.task_path, task_limit=args.task_limit,
         progress=not args.quiet, plots=not args.no_plots, run_tasks=run_tasks)
     c = results["cache"]
     print(f"{args.out}/report.md  ({c['hits']} cached, {c['misses']} computed results)")

@@ -7,8 +7,8 @@ The inputs are checked and loaded first (`workload`), every result becomes a tas
 (`tasks`). For every build not yet cached: the reference and the build are open together (the memory
 budget split between them) and score every corpus's held-out documents in lockstep (`quality`), then
 the build decodes the prompt set greedily (`generations`); the reference decodes it once (engines:
-`builds`). Results are cached per build (`cache`), so adding a build to an evaluation only runs that
-build. The results document with its summaries (bootstrap intervals), tables, plots and the HTML
+`builds`); every column runs the lm-eval tasks (`harness`). Results are cached per build
+(`cache`), so adding a build to an evaluation only runs that build. The results document with its summaries (bootstrap intervals), tables, plots and the HTML
 page are recomputed from the cached raw results each time (`results`, `summary`, `report`). One
 progress bar counts every token to be read or generated.
 """
@@ -47,6 +47,9 @@ def evaluate(
     bootstrap: int = 1000,
     batch: int = 4,
     gen_batch: int = 16,
+    tasks: list[str] = (),
+    task_path: str | None = None,
+    task_limit: int | None = None,
     progress: bool = True,
     plots: bool = True,
     run_tasks=None,
@@ -57,13 +60,12 @@ def evaluate(
     run_tasks: what computes the uncached tasks (default `tasks.run_with_progress`; `reap eval
     --ray` passes `reap.distributed.eval.ray_runner`), same arguments."""
     outdir = Path(check_out_dir(out))
-    w = prepare_workload(
-        builds, reference, corpora, max_docs, max_tokens_per_doc, prompts, gen_domains, gen_tokens
-    )
+    w = prepare_workload(builds, reference, corpora, max_docs, max_tokens_per_doc, prompts,
+                         gen_domains, gen_tokens, tasks, task_path)
     args = dict(corpora=list(corpora), max_docs=max_docs, max_tokens_per_doc=max_tokens_per_doc,
                 gen_domains=gen_domains, gen_tokens=gen_tokens, budget=budget, preset=preset,
                 device=_device(device), dtype=dtype, bootstrap=bootstrap, batch=batch,
-                gen_batch=gen_batch)
+                gen_batch=gen_batch, tasks=list(tasks), task_path=task_path, task_limit=task_limit)
     tasks = make_tasks(w, args)
     cache = Cache(outdir)
     for t in tasks:

@@ -1,5 +1,6 @@
 """The results document of an evaluation (results.json): provenance, quality summaries with
-bootstrap intervals per corpus, generation summaries per domain and the side-by-side rows.
+bootstrap intervals per corpus, generation summaries per domain, the side-by-side rows and the
+lm-eval scores per task with their intervals.
 """
 
 from __future__ import annotations
@@ -9,7 +10,8 @@ from dataclasses import asdict
 from reap.eval.builds import Build
 from reap.eval.cache import Cache
 from reap.eval.generations import prompts_digest, with_metrics
-from reap.eval.summary import reference_quality, summarize_generations, summarize_quality
+from reap.eval.summary import (benchmark_estimate, reference_quality, summarize_generations,
+                               summarize_quality)
 from reap.eval.tasks import FORMAT, Task
 from reap.eval.workload import Workload
 
@@ -49,6 +51,7 @@ def results_document(
         "prompts": {"source": prompts_src or "shipped", "count": len(w.prompts), "sha256": digest},
         "quality": quality,
         **_generation_results(labels, gens, w.prompts),
+        "benchmarks": _benchmarks([t for t in tasks if t.kind == "benchmarks"]),
         "cache": {"hits": cache.hits, "misses": cache.misses, "dir": str(cache.dir)},
         "expert_failures": failures,
     }
@@ -57,6 +60,16 @@ def results_document(
 def _describe(b: Build) -> dict:
     fingerprint = b.identity.get("fingerprint")
     return {"label": b.label, "path": b.path, "fingerprint": fingerprint, "identity_sha256": b.key}
+
+
+def _benchmarks(tasks: list[Task]) -> dict:
+    """task -> column -> {"samples": n, metric: Estimate as a dict} (lm-eval's scores)."""
+    out: dict = {}
+    for t in tasks:
+        for name, r in t.payload.items():
+            col = out.setdefault(name, {})[t.build.label] = {"samples": r["samples"]}
+            col.update({m: asdict(benchmark_estimate(*v)) for m, v in r["metrics"].items()})
+    return out
 
 
 def _generation_results(labels: list[str], gens: dict, plist) -> dict:

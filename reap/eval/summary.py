@@ -9,7 +9,8 @@ Every quality figure is a ratio of sums over documents (a token-weighted mean):
 
 The bootstrap resamples documents with replacement (`n_boot` replicates, numpy PCG64 seeded by
 `seed`); each replicate recomputes every ratio from the same resampled documents, so the ratio to
-the reference is paired. Intervals are percentile intervals at `level`.
+the reference is paired. Intervals are percentile intervals at `level`. lm-eval's scores
+come with its standard errors instead: their interval is the normal one.
 """
 
 from __future__ import annotations
@@ -115,6 +116,12 @@ def reference_quality(
     return QualitySummary(
         s.docs, s.tokens, s.ref_loss, ppl, s.ref_loss, exact(1.0), exact(1.0), exact(0.0)
     )
+
+
+def benchmark_estimate(value: float, stderr: float | None, z: float = 1.959964) -> Estimate:
+    """An lm-eval score with its normal 95 % interval, value +- z stderr (none without one)."""
+    return Estimate(value) if stderr is None else Estimate(value, value - z * stderr,
+                                                           value + z * stderr)
 
 
 @dataclass
