@@ -16,6 +16,7 @@ sample is refused).
 
 from __future__ import annotations
 
+import functools
 import sys
 
 import torch
@@ -39,8 +40,10 @@ class ReapLM(TemplateLM):
 
     def __init__(self, pretrained=None, budget=None, preset=None, max_length=2048,
                  max_gen_toks=256, batch_size=1, max_batch_size=None, device=None, dtype="auto",
-                 engine=None):
+                 engine=None, **unknown):
         super().__init__()
+        if unknown:
+            raise ReapError(f"model_args {', '.join(unknown)}: not an argument of model reap")
         self.batch = int(batch_size) if str(batch_size).isdigit() else 4  # "auto": 4
         self.max_gen_toks = int(max_gen_toks)
         if engine is None:
@@ -132,19 +135,30 @@ def continuation_scores(engine, seqs: list[list[int]], n_cont: list[int]) -> lis
     return [tuple(s) for s in sums]
 
 
+@functools.lru_cache(maxsize=4)
+def task_manager(task_path: str | None, tasks: tuple[str, ...]):
+    """lm-eval's TaskManager that knows `tasks` (indexing lm-eval's own ~15k tasks takes
+    seconds: only the YAMLs under `task_path` when they hold them all); ReapError naming the
+    first unknown task."""
+    from lm_eval.tasks import TaskManager
+
+    for defaults in [False] * (task_path is not None) + [True]:
+        manager = TaskManager(include_path=task_path, include_defaults=defaults)
+        unknown = [t for t in tasks if t not in manager.all_tasks]
+        if not unknown:
+            return manager
+    raise ReapError(f"unknown lm-eval task {unknown[0]!r} (`lm-eval ls tasks`; or give "
+                    f"--task-path DIR with its YAML)")
+
+
 def run_benchmarks(engine, tasks: list[str], task_path: str | None = None,
                    limit: int | None = None, batch: int = 4, bootstrap: int = 1000) -> dict:
     """lm-eval `tasks` (names, or those under `task_path`) on an open engine, the first `limit`
     documents of each: {task: {"samples": n, "metrics": {metric: [value, stderr or None]}}}."""
     from lm_eval import simple_evaluate
-    from lm_eval.tasks import TaskManager
 
     lm = ReapLM(engine=engine, batch_size=batch)
-    manager = TaskManager(include_path=task_path, verbosity="ERROR")
-    unknown = [t for t in tasks if t not in manager.all_tasks]
-    if unknown:
-        raise ReapError(f"unknown lm-eval task {unknown[0]!r} (`lm-eval ls tasks`; "
-                        f"or give --task-path DIR with its YAML)")
+    manager = task_manager(task_path, tuple(tasks))
     try:
         res = simple_evaluate(model=lm, tasks=tasks, limit=limit, task_manager=manager,
                               bootstrap_iters=bootstrap, log_samples=False, verbosity="ERROR")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from importlib.metadata import version
 from pathlib import Path
 
 from reap.errors import ReapError
@@ -69,13 +70,9 @@ def prepare_workload(builds, reference, corpora, max_docs, max_tokens_per_doc, p
 
 def benchmark_spec(tasks: list[str], task_path: str | None) -> dict:
     """The lm-eval tasks as their results' cache key sees them (a one-line error without
-    lm-eval or with a --task-path that is not a directory)."""
-    try:
-        from importlib.metadata import version
+    lm-eval, for an unknown task or a --task-path that is not a directory)."""
+    from reap.eval.harness import task_manager  # ReapError without lm-eval
 
-        lm_eval = version("lm_eval")
-    except ImportError:
-        raise ReapError("--tasks needs lm-eval: pip install 'reap[bench]'") from None
     digest = None
     if task_path is not None:
         root = Path(task_path)
@@ -84,7 +81,8 @@ def benchmark_spec(tasks: list[str], task_path: str | None) -> dict:
         files = sorted(p for p in root.rglob("*") if p.is_file())
         rows = [f"{p.relative_to(root)}\0{sha256_file(p)}" for p in files]
         digest = hashlib.sha256("\n".join(rows).encode()).hexdigest()
-    return {"tasks": tasks, "task_files": digest, "lm_eval": lm_eval}
+    task_manager(task_path, tuple(tasks))  # unknown tasks: an error before any engine opens
+    return {"tasks": tasks, "task_files": digest, "lm_eval": version("lm_eval")}
 
 
 def _tokenizer(path: str):
