@@ -19,10 +19,10 @@ import pytest
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 lm_eval = pytest.importorskip("lm_eval")
-from lm_eval.api.instance import Instance  # noqa: E402
+import family_runner as R
+from lm_eval.api.instance import Instance
 
-import family_runner as R  # noqa: E402
-from reap.cli import main  # noqa: E402
+from reap.cli import main
 
 FIXTURES = Path(__file__).parent / "fixtures" / "lm_eval"
 TASKS = ["reap_tiny_mc", "reap_tiny_gen"]
@@ -113,13 +113,15 @@ def test_python_m_harness_runs_lm_evals_cli(tiny, tmp_path):
             "--include_path", ".", "--device", "cpu", "--limit", "3",
             "--output_path", str(tmp_path / "out")]
     ok = subprocess.run([*args, "--model_args", f"pretrained={tiny},preset=max"], cwd=FIXTURES,
-                        env=_env(tmp_path), capture_output=True, text=True, timeout=300)
+                        env=_env(tmp_path), capture_output=True, text=True, timeout=300,
+                        check=False)
     assert ok.returncode == 0, ok.stderr[-2000:]
     (found,) = (tmp_path / "out").rglob("results_*.json")
     res = json.loads(found.read_text())["results"]
     assert set(res) == set(TASKS) and 0 <= res["reap_tiny_mc"]["acc,none"] <= 1
     bad = subprocess.run([*args, "--model_args", f"pretrained={tiny},budjet=1GB"], cwd=FIXTURES,
-                         env=_env(tmp_path), capture_output=True, text=True, timeout=300)
+                         env=_env(tmp_path), capture_output=True, text=True, timeout=300,
+                         check=False)
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
     assert bad.stderr.strip().splitlines()[-1] == (
         "reap: error: model_args budjet: not an argument of model reap")
@@ -157,8 +159,8 @@ def test_reap_eval_tasks_puts_scores_with_intervals_in_the_report(tiny, tmp_path
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--tasks", "no_such_task"], "unknown lm-eval task 'no_such_task' (`lm-eval ls tasks`; "
-                                  "or give --task-path DIR with its YAML)"),
+    (["--tasks", "no_such_task"], ("unknown lm-eval task 'no_such_task' (`lm-eval ls tasks`; "
+                                   "or give --task-path DIR with its YAML)")),
     (["--task-path", "/nonexistent"], "--task-path /nonexistent: not a directory"),
     (["--task-limit", "0"], "--task-limit must be positive, got 0"),
 ])

@@ -13,6 +13,7 @@ report.md, generations.md, report.html and plots/ under --out; results are cache
 from __future__ import annotations
 
 import argparse
+import inspect
 
 from reap.engine.cli import set_threads
 from reap.engine.memory import PRESETS
@@ -73,9 +74,7 @@ def _positive(name: str, v: int | None, zero_ok: bool = False) -> None:
 
 
 def _list(text: str | None) -> list[str] | None:
-    if text is None:
-        return None
-    return [t.strip() for t in text.split(",") if t.strip()]
+    return None if text is None else [t.strip() for t in text.split(",") if t.strip()]
 
 
 def run(args: argparse.Namespace, run_tasks=None) -> int:
@@ -90,14 +89,10 @@ def run(args: argparse.Namespace, run_tasks=None) -> int:
         _positive("--" + name.replace("_", "-"), getattr(args, name), zero_ok=True)
     check_out_dir(args.out)
     set_threads(args.threads)
-    results = evaluate(
-        builds=args.builds, reference=args.reference, corpora=_list(args.corpus) or [],
-        out=args.out, max_docs=args.max_docs, max_tokens_per_doc=args.max_tokens_per_doc,
-        prompts=args.prompts, gen_domains=_list(args.gen_domains), gen_tokens=args.gen_tokens,
-        budget=args.budget, preset=args.preset, device=args.device, dtype=args.dtype,
-        bootstrap=args.bootstrap, batch=args.batch, gen_batch=args.gen_batch,
-        tasks=_list(args.tasks) or [], task_path=args.task_path, task_limit=args.task_limit,
-        progress=not args.quiet, plots=not args.no_plots, run_tasks=run_tasks)
+    kw = {k: v for k, v in vars(args).items() if k in inspect.signature(evaluate).parameters}
+    kw.update(corpora=_list(args.corpus) or [], gen_domains=_list(args.gen_domains),
+              tasks=_list(args.tasks) or [], progress=not args.quiet, plots=not args.no_plots)
+    results = evaluate(**kw, run_tasks=run_tasks)  # the flags spelled as its arguments as is
     c = results["cache"]
     print(f"{args.out}/report.md  ({c['hits']} cached, {c['misses']} computed results)")
     return 0

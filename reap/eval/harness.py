@@ -1,17 +1,13 @@
-"""Standard benchmarks through lm-eval-harness on the streaming engine: `ReapLM`, lm-eval's
-model `reap`.
+"""lm-eval-harness on the streaming engine: `ReapLM`, lm-eval's model `reap`.
 
     python -m reap.eval.harness --model reap --model_args pretrained=BUILD,budget=64GB \\
-        --tasks arc_easy,hellaswag --batch_size 4        # lm-eval's own command line
+        --tasks arc_easy,hellaswag --batch_size 4        # lm-eval's own CLI, arguments as given
     scores = run_benchmarks(engine, ["arc_easy"], limit=100)    # what `reap eval --tasks` runs
 
-lm-eval 0.4 reads no plugin entry points, so its `lm_eval` command cannot see a model defined
-outside it: `python -m reap.eval.harness` registers `reap` and runs lm-eval's own CLI with the
-arguments unchanged (in Python, importing this module is enough: `simple_evaluate(model="reap")`).
-model_args: pretrained (checkpoint), budget or preset (the engine's memory), max_length (context,
-2048), max_gen_toks (256), dtype; --batch_size sequences run in lockstep. Contexts are cut on
-the left to max_length as lm-eval's `hf` model cuts them; decoding is greedy (a task asking to
-sample is refused).
+lm-eval 0.4 reads no plugin entry points, so its `lm_eval` command cannot see an outside model;
+importing this module registers it (`simple_evaluate(model="reap")`). model_args: pretrained,
+budget or preset, max_length (2048), max_gen_toks (256), dtype; --batch_size sequences run in
+lockstep. Contexts are cut on the left as lm-eval's `hf` model cuts them; decoding is greedy.
 """
 
 from __future__ import annotations
@@ -73,29 +69,29 @@ class ReapLM(TemplateLM):
         for j in range(0, len(order), self.batch):
             idx = order[j : j + self.batch]
             seqs = [(requests[i][1] + requests[i][2])[-(self.max_length + 1) :] for i in idx]
-            scores = continuation_scores(self.engine, seqs, [len(requests[i][2]) for i in idx])
-            for i, s in zip(idx, scores):
+            lens = [len(requests[i][2]) for i in idx]
+            for i, s in zip(idx, continuation_scores(self.engine, seqs, lens)):
                 out[i] = s
-                if requests[i][0] is not None:
-                    self.cache_hook.add_partial("loglikelihood", requests[i][0], s)
-        return out
+        return self._cached("loglikelihood", [r[0] for r in requests], out)
+
+    def _cached(self, kind: str, args: list, results: list) -> list:
+        """`results`, handed to lm-eval's --use_cache too (requests with args)."""
+        for a, r in zip(args, results):
+            if a is not None:
+                self.cache_hook.add_partial(kind, a, r)
+        return results
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         """Whole-text log-likelihoods in lm-eval's disjoint windows of max_length tokens."""
         from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
-        windows, owner = [], []
-        for i, (text,) in enumerate(r.args for r in requests):
-            for w in get_rolling_token_windows(self.tok_encode(text), self.prefix_token_id,
-                                               self.max_length, 1):
-                windows.append((None, *make_disjoint_window(w)))
-                owner.append(i)
+        windows = [(i, (None, *make_disjoint_window(w))) for i, r in enumerate(requests) for w in
+                   get_rolling_token_windows(self.tok_encode(r.args[0]), self.prefix_token_id,
+                                             self.max_length, 1)]
         sums = [0.0] * len(requests)
-        for i, (ll, _) in zip(owner, self._loglikelihood_tokens(windows)):
+        for (i, _), (ll, _) in zip(windows, self._loglikelihood_tokens([w for _, w in windows])):
             sums[i] += ll
-        for r, ll in zip(requests, sums):
-            self.cache_hook.add_partial("loglikelihood_rolling", r.args, ll)
-        return sums
+        return self._cached("loglikelihood_rolling", [r.args for r in requests], sums)
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         """Greedy continuations in lockstep batches, cut before the first stop string."""
@@ -113,12 +109,9 @@ class ReapLM(TemplateLM):
             ids = self.tok_encode(context)[-(self.max_length - n) :] or [self.prefix_token_id]
             stop = tuple(handle_stop_sequences(kw.get("until"), eos=None))
             reqs.append(Request(ids, n, 0.0, 1.0, 0, stop))
-        out = []
-        for j in range(0, len(reqs), self.batch):
-            out += [g.text for g in generate(self.engine, None, requests=reqs[j : j + self.batch])[0]]
-        for r, text in zip(requests, out):
-            self.cache_hook.add_partial("generate_until", r.args, text)
-        return out
+        out = [g.text for j in range(0, len(reqs), self.batch)
+               for g in generate(self.engine, None, requests=reqs[j : j + self.batch])[0]]
+        return self._cached("generate_until", [r.args for r in requests], out)
 
 
 def continuation_scores(engine, seqs: list[list[int]], n_cont: list[int]) -> list[tuple]:
@@ -165,24 +158,20 @@ def run_benchmarks(engine, tasks: list[str], task_path: str | None = None,
     except (OSError, ValueError) as e:  # a dataset that cannot be read, a bad task YAML
         raise ReapError(f"lm-eval: {(str(e) or type(e).__name__).splitlines()[0]}") from None
     out = {}
-    for task, r in res["results"].items():
-        metrics = {}
-        for key, v in r.items():
-            name, _, filt = key.partition(",")
-            se = r.get(f"{name}_stderr,{filt}")
-            if filt and not name.endswith("_stderr") and isinstance(v, int | float):
-                label = name if filt == "none" else f"{name} ({filt})"
-                metrics[label] = [float(v), float(se) if isinstance(se, int | float) else None]
-        out[task] = {"samples": res["n-samples"].get(task, {}).get("effective"),
-                     "metrics": metrics}
+    for task, r in res["results"].items():  # "acc,none" and "acc_stderr,none" (N/A: none)
+        keys = [k for k, v in r.items() if "," in k and "_stderr," not in k
+                and isinstance(v, int | float)]
+        se = {k: r.get(k.replace(",", "_stderr,", 1)) for k in keys}
+        out[task] = {"samples": res["n-samples"].get(task, {}).get("effective"), "metrics": {
+            k.removesuffix(",none"): [float(r[k]), se[k] if isinstance(se[k], int | float) else None]
+            for k in keys}}
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    """lm-eval's CLI with model `reap` registered; ReapError as a one-line message."""
+def main() -> int:
+    """lm-eval's CLI (sys.argv as given) with model `reap` registered; ReapError in one line."""
     from lm_eval.__main__ import cli_evaluate
 
-    sys.argv = [sys.argv[0], *(sys.argv[1:] if argv is None else argv)]
     try:
         cli_evaluate()
     except ReapError as e:

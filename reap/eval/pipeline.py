@@ -29,31 +29,14 @@ from reap.eval.workload import prepare_workload
 from reap.fileio import check_out_dir, write_atomic
 
 
-def evaluate(
-    *,
-    builds: list[str],
-    reference: str,
-    corpora: list[str],
-    out: str,
-    max_docs: int | None = None,
-    max_tokens_per_doc: int = 512,
-    prompts: str | None = None,
-    gen_domains: list[str] | None = None,
-    gen_tokens: int = 64,
-    budget: str | int | None = None,
-    preset: str | None = None,
-    device: str = "auto",
-    dtype: str = "auto",
-    bootstrap: int = 1000,
-    batch: int = 4,
-    gen_batch: int = 16,
-    tasks: list[str] = (),
-    task_path: str | None = None,
-    task_limit: int | None = None,
-    progress: bool = True,
-    plots: bool = True,
-    run_tasks=None,
-) -> dict:
+def evaluate(*, builds: list[str], reference: str, corpora: list[str], out: str,
+             max_docs: int | None = None, max_tokens_per_doc: int = 512,
+             prompts: str | None = None, gen_domains: list[str] | None = None,
+             gen_tokens: int = 64, budget: str | int | None = None, preset: str | None = None,
+             device: str = "auto", dtype: str = "auto", bootstrap: int = 1000, batch: int = 4,
+             gen_batch: int = 16, tasks: list[str] = (), task_path: str | None = None,
+             task_limit: int | None = None, progress: bool = True, plots: bool = True,
+             run_tasks=None) -> dict:
     """Evaluate `builds` against `reference` (see the module docstring); writes results.json,
     report.md, report.html, generations.md and plots/ under `out`; returns the results dict.
     Raises ExpertLoadError (exit 4) after writing if a routed expert failed to load.

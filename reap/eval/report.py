@@ -104,10 +104,9 @@ def benchmark_rows(results: dict) -> list[tuple[str, list[str]]]:
     metric, `value [lo, hi]` (value +- 1.96 lm-eval stderr)."""
     rows, cols = [], results["columns"]
     for task, t in results.get("benchmarks", {}).items():
-        rows.append((f"{task}: documents", [str(t[c]["samples"]) for c in cols]))
         metrics = dict.fromkeys(m for c in cols for m in t[c] if m != "samples")
-        rows += [(f"{task}: {m}", [fmt_value(t[c].get(m), "{:.4f}") for c in cols])
-                 for m in metrics]
+        rows += [(f"{task}: documents", [str(t[c]["samples"]) for c in cols])] + [
+            (f"{task}: {m}", [fmt_value(t[c].get(m), "{:.4f}") for c in cols]) for m in metrics]
     return rows
 
 
@@ -117,23 +116,14 @@ def _md_cell(text: str) -> str:
 
 def _md_header(results: dict) -> list[str]:
     ref, a, pr = results["reference"], results["arguments"], results["prompts"]
-    out = ["# reap eval", ""]
-    out += [
+    out = ["# reap eval", ""] + [
         f"- `{b['label']}`: {b['path']} (fingerprint `{(b['fingerprint'] or '')[:16]}`)"
-        + (" **reference**" if b is ref else "")
-        for b in [ref, *results["builds"]]
-    ]
-    out += [
-        "",
-        (
-            f"Held-out eval splits, at most {a['max_docs'] or 'all'} documents per corpus, "
+        + (" **reference**" if b is ref else "") for b in [ref, *results["builds"]]]
+    note = (f"Held-out eval splits, at most {a['max_docs'] or 'all'} documents per corpus, "
             f"{a['max_tokens_per_doc']} tokens each; intervals: 95 % bootstrap over documents "
             f"({a['bootstrap']} replicates). Generations: greedy, {a['gen_tokens']} tokens, "
-            f"prompts {pr['source']} ({pr['count']}). lm-eval tasks: value +- 1.96 stderr."
-        ),
-        "",
-    ]
-    return out
+            f"prompts {pr['source']} ({pr['count']}). lm-eval tasks: value +- 1.96 stderr.")
+    return [*out, "", note, ""]
 
 
 def _md_table(head: list[str], rows: list[list[str]]) -> list[str]:
@@ -152,21 +142,16 @@ def markdown_report(results: dict, plots: list[str]) -> str:
         out += ["## Benchmarks (lm-eval)", "", *_md_table(["", *results["columns"]], rows)]
     if results["corpora"]:
         head = ["corpus", "documents", "tokens", "sha256"]
-        rows = [
-            [c, str(v["docs"]), str(v["tokens"]), v["sha256"][:16]]
-            for c, v in results["corpora"].items()
-        ]
+        rows = [[c, str(v["docs"]), str(v["tokens"]), v["sha256"][:16]]
+                for c, v in results["corpora"].items()]
         out += ["## Corpora (eval split)", "", *_md_table(head, rows)]
     if plots:
         out += ["## Plots", ""] + [f"![{p}](plots/{p}.png)" for p in plots] + [""]
     if results["generations"]:
         out += ["Side by side: [generations.md](generations.md), [report.html](report.html).", ""]
     if results["expert_failures"]:
-        out += [
-            "**Routed experts failed to load; these results are not trustworthy:** "
-            + json.dumps(results["expert_failures"]),
-            "",
-        ]
+        out += ["**Routed experts failed to load; these results are not trustworthy:** "
+                + json.dumps(results["expert_failures"]), ""]
     return "\n".join(out)
 
 
@@ -187,20 +172,11 @@ def markdown_generations(results: dict) -> str:
     cols = results["columns"]
     out = ["# Generations side by side", ""]
     for dom, rows in results["generations"].items():
-        out += [
-            f"## {dom}",
-            "",
-            "| prompt | " + " | ".join(_md_cell(c) for c in cols) + " |",
-            "|---|" + "---|" * len(cols),
-        ]
+        out += [f"## {dom}", "", "| prompt | " + " | ".join(_md_cell(c) for c in cols) + " |",
+                "|---|" + "---|" * len(cols)]
         for r in rows:
-            cells = [
-                _md_cell(r["outputs"][c]["text"])
-                + "<br><sub>"
-                + badges(r["outputs"][c]["metrics"])
-                + "</sub>"
-                for c in cols
-            ]
+            cells = [_md_cell(r["outputs"][c]["text"]) + "<br><sub>"
+                     + badges(r["outputs"][c]["metrics"]) + "</sub>" for c in cols]
             out.append(f"| **{r['id']}**<br>{_md_cell(r['prompt'])} | " + " | ".join(cells) + " |")
         out.append("")
     return "\n".join(out)

@@ -5,13 +5,13 @@ documents of each corpus (with the corpus sha256), the prompts and the lm-eval t
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
 
 from reap.errors import ReapError
 from reap.eval.builds import Build, make_builds
+from reap.eval.cache import key_of
 from reap.eval.generations import load_prompts
 from reap.eval.quality import select_documents
 from reap.provenance import sha256_file
@@ -34,12 +34,11 @@ class Workload:
     benchmarks: dict | None = None
 
     def context(self, gen_tokens: int) -> int:
-        """The longest sequence an engine must hold: a document, or a prompt + generation."""
-        return max(
-            [len(d.ids) for ds in self.docs.values() for d in ds]
-            + [len(self.tokenizer.encode(p.prompt)) + gen_tokens for p in self.prompts]
-            + [BENCH_CONTEXT] * bool(self.benchmarks)
-        )
+        """The longest sequence an engine must hold: a document, a prompt + generation, or an
+        lm-eval request."""
+        return max([len(d.ids) for ds in self.docs.values() for d in ds]
+                   + [len(self.tokenizer.encode(p.prompt)) + gen_tokens for p in self.prompts]
+                   + [BENCH_CONTEXT] * bool(self.benchmarks))
 
 
 def prepare_workload(builds, reference, corpora, max_docs, max_tokens_per_doc, prompts,
@@ -54,10 +53,8 @@ def prepare_workload(builds, reference, corpora, max_docs, max_tokens_per_doc, p
     for b in cols[1:]:
         tok = b.identity.get("tokenizer")
         if tok is not None and tok != cols[0].identity.get("tokenizer"):
-            raise ReapError(
-                f"{b.path}: its tokenizer.json differs from the reference's; builds "
-                f"are compared on the reference's token ids"
-            )
+            raise ReapError(f"{b.path}: its tokenizer.json differs from the reference's; builds "
+                            f"are compared on the reference's token ids")
     docs = {c: select_documents(c, tokenizer, max_docs, max_tokens_per_doc) for c in corpora}
     corpus_sha = {c: corpus_fingerprint(c, "eval") for c in corpora}
     plist = load_prompts(prompts, gen_domains) if gen_tokens > 0 else []
@@ -73,14 +70,11 @@ def benchmark_spec(tasks: list[str], task_path: str | None) -> dict:
     lm-eval, for an unknown task or a --task-path that is not a directory)."""
     from reap.eval.harness import task_manager  # ReapError without lm-eval
 
-    digest = None
-    if task_path is not None:
-        root = Path(task_path)
-        if not root.is_dir():
-            raise ReapError(f"--task-path {task_path}: not a directory")
-        files = sorted(p for p in root.rglob("*") if p.is_file())
-        rows = [f"{p.relative_to(root)}\0{sha256_file(p)}" for p in files]
-        digest = hashlib.sha256("\n".join(rows).encode()).hexdigest()
+    root = None if task_path is None else Path(task_path)
+    if root is not None and not root.is_dir():
+        raise ReapError(f"--task-path {task_path}: not a directory")
+    files = sorted(p for p in root.rglob("*") if p.is_file()) if root else []
+    digest = key_of({str(p.relative_to(root)): sha256_file(p) for p in files})
     task_manager(task_path, tuple(tasks))  # unknown tasks: an error before any engine opens
     return {"tasks": tasks, "task_files": digest, "lm_eval": version("lm_eval")}
 
@@ -89,8 +83,6 @@ def _tokenizer(path: str):
     from reap.tokenizer import load_tokenizer
 
     if str(path).lower().startswith(("http://", "https://")):
-        raise ReapError(
-            "the reference must be a local checkpoint directory (its tokenizer "
-            "encodes the documents and prompts)"
-        )
+        raise ReapError("the reference must be a local checkpoint directory (its tokenizer "
+                        "encodes the documents and prompts)")
     return load_tokenizer(path)
