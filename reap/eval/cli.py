@@ -2,6 +2,7 @@
 
     reap eval runs/zh runs/en+code --reference runs/full --corpus zh,en,code --out runs/eval
     reap eval small=runs/a --reference runs/full --corpus zh --max-docs 20 --gen-tokens 64
+    reap eval runs/zh --reference runs/full --tasks arc_easy,hellaswag --task-limit 500 --out e
 
 Per corpus (held-out eval split): next-token loss and perplexity with bootstrap intervals, the
 ratio to the reference, top-1 agreement and KL(reference || build). Per prompt domain: greedy
@@ -48,7 +49,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="tokens generated per prompt, greedy (default 64; 0: no generations)")
     p.add_argument("--tasks", default="", help="comma-separated lm-eval tasks run on every "
                    "column, e.g. arc_easy,hellaswag (needs reap[bench]; 2048-token contexts, "
-                   "greedy); scores with value +- 1.96 lm-eval stderr")
+                   "greedy); scores with value +- 1.96 lm-eval stderr. lm-eval's own CLI with "
+                   "model reap: python -m reap.eval.harness --model reap --model_args ...")
     p.add_argument("--task-path", metavar="DIR", help="more lm-eval task YAMLs (--include_path)")
     p.add_argument("--task-limit", type=int, help="documents per task (default all)")
     mem = p.add_mutually_exclusive_group()

@@ -162,9 +162,9 @@ def run_benchmarks(engine, tasks: list[str], task_path: str | None = None,
         keys = [k for k, v in r.items() if "," in k and "_stderr," not in k
                 and isinstance(v, int | float)]
         se = {k: r.get(k.replace(",", "_stderr,", 1)) for k in keys}
+        se = {k: float(v) if isinstance(v, int | float) else None for k, v in se.items()}
         out[task] = {"samples": res["n-samples"].get(task, {}).get("effective"), "metrics": {
-            k.removesuffix(",none"): [float(r[k]), se[k] if isinstance(se[k], int | float) else None]
-            for k in keys}}
+            k.removesuffix(",none"): [float(r[k]), se[k]] for k in keys}}
     return out
 
 

@@ -78,23 +78,15 @@ def html_report(results: dict, pngs: dict[str, bytes]) -> str:
     """The whole page as one string."""
     ref, cols = results["reference"], results["columns"]
     builds = ", ".join(_e(b["label"]) for b in results["builds"])
-    out = [
-        "<!DOCTYPE html>",
-        '<html lang="en"><head><meta charset="utf-8">',
-        "<title>reap eval</title>",
-        f"<style>{CSS}</style></head><body>",
-        "<h1>reap eval: builds side by side</h1>",
-        (
-            f'<p class="meta">reference {_e(ref["label"])} ({_e(ref["path"])}); builds: {builds}; '
+    out = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
+           "<title>reap eval</title>", f"<style>{CSS}</style></head><body>",
+           "<h1>reap eval: builds side by side</h1>",
+           (f'<p class="meta">reference {_e(ref["label"])} ({_e(ref["path"])}); builds: {builds}; '
             f"greedy generations of {results['arguments']['gen_tokens']} tokens; intervals: 95 % "
-            f"bootstrap over documents (lm-eval: +- 1.96 stderr).</p>"
-        ),
-    ]
+            f"bootstrap over documents (lm-eval: +- 1.96 stderr).</p>")]
     if results["expert_failures"]:
-        out.append(
-            '<p class="cell flag">Routed experts failed to load: these results are not '
-            "trustworthy.</p>"
-        )
+        out.append('<p class="cell flag">Routed experts failed to load: these results are not '
+                   "trustworthy.</p>")
     for dom in domains(results):
         out += [f"<h2>{_e(dom)}</h2>", _summary_table(cols, domain_rows(results, dom))]
         if dom in results["generations"]:
@@ -103,10 +95,8 @@ def html_report(results: dict, pngs: dict[str, bytes]) -> str:
         out += ["<h2>Benchmarks (lm-eval)</h2>", _summary_table(cols, rows)]
     if pngs:
         out.append('<h2>Plots</h2><div class="plots">')
-        out += [
-            f'<img alt="{_e(n)}" src="data:image/png;base64,{base64.b64encode(p).decode()}">'
-            for n, p in pngs.items()
-        ]
+        out += [f'<img alt="{_e(n)}" src="data:image/png;base64,{base64.b64encode(p).decode()}">'
+                for n, p in pngs.items()]
         out.append("</div>")
     out.append("</body></html>")
     return "\n".join(out)

@@ -8,9 +8,10 @@ The inputs are checked and loaded first (`workload`), every result becomes a tas
 budget split between them) and score every corpus's held-out documents in lockstep (`quality`), then
 the build decodes the prompt set greedily (`generations`); the reference decodes it once (engines:
 `builds`); every column runs the lm-eval tasks (`harness`). Results are cached per build
-(`cache`), so adding a build to an evaluation only runs that build. The results document with its summaries (bootstrap intervals), tables, plots and the HTML
-page are recomputed from the cached raw results each time (`results`, `summary`, `report`). One
-progress bar counts every token to be read or generated.
+(`cache`), so adding a build to an evaluation only runs that build. The results document with its
+summaries (bootstrap intervals), tables, plots and the HTML page are recomputed from the cached raw
+results each time (`results`, `summary`, `report`). One progress bar counts every token to be read
+or generated.
 """
 
 from __future__ import annotations
