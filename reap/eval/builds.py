@@ -62,16 +62,9 @@ class Engines:
         from reap.engine import Engine
 
         o = self.opts
-        return Engine.open(
-            path,
-            budget=budget,
-            preset=o["preset"],
-            context=o["context"],
-            device=o["device"],
-            dtype=o["dtype"],
-            batch=o["plan_batch"],
-            max_generation=max(1, o["gen_tokens"]),
-        )
+        return Engine.open(path, budget=budget, preset=o["preset"], context=o["context"],
+                           device=o["device"], dtype=o["dtype"], batch=o["plan_batch"],
+                           max_generation=o["context"])  # the plan does not depend on it
 
     def reference_engine(self):
         """The reference's engine, opened on first use."""

@@ -2,6 +2,7 @@
 
     reap eval runs/zh runs/en+code --reference runs/full --corpus zh,en,code --out runs/eval
     reap eval small=runs/a --reference runs/full --corpus zh --max-docs 20 --gen-tokens 64
+    reap eval runs/zh --reference runs/full --tasks arc_easy,hellaswag --task-limit 500 --out e
 
 Per corpus (held-out eval split): next-token loss and perplexity with bootstrap intervals, the
 ratio to the reference, top-1 agreement and KL(reference || build). Per prompt domain: greedy
@@ -13,6 +14,7 @@ report.md, generations.md, report.html and plots/ under --out; results are cache
 from __future__ import annotations
 
 import argparse
+import inspect
 
 from reap.engine.cli import set_threads
 from reap.engine.memory import PRESETS
@@ -45,6 +47,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma-separated prompt domains to generate for (default: all)")
     p.add_argument("--gen-tokens", type=int, default=64,
                    help="tokens generated per prompt, greedy (default 64; 0: no generations)")
+    p.add_argument("--tasks", default="", help="comma-separated lm-eval tasks run on every "
+                   "column, e.g. arc_easy,hellaswag (needs reap[bench]; 2048-token contexts, "
+                   "greedy); scores with value +- 1.96 lm-eval stderr. lm-eval's own CLI with "
+                   "model reap: python -m reap.eval.harness --model reap --model_args ...")
+    p.add_argument("--task-path", metavar="DIR", help="more lm-eval task YAMLs (--include_path)")
+    p.add_argument("--task-limit", type=int, help="documents per task (default all)")
     mem = p.add_mutually_exclusive_group()
     mem.add_argument("--budget", help="RAM budget of the whole process, e.g. 64GB (split "
                                       "between the reference and the build being evaluated)")
@@ -68,9 +76,7 @@ def _positive(name: str, v: int | None, zero_ok: bool = False) -> None:
 
 
 def _list(text: str | None) -> list[str] | None:
-    if text is None:
-        return None
-    return [t.strip() for t in text.split(",") if t.strip()]
+    return None if text is None else [t.strip() for t in text.split(",") if t.strip()]
 
 
 def run(args: argparse.Namespace, run_tasks=None) -> int:
@@ -79,19 +85,16 @@ def run(args: argparse.Namespace, run_tasks=None) -> int:
     from reap.eval.pipeline import evaluate
     from reap.fileio import check_out_dir
 
-    for name in ("max_docs", "max_tokens_per_doc", "batch", "gen_batch"):
+    for name in ("max_docs", "max_tokens_per_doc", "batch", "gen_batch", "task_limit"):
         _positive("--" + name.replace("_", "-"), getattr(args, name))
     for name in ("gen_tokens", "bootstrap"):
         _positive("--" + name.replace("_", "-"), getattr(args, name), zero_ok=True)
     check_out_dir(args.out)
     set_threads(args.threads)
-    results = evaluate(
-        builds=args.builds, reference=args.reference, corpora=_list(args.corpus) or [],
-        out=args.out, max_docs=args.max_docs, max_tokens_per_doc=args.max_tokens_per_doc,
-        prompts=args.prompts, gen_domains=_list(args.gen_domains), gen_tokens=args.gen_tokens,
-        budget=args.budget, preset=args.preset, device=args.device, dtype=args.dtype,
-        bootstrap=args.bootstrap, batch=args.batch, gen_batch=args.gen_batch,
-        progress=not args.quiet, plots=not args.no_plots, run_tasks=run_tasks)
+    kw = {k: v for k, v in vars(args).items() if k in inspect.signature(evaluate).parameters}
+    kw.update(corpora=_list(args.corpus) or [], gen_domains=_list(args.gen_domains),
+              tasks=_list(args.tasks) or [], progress=not args.quiet, plots=not args.no_plots)
+    results = evaluate(**kw, run_tasks=run_tasks)  # the flags spelled as its arguments as is
     c = results["cache"]
     print(f"{args.out}/report.md  ({c['hits']} cached, {c['misses']} computed results)")
     return 0

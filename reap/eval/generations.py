@@ -107,14 +107,8 @@ def _batches(prompts: list[Prompt], batch: int) -> list[list[int]]:
     return [idx[j : j + batch] for idx in by_domain.values() for j in range(0, len(idx), batch)]
 
 
-def generate_all(
-    engine,
-    tokenizer,
-    prompts: list[Prompt],
-    gen_tokens: int,
-    batch: int = 16,
-    on_tokens: Callable[[int], None] | None = None,
-) -> list[dict]:
+def generate_all(engine, tokenizer, prompts: list[Prompt], gen_tokens: int, batch: int = 16,
+                 on_tokens: Callable[[int], None] | None = None) -> list[dict]:
     """Greedy generations of every prompt, in prompt order: dicts with id, domain, ids (generated
     token ids, end-of-text excluded), text and finish_reason (metrics: `with_metrics`)."""
     rows: list[dict | None] = [None] * len(prompts)
@@ -123,13 +117,8 @@ def generate_all(
         gens = engine.generate(ids, max_tokens=gen_tokens, temperature=0.0)
         for i, g in zip(group, gens):
             out = list(g.ids[:-1]) if g.finish_reason == "eos" else list(g.ids)
-            rows[i] = {
-                "id": prompts[i].id,
-                "domain": prompts[i].domain,
-                "ids": out,
-                "text": tokenizer.decode(out),
-                "finish_reason": g.finish_reason,
-            }
+            rows[i] = {"id": prompts[i].id, "domain": prompts[i].domain, "ids": out,
+                       "text": tokenizer.decode(out), "finish_reason": g.finish_reason}
         if on_tokens is not None:
             on_tokens(len(group) * gen_tokens)  # the budget each sequence could use
     return rows  # type: ignore[return-value]
@@ -137,7 +126,5 @@ def generate_all(
 
 def with_metrics(rows: list[dict], prompts: list[Prompt]) -> list[dict]:
     """Copies of generation rows (same order as `prompts`) with their `metrics` added."""
-    return [
-        {**r, "metrics": generation_metrics(r["text"], p.domain, p.prompt, len(r["ids"]))}
-        for r, p in zip(rows, prompts)
-    ]
+    return [{**r, "metrics": generation_metrics(r["text"], p.domain, p.prompt, len(r["ids"]))}
+            for r, p in zip(rows, prompts)]

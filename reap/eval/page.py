@@ -9,7 +9,7 @@ from __future__ import annotations
 import base64
 import html
 
-from reap.eval.report import badges, domain_rows, domains, visible
+from reap.eval.report import badges, benchmark_rows, domain_rows, domains, visible
 
 # column header colours (reference first), cycled
 COLOURS = ["#34495e", "#2e86c1", "#c0392b", "#27ae60", "#8e44ad", "#d68910", "#16a085", "#7f8c8d"]
@@ -39,14 +39,13 @@ def _e(text) -> str:
     return html.escape(visible(str(text)))
 
 
-def _summary_table(results: dict, dom: str) -> str:
-    cols = results["columns"]
+def _summary_table(cols: list[str], rows: list) -> str:
     head = "".join(
         f'<th style="color:{COLOURS[j % len(COLOURS)]}">{_e(c)}</th>' for j, c in enumerate(cols)
     )
     body = "".join(
         "<tr><td>" + _e(name) + "</td>" + "".join(f"<td>{_e(v)}</td>" for v in cells) + "</tr>"
-        for name, cells in domain_rows(results, dom)
+        for name, cells in rows
     )
     return f'<table class="summary"><tr><th></th>{head}</tr>{body}</table>'
 
@@ -77,35 +76,27 @@ def _grid(results: dict, rows: list[dict]) -> str:
 
 def html_report(results: dict, pngs: dict[str, bytes]) -> str:
     """The whole page as one string."""
-    ref = results["reference"]
+    ref, cols = results["reference"], results["columns"]
     builds = ", ".join(_e(b["label"]) for b in results["builds"])
-    out = [
-        "<!DOCTYPE html>",
-        '<html lang="en"><head><meta charset="utf-8">',
-        "<title>reap eval</title>",
-        f"<style>{CSS}</style></head><body>",
-        "<h1>reap eval: builds side by side</h1>",
-        (
-            f'<p class="meta">reference {_e(ref["label"])} ({_e(ref["path"])}); builds: {builds}; '
+    out = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
+           "<title>reap eval</title>", f"<style>{CSS}</style></head><body>",
+           "<h1>reap eval: builds side by side</h1>",
+           (f'<p class="meta">reference {_e(ref["label"])} ({_e(ref["path"])}); builds: {builds}; '
             f"greedy generations of {results['arguments']['gen_tokens']} tokens; intervals: 95 % "
-            f"bootstrap over documents.</p>"
-        ),
-    ]
+            f"bootstrap over documents (lm-eval: +- 1.96 stderr).</p>")]
     if results["expert_failures"]:
-        out.append(
-            '<p class="cell flag">Routed experts failed to load: these results are not '
-            "trustworthy.</p>"
-        )
+        out.append('<p class="cell flag">Routed experts failed to load: these results are not '
+                   "trustworthy.</p>")
     for dom in domains(results):
-        out += [f"<h2>{_e(dom)}</h2>", _summary_table(results, dom)]
+        out += [f"<h2>{_e(dom)}</h2>", _summary_table(cols, domain_rows(results, dom))]
         if dom in results["generations"]:
             out.append(_grid(results, results["generations"][dom]))
+    if rows := benchmark_rows(results):
+        out += ["<h2>Benchmarks (lm-eval)</h2>", _summary_table(cols, rows)]
     if pngs:
         out.append('<h2>Plots</h2><div class="plots">')
-        out += [
-            f'<img alt="{_e(n)}" src="data:image/png;base64,{base64.b64encode(p).decode()}">'
-            for n, p in pngs.items()
-        ]
+        out += [f'<img alt="{_e(n)}" src="data:image/png;base64,{base64.b64encode(p).decode()}">'
+                for n, p in pngs.items()]
         out.append("</div>")
     out.append("</body></html>")
     return "\n".join(out)

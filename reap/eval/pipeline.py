@@ -7,10 +7,11 @@ The inputs are checked and loaded first (`workload`), every result becomes a tas
 (`tasks`). For every build not yet cached: the reference and the build are open together (the memory
 budget split between them) and score every corpus's held-out documents in lockstep (`quality`), then
 the build decodes the prompt set greedily (`generations`); the reference decodes it once (engines:
-`builds`). Results are cached per build (`cache`), so adding a build to an evaluation only runs that
-build. The results document with its summaries (bootstrap intervals), tables, plots and the HTML
-page are recomputed from the cached raw results each time (`results`, `summary`, `report`). One
-progress bar counts every token to be read or generated.
+`builds`); every column runs the lm-eval tasks (`harness`). Results are cached per build
+(`cache`), so adding a build to an evaluation only runs that build. The results document with its
+summaries (bootstrap intervals), tables, plots and the HTML page are recomputed from the cached raw
+results each time (`results`, `summary`, `report`). One progress bar counts every token to be read
+or generated.
 """
 
 from __future__ import annotations
@@ -29,41 +30,26 @@ from reap.eval.workload import prepare_workload
 from reap.fileio import check_out_dir, write_atomic
 
 
-def evaluate(
-    *,
-    builds: list[str],
-    reference: str,
-    corpora: list[str],
-    out: str,
-    max_docs: int | None = None,
-    max_tokens_per_doc: int = 512,
-    prompts: str | None = None,
-    gen_domains: list[str] | None = None,
-    gen_tokens: int = 64,
-    budget: str | int | None = None,
-    preset: str | None = None,
-    device: str = "auto",
-    dtype: str = "auto",
-    bootstrap: int = 1000,
-    batch: int = 4,
-    gen_batch: int = 16,
-    progress: bool = True,
-    plots: bool = True,
-    run_tasks=None,
-) -> dict:
+def evaluate(*, builds: list[str], reference: str, corpora: list[str], out: str,
+             max_docs: int | None = None, max_tokens_per_doc: int = 512,
+             prompts: str | None = None, gen_domains: list[str] | None = None,
+             gen_tokens: int = 64, budget: str | int | None = None, preset: str | None = None,
+             device: str = "auto", dtype: str = "auto", bootstrap: int = 1000, batch: int = 4,
+             gen_batch: int = 16, tasks: list[str] = (), task_path: str | None = None,
+             task_limit: int | None = None, progress: bool = True, plots: bool = True,
+             run_tasks=None) -> dict:
     """Evaluate `builds` against `reference` (see the module docstring); writes results.json,
     report.md, report.html, generations.md and plots/ under `out`; returns the results dict.
     Raises ExpertLoadError (exit 4) after writing if a routed expert failed to load.
     run_tasks: what computes the uncached tasks (default `tasks.run_with_progress`; `reap eval
     --ray` passes `reap.distributed.eval.ray_runner`), same arguments."""
     outdir = Path(check_out_dir(out))
-    w = prepare_workload(
-        builds, reference, corpora, max_docs, max_tokens_per_doc, prompts, gen_domains, gen_tokens
-    )
+    w = prepare_workload(builds, reference, corpora, max_docs, max_tokens_per_doc, prompts,
+                         gen_domains, gen_tokens, tasks, task_path)
     args = dict(corpora=list(corpora), max_docs=max_docs, max_tokens_per_doc=max_tokens_per_doc,
                 gen_domains=gen_domains, gen_tokens=gen_tokens, budget=budget, preset=preset,
                 device=_device(device), dtype=dtype, bootstrap=bootstrap, batch=batch,
-                gen_batch=gen_batch)
+                gen_batch=gen_batch, tasks=list(tasks), task_path=task_path, task_limit=task_limit)
     tasks = make_tasks(w, args)
     cache = Cache(outdir)
     for t in tasks:

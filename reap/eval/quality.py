@@ -112,24 +112,27 @@ def score_documents(
     return out
 
 
-def _score_batch(ref, build, docs: list[EvalDoc], on_tokens) -> list[DocScore]:
-    chunk = min(ref.plan.prefill_chunk, build.plan.prefill_chunk)
-    seqs = [[e.new_sequence() for _ in docs] for e in (ref, build)]
-    sums = [[0.0, 0.0, 0, 0.0] for _ in docs]
-    pos = [0] * len(docs)
-    while live := [k for k, d in enumerate(docs) if pos[k] < len(d.ids) - 1]:
-        # the last token is never fed: it has no next token to score
-        chunks = [docs[k].ids[pos[k] : min(pos[k] + chunk, len(docs[k].ids) - 1)] for k in live]
-        lr, lb = (
-            e.step([s[k] for k in live], chunks, all_positions=True)
-            for e, s in zip((ref, build), seqs)
-        )  # [n_j, V] per live document
+def lockstep_logits(engines: list, seqs: list[list[int]], on_tokens=None):
+    """Feed each id list but its last id through every engine in lockstep, one prefill chunk at
+    a time; yields (k, pos, one [n, V] logits per engine) where row j predicts seqs[k][pos+j+1]."""
+    chunk = min(e.plan.prefill_chunk for e in engines)
+    states = [[e.new_sequence() for _ in seqs] for e in engines]
+    pos = [0] * len(seqs)
+    while live := [k for k, s in enumerate(seqs) if pos[k] < len(s) - 1]:
+        chunks = [seqs[k][pos[k] : min(pos[k] + chunk, len(seqs[k]) - 1)] for k in live]
+        outs = [e.step([st[k] for k in live], chunks, all_positions=True)
+                for e, st in zip(engines, states)]  # [n_j, V] per live sequence
         for j, k in enumerate(live):
-            n = len(chunks[j])
-            targets = torch.tensor(docs[k].ids[pos[k] + 1 : pos[k] + 1 + n])  # [n]
-            for m, x in enumerate(chunk_sums(lr[j], lb[j], targets)):
-                sums[k][m] += x
-            pos[k] += n
+            yield k, pos[k], [o[j] for o in outs]
+            pos[k] += len(chunks[j])
         if on_tokens is not None:
             on_tokens(sum(map(len, chunks)))
+
+
+def _score_batch(ref, build, docs: list[EvalDoc], on_tokens) -> list[DocScore]:
+    sums = [[0.0, 0.0, 0, 0.0] for _ in docs]
+    for k, pos, (lr, lb) in lockstep_logits([ref, build], [d.ids for d in docs], on_tokens):
+        targets = torch.tensor(docs[k].ids[pos + 1 : pos + 1 + len(lr)])  # [n]
+        for m, x in enumerate(chunk_sums(lr, lb, targets)):
+            sums[k][m] += x
     return [DocScore(d.corpus, d.doc_id, len(d.ids) - 1, *s) for d, s in zip(docs, sums)]

@@ -1,7 +1,7 @@
 """The written results of `reap eval`, all made from the results document alone:
 
     <out>/results.json     everything (provenance, per-domain summaries, generations)
-    <out>/report.md        one table per domain, builds as columns; plot links
+    <out>/report.md        one table per domain, builds as columns, then lm-eval's tasks; plots
     <out>/generations.md   the generations side by side (markdown table per domain)
     <out>/report.html      self-contained page: tables, plots (inline PNG), generations in columns
     <out>/plots/<metric>.png   one grouped bar plot per metric (domains x builds, 95 % intervals)
@@ -48,6 +48,7 @@ PLOTS = [
     ("script", "generation_summary", "script", "Script fidelity of generations"),
     ("python_valid", "generation_summary", "python_valid", "Share of code generations that parse"),
     ("longest_repeat", "generation_summary", "longest_repeat", "Longest repeated n-gram (units)"),
+    ("benchmark_acc", "benchmarks", "acc", "lm-eval accuracy (value +- 1.96 stderr)"),
 ]
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
 
@@ -98,29 +99,31 @@ def domain_rows(results: dict, dom: str) -> list[tuple[str, list[str]]]:
     return rows
 
 
+def benchmark_rows(results: dict) -> list[tuple[str, list[str]]]:
+    """(row label, one cell per column) of the lm-eval table: per task its documents and every
+    metric, `value [lo, hi]` (value +- 1.96 lm-eval stderr)."""
+    rows, cols = [], results["columns"]
+    for task, t in results.get("benchmarks", {}).items():
+        metrics = dict.fromkeys(m for c in cols for m in t[c] if m != "samples")
+        rows += [(f"{task}: documents", [str(t[c]["samples"]) for c in cols])] + [
+            (f"{task}: {m}", [fmt_value(t[c].get(m), "{:.4f}") for c in cols]) for m in metrics]
+    return rows
+
+
 def _md_cell(text: str) -> str:
     return html.escape(visible(text)).replace("|", "&#124;").replace("\n", "<br>")
 
 
 def _md_header(results: dict) -> list[str]:
     ref, a, pr = results["reference"], results["arguments"], results["prompts"]
-    out = ["# reap eval", ""]
-    out += [
+    out = ["# reap eval", ""] + [
         f"- `{b['label']}`: {b['path']} (fingerprint `{(b['fingerprint'] or '')[:16]}`)"
-        + (" **reference**" if b is ref else "")
-        for b in [ref, *results["builds"]]
-    ]
-    out += [
-        "",
-        (
-            f"Held-out eval splits, at most {a['max_docs'] or 'all'} documents per corpus, "
+        + (" **reference**" if b is ref else "") for b in [ref, *results["builds"]]]
+    note = (f"Held-out eval splits, at most {a['max_docs'] or 'all'} documents per corpus, "
             f"{a['max_tokens_per_doc']} tokens each; intervals: 95 % bootstrap over documents "
             f"({a['bootstrap']} replicates). Generations: greedy, {a['gen_tokens']} tokens, "
-            f"prompts {pr['source']} ({pr['count']})."
-        ),
-        "",
-    ]
-    return out
+            f"prompts {pr['source']} ({pr['count']}). lm-eval tasks: value +- 1.96 stderr.")
+    return [*out, "", note, ""]
 
 
 def _md_table(head: list[str], rows: list[list[str]]) -> list[str]:
@@ -135,23 +138,20 @@ def markdown_report(results: dict, plots: list[str]) -> str:
     for dom in domains(results):
         rows = [[name, *cells] for name, cells in domain_rows(results, dom)]
         out += [f"## {dom}", "", *_md_table(["", *results["columns"]], rows)]
+    if rows := [[name, *cells] for name, cells in benchmark_rows(results)]:
+        out += ["## Benchmarks (lm-eval)", "", *_md_table(["", *results["columns"]], rows)]
     if results["corpora"]:
         head = ["corpus", "documents", "tokens", "sha256"]
-        rows = [
-            [c, str(v["docs"]), str(v["tokens"]), v["sha256"][:16]]
-            for c, v in results["corpora"].items()
-        ]
+        rows = [[c, str(v["docs"]), str(v["tokens"]), v["sha256"][:16]]
+                for c, v in results["corpora"].items()]
         out += ["## Corpora (eval split)", "", *_md_table(head, rows)]
     if plots:
         out += ["## Plots", ""] + [f"![{p}](plots/{p}.png)" for p in plots] + [""]
     if results["generations"]:
         out += ["Side by side: [generations.md](generations.md), [report.html](report.html).", ""]
     if results["expert_failures"]:
-        out += [
-            "**Routed experts failed to load; these results are not trustworthy:** "
-            + json.dumps(results["expert_failures"]),
-            "",
-        ]
+        out += ["**Routed experts failed to load; these results are not trustworthy:** "
+                + json.dumps(results["expert_failures"]), ""]
     return "\n".join(out)
 
 
@@ -172,20 +172,11 @@ def markdown_generations(results: dict) -> str:
     cols = results["columns"]
     out = ["# Generations side by side", ""]
     for dom, rows in results["generations"].items():
-        out += [
-            f"## {dom}",
-            "",
-            "| prompt | " + " | ".join(_md_cell(c) for c in cols) + " |",
-            "|---|" + "---|" * len(cols),
-        ]
+        out += [f"## {dom}", "", "| prompt | " + " | ".join(_md_cell(c) for c in cols) + " |",
+                "|---|" + "---|" * len(cols)]
         for r in rows:
-            cells = [
-                _md_cell(r["outputs"][c]["text"])
-                + "<br><sub>"
-                + badges(r["outputs"][c]["metrics"])
-                + "</sub>"
-                for c in cols
-            ]
+            cells = [_md_cell(r["outputs"][c]["text"]) + "<br><sub>"
+                     + badges(r["outputs"][c]["metrics"]) + "</sub>" for c in cols]
             out.append(f"| **{r['id']}**<br>{_md_cell(r['prompt'])} | " + " | ".join(cells) + " |")
         out.append("")
     return "\n".join(out)
@@ -210,7 +201,7 @@ def plot_metric(results: dict, source: str, key: str, title: str) -> bytes | Non
     from matplotlib.figure import Figure
 
     cols = results["columns"]
-    table = results[source]
+    table = results.get(source, {})
     doms = [d for d in table if any(table[d][c].get(key) is not None for c in cols)]
     if not doms:
         return None

@@ -9,13 +9,14 @@ Every quality figure is a ratio of sums over documents (a token-weighted mean):
 
 The bootstrap resamples documents with replacement (`n_boot` replicates, numpy PCG64 seeded by
 `seed`); each replicate recomputes every ratio from the same resampled documents, so the ratio to
-the reference is paired. Intervals are percentile intervals at `level`.
+the reference is paired. Intervals are percentile intervals at `level`. lm-eval's scores
+come with its standard errors instead: their interval is the normal one.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import astuple, dataclass, field
 
 import numpy as np
 
@@ -72,9 +73,8 @@ def _interval(reps: np.ndarray, level: float) -> tuple[float | None, float | Non
     return float(lo), float(hi)
 
 
-def summarize_quality(
-    scores: list, n_boot: int = 1000, level: float = 0.95, seed: int = 0
-) -> QualitySummary:
+def summarize_quality(scores: list, n_boot: int = 1000, level: float = 0.95,
+                      seed: int = 0) -> QualitySummary:
     """Summary of per-document scores (objects with tokens, nll, ref_nll, agree, kl)."""
     tok = np.array([s.tokens for s in scores], dtype=np.float64)
     cols = np.array([[s.nll, s.ref_nll, s.agree, s.kl] for s in scores], dtype=np.float64)
@@ -87,34 +87,25 @@ def summarize_quality(
 
     ratio_reps = np.exp(reps[:, 0] - reps[:, 1])
     lo, hi = _interval(ratio_reps, level)
-    return QualitySummary(
-        docs=len(scores),
-        tokens=int(tok.sum()),
-        loss=est(0),
-        ppl=est(0, np.exp),
-        ref_loss=est(1),
-        ppl_ratio=Estimate(math.exp(point[0] - point[1]), lo, hi),
-        agreement=est(2),
-        kl=est(3),
-    )
+    return QualitySummary(docs=len(scores), tokens=int(tok.sum()), loss=est(0),
+                          ppl=est(0, np.exp), ref_loss=est(1),
+                          ppl_ratio=Estimate(math.exp(point[0] - point[1]), lo, hi),
+                          agreement=est(2), kl=est(3))
 
 
-def reference_quality(
-    scores: list, n_boot: int = 1000, level: float = 0.95, seed: int = 0
-) -> QualitySummary:
+def reference_quality(scores: list, n_boot: int = 1000, level: float = 0.95,
+                      seed: int = 0) -> QualitySummary:
     """The reference's own column: its loss from `ref_nll`, ratio 1, agreement 1, KL 0."""
     s = summarize_quality(scores, n_boot, level, seed)
+    exact = [Estimate(v, v, v) if n_boot else Estimate(v) for v in (1.0, 1.0, 0.0)]
+    ppl = Estimate(*(None if v is None else math.exp(v) for v in astuple(s.ref_loss)))
+    return QualitySummary(s.docs, s.tokens, s.ref_loss, ppl, s.ref_loss, *exact)
 
-    def exact(v: float) -> Estimate:
-        return Estimate(v, v, v) if n_boot else Estimate(v)
 
-    lo, hi = (s.ref_loss.lo, s.ref_loss.hi) if s.ref_loss.lo is not None else (None, None)
-    ppl = Estimate(
-        math.exp(s.ref_loss.value), *(None if v is None else math.exp(v) for v in (lo, hi))
-    )
-    return QualitySummary(
-        s.docs, s.tokens, s.ref_loss, ppl, s.ref_loss, exact(1.0), exact(1.0), exact(0.0)
-    )
+def benchmark_estimate(value: float, stderr: float | None, z: float = 1.959964) -> Estimate:
+    """An lm-eval score with its normal 95 % interval, value +- z stderr (none without one)."""
+    return Estimate(value) if stderr is None else Estimate(value, value - z * stderr,
+                                                           value + z * stderr)
 
 
 @dataclass
