@@ -67,6 +67,7 @@ class HttpClient:
                          else deadline)
         self.requests = 0
         self.bytes = 0
+        self.headers: dict[tuple, dict[str, str]] = {}  # origin -> extra headers (a Hub token)
         self._conns: dict[tuple[str, str], http.client.HTTPConnection] = {}
         self._timer: threading.Timer | None = None
         self._expired = False
@@ -107,7 +108,7 @@ class HttpClient:
         """Open a GET of `url` (bytes [start, end) when given); returns the response, following
         up to 5 same-origin redirects. Connection failures, redirects elsewhere and an expired
         deadline are CheckpointError."""
-        headers = {"Accept-Encoding": "identity"}
+        headers = {"Accept-Encoding": "identity", **self.headers.get(origin(url), {})}
         if start is not None:
             headers["Range"] = f"bytes={start}-{end - 1}"
         first = origin(url)

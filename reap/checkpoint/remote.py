@@ -5,21 +5,16 @@
 
 Opening fetches the small files (config.json, the index, tokenizer files) whole and only the
 safetensors headers of the shards; a tensor's bytes are fetched the first time it is read. The
-cache lives in `~/.cache/reap/http/<sanitized host+path>-<hash>/` (see `default_cache_dir`; or
-`cache_dir`): each shard is a
-sparse file of its full size; its bookkeeping lives apart, in `.reap/`: a sidecar
-`.reap/<shard>.ranges.json` listing the byte ranges already present, and `.reap/remote.json`.
-Data is written before the sidecar names it and sidecars are replaced atomically, so an
-interrupted download keeps every byte it received and resumes from there; a later open of the same
-URL makes no request for anything already cached.
+cache (`default_cache_dir`, or `cache_dir`) holds each shard as a sparse file of its full size;
+`.reap/<shard>.ranges.json` lists the byte ranges present and `.reap/remote.json` the layout. Data
+is written before the sidecar names it and sidecars are replaced atomically, so an interrupted
+download resumes where it stopped and a later open makes no request for what is cached. A Hub
+URL is opened as a `hub.HubCache` (`open_cache`), which takes what the Hub cache holds.
 
-Every answer is checked: status (404/416/other errors named with the URL), Content-Range against
-the requested range and the file's size seen so far, and the number of bytes actually received.
-Shard names from the server's index must be plain `*.safetensors` file names (`shard_name`), so
-they cannot escape the cache nor collide with the small files or `.reap/`. Sizes are capped
-while they stream: small files (`SMALL_FILES`: 16 MiB, the index 256 MiB, tokenizers 64 MiB),
-headers 100 MB (`spec.py`); each header is validated as a local shard's is (`check_entries`).
-Requests are bounded in time (`http_range.py`: read timeout and per-request deadline).
+Every answer is checked (`http_range.py`: status, Content-Range, bytes received, deadlines).
+Shard names from an index must be plain `*.safetensors` names (`shard_name`): they cannot escape
+the cache nor collide with the small files or `.reap/`. Sizes are capped while they stream
+(`SMALL_FILES`; headers 100 MB, `spec.py`); each header is checked as a local shard's is.
 """
 
 from __future__ import annotations
@@ -70,11 +65,6 @@ def default_cache_dir(url: str) -> Path:
     name = re.sub(r"[^A-Za-z0-9._-]+", "_", host + parts.path).strip("._")[:96]
     digest = hashlib.sha256(url.encode()).hexdigest()[:8]
     return cache_dir() / "http" / f"{name or 'model'}-{digest}"
-
-
-def safe_name(name: str, where: str) -> str:
-    """`name` if it is a plain shard file name, else CheckpointError naming `where`."""
-    return shard_name(name, where)
 
 
 def _merge(ranges: list[list[int]]) -> list[list[int]]:
@@ -129,7 +119,12 @@ class HttpCache:
                                   ) from None
 
     def _file_url(self, name: str) -> str:
+        """The file's identity (named in messages and sidecars)."""
         return f"{self.url}/{urllib.parse.quote(name)}"
+
+    def _fetch_url(self, name: str) -> str:
+        """Where its bytes are fetched from (a Hub file's resolved location: `HubCache`)."""
+        return self._file_url(name)
 
     # ---- small files and layout ------------------------------------------------------------
 
@@ -174,7 +169,7 @@ class HttpCache:
 
     def has(self, name: str) -> bool:
         """Whether the server has file `name` (not a 404; other answers are checked on use)."""
-        resp = self.client.get(self._file_url(name), 0, 1)
+        resp = self.client.get(self._fetch_url(name), 0, 1)
         self.client.drop()
         return resp.status != 404
 
@@ -229,17 +224,18 @@ class HttpCache:
 
     def _probe(self, name: str) -> dict:
         """Learn a shard's size from its first block (fetched with it); create the sparse file."""
-        url = self._file_url(name)
+        url = self._fetch_url(name)
         resp = self._open_range(url, 0, self.block, None)
         size = content_range(resp, url, 0, self.block, None)
         try:
+            (self.dir / name).unlink(missing_ok=True)  # never write through a link
             with open(self.dir / name, "wb") as f:
                 f.truncate(size)  # sparse: only fetched ranges take disk space
         except OSError as e:
             self.client.drop()
             raise CheckpointError(f"{url}: cannot make a cache file of {size} bytes "
                                   f"({e.strerror})") from None
-        st = {"url": url, "size": size, "ranges": []}
+        st = {"url": self._file_url(name), "size": size, "ranges": []}
         self._save(name, st)
         self._receive(name, st, resp, 0, min(self.block, size))
         return st
@@ -256,8 +252,7 @@ class HttpCache:
         return resp
 
     def _fetch_range(self, name: str, st: dict, a: int, b: int) -> None:
-        url = self._file_url(name)
-        self._receive(name, st, self._open_range(url, a, b, st["size"]), a, b)
+        self._receive(name, st, self._open_range(self._fetch_url(name), a, b, st["size"]), a, b)
 
     def _receive(self, name: str, st: dict, resp, a: int, b: int) -> None:
         """Stream a response body into the cache file at [a, b); record what arrived."""
@@ -340,7 +335,7 @@ class RemoteCheckpoint(Checkpoint):
     def open(cls, url: str, cache_dir: str | os.PathLike | None = None,  # type: ignore[override]
              direct: bool = False, **cache_options) -> RemoteCheckpoint:
         """Open the checkpoint directory at `url` through the cache in `cache_dir`."""
-        cache = HttpCache(url, cache_dir, **cache_options)
+        cache = open_cache(url, cache_dir, **cache_options)
         cache.prepare()
         ck = super().open(cache.dir, direct=direct)
         ck.cache, ck.url = cache, cache.url
@@ -360,7 +355,7 @@ def fetch_config_only(url: str, cache_dir: str | os.PathLike | None = None):
 
     from reap.checkpoint.config_only import open_config_only
 
-    cache = HttpCache(url, cache_dir)
+    cache = open_cache(url, cache_dir)
     if _read_manifest(cache.meta / "remote.json", cache.url) is not None:
         return None
     if not cache._fetch_small("config.json", MAX_JSON_BYTES):
@@ -369,6 +364,13 @@ def fetch_config_only(url: str, cache_dir: str | os.PathLike | None = None):
         return None
     src = open_config_only(cache.dir)
     return replace(src, path=cache.url) if src is not None else None
+
+
+def open_cache(url: str, cache_dir: str | os.PathLike | None = None, **options) -> HttpCache:
+    """The cache of `url`: a `hub.HubCache` for a Hub URL, else an `HttpCache`."""
+    from reap.checkpoint.hub import hub_cache
+
+    return hub_cache(url, cache_dir, **options) or HttpCache(url, cache_dir, **options)
 
 
 def open_checkpoint(model: str | os.PathLike, cache_dir: str | os.PathLike | None = None,
