@@ -237,7 +237,7 @@ def reap(hub: StandIn, home: Path, *argv, token: str | None = None, offline: boo
         env["HF_TOKEN"] = token
     if offline:
         env["HF_HUB_OFFLINE"] = "1"
-    return subprocess.run([sys.executable, "-m", "reap.cli", *map(str, argv)], env=env,
+    return subprocess.run([sys.executable, "-m", "reap.cli", *map(str, argv)], check=False, env=env,
                           cwd=cwd or home.parent, capture_output=True, text=True, timeout=300)
 
 

@@ -37,36 +37,27 @@ def parse(model) -> tuple[str, str | None] | None:
     return (m[1], m[2]) if m else None
 
 
+_WHY = {  # huggingface_hub's error -> what to say (a subclass before its base)
+    "GatedRepoError": "gated repo: accept its terms on the Hub, give a token (HF_TOKEN)",
+    "RevisionNotFoundError": "no such revision on the Hub",
+    "RepositoryNotFoundError": "no such repo on the Hub (a private one needs HF_TOKEN), nor path",
+    "RemoteEntryNotFoundError": "no such file in the repo",
+    "OfflineModeIsEnabled": "not in the Hub cache (HF_HUB_OFFLINE=1)",
+    "LocalEntryNotFoundError": "not in the Hub cache; the Hub is off (HF_HUB_OFFLINE) or away",
+}
+
+
 @contextlib.contextmanager
 def hub_errors(what: str):
     """huggingface_hub's failures as one-line ReapErrors naming `what`."""
-    from huggingface_hub import errors as e
+    import httpx2
+    from huggingface_hub import errors
 
     try:
         yield
-    except e.GatedRepoError:
-        raise ReapError(f"{what}: gated repo: accept its terms on the Hub, then give a token "
-                        "(HF_TOKEN or `hf auth login`)") from None
-    except e.RevisionNotFoundError:
-        raise ReapError(f"{what}: no such revision on the Hub") from None
-    except e.RepositoryNotFoundError:
-        raise ReapError(f"{what}: no such repo on the Hub (or a private one: give a token, "
-                        "HF_TOKEN); a local path of this name does not exist either") from None
-    except e.RemoteEntryNotFoundError:
-        raise ReapError(f"{what}: no such file in the repo") from None
-    except (e.LocalEntryNotFoundError, e.OfflineModeIsEnabled):
-        raise ReapError(f"{what}: not in the Hub cache, and the Hub is "
-                        + ("off (HF_HUB_OFFLINE)" if _offline() else "unreachable")) from None
-    except e.HfHubHTTPError as x:
-        raise ReapError(f"{what}: the Hub answered HTTP {x.response.status_code}") from None
-    except (e.HFValidationError, OSError) as x:
-        raise ReapError(f"{what}: {str(x).splitlines()[0][:200]}") from None
-
-
-def _offline() -> bool:
-    from huggingface_hub import constants
-
-    return constants.is_offline_mode()
+    except (OSError, errors.HFValidationError, httpx2.HTTPError) as x:
+        why = next((m for n, m in _WHY.items() if isinstance(x, getattr(errors, n))), None)
+        raise ReapError(f"{what}: {why or str(x).splitlines()[0][:200]}") from None
 
 
 def resolve(model: str, partial: bool = False) -> str:
@@ -77,9 +68,7 @@ def resolve(model: str, partial: bool = False) -> str:
     from huggingface_hub import constants
 
     snap = _snapshot(model, *ref, list(SMALL_FILES) if partial else WEIGHTS)
-    if not partial or _shards_cached(snap):
-        return str(snap)
-    return f"{constants.ENDPOINT}/{ref[0]}/resolve/{snap.name}"
+    return f"{constants.ENDPOINT}/{ref[0]}/resolve/{snap.name}" if partial else str(snap)
 
 
 def _snapshot(what: str, repo: str, rev: str | None, patterns: list[str]) -> Path:
@@ -87,14 +76,6 @@ def _snapshot(what: str, repo: str, rev: str | None, patterns: list[str]) -> Pat
 
     with hub_errors(what):
         return Path(snapshot_download(repo, revision=rev, allow_patterns=patterns))
-
-
-def _shards_cached(snap: Path) -> bool:
-    from reap.checkpoint.header import load_index
-
-    index = snap / "model.safetensors.index.json"
-    names = set(load_index(index).values()) if index.is_file() else {"model.safetensors"}
-    return all((snap / n).is_file() for n in names)
 
 
 def resolve_args(args, names: tuple[str, ...]) -> None:
@@ -105,6 +86,8 @@ def resolve_args(args, names: tuple[str, ...]) -> None:
                or getattr(args, "plan_only", False) or getattr(args, "no_download", False))
     if getattr(args, "push_to", None) and not _ID.fullmatch(args.push_to.partition("@")[0]):
         raise ReapError(f"--push-to {args.push_to}: expected a Hub repo id ORG/NAME")
+    if cmd == "prune" and parse(args.model):
+        _refuse_cache_out(args.out)
     found: dict = {}
     for name in names:
         value = getattr(args, name, None)
@@ -113,13 +96,10 @@ def resolve_args(args, names: tuple[str, ...]) -> None:
         elif parse(value):
             value = _record(found, name, value, resolve(value, partial))
         setattr(args, name, value)
-    if not found:
-        return
-    args.hub_sources = found
-    if cmd == "serve" and args.served_name is None:
+    if found:
+        args.hub_sources = found
+    if cmd == "serve" and found and args.served_name is None:
         args.served_name = parse(found["model"]["model"])[0]
-    if cmd == "prune":
-        _refuse_cache_out(args.out)
 
 
 def _build(arg: str, found: dict) -> str:
@@ -142,14 +122,15 @@ def _refuse_cache_out(out: str) -> None:
 
     from reap.fileio import overlap
 
-    if overlap(out, [constants.HF_HUB_CACHE]):
+    if overlap(out, [constants.HF_HUB_CACHE]):  # its blobs, links and refs are the source
         raise ReapError(f"{out}: the output lies in the Hub cache ({constants.HF_HUB_CACHE}), "
                         "which holds the source; choose an output directory outside it")
 
 
 class HubCache(HttpCache):
     """The `HttpCache` of a Hub repo at one commit (`url` = `<endpoint>/<repo>/resolve/<commit>`):
-    files present in the Hub cache are linked, never copied nor written; the rest is fetched."""
+    files in the Hub cache's `snapshot` are linked, never copied nor written; shard bytes missing
+    are fetched by ranges from where huggingface_hub locates the file (the Hub's CDN)."""
 
     def __init__(self, url: str, repo: str, commit: str, snapshot: Path, **options):
         from huggingface_hub.utils import build_hf_headers
@@ -159,45 +140,34 @@ class HubCache(HttpCache):
         self.client.headers[origin(url)] = build_hf_headers()  # the token stays on the Hub
         self._located: dict[str, str] = {}
 
-    def _link(self, name: str) -> bool:
-        src = self.snapshot / name
-        if not src.is_file():
-            return False
-        (self.dir / name).unlink(missing_ok=True)
-        os.symlink(os.path.realpath(src), self.dir / name)
-        return True
-
-    def _fetch_small(self, name: str, limit: int) -> bool:
-        return self._link(name)  # `hub_cache` fetched every small file the repo has
+    def _fetch_small(self, name: str, limit: int = 0) -> bool:
+        src = self.snapshot / name  # `hub_cache` fetched every small file the repo has
+        if src.is_file():
+            (self.dir / name).unlink(missing_ok=True)
+            os.symlink(os.path.realpath(src), self.dir / name)
+        return src.is_file()
 
     def _probe(self, name: str) -> dict:
-        if not self._link(name):
+        if not self._fetch_small(name):  # a whole shard in the Hub cache: linked
             return super()._probe(name)
-        st = {"url": self._file_url(name), "size": (self.dir / name).stat().st_size}
-        st["ranges"] = [[0, st["size"]]]
-        self._save(name, st)
+        size = (self.dir / name).stat().st_size
+        self._save(name, st := {"url": self._file_url(name), "size": size, "ranges": [[0, size]]})
         return st
 
-    def _locate(self, name: str) -> str:
-        if name not in self._located:
-            from huggingface_hub import get_hf_file_metadata, hf_hub_url
+    def _fetch_url(self, name: str) -> str:
+        from huggingface_hub import get_hf_file_metadata, hf_hub_url
 
-            meta = get_hf_file_metadata(hf_hub_url(self.repo, name, revision=self.commit))
-            self._located[name] = meta.location
+        if name not in self._located:
+            with hub_errors(self._file_url(name)):
+                url = hf_hub_url(self.repo, name, revision=self.commit)
+                self._located[name] = get_hf_file_metadata(url).location
         return self._located[name]
 
-    def _fetch_url(self, name: str) -> str:
-        with hub_errors(f"{self.repo}@{self.commit}: {name}"):
-            return self._locate(name)
-
     def has(self, name: str) -> bool:
-        from huggingface_hub.errors import RemoteEntryNotFoundError
+        from huggingface_hub import file_exists
 
-        with hub_errors(f"{self.repo}@{self.commit}: {name}"):
-            try:
-                return bool(self._link(name) or self._locate(name))
-            except RemoteEntryNotFoundError:
-                return False
+        with hub_errors(self._file_url(name)):
+            return self._fetch_small(name) or file_exists(self.repo, name, revision=self.commit)
 
 
 def hub_cache(url: str, cache_dir=None, **options) -> HubCache | None:
@@ -246,8 +216,8 @@ def model_card(build: str) -> str:
     corpora = [s.get("corpus") for s in (prov.get("plan_provenance") or {}).get("stats", [])]
     lines = ["---", "tags: [reap, moe, pruned]", "---", f"# {Path(build).name}", "",
              f"Pruned with reap from {_source(build)}, kept experts bit-identical.", "",
-             f"- plan: `reap_plan.json` (sha256 {m['plan_sha256']}), experts per MoE layer: "
-             f"{m['n_experts']['kept']} of {m['n_experts']['source']}",
+             (f"- plan: `reap_plan.json` (sha256 {m['plan_sha256']}), experts per MoE layer: "
+              f"{m['n_experts']['kept']} of {m['n_experts']['source']}"),
              f"- criterion: {prov.get('criterion')}; budget: {json.dumps(prov.get('budget'))}",
              f"- calibration corpora: {', '.join(map(str, corpora)) or 'none'}",
              "- manifest: `reap_manifest.json` (a sha256 per kept expert; `reap verify`)"]

@@ -28,6 +28,7 @@ import threading
 import urllib.parse
 from pathlib import Path
 
+from reap.cache import cache_dir
 from reap.checkpoint.header import check_entries, length_prefix, load_index, parse_header
 from reap.checkpoint.http_range import HttpClient, check_status, content_range
 from reap.checkpoint.reader import Checkpoint
@@ -40,7 +41,6 @@ from reap.checkpoint.spec import (
     SINGLE_NAME,
     shard_name,
 )
-from reap.cache import cache_dir
 from reap.errors import CheckpointError
 from reap.fileio import write_atomic
 
