@@ -202,7 +202,7 @@ def resolve_source(model: str, layers: int | None = None) -> Source:
     (`reap.checkpoint.RemoteCheckpoint`), never its tensors."""
     from reap.checkpoint import is_url, open_checkpoint
     from reap.checkpoint.config_only import open_config_only
-    from reap.checkpoint.remote import fetch_config_only
+    from reap.checkpoint.hub import fetch_config_only
     from reap.models import builtin_config, load_config
 
     if not is_url(model) and not os.path.exists(model):

@@ -19,13 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from reap.checkpoint import Checkpoint, CheckpointWriter, TensorSpec
-from reap.checkpoint.remote import (
-    HttpCache,
-    RemoteCheckpoint,
-    default_cache_dir,
-    open_checkpoint,
-)
+from reap.checkpoint import Checkpoint, CheckpointWriter, TensorSpec, open_checkpoint
+from reap.checkpoint.remote import HttpCache, RemoteCheckpoint, default_cache_dir
 from reap.checkpoint.spec import shard_name
 from reap.errors import EXIT_USAGE, CheckpointError, ReapError
 

@@ -6,7 +6,7 @@ HF directory, a directory holding one `model.safetensors`, or a `.safetensors` f
 parses only the headers (`header.py`); tensor bytes come from positioned reads (`files.py`), into
 long-lived buffers for the engine (`BufferReader`, `buffers.py`). `RemoteCheckpoint` (`remote.py`,
 `http_range.py`) reads http(s) URLs by Range requests into a resumable cache; `hub.py` turns Hub
-repo ids into a Hub cache snapshot or a Hub URL; `open_checkpoint` picks the backend.
+repo ids into a Hub cache snapshot or a Hub URL, and its `open_checkpoint` picks the backend.
 Validation is one code path for all (`header.check_entries`, the index against the shards,
 regular files only, size caps in `spec.py`): every invalid input is a `CheckpointError` (exit 2).
 `CheckpointWriter` (`writer.py`) writes deterministic shards atomically and resumably.
@@ -18,8 +18,9 @@ stored `key` does.
 
 from reap.checkpoint.buffers import BufferReader
 from reap.checkpoint.header import encode_header, entry_bytes
+from reap.checkpoint.hub import open_checkpoint
 from reap.checkpoint.reader import Checkpoint
-from reap.checkpoint.remote import RemoteCheckpoint, default_cache_dir, is_url, open_checkpoint
+from reap.checkpoint.remote import RemoteCheckpoint, default_cache_dir, is_url
 from reap.checkpoint.spec import (
     DTYPE_CODES,
     DTYPE_SIZES,

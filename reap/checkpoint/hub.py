@@ -5,7 +5,7 @@ which supplies the token, `HF_ENDPOINT`, `HF_HUB_OFFLINE` and the shared cache u
 path or an http(s) URL is kept; one in the Hub form becomes the Hub cache's snapshot directory
 (`snapshot_download`: cached files read in place, missing ones fetched into the same cache), or,
 for commands that read only parts of shards (`info`, `plan`, `run --plan-only`, `run`/`serve
---no-download`), the Hub URL `<endpoint>/<repo>/resolve/<commit>`, which `remote.open_cache` opens
+--no-download`), the Hub URL `<endpoint>/<repo>/resolve/<commit>`, which `open_cache` opens
 as a `HubCache`: small files and whole shards from the Hub cache, the rest of a shard by Range
 requests (`HttpCache`) from the location huggingface_hub resolves, the token sent only to the
 Hub's origin. Hub failures are one-line `ReapError`s (exit 2). `push` uploads a pruned build.
@@ -20,7 +20,8 @@ import re
 from pathlib import Path
 
 from reap.checkpoint.http_range import origin
-from reap.checkpoint.remote import SMALL_FILES, HttpCache, is_url
+from reap.checkpoint.reader import Checkpoint
+from reap.checkpoint.remote import SMALL_FILES, HttpCache, RemoteCheckpoint, is_url
 from reap.errors import ReapError
 
 _ID = re.compile(r"([A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*)(?:@([^\s@]+))?")
@@ -179,6 +180,24 @@ def hub_cache(url: str, cache_dir=None, **options) -> HubCache | None:
         return None
     snap = _snapshot(url, m[1], m[2], list(SMALL_FILES))  # no request once cached
     return HubCache(url, m[1], m[2], snap, cache_dir=cache_dir, **options)
+
+
+def open_cache(url: str, cache_dir: str | os.PathLike | None = None, **options) -> HttpCache:
+    """The cache of `url`: a `HubCache` for a Hub URL, else an `HttpCache`."""
+    return hub_cache(url, cache_dir, **options) or HttpCache(url, cache_dir, **options)
+
+
+def fetch_config_only(url: str, cache_dir: str | os.PathLike | None = None):
+    """The `ConfigOnly` view of `url` (`HttpCache.config_only`), or None when it has weights."""
+    return open_cache(url, cache_dir).config_only()
+
+
+def open_checkpoint(model: str | os.PathLike, cache_dir: str | os.PathLike | None = None,
+                    direct: bool = False) -> Checkpoint:
+    """A local checkpoint path or an http(s) URL (a Hub one included) -> an open `Checkpoint`."""
+    if is_url(str(model)):
+        return RemoteCheckpoint.open(open_cache(str(model), cache_dir), direct=direct)
+    return Checkpoint.open(model, direct=direct)
 
 
 def push(build: str, repo: str) -> str:

@@ -9,7 +9,7 @@ cache (`default_cache_dir`, or `cache_dir`) holds each shard as a sparse file of
 `.reap/<shard>.ranges.json` lists the byte ranges present and `.reap/remote.json` the layout. Data
 is written before the sidecar names it and sidecars are replaced atomically, so an interrupted
 download resumes where it stopped and a later open makes no request for what is cached. A Hub
-URL is opened as a `hub.HubCache` (`open_cache`), which takes what the Hub cache holds.
+URL is opened as a `hub.HubCache` (`hub.open_cache`), which takes what the Hub cache holds.
 
 Every answer is checked (`http_range.py`: status, Content-Range, bytes received, deadlines).
 Shard names from an index must be plain `*.safetensors` names (`shard_name`): they cannot escape
@@ -166,6 +166,23 @@ class HttpCache:
             raise CheckpointError(str(e).replace(str(self.dir / INDEX_NAME),
                                                  f"{self.url}/{INDEX_NAME}", 1)) from None
         return sorted(set(weight_map.values()))
+
+    def config_only(self):
+        """The `ConfigOnly` view (config.json and the index fetched into the cache), or None
+        when the server has weights (the index's first shard, else model.safetensors), has no
+        config.json, or was opened with its weights before."""
+        from dataclasses import replace
+
+        from reap.checkpoint.config_only import open_config_only
+
+        if _read_manifest(self.meta / "remote.json", self.url) is not None:
+            return None
+        if not self._fetch_small("config.json", MAX_JSON_BYTES):
+            return None
+        if self.has(self._shard_names(self._fetch_small(INDEX_NAME, MAX_INDEX_BYTES))[0]):
+            return None
+        src = open_config_only(self.dir)
+        return replace(src, path=self.url) if src is not None else None
 
     def has(self, name: str) -> bool:
         """Whether the server has file `name` (not a 404; other answers are checked on use)."""
@@ -332,10 +349,11 @@ class RemoteCheckpoint(Checkpoint):
     url: str
 
     @classmethod
-    def open(cls, url: str, cache_dir: str | os.PathLike | None = None,  # type: ignore[override]
-             direct: bool = False, **cache_options) -> RemoteCheckpoint:
-        """Open the checkpoint directory at `url` through the cache in `cache_dir`."""
-        cache = open_cache(url, cache_dir, **cache_options)
+    def open(cls, url: str | HttpCache,  # type: ignore[override]
+             cache_dir: str | os.PathLike | None = None, direct: bool = False,
+             **cache_options) -> RemoteCheckpoint:
+        """Open the checkpoint directory at `url` (or that of a cache) through its cache."""
+        cache = url if isinstance(url, HttpCache) else HttpCache(url, cache_dir, **cache_options)
         cache.prepare()
         ck = super().open(cache.dir, direct=direct)
         ck.cache, ck.url = cache, cache.url
@@ -345,37 +363,3 @@ class RemoteCheckpoint(Checkpoint):
         """Make bytes [start, end) of shard `file` (a `TensorInfo.file` path) present locally.
         Readers that pread the shard files themselves call this first."""
         self.cache.ensure(os.path.basename(file), start, end)
-
-
-def fetch_config_only(url: str, cache_dir: str | os.PathLike | None = None):
-    """The `ConfigOnly` view of `url` (config.json and the index fetched into the cache), or
-    None when the server has weights (the index's first shard, else model.safetensors), has no
-    config.json, or was opened with its weights before."""
-    from dataclasses import replace
-
-    from reap.checkpoint.config_only import open_config_only
-
-    cache = open_cache(url, cache_dir)
-    if _read_manifest(cache.meta / "remote.json", cache.url) is not None:
-        return None
-    if not cache._fetch_small("config.json", MAX_JSON_BYTES):
-        return None
-    if cache.has(cache._shard_names(cache._fetch_small(INDEX_NAME, MAX_INDEX_BYTES))[0]):
-        return None
-    src = open_config_only(cache.dir)
-    return replace(src, path=cache.url) if src is not None else None
-
-
-def open_cache(url: str, cache_dir: str | os.PathLike | None = None, **options) -> HttpCache:
-    """The cache of `url`: a `hub.HubCache` for a Hub URL, else an `HttpCache`."""
-    from reap.checkpoint.hub import hub_cache
-
-    return hub_cache(url, cache_dir, **options) or HttpCache(url, cache_dir, **options)
-
-
-def open_checkpoint(model: str | os.PathLike, cache_dir: str | os.PathLike | None = None,
-                    direct: bool = False) -> Checkpoint:
-    """A local checkpoint path or an http(s) URL -> an open `Checkpoint`."""
-    if is_url(str(model)):
-        return RemoteCheckpoint.open(str(model), cache_dir, direct=direct)
-    return Checkpoint.open(model, direct=direct)
