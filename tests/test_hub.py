@@ -218,6 +218,7 @@ def hub(tiny):
     h.tiny_main = h.add("org/tiny", files)
     h.tiny_v1 = h.add("org/tiny", {**files, "config.json": files["config.json"] + b"\n"}, ("v1",))
     h.add("org/gated", files, gated=True)
+    h.add("org/bare", {n: files[n] for n in ("config.json", "model.safetensors.index.json")})
     yield h
     h.close()
 
@@ -308,6 +309,13 @@ def test_gated_repo_needs_a_token(hub, home):
     assert p.returncode == 0, p.stderr
 
 
+def test_a_config_only_repo_answers_from_config_and_index(hub, home):
+    p = reap(hub, home, "info", "org/bare", "--json")
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    assert out["config_only"] and out["index_missing"] == 0 and out["index_tensors"] > 0
+
+
 @pytest.mark.parametrize("model, message", [("org/tiny@nope", "no such revision"),
                                             ("org/absent", "no such repo")])
 def test_unknown_repo_or_revision_is_one_line(hub, home, model, message):
@@ -348,3 +356,50 @@ def test_local_path_wins_and_prune_into_the_hub_cache_is_refused(hub, tiny, home
     for out in (repo / "snapshots" / "pruned", repo / "blobs" / "x", home / "hub" / "elsewhere"):
         err = one_line_error(reap(hub, home, "prune", "org/tiny", "--plan", plan, "--out", out))
         assert "Hub cache" in err and not out.exists()
+
+
+# ---- in process: argument resolution and the model card -------------------------------------
+
+
+def test_eval_builds_and_serve_names_resolve(monkeypatch, tmp_path):
+    from argparse import Namespace
+
+    from reap.checkpoint import hub as hub_module
+
+    sha = "a" * 40
+    monkeypatch.setattr(hub_module, "resolve", lambda model, partial=False: f"/hf/snapshots/{sha}")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "org" / "local").mkdir(parents=True)
+    args = Namespace(command="eval", builds=["org/a@v2", "mine=org/b", "org/local", "x=org/local"],
+                     reference="org/ref")
+    hub_module.resolve_args(args, ("builds", "reference"))
+    snap = f"/hf/snapshots/{sha}"
+    assert args.builds == [f"a={snap}", f"mine={snap}", "org/local", "x=org/local"]
+    assert args.reference == snap
+    assert args.hub_sources["build org/a@v2"] == {"model": "org/a@v2", "commit": sha}
+    args = Namespace(command="serve", model="org/chat", served_name=None)
+    hub_module.resolve_args(args, ("model",))
+    assert args.served_name == "org/chat" and args.model == snap
+    with pytest.raises(Exception, match="--push-to x: expected a Hub repo id"):
+        hub_module.resolve_args(Namespace(command="prune", model="m", push_to="x"), ("model",))
+
+
+def test_model_card_states_source_plan_corpora_and_eval_numbers(tmp_path):
+    from reap.checkpoint.hub import model_card
+
+    build = tmp_path / "tiny-pruned"
+    (build / "eval").mkdir(parents=True)
+    manifest = {"plan_sha256": "ab" * 32, "n_experts": {"source": 16, "kept": [8]},
+                "source": {"path": "/hf/snapshots/x"},
+                "provenance": {"criterion": "reap", "budget": {"keep": 8},
+                               "arguments": {"hub_sources": {"model": {"model": "org/tiny@v1",
+                                                                       "commit": "c" * 40}}},
+                               "plan_provenance": {"stats": [{"corpus": "zh"}, {"corpus": "code"}]}}}
+    (build / "reap_manifest.json").write_text(json.dumps(manifest))
+    est = {k: {"value": v} for k, v in (("ppl", 12.5), ("ppl_ratio", 1.04), ("agreement", 0.91),
+                                         ("kl", 0.031))}
+    (build / "eval" / "results.json").write_text(json.dumps({"quality": {"zh": {"pruned": est}}}))
+    card = model_card(str(build))
+    assert f"org/tiny@v1 (commit {'c' * 40})" in card
+    assert "criterion: reap" in card and "corpora: zh, code" in card and "[8] of 16" in card
+    assert "| zh | pruned | 12.5 | 1.04 | 0.91 | 0.031 |" in card
