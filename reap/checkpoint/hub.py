@@ -149,10 +149,13 @@ class HubCache(HttpCache):
         return src.is_file()
 
     def _probe(self, name: str) -> dict:
-        if not self._fetch_small(name):  # a whole shard in the Hub cache: linked
+        src = self.snapshot / name
+        if not src.is_file():
             return super()._probe(name)
-        size = (self.dir / name).stat().st_size
+        (self.dir / name).unlink(missing_ok=True)  # a stale partial copy: gone before the sidecar
+        size = src.stat().st_size
         self._save(name, st := {"url": self._file_url(name), "size": size, "ranges": [[0, size]]})
+        self._fetch_small(name)  # the whole shard, linked
         return st
 
     def _fetch_url(self, name: str) -> str:
@@ -168,7 +171,8 @@ class HubCache(HttpCache):
         from huggingface_hub import file_exists
 
         with hub_errors(self._file_url(name)):
-            return self._fetch_small(name) or file_exists(self.repo, name, revision=self.commit)
+            return (self.snapshot / name).is_file() or file_exists(self.repo, name,
+                                                                   revision=self.commit)
 
 
 def hub_cache(url: str, cache_dir=None, **options) -> HubCache | None:

@@ -274,7 +274,7 @@ class HttpCache:
     def _receive(self, name: str, st: dict, resp, a: int, b: int) -> None:
         """Stream a response body into the cache file at [a, b); record what arrived."""
         got = a
-        fd = os.open(self.dir / name, os.O_WRONLY)
+        fd = os.open(self.dir / name, os.O_WRONLY | os.O_NOFOLLOW)  # never into a linked file
         try:
             for piece in self.client.body(resp, st["url"], b - a):
                 os.pwrite(fd, piece, got)
