@@ -20,13 +20,14 @@ the cache nor collide with the small files or `.reap/`. Sizes are capped while t
 from __future__ import annotations
 
 import hashlib
-import http.client
 import json
 import os
 import re
 import threading
 import urllib.parse
 from pathlib import Path
+
+import httpx2
 
 from reap.cache import cache_dir
 from reap.checkpoint.header import check_entries, length_prefix, load_index, parse_header
@@ -146,14 +147,11 @@ class HttpCache:
         False if the server has none (404)."""
         url = self._file_url(name)
         resp = self.client.get(url)
-        if resp.status != 200:
-            try:  # read a short error page to keep the connection; drop it otherwise
-                self.client.read_all(resp, url, 1 << 16)
-            except CheckpointError:
-                pass  # read_all dropped the connection
-            if resp.status == 404:
+        if resp.status_code != 200:
+            self.client.drop()
+            if resp.status_code == 404:
                 return False
-            raise CheckpointError(f"{url}: HTTP {resp.status} {resp.reason}")
+            raise CheckpointError(f"{url}: HTTP {resp.status_code} {resp.reason_phrase}")
         write_atomic(self.dir / name, self.client.read_all(resp, url, limit))
         return True
 
@@ -188,7 +186,7 @@ class HttpCache:
         """Whether the server has file `name` (not a 404; other answers are checked on use)."""
         resp = self.client.get(self._fetch_url(name), 0, 1)
         self.client.drop()
-        return resp.status != 404
+        return resp.status_code != 404
 
     # ---- shards ----------------------------------------------------------------------------
 
@@ -279,7 +277,7 @@ class HttpCache:
             for piece in self.client.body(resp, st["url"], b - a):
                 os.pwrite(fd, piece, got)
                 got += len(piece)
-        except (OSError, http.client.HTTPException):
+        except (OSError, httpx2.HTTPError):
             pass  # keep what arrived; reported as a short read below
         finally:
             if got > a:
