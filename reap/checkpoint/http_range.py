@@ -8,8 +8,8 @@ strict checks of a ranged answer (status, Content-Range, Content-Length). Failur
 Limits, read from the environment when a client is made (or given as arguments):
 - `REAP_HTTP_TIMEOUT` seconds (default 30): the longest wait for the connection or any one read.
 - `REAP_HTTP_DEADLINE` seconds (default 300): the longest one request may take, from sending it
-  to its last body byte, redirects included (a server dripping bytes is cut off there). A
-  request is at most 64 MiB (`HttpCache.max_request`): 300 s allows ~220 KB/s.
+  to its last body byte, redirects included (a server dripping bytes is cut off there, give or
+  take one read). A request is at most 64 MiB (`HttpCache.max_request`): 300 s allows ~220 KB/s.
 """
 
 from __future__ import annotations

@@ -44,7 +44,8 @@ _WHY = {  # huggingface_hub's error -> what to say (a subclass before its base)
     "RepositoryNotFoundError": "no such repo on the Hub (a private one needs HF_TOKEN), nor path",
     "RemoteEntryNotFoundError": "no such file in the repo",
     "OfflineModeIsEnabled": "not in the Hub cache (HF_HUB_OFFLINE=1)",
-    "LocalEntryNotFoundError": "not in the Hub cache; the Hub is off (HF_HUB_OFFLINE) or away",
+    "LocalEntryNotFoundError": "not in the Hub cache (nor a local path), and the Hub is "
+                               "unreachable or HF_HUB_OFFLINE=1",
 }
 
 
@@ -87,7 +88,7 @@ def resolve_args(args, names: tuple[str, ...]) -> None:
                or getattr(args, "plan_only", False) or getattr(args, "no_download", False))
     if getattr(args, "push_to", None) and not _ID.fullmatch(args.push_to.partition("@")[0]):
         raise ReapError(f"--push-to {args.push_to}: expected a Hub repo id ORG/NAME")
-    if cmd == "prune" and parse(args.model):
+    if cmd == "prune" and parse(args.model):  # the cache's blobs, links and refs: the source
         _refuse_cache_out(args.out)
     found: dict = {}
     for name in names:
@@ -123,7 +124,7 @@ def _refuse_cache_out(out: str) -> None:
 
     from reap.fileio import overlap
 
-    if overlap(out, [constants.HF_HUB_CACHE]):  # its blobs, links and refs are the source
+    if overlap(out, [constants.HF_HUB_CACHE]):
         raise ReapError(f"{out}: the output lies in the Hub cache ({constants.HF_HUB_CACHE}), "
                         "which holds the source; choose an output directory outside it")
 
