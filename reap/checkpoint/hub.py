@@ -143,7 +143,7 @@ class HubCache(HttpCache):
         self._located: dict[str, str] = {}
 
     def _fetch_small(self, name: str, limit: int = 0) -> bool:
-        src = self.snapshot / name  # `hub_cache` fetched every small file the repo has
+        src = self.snapshot / name  # `open_cache` fetched every small file the repo has
         if src.is_file():
             (self.dir / name).unlink(missing_ok=True)
             os.symlink(os.path.realpath(src), self.dir / name)
@@ -176,25 +176,16 @@ class HubCache(HttpCache):
                                                                    revision=self.commit)
 
 
-def hub_cache(url: str, cache_dir=None, **options) -> HubCache | None:
-    """The `HubCache` of a Hub URL `<endpoint>/<repo>/resolve/<commit>`, else None."""
+def open_cache(url: str, cache_dir: str | os.PathLike | None = None, **options) -> HttpCache:
+    """The cache of `url`: a `HubCache` for a Hub URL `<endpoint>/<repo>/resolve/<commit>`, else
+    an `HttpCache`."""
     from huggingface_hub import constants
 
     m = re.fullmatch(re.escape(constants.ENDPOINT) + rf"/(.+)/resolve/({_HEX40})/?", url)
     if m is None:
-        return None
+        return HttpCache(url, cache_dir, **options)
     snap = _snapshot(url, m[1], m[2], list(SMALL_FILES))  # no request once cached
     return HubCache(url, m[1], m[2], snap, cache_dir=cache_dir, **options)
-
-
-def open_cache(url: str, cache_dir: str | os.PathLike | None = None, **options) -> HttpCache:
-    """The cache of `url`: a `HubCache` for a Hub URL, else an `HttpCache`."""
-    return hub_cache(url, cache_dir, **options) or HttpCache(url, cache_dir, **options)
-
-
-def fetch_config_only(url: str, cache_dir: str | os.PathLike | None = None):
-    """The `ConfigOnly` view of `url` (`HttpCache.config_only`), or None when it has weights."""
-    return open_cache(url, cache_dir).config_only()
 
 
 def open_checkpoint(model: str | os.PathLike, cache_dir: str | os.PathLike | None = None,
@@ -216,30 +207,21 @@ def push(build: str, repo: str) -> str:
     api = HfApi()
     with hub_errors(f"--push-to {repo}"):
         api.create_repo(repo, private=True, exist_ok=True)
-        return api.create_commit(repo, ops, commit_message=f"reap prune of {_source(build)}"
-                                 ).commit_url
-
-
-def _manifest(build: str) -> dict:
-    from reap.checkpoint.header import load_json
-
-    return load_json(Path(build) / "reap_manifest.json", "prune manifest")
-
-
-def _source(build: str) -> str:
-    m = _manifest(build)
-    hub = ((m["provenance"].get("arguments") or {}).get("hub_sources") or {}).get("model")
-    return f"{hub['model']} (commit {hub['commit']})" if hub else m["source"]["path"]
+        return api.create_commit(repo, ops, commit_message="reap prune").commit_url
 
 
 def model_card(build: str) -> str:
     """A pruned build's model card: source repo and revision, plan, criterion, corpora, and the
     per-corpus numbers of an evaluation found in the build (`results.json`, `reap eval`)."""
-    m = _manifest(build)
+    from reap.checkpoint.header import load_json
+
+    m = load_json(Path(build) / "reap_manifest.json", "prune manifest")
     prov = m["provenance"]
+    hub = ((prov.get("arguments") or {}).get("hub_sources") or {}).get("model")
+    source = f"{hub['model']} (commit {hub['commit']})" if hub else m["source"]["path"]
     corpora = [s.get("corpus") for s in (prov.get("plan_provenance") or {}).get("stats", [])]
     lines = ["---", "tags: [reap, moe, pruned]", "---", f"# {Path(build).name}", "",
-             f"Pruned with reap from {_source(build)}, kept experts bit-identical.", "",
+             f"Pruned with reap from {source}, kept experts bit-identical.", "",
              (f"- plan: `reap_plan.json` (sha256 {m['plan_sha256']}), experts per MoE layer: "
               f"{m['n_experts']['kept']} of {m['n_experts']['source']}"),
              f"- criterion: {prov.get('criterion')}; budget: {json.dumps(prov.get('budget'))}",
