@@ -24,7 +24,8 @@ from reap.checkpoint.reader import Checkpoint
 from reap.checkpoint.remote import SMALL_FILES, HttpCache, RemoteCheckpoint, is_url
 from reap.errors import ReapError
 
-_ID = re.compile(r"([A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*)(?:@([^\s@]+))?")
+_REPO = r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*"
+_ID = re.compile(rf"({_REPO})(?:@([^\s@]+))?")  # ORG/NAME[@REVISION]
 _HEX40 = r"[0-9a-f]{40}"
 WEIGHTS = ["*.json", "*.safetensors", "*.jinja", "*.model"]  # what reap reads of a repo
 
@@ -86,7 +87,7 @@ def resolve_args(args, names: tuple[str, ...]) -> None:
     cmd = args.command
     partial = (cmd == "info" or (cmd == "plan" and args.criterion != "recon")
                or getattr(args, "plan_only", False) or getattr(args, "no_download", False))
-    if getattr(args, "push_to", None) and not _ID.fullmatch(args.push_to.partition("@")[0]):
+    if getattr(args, "push_to", None) and not re.fullmatch(_REPO, args.push_to):
         raise ReapError(f"--push-to {args.push_to}: expected a Hub repo id ORG/NAME")
     if cmd == "prune" and parse(args.model):  # the cache's blobs, links and refs: the source
         _refuse_cache_out(args.out)
@@ -106,7 +107,7 @@ def resolve_args(args, names: tuple[str, ...]) -> None:
 
 def _build(arg: str, found: dict) -> str:
     label, sep, model = arg.partition("=")
-    if not (sep and parse(model)):
+    if not sep or os.path.lexists(arg):
         label, model = "", arg
     if not parse(model):
         return arg
