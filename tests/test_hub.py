@@ -389,12 +389,13 @@ def test_model_card_states_source_plan_corpora_and_eval_numbers(tmp_path):
 
     build = tmp_path / "tiny-pruned"
     (build / "eval").mkdir(parents=True)
+    hub_sources = {"model": {"model": "org/tiny@v1", "commit": "c" * 40}}
+    stats = [{"corpus": "zh"}, {"corpus": "code"}]
     manifest = {"plan_sha256": "ab" * 32, "n_experts": {"source": 16, "kept": [8]},
                 "source": {"path": "/hf/snapshots/x"},
                 "provenance": {"criterion": "reap", "budget": {"keep": 8},
-                               "arguments": {"hub_sources": {"model": {"model": "org/tiny@v1",
-                                                                       "commit": "c" * 40}}},
-                               "plan_provenance": {"stats": [{"corpus": "zh"}, {"corpus": "code"}]}}}
+                               "arguments": {"hub_sources": hub_sources},
+                               "plan_provenance": {"stats": stats}}}
     (build / "reap_manifest.json").write_text(json.dumps(manifest))
     est = {k: {"value": v} for k, v in (("ppl", 12.5), ("ppl_ratio", 1.04), ("agreement", 0.91),
                                          ("kl", 0.031))}
