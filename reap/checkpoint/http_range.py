@@ -155,15 +155,6 @@ class HttpClient:
         finally:
             resp.close()
 
-    def read_all(self, resp, url: str, limit: int) -> bytes:
-        """A whole response body from `get`, refused past `limit` bytes (see `body`)."""
-        import httpx2
-
-        try:
-            return b"".join(self.body(resp, url, limit=limit))
-        except (OSError, httpx2.HTTPError) as e:
-            raise CheckpointError(f"{url}: download failed ({type(e).__name__})") from None
-
     def drop(self) -> None:
         """Close this thread's open response (after an error, or to leave its body unread)."""
         resp = getattr(self._local, "resp", None)

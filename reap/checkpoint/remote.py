@@ -152,7 +152,10 @@ class HttpCache:
             if resp.status_code == 404:
                 return False
             raise CheckpointError(f"{url}: HTTP {resp.status_code} {resp.reason_phrase}")
-        write_atomic(self.dir / name, self.client.read_all(resp, url, limit))
+        try:
+            write_atomic(self.dir / name, b"".join(self.client.body(resp, url, limit=limit)))
+        except (OSError, httpx2.HTTPError) as e:
+            raise CheckpointError(f"{url}: download failed ({type(e).__name__})") from None
         return True
 
     def _shard_names(self, has_index: bool) -> list[str]:
