@@ -44,7 +44,13 @@ COMMANDS: dict[str, tuple[str, str]] = {
 OPENMP_SPIN = ("run", "serve", "eval")
 GOMP_SPINCOUNT = "10000"
 
-EPILOG = """exit codes: 0 ok, 1 runtime failure, 2 bad arguments or input, 3 result not written,
+# command -> its model arguments, where a Hub repo ORG/NAME[@REV] is resolved (reap.checkpoint.hub)
+MODEL_ARGS = {"info": ("model",), "plan": ("model", "config"), "calibrate": ("model",),
+              "prune": ("model",), "verify": ("pruned", "source"), "run": ("model",),
+              "serve": ("model",), "eval": ("builds", "reference")}
+EPILOG = """MODEL: a Hub repo ORG/NAME[@REVISION] (a local path of that name wins), a local
+directory, or an http(s) URL.
+exit codes: 0 ok, 1 runtime failure, 2 bad arguments or input, 3 result not written,
 4 a routed expert failed to load (output untrustworthy), 5 interrupted"""
 
 
@@ -80,6 +86,9 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
             command = importlib.import_module(module)
             command = getattr(command, attr) if attr else command
             command.add_arguments(p)
+            if name in ("run", "serve"):
+                p.add_argument("--no-download", action="store_true", help="a Hub MODEL not in "
+                               "the Hub cache: read tensors by HTTP ranges as needed instead")
             p.set_defaults(_run=command.run)
     return parser
 
@@ -109,6 +118,10 @@ def main(argv: list[str] | None = None) -> int:
             parser.print_help()
             return 0 if not argv else 2
         check_integers(args)
+        if args.command in MODEL_ARGS:
+            from reap.checkpoint.hub import resolve_args
+
+            resolve_args(args, MODEL_ARGS[args.command])
         return int(args._run(args) or 0)
     except ReapError as e:
         print(f"reap: error: {e}", file=sys.stderr)

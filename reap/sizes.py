@@ -191,7 +191,7 @@ def resolve_source(model: str, layers: int | None = None) -> Source:
     (`reap.checkpoint.RemoteCheckpoint`), never its tensors."""
     from reap.checkpoint import is_url, open_checkpoint
     from reap.checkpoint.config_only import open_config_only
-    from reap.checkpoint.remote import fetch_config_only
+    from reap.checkpoint.hub import open_cache
     from reap.models import builtin_config, load_config
 
     if not is_url(model) and not os.path.exists(model):
@@ -200,7 +200,7 @@ def resolve_source(model: str, layers: int | None = None) -> Source:
         return Source(builtin_config(model, layers=layers))
     if layers is not None:
         raise ReapError(f"--layers applies to built-in configs only, not {model}")
-    src = fetch_config_only(model) if is_url(model) else open_config_only(model)
+    src = open_cache(model).config_only() if is_url(model) else open_config_only(model)
     if src is not None:
         load_config(src.config, model)
         return Source(src.config, None, src)

@@ -19,14 +19,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from reap.checkpoint import Checkpoint, CheckpointWriter, TensorSpec
-from reap.checkpoint.remote import (
-    HttpCache,
-    RemoteCheckpoint,
-    default_cache_dir,
-    open_checkpoint,
-    safe_name,
-)
+from reap.checkpoint import Checkpoint, CheckpointWriter, TensorSpec, open_checkpoint
+from reap.checkpoint.remote import HttpCache, RemoteCheckpoint, default_cache_dir
+from reap.checkpoint.spec import shard_name
 from reap.errors import EXIT_USAGE, CheckpointError, ReapError
 
 
@@ -276,7 +271,7 @@ def test_names_and_dispatch(tmp_path, remote):
     src, fs, cache = remote
     for bad in ("..", "../x", "/etc/passwd", "a/b", ".hidden", ""):
         with pytest.raises(CheckpointError):
-            safe_name(bad, "index")
+            shard_name(bad, "index")
     d = default_cache_dir("https://example.com:8443/org/../model?x=1")
     assert ".." not in d.parts and d.parent.name == "http" and "example.com_8443" in d.name
     assert d != default_cache_dir("https://example.com:8443/org/model2")
@@ -405,7 +400,7 @@ def test_cache_bookkeeping_cannot_collide_with_shard_names(remote, tmp_path):
     for bad in ("config.json", "remote.json", "tokenizer.json", "x.safetensors.ranges.json",
                 ".reap", "model.safetensors.index.json"):
         with pytest.raises(CheckpointError, match="unsafe file name"):
-            safe_name(bad, "index")
+            shard_name(bad, "index")
     index = json.loads((src / "model.safetensors.index.json").read_text())
     key = next(iter(index["weight_map"]))
     index["weight_map"][key] = "config.json"

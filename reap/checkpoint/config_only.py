@@ -56,7 +56,7 @@ class ConfigOnly:
 
 
 def open_config_only(path: str | os.PathLike) -> ConfigOnly | None:
-    """The config-only view of directory `path` (of a URL: `remote.fetch_config_only`), or None
+    """The config-only view of directory `path` (of a URL: `HttpCache.config_only`), or None
     if it holds weights (or is not a directory with a config.json). CheckpointError names a bad
     config or index file."""
     p = Path(path)

@@ -5,27 +5,21 @@
 
 Opening fetches the small files (config.json, the index, tokenizer files) whole and only the
 safetensors headers of the shards; a tensor's bytes are fetched the first time it is read. The
-cache lives in `~/.cache/reap/http/<sanitized host+path>-<hash>/` (see `default_cache_dir`; or
-`cache_dir`): each shard is a
-sparse file of its full size; its bookkeeping lives apart, in `.reap/`: a sidecar
-`.reap/<shard>.ranges.json` listing the byte ranges already present, and `.reap/remote.json`.
-Data is written before the sidecar names it and sidecars are replaced atomically, so an
-interrupted download keeps every byte it received and resumes from there; a later open of the same
-URL makes no request for anything already cached.
+cache (`default_cache_dir`, or `cache_dir`) holds each shard as a sparse file of its full size;
+`.reap/<shard>.ranges.json` lists the byte ranges present and `.reap/remote.json` the layout. Data
+is written before the sidecar names it and sidecars are replaced atomically, so an interrupted
+download resumes where it stopped and a later open makes no request for what is cached. A Hub
+URL is opened as a `hub.HubCache` (`hub.open_cache`), which takes what the Hub cache holds.
 
-Every answer is checked: status (404/416/other errors named with the URL), Content-Range against
-the requested range and the file's size seen so far, and the number of bytes actually received.
-Shard names from the server's index must be plain `*.safetensors` file names (`shard_name`), so
-they cannot escape the cache nor collide with the small files or `.reap/`. Sizes are capped
-while they stream: small files (`SMALL_FILES`: 16 MiB, the index 256 MiB, tokenizers 64 MiB),
-headers 100 MB (`spec.py`); each header is validated as a local shard's is (`check_entries`).
-Requests are bounded in time (`http_range.py`: read timeout and per-request deadline).
+Every answer is checked (`http_range.py`: status, Content-Range, bytes received, deadlines).
+Shard names from an index must be plain `*.safetensors` names (`shard_name`): they cannot escape
+the cache nor collide with the small files or `.reap/`. Sizes are capped while they stream
+(`SMALL_FILES`; headers 100 MB, `spec.py`); each header is checked as a local shard's is.
 """
 
 from __future__ import annotations
 
 import hashlib
-import http.client
 import json
 import os
 import re
@@ -33,6 +27,9 @@ import threading
 import urllib.parse
 from pathlib import Path
 
+import httpx2
+
+from reap.cache import cache_dir
 from reap.checkpoint.header import check_entries, length_prefix, load_index, parse_header
 from reap.checkpoint.http_range import HttpClient, check_status, content_range
 from reap.checkpoint.reader import Checkpoint
@@ -45,7 +42,6 @@ from reap.checkpoint.spec import (
     SINGLE_NAME,
     shard_name,
 )
-from reap.cache import cache_dir
 from reap.errors import CheckpointError
 from reap.fileio import write_atomic
 
@@ -70,11 +66,6 @@ def default_cache_dir(url: str) -> Path:
     name = re.sub(r"[^A-Za-z0-9._-]+", "_", host + parts.path).strip("._")[:96]
     digest = hashlib.sha256(url.encode()).hexdigest()[:8]
     return cache_dir() / "http" / f"{name or 'model'}-{digest}"
-
-
-def safe_name(name: str, where: str) -> str:
-    """`name` if it is a plain shard file name, else CheckpointError naming `where`."""
-    return shard_name(name, where)
 
 
 def _merge(ranges: list[list[int]]) -> list[list[int]]:
@@ -129,7 +120,12 @@ class HttpCache:
                                   ) from None
 
     def _file_url(self, name: str) -> str:
+        """The file's identity (named in messages and sidecars)."""
         return f"{self.url}/{urllib.parse.quote(name)}"
+
+    def _fetch_url(self, name: str) -> str:
+        """Where its bytes are fetched from (a Hub file's resolved location: `HubCache`)."""
+        return self._file_url(name)
 
     # ---- small files and layout ------------------------------------------------------------
 
@@ -151,15 +147,15 @@ class HttpCache:
         False if the server has none (404)."""
         url = self._file_url(name)
         resp = self.client.get(url)
-        if resp.status != 200:
-            try:  # read a short error page to keep the connection; drop it otherwise
-                self.client.read_all(resp, url, 1 << 16)
-            except CheckpointError:
-                pass  # read_all dropped the connection
-            if resp.status == 404:
+        if resp.status_code != 200:
+            self.client.drop()
+            if resp.status_code == 404:
                 return False
-            raise CheckpointError(f"{url}: HTTP {resp.status} {resp.reason}")
-        write_atomic(self.dir / name, self.client.read_all(resp, url, limit))
+            raise CheckpointError(f"{url}: HTTP {resp.status_code} {resp.reason_phrase}")
+        try:
+            write_atomic(self.dir / name, b"".join(self.client.body(resp, url, limit=limit)))
+        except (OSError, httpx2.HTTPError) as e:
+            raise CheckpointError(f"{url}: download failed ({type(e).__name__})") from None
         return True
 
     def _shard_names(self, has_index: bool) -> list[str]:
@@ -172,11 +168,28 @@ class HttpCache:
                                                  f"{self.url}/{INDEX_NAME}", 1)) from None
         return sorted(set(weight_map.values()))
 
+    def config_only(self):
+        """The `ConfigOnly` view (config.json and the index fetched into the cache), or None
+        when the server has weights (the index's first shard, else model.safetensors), has no
+        config.json, or was opened with its weights before."""
+        from dataclasses import replace
+
+        from reap.checkpoint.config_only import open_config_only
+
+        if _read_manifest(self.meta / "remote.json", self.url) is not None:
+            return None
+        if not self._fetch_small("config.json", MAX_JSON_BYTES):
+            return None
+        if self.has(self._shard_names(self._fetch_small(INDEX_NAME, MAX_INDEX_BYTES))[0]):
+            return None
+        src = open_config_only(self.dir)
+        return replace(src, path=self.url) if src is not None else None
+
     def has(self, name: str) -> bool:
         """Whether the server has file `name` (not a 404; other answers are checked on use)."""
-        resp = self.client.get(self._file_url(name), 0, 1)
+        resp = self.client.get(self._fetch_url(name), 0, 1)
         self.client.drop()
-        return resp.status != 404
+        return resp.status_code != 404
 
     # ---- shards ----------------------------------------------------------------------------
 
@@ -229,17 +242,18 @@ class HttpCache:
 
     def _probe(self, name: str) -> dict:
         """Learn a shard's size from its first block (fetched with it); create the sparse file."""
-        url = self._file_url(name)
+        url = self._fetch_url(name)
         resp = self._open_range(url, 0, self.block, None)
         size = content_range(resp, url, 0, self.block, None)
         try:
+            (self.dir / name).unlink(missing_ok=True)  # never write through a link
             with open(self.dir / name, "wb") as f:
                 f.truncate(size)  # sparse: only fetched ranges take disk space
         except OSError as e:
             self.client.drop()
             raise CheckpointError(f"{url}: cannot make a cache file of {size} bytes "
                                   f"({e.strerror})") from None
-        st = {"url": url, "size": size, "ranges": []}
+        st = {"url": self._file_url(name), "size": size, "ranges": []}
         self._save(name, st)
         self._receive(name, st, resp, 0, min(self.block, size))
         return st
@@ -256,18 +270,17 @@ class HttpCache:
         return resp
 
     def _fetch_range(self, name: str, st: dict, a: int, b: int) -> None:
-        url = self._file_url(name)
-        self._receive(name, st, self._open_range(url, a, b, st["size"]), a, b)
+        self._receive(name, st, self._open_range(self._fetch_url(name), a, b, st["size"]), a, b)
 
     def _receive(self, name: str, st: dict, resp, a: int, b: int) -> None:
         """Stream a response body into the cache file at [a, b); record what arrived."""
         got = a
-        fd = os.open(self.dir / name, os.O_WRONLY)
+        fd = os.open(self.dir / name, os.O_WRONLY | os.O_NOFOLLOW)  # never into a linked file
         try:
             for piece in self.client.body(resp, st["url"], b - a):
                 os.pwrite(fd, piece, got)
                 got += len(piece)
-        except (OSError, http.client.HTTPException):
+        except (OSError, httpx2.HTTPError):
             pass  # keep what arrived; reported as a short read below
         finally:
             if got > a:
@@ -337,10 +350,11 @@ class RemoteCheckpoint(Checkpoint):
     url: str
 
     @classmethod
-    def open(cls, url: str, cache_dir: str | os.PathLike | None = None,  # type: ignore[override]
-             direct: bool = False, **cache_options) -> RemoteCheckpoint:
-        """Open the checkpoint directory at `url` through the cache in `cache_dir`."""
-        cache = HttpCache(url, cache_dir, **cache_options)
+    def open(cls, url: str | HttpCache,  # type: ignore[override]
+             cache_dir: str | os.PathLike | None = None, direct: bool = False,
+             **cache_options) -> RemoteCheckpoint:
+        """Open the checkpoint directory at `url` (or that of a cache) through its cache."""
+        cache = url if isinstance(url, HttpCache) else HttpCache(url, cache_dir, **cache_options)
         cache.prepare()
         ck = super().open(cache.dir, direct=direct)
         ck.cache, ck.url = cache, cache.url
@@ -350,30 +364,3 @@ class RemoteCheckpoint(Checkpoint):
         """Make bytes [start, end) of shard `file` (a `TensorInfo.file` path) present locally.
         Readers that pread the shard files themselves call this first."""
         self.cache.ensure(os.path.basename(file), start, end)
-
-
-def fetch_config_only(url: str, cache_dir: str | os.PathLike | None = None):
-    """The `ConfigOnly` view of `url` (config.json and the index fetched into the cache), or
-    None when the server has weights (the index's first shard, else model.safetensors), has no
-    config.json, or was opened with its weights before."""
-    from dataclasses import replace
-
-    from reap.checkpoint.config_only import open_config_only
-
-    cache = HttpCache(url, cache_dir)
-    if _read_manifest(cache.meta / "remote.json", cache.url) is not None:
-        return None
-    if not cache._fetch_small("config.json", MAX_JSON_BYTES):
-        return None
-    if cache.has(cache._shard_names(cache._fetch_small(INDEX_NAME, MAX_INDEX_BYTES))[0]):
-        return None
-    src = open_config_only(cache.dir)
-    return replace(src, path=cache.url) if src is not None else None
-
-
-def open_checkpoint(model: str | os.PathLike, cache_dir: str | os.PathLike | None = None,
-                    direct: bool = False) -> Checkpoint:
-    """A local checkpoint path or an http(s) URL -> an open `Checkpoint`."""
-    if is_url(str(model)):
-        return RemoteCheckpoint.open(str(model), cache_dir, direct=direct)
-    return Checkpoint.open(model, direct=direct)

@@ -291,6 +291,8 @@ def add_prune_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-shard-size", help="largest shard, e.g. 5GB (default: the source's)")
     p.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--push-to", metavar="ORG/NAME", help="then upload the build and a model card "
+                   "to this Hub repo (created private)")
 
 
 def run_prune(args: argparse.Namespace) -> int:
@@ -318,6 +320,10 @@ def run_prune(args: argparse.Namespace) -> int:
         + (f" ({r.resumed_tensors} tensors resumed)" if r.resumed_tensors else ""),
         file=sys.stderr,
     )
+    if args.push_to:
+        from reap.checkpoint.hub import push
+
+        print(f"pushed: {push(r.out, args.push_to)}", file=sys.stderr)
     return 0
 
 
