@@ -1,6 +1,6 @@
 """Expert overlap analysis: exact chance baseline, metrics, bootstrap, clusters, CLI.
 
-Everything runs on synthetic statistics with planted structure (reap.analyze.synthetic) and is
+Everything runs on synthetic statistics with planted structure (notebooks/synthetic.py) and is
 checked against independent references: brute-force enumeration and Monte Carlo for the
 hypergeometric null, hand-computed vectors and scipy for the metrics, networkx for modularity,
 and known truth for coverage and recovery.
@@ -40,7 +40,7 @@ from reap.analyze.overlap import (
 from reap.analyze.pipeline import analyze
 from reap.analyze.report import write_report
 from reap.analyze.specialists import expert_profiles, shuffle_sequences, specialist_null
-from reap.analyze.synthetic import (
+from notebooks.synthetic import (
     planted_corpora,
     planted_profiles,
     routed_stats,

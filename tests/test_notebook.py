@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from reap.analyze.synthetic import planted_corpora, write_corpora
+from notebooks.synthetic import planted_corpora, write_corpora
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "overlap.ipynb"
 
