@@ -290,7 +290,7 @@ TRIALS = [
     Trial("cc_writes_garbage", script(GARBAGE_CC), {"CC": "{t}/bin/cc"}, warn=OFF),
     Trial("cc_is_a_directory", None, {"CC": "/tmp"}, warn=OFF),
     Trial("cc_unbalanced_quote", None, {"CC": "'cc -O2"}, warn=OFF),
-    Trial("cc_blank", None, {"CC": "   "}, warn=OFF),
+    Trial("cc_blank", None, {"CC": "   "}, check=consistent),  # as unset: cc
     Trial("cc_with_arguments", None, {"CC": "cc -DFROM_CC=1"}, check=consistent),
     Trial("cflags_unknown_flag", None, {"CFLAGS": "--no-such-flag-xyz"}, warn=OFF),
     Trial("cflags_missing_include", None, {"CFLAGS": "-include /nonexistent/x.h"}, warn=OFF),
