@@ -91,11 +91,15 @@ def _kill(proc: subprocess.Popen) -> None:
         proc.wait(10)
 
 
-def run_isolated(run: Run, timeout: float, mem_cap: int = MEM_CAP, cwd: str | None = None) -> Result:
-    """`python -m reap.cli ARGV` in a fresh process with a timeout and an address-space cap."""
+def run_isolated(run: Run, timeout: float, mem_cap: int = MEM_CAP, cwd: str | None = None,
+                 env: dict[str, str | None] | None = None) -> Result:
+    """`python -m reap.cli ARGV` in a fresh process with a timeout and an address-space cap
+    (`env`: variables set, or removed where None)."""
     start = time.monotonic()
-    proc = subprocess.Popen(python_m("reap.cli", run.argv, mem_cap), cwd=cwd or REPO,
-                            env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    full = child_env()
+    for k, v in (env or {}).items():
+        full.pop(k, None) if v is None else full.__setitem__(k, v)
+    proc = subprocess.Popen(python_m("reap.cli", run.argv, mem_cap), cwd=cwd or REPO, env=full, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             stdin=subprocess.DEVNULL, start_new_session=True, text=True,
                             errors="replace")
     try:

@@ -254,24 +254,24 @@ def sanitize(t: Mapping[str, torch.Tensor], dtype: torch.dtype) -> dict[str, tor
 
 def expert_matrices(t: Mapping[str, torch.Tensor]) -> dict:
     """The family hook: one expert's stored slices with each MXFP4 pair (blocks [R, C/32, 16],
-    scales [R, C/32]) as one `MXFP4Matrix` W [R, C] named `gate_up` / `down` (rows are outputs),
-    which the engine multiplies with its kernels (fused, without decoding, for a few bf16
-    tokens); dense matrices and biases unchanged."""
+    scales [R, C/32]) as one `MXFP4Matrix` W [R, C] named `gate_up_proj` / `down_proj` as a
+    check names it (rows are outputs), which the engine multiplies with its kernels (fused,
+    without decoding, for a few bf16 tokens); dense matrices and biases unchanged."""
     out = dict(t)
     for n in ("gate_up", "down"):
         if f"{n}_proj_blocks" in t:
             codes = out.pop(f"{n}_proj_blocks")
             packed = codes.reshape(codes.shape[0], -1)  # [R, C/2]
-            out[n] = mxfp4.MXFP4Matrix(packed, out.pop(f"{n}_proj_scales"))
+            out[f"{n}_proj"] = mxfp4.MXFP4Matrix(packed, out.pop(f"{n}_proj_scales"))
     return out
 
 
 def expert_mlp(x: torch.Tensor, t: Mapping[str, torch.Tensor], alpha: float, limit: float):
     """One expert on its tokens: x [M, D] -> [M, D] (t: stored slices by short name, or
     `expert_matrices` of them)."""
-    if isinstance(t.get("gate_up"), mxfp4.MXFP4Matrix):
-        gate_up = blocks.linear(x, t["gate_up"]) + t["gate_up_proj_bias"].to(x.device, x.dtype)
-        down = lambda h: blocks.linear(h, t["down"]) + t["down_proj_bias"].to(x.device, x.dtype)
+    if isinstance(t.get("gate_up_proj"), mxfp4.MXFP4Matrix):
+        gate_up = blocks.linear(x, t["gate_up_proj"]) + t["gate_up_proj_bias"].to(x)  # x's dtype
+        down = lambda h: blocks.linear(h, t["down_proj"]) + t["down_proj_bias"].to(x)
     else:
         w = sanitize(t, x.dtype)
         gate_up = x @ w["gate_up"].to(x.device) + w["gate_up_bias"].to(x.device)  # [M, 2F]

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from reap.cache import cache_dir
-from reap.errors import WriteError
+from reap.errors import ReapError
 from reap.fileio import atomic_path
 
 _HERE = Path(__file__).parent
@@ -87,8 +87,12 @@ def library(name: str = "mxfp4", flags: tuple[str, ...] = (), where: Path | None
 def _load(name: str, flags: tuple[str, ...], where: Path):
     files, own, signatures = _LIBRARIES[name]
     sources = [Path(where) / f for f in files.split()]
-    cc = shlex.split(os.environ.get("CC") or "cc")
-    cmd = [*cc, *_FLAGS, *own.split(), *flags, *shlex.split(os.environ.get("CFLAGS", ""))]
+    try:
+        cc = shlex.split(os.environ.get("CC", "")) or ["cc"]
+        cmd = [*cc, *_FLAGS, *own.split(), *flags, *shlex.split(os.environ.get("CFLAGS", ""))]
+    except ValueError as e:  # an unbalanced quote
+        _say(f"compiled kernels off, CC or CFLAGS cannot be split ({e}); {_COST}", "off")
+        return None
     headers = sorted({h for s in sources for h in s.parent.glob("*.h")})
     text = "".join(p.read_text() for p in (*sources, *headers)) + shlex.join(cmd) + machine_tag()
     so = _private_dir() / f"{name}-{hashlib.sha256(text.encode()).hexdigest()[:16]}.so"
@@ -145,7 +149,7 @@ def _private_dir() -> Path:
 def _open_private(path: Path) -> int | None:
     """A read descriptor of `path` if it is a private regular file (no symlink), else None."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)  # a FIFO: no wait
     except OSError:
         return None
     st = os.fstat(fd)
@@ -199,11 +203,12 @@ def _build(cmd: list[str], sources: list[Path], so: Path, quiet: bool):
                 os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
             f.write(_digest(fd) + "\n")
         return _dlopen(fd, so)
-    except (OSError, WriteError, subprocess.SubprocessError) as e:
+    except (OSError, ReapError, subprocess.SubprocessError) as e:
         e = e.__cause__ or e
         said = (getattr(e, "stderr", None) or str(e).encode()).decode(errors="replace")
-        why = f"no C compiler ({cmd[0]})" if isinstance(e, FileNotFoundError) else \
-            f"{cmd[0]} failed: {said.strip().splitlines()[-1:]}"  # fmt: skip
+        why = (f"no C compiler ({cmd[0]})" if isinstance(e, FileNotFoundError) else str(e)
+               if isinstance(e, ReapError)  # the cached name is a link, FIFO or directory
+               else f"{cmd[0]} failed: {said.strip().splitlines()[-1:]}")  # fmt: skip
         if not quiet:
             _say(f"compiled kernels off, {why}; {_COST} (set CC to a C compiler)", "off")
         return None
