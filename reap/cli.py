@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.util
 import os
 import sys
 
@@ -54,33 +53,16 @@ exit codes: 0 ok, 1 runtime failure, 2 bad arguments or input, 3 result not writ
 4 a routed expert failed to load (output untrustworthy), 5 interrupted"""
 
 
-def _available() -> dict[str, tuple[str, str]]:
-    """Commands whose module is present (stages land one by one)."""
-    return {n: c for n, c in COMMANDS.items() if _exists(c[0])}
-
-
-def _exists(target: str) -> bool:
-    try:
-        return importlib.util.find_spec(target.partition(":")[0]) is not None
-    except ModuleNotFoundError:  # a parent package is missing
-        return False
-
-
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     """The full parser; with `only`, import just that subcommand's module."""
     parser = argparse.ArgumentParser(
-        prog="reap",
-        description="Prune the experts of Mixture-of-Experts language models.",
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+        prog="reap", description="Prune the experts of Mixture-of-Experts language models.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"reap {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, (target, help_) in _available().items():
-        p = sub.add_parser(
-            name, help=help_, description=help_, epilog=EPILOG,
-            formatter_class=argparse.RawDescriptionHelpFormatter,
-        )
+    for name, (target, help_) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_, description=help_, epilog=EPILOG,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
         if only == name:
             module, _, attr = target.partition(":")
             command = importlib.import_module(module)

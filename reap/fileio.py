@@ -17,9 +17,8 @@ from reap.errors import ReapError, WriteError
 
 
 @contextlib.contextmanager
-def atomic_path(
-    path: str | os.PathLike, tmp: str | None = None, fsync: bool = False
-) -> Iterator[str]:
+def atomic_path(path: str | os.PathLike, tmp: str | None = None,
+                fsync: bool = False) -> Iterator[str]:
     """A temp path to write (`tmp`, default `<path>.tmp.<pid>`); renamed to `path` (parents
     created) when the block succeeds, after its data reached the disk if `fsync`."""
     path = os.fspath(path)
@@ -41,9 +40,8 @@ def atomic_path(
             os.remove(tmp)
 
 
-def write_atomic(
-    path: str | os.PathLike, data: bytes | str, tmp: str | None = None, fsync: bool = False
-) -> str:
+def write_atomic(path: str | os.PathLike, data: bytes | str, tmp: str | None = None,
+                 fsync: bool = False) -> str:
     """Write bytes or text to `path` atomically (see `atomic_path`); returns the path."""
     with atomic_path(path, tmp, fsync) as tmp_path, open(tmp_path, "wb") as f:
         f.write(data.encode() if isinstance(data, str) else data)
@@ -139,9 +137,8 @@ def made_by_reap(path: str | os.PathLike) -> bool:
     return isinstance(tag, str) and tag.startswith("reap.")
 
 
-def claim_out(
-    path: str | os.PathLike, overwrite: bool, flag: str = "--out", directory: bool = False
-) -> bool:
+def claim_out(path: str | os.PathLike, overwrite: bool, flag: str = "--out",
+              directory: bool = False) -> bool:
     """The one rule for an output that replaces what is at `path`: nothing there is fine; what
     reap made (`made_by_reap`, or an empty directory) is replaced only with `overwrite`; anything
     else (another file or directory, a link, FIFO, socket or device) is ReapError (exit 2)

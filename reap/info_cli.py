@@ -65,25 +65,20 @@ def _check_checkpoint(path: str, config: dict) -> dict:
     with open_checkpoint(path) as ck:
         ck.validate()
         check_binding(ck.tensors, family(config), config, path)
-        out = {
-            "tensors_on_disk": len(ck.tensors),
-            "stored_tensor_bytes": sum(t.nbytes for t in ck.tensors.values()),
-        }
+        out = {"tensors_on_disk": len(ck.tensors),
+               "stored_tensor_bytes": sum(t.nbytes for t in ck.tensors.values())}
         if not is_url(path):
             out["bytes_on_disk"] = sum(os.path.getsize(f) for f in ck.files)
         return out
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "model",
-        metavar="MODEL_OR_CONFIG",
-        help="checkpoint directory/file, http(s) URL, a directory holding only config.json "
-        "(and perhaps the index), or a built-in config: k3-tiny, k3-small, k3-full",
-    )
-    p.add_argument(
-        "--layers", type=int, default=None, help="built-in configs only: keep the first N layers"
-    )
+    p.add_argument("model", metavar="MODEL_OR_CONFIG",
+                   help="checkpoint directory/file, http(s) URL, a directory holding only "
+                        "config.json (and perhaps the index), or a built-in config: k3-tiny, "
+                        "k3-small, k3-full")
+    p.add_argument("--layers", type=int, default=None,
+                   help="built-in configs only: keep the first N layers")
     p.add_argument("--json", action="store_true", help="print the census as JSON")
 
 
@@ -93,32 +88,22 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(out, indent=1))
         return 0
     total = out["total_params"]
-    print(
-        f"{out['model']}: {fmt_params(total)} parameters, {format_bytes(out['checkpoint_bytes'])}"
-        f" checkpoint, {out['tensors']:,} tensors"
-    )
+    print(f"{out['model']}: {fmt_params(total)} parameters, "
+          f"{format_bytes(out['checkpoint_bytes'])} checkpoint, {out['tensors']:,} tensors")
     print(f"{'component':<16}{'params':>14}{'share':>8}{'bytes':>14}")
     for name, c in out["components"].items():
-        print(
-            f"{name:<16}{fmt_params(c['params']):>14}{c['params'] / total:>8.1%}"
-            f"{format_bytes(c['bytes']):>14}"
-        )
-    print(
-        f"active per token: {fmt_params(out['active_params'])} "
-        f"({out['active_params'] / total:.1%}); routed experts: {out['n_experts']} per layer, "
-        f"top-{out['top_k']}, {out['moe_layers']} MoE layers"
-    )
-    print(
-        f"per routed expert: {out['params_per_routed_expert']:,} params, "
-        f"{out['bytes_per_routed_expert']:,} bytes"
-    )
-    print(
-        f"active with the input embedding: {fmt_params(out['active_with_embedding'])}; "
-        f"tensor data: {out['tensor_bytes']:,} bytes"
-    )
+        print(f"{name:<16}{fmt_params(c['params']):>14}{c['params'] / total:>8.1%}"
+              f"{format_bytes(c['bytes']):>14}")
+    print(f"active per token: {fmt_params(out['active_params'])} "
+          f"({out['active_params'] / total:.1%}); routed experts: {out['n_experts']} per layer, "
+          f"top-{out['top_k']}, {out['moe_layers']} MoE layers")
+    print(f"per routed expert: {out['params_per_routed_expert']:,} params, "
+          f"{out['bytes_per_routed_expert']:,} bytes")
+    print(f"active with the input embedding: {fmt_params(out['active_with_embedding'])}; "
+          f"tensor data: {out['tensor_bytes']:,} bytes")
     if "bytes_on_disk" in out:
-        on_disk = format_bytes(out["bytes_on_disk"])
-        print(f"on disk: {on_disk} in {out['tensors_on_disk']:,} tensors")
+        print(f"on disk: {format_bytes(out['bytes_on_disk'])} in {out['tensors_on_disk']:,} "
+              "tensors")
     elif "stored_tensor_bytes" in out:
         print(f"stored: {out['stored_tensor_bytes']:,} bytes in {out['tensors_on_disk']:,} tensors")
     _print_index(out)

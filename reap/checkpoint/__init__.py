@@ -35,24 +35,7 @@ from reap.checkpoint.spec import (
 )
 from reap.checkpoint.writer import CheckpointWriter
 
-__all__ = [
-    "DTYPE_CODES",
-    "DTYPE_SIZES",
-    "INDEX_NAME",
-    "SINGLE_NAME",
-    "TEXT_PREFIX",
-    "TORCH_DTYPES",
-    "BufferReader",
-    "Checkpoint",
-    "CheckpointWriter",
-    "RemoteCheckpoint",
-    "TensorInfo",
-    "TensorSpec",
-    "default_cache_dir",
-    "encode_header",
-    "entry_bytes",
-    "is_url",
-    "open_checkpoint",
-    "split_view",
-    "view_name",
-]
+__all__ = ["DTYPE_CODES", "DTYPE_SIZES", "INDEX_NAME", "SINGLE_NAME", "TEXT_PREFIX", "TORCH_DTYPES",
+           "BufferReader", "Checkpoint", "CheckpointWriter", "RemoteCheckpoint", "TensorInfo",
+           "TensorSpec", "default_cache_dir", "encode_header", "entry_bytes", "is_url",
+           "open_checkpoint", "split_view", "view_name"]

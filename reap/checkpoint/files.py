@@ -42,9 +42,8 @@ def read_regular(path: str | os.PathLike, what: str, limit: int) -> bytes:
     fd, size = open_regular(path, what)
     try:
         if size > limit:
-            raise CheckpointError(
-                f"{path}: {what} of {size} bytes exceeds the limit of {limit} bytes"
-            )
+            raise CheckpointError(f"{path}: {what} of {size} bytes exceeds the limit of "
+                                  f"{limit} bytes")
         return os.pread(fd, size, 0)  # what fstat saw: bounded even if the file grows
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read {what} ({e.strerror})") from None
@@ -138,9 +137,8 @@ class RunReader:
             return sum(_padded(t.nbytes) for t in infos) + _BUFFERED_ALIGN
         return sum(r[-1].end - r[0].start + 2 * ALIGN for r in adjacent_runs(infos)) + ALIGN
 
-    def read_into(
-        self, infos: Sequence[TensorInfo], buf: torch.Tensor, kind: str = ""
-    ) -> dict[str, torch.Tensor]:
+    def read_into(self, infos: Sequence[TensorInfo], buf: torch.Tensor,
+                  kind: str = "") -> dict[str, torch.Tensor]:
         """Read tensors into `buf` (uint8 [n] with n >= span(infos)); name -> view of `buf`.
         Buffered, every tensor starts on a cache line of `buf` (one read per run scatters it:
         safetensors packs tensors at any offset, and a matrix-vector product streams an
@@ -182,15 +180,11 @@ class RunReader:
 
     def _check_room(self, run, end: int, buf: torch.Tensor) -> None:
         if end > buf.numel():
-            raise CheckpointError(
-                f"read buffer too small for {run[0].name} ({end} bytes needed, {buf.numel()}"
-                " given)",
-                self.read_failure_code,
-            )
+            raise CheckpointError(f"read buffer too small for {run[0].name} ({end} bytes needed, "
+                                  f"{buf.numel()} given)", self.read_failure_code)
 
-    def _read(
-        self, run: list[TensorInfo], dst: list[torch.Tensor], offset: int, need: int, kind: str
-    ) -> None:
+    def _read(self, run: list[TensorInfo], dst: list[torch.Tensor], offset: int, need: int,
+              kind: str) -> None:
         file = run[0].file
         what = f"tensors {run[0].key}..{run[-1].key}" if len(run) > 1 else f"tensor {run[0].key}"
         self.ensure(file, offset, offset + need)
@@ -202,14 +196,11 @@ class RunReader:
             if direct:  # O_DIRECT refused at read time: buffered from now on
                 self.direct = False
                 return self._read(run, dst, offset, need, kind)
-            msg = f"{file}: cannot read {what} ({e.strerror})"
-            raise CheckpointError(msg, self.read_failure_code) from None
+            raise CheckpointError(f"{file}: cannot read {what} ({e.strerror})",
+                                  self.read_failure_code) from None
         if got < need:
-            msg = (
-                f"{file}: truncated while reading {what} (short read at offset {offset}: "
-                f"{got} of {need} bytes)"
-            )
-            raise CheckpointError(msg, self.read_failure_code)
+            raise CheckpointError(f"{file}: truncated while reading {what} (short read at offset "
+                                  f"{offset}: {got} of {need} bytes)", self.read_failure_code)
         self._count(kind, need, got, time.perf_counter() - t0)
 
     def _fd(self, file: str) -> int:
@@ -226,8 +217,8 @@ class RunReader:
                 fd = os.open(file, flags)
             except OSError as e:
                 if not direct:
-                    msg = f"{file}: cannot open shard ({e.strerror})"
-                    raise CheckpointError(msg, self.read_failure_code) from None
+                    raise CheckpointError(f"{file}: cannot open shard ({e.strerror})",
+                                          self.read_failure_code) from None
             else:
                 self._fds[(file, direct)] = fd
                 return fd

@@ -120,11 +120,9 @@ def _read_text(path: str) -> tuple[str, int, int]:
                                   f"{MAX_HEADER_BYTES} bytes")
         if n > size - 8:
             raise CheckpointError(f"{path}: header length {n} beyond file size {size}")
-        raw = (
-            head[8 : 8 + n]
-            if 8 + n <= len(head)
-            else head[8:] + os.pread(fd, n + 8 - len(head), len(head))
-        )
+        raw = head[8 : 8 + n]
+        if len(raw) < n:  # a header longer than the first read
+            raw += os.pread(fd, n - len(raw), len(head))
     finally:
         os.close(fd)
     try:
@@ -244,10 +242,9 @@ def _check_tiling(where: str, infos: dict[str, TensorInfo], base: int, size: int
                                   f"before tensor {key} belong to no tensor")
         at, last = end, key
     if at != size:
-        raise CheckpointError(
-            f"{where}: data_offsets: the header describes a file of {at} bytes, but it has "
-            f"{size} (wrong header length, or bytes after the last tensor)"
-        )
+        raise CheckpointError(f"{where}: data_offsets: the header describes a file of {at} bytes, "
+                              f"but it has {size} (wrong header length, or bytes after the last "
+                              "tensor)")
 
 
 def parse_shard(shard: Shard, header: dict | None = None) -> dict[str, TensorInfo]:

@@ -1,14 +1,12 @@
-"""Hugging Face Hub models: `ORG/NAME[@REVISION]` (a branch, tag or commit) through huggingface_hub,
-which supplies the token, `HF_ENDPOINT`, `HF_HUB_OFFLINE` and the shared cache under `HF_HOME`.
+"""Hugging Face Hub models, `ORG/NAME[@REVISION]` (a branch, tag or commit), through
+huggingface_hub: its token, `HF_ENDPOINT`, `HF_HUB_OFFLINE` and shared cache under `HF_HOME`.
 
-`reap.cli` calls `resolve_args` once per command line: a model argument naming an existing local
-path or an http(s) URL is kept; one in the Hub form becomes the Hub cache's snapshot directory
-(`snapshot_download`: cached files read in place, missing ones fetched into the same cache), or,
-for commands that read only parts of shards (`info`, `plan`, `run --plan-only`, `run`/`serve
---no-download`), the Hub URL `<endpoint>/<repo>/resolve/<commit>`, which `open_cache` opens
-as a `HubCache`: small files and whole shards from the Hub cache, the rest of a shard by Range
-requests (`HttpCache`) from the location huggingface_hub resolves, the token sent only to the
-Hub's origin. Hub failures are one-line `ReapError`s (exit 2). `push` uploads a pruned build.
+`reap.cli` calls `resolve_args` once per command line: a local path or http(s) URL is kept; a Hub
+id becomes its cache snapshot directory (`snapshot_download`: missing files fetched into the same
+cache) or, for commands that read only parts of shards (`info`, `plan`, `run --plan-only`,
+`--no-download`), the URL `<endpoint>/<repo>/resolve/<commit>`, opened as a `HubCache` (cached
+files in place, the rest of a shard by Range requests, the token sent only to the Hub's origin).
+Hub failures are one-line `ReapError`s (exit 2). `push` uploads a pruned build.
 """
 
 from __future__ import annotations

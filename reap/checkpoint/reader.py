@@ -33,14 +33,8 @@ class Checkpoint(RunReader):
     Attributes: path, config (config.json or {}), prefix ("language_model." or ""), files (shard
     paths), tensors (name -> TensorInfo mapping), direct, bytes_read and reads (I/O counters)."""
 
-    def __init__(
-        self,
-        path: str,
-        config: dict,
-        shards: list[Shard],
-        tensors: TensorTable,
-        direct: bool = False,
-    ):
+    def __init__(self, path: str, config: dict, shards: list[Shard], tensors: TensorTable,
+                 direct: bool = False):
         super().__init__(direct, fd_limit=256)  # keep the cache small: the oldest is closed
         self.path, self.config, self.tensors = path, config, tensors
         self.prefix = TEXT_PREFIX if any(sh.n_prefixed for sh in shards) else ""
@@ -49,14 +43,9 @@ class Checkpoint(RunReader):
 
     @classmethod
     def open(cls, path: str | os.PathLike, direct: bool = False) -> Checkpoint:
-        """Index a checkpoint directory or `.safetensors` file from its headers alone.
-
-        Checks every shard's framing, that tensor names are unique and, for an HF directory,
-        the index: plain shard names, each present, every tensor in the shard it names and
-        none unlisted; each shard's entries are validated when first used (`validate()` checks
-        everything now). Every problem is a CheckpointError (exit 2). direct=True reads tensor bytes with O_DIRECT
-        where the file system supports it and silently falls back to buffered reads where it
-        does not."""
+        """Index a checkpoint directory or `.safetensors` file from its headers alone (checked as
+        `table.open_table` says; each shard's entries when first used, all by `validate()`).
+        direct=True reads with O_DIRECT where the file system allows, else buffered."""
         config, shards, table = open_table(Path(path))
         return cls(str(Path(path)), config, shards, table, direct=direct)
 
@@ -86,11 +75,8 @@ class Checkpoint(RunReader):
             pass
         base, index = split_view(name)
         if index is not None and base in self.tensors:
-            shape = list(self.tensors[base].shape)
-            raise CheckpointError(
-                f"{self.path}: no tensor {name}: index {index} is out of range for {base} "
-                f"of shape {shape}"
-            )
+            raise CheckpointError(f"{self.path}: no tensor {name}: index {index} is out of range "
+                                  f"for {base} of shape {list(self.tensors[base].shape)}")
         raise CheckpointError(f"{self.path}: no tensor {name}")
 
     def read(self, name: str, device: str | torch.device = "cpu") -> torch.Tensor:
@@ -101,9 +87,8 @@ class Checkpoint(RunReader):
         """The stored bytes of one tensor, verbatim."""
         return self.read(name).reshape(-1).view(torch.uint8).numpy().tobytes()
 
-    def read_many(
-        self, names: Iterable[str], device: str | torch.device = "cpu"
-    ) -> dict[str, torch.Tensor]:
+    def read_many(self, names: Iterable[str],
+                  device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
         """Several tensors; byte ranges adjacent in one file are fetched with one read.
         Returns name -> tensor in the order asked."""
         infos = [self._info(n) for n in names]

@@ -59,8 +59,7 @@ def is_url(model: str | os.PathLike) -> bool:
 
 
 def default_cache_dir(url: str) -> Path:
-    """`<reap cache>/http/<sanitized host+path>-<8 hex of the URL's sha256>`; the reap cache is
-    `$REAP_CACHE`, else `$XDG_CACHE_HOME/reap`, else `~/.cache/reap`."""
+    """`<reap cache (reap.cache.cache_dir)>/http/<sanitized host+path>-<8 hex of its sha256>`."""
     parts = urllib.parse.urlsplit(url)
     host = (parts.hostname or "host") + (f"_{parts.port}" if parts.port else "")
     name = re.sub(r"[^A-Za-z0-9._-]+", "_", host + parts.path).strip("._")[:96]

@@ -3,6 +3,7 @@ declared tensor of a layout) and `TensorInfo` (where a stored tensor lives)."""
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -11,41 +12,13 @@ import torch
 
 from reap.errors import CheckpointError
 
-DTYPE_SIZES = {
-    "BOOL": 1,
-    "U8": 1,
-    "I8": 1,
-    "F8_E4M3": 1,
-    "F8_E5M2": 1,
-    "I16": 2,
-    "U16": 2,
-    "F16": 2,
-    "BF16": 2,
-    "I32": 4,
-    "U32": 4,
-    "F32": 4,
-    "I64": 8,
-    "U64": 8,
-    "F64": 8,
-}
-
 TORCH_DTYPES = {
-    "BOOL": torch.bool,
-    "U8": torch.uint8,
-    "I8": torch.int8,
-    "I16": torch.int16,
-    "U16": torch.uint16,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I32": torch.int32,
-    "U32": torch.uint32,
-    "F32": torch.float32,
-    "I64": torch.int64,
-    "U64": torch.uint64,
-    "F64": torch.float64,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
+    "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16,
+    "U16": torch.uint16, "F16": torch.float16, "BF16": torch.bfloat16, "I32": torch.int32,
+    "U32": torch.uint32, "F32": torch.float32, "I64": torch.int64, "U64": torch.uint64,
+    "F64": torch.float64, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
 }
+DTYPE_SIZES = {code: dtype.itemsize for code, dtype in TORCH_DTYPES.items()}
 DTYPE_CODES = {v: k for k, v in TORCH_DTYPES.items()}
 
 TEXT_PREFIX = "language_model."
@@ -67,16 +40,10 @@ _SHARD_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
 def shard_name(name: object, where: str) -> str:
     """`name` if it is a plain shard file name (see `_SHARD_NAME`), else CheckpointError naming
     `where`, the file that named it."""
-    if (
-        not isinstance(name, str)
-        or not _SHARD_NAME.fullmatch(name)
-        or ".." in name
-        or not name.endswith(SHARD_SUFFIX)
-    ):
-        raise CheckpointError(
-            f"{where}: weight_map: unsafe file name {name!r} for a shard "
-            f"(plain *{SHARD_SUFFIX} names inside the directory only)"
-        )
+    if (not isinstance(name, str) or not _SHARD_NAME.fullmatch(name) or ".." in name
+            or not name.endswith(SHARD_SUFFIX)):
+        raise CheckpointError(f"{where}: weight_map: unsafe file name {name!r} for a shard "
+                              f"(plain *{SHARD_SUFFIX} names inside the directory only)")
     return name
 
 
@@ -148,10 +115,7 @@ class TensorSpec:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return math.prod(self.shape)
 
     @property
     def nbytes(self) -> int:

@@ -88,8 +88,7 @@ class TensorTable(Mapping[str, TensorInfo]):
         return True
 
     def __iter__(self) -> Iterator[str]:
-        cut = len(TEXT_PREFIX)
-        return (k[cut:] if k.startswith(TEXT_PREFIX) else k for k in self._where)
+        return (k.removeprefix(TEXT_PREFIX) for k in self._where)
 
     def __len__(self) -> int:
         return len(self._where)
@@ -101,37 +100,21 @@ def _slice(info: TensorInfo, index: int) -> TensorInfo:
         raise KeyError(view_name(info.name, index))
     row = info.nbytes // info.shape[0]  # bytes per slice along axis 0
     start = info.start + index * row
-    return TensorInfo(
-        view_name(info.name, index),
-        view_name(info.key, index),
-        info.dtype,
-        info.shape[1:],
-        info.file,
-        start,
-        start + row,
-    )
+    return info._replace(name=view_name(info.name, index), key=view_name(info.key, index),
+                         shape=info.shape[1:], start=start, end=start + row)
 
 
 def _name_index(shards: list[Shard], path: Path) -> tuple[dict[str, int], bool]:
     """stored key -> shard number over all shards, and whether the checkpoint is prefixed;
     CheckpointError on duplicate names."""
     n = sum(len(sh.keys) for sh in shards)
-    where = dict(
-        zip(
-            chain.from_iterable(sh.keys for sh in shards),
-            chain.from_iterable(repeat(i, len(sh.keys)) for i, sh in enumerate(shards)),
-        )
-    )
+    where = dict(zip(chain.from_iterable(sh.keys for sh in shards),
+                     chain.from_iterable(repeat(i, len(sh.keys)) for i, sh in enumerate(shards))))
     prefixed = any(sh.n_prefixed for sh in shards)
     dup = None if len(where) == n else next(k for k in where if _count(shards, k) > 1)
     if dup is None and prefixed:  # a bare key may collide with a prefixed one's name
-        bare = (
-            k
-            for sh in shards
-            if sh.n_prefixed < len(sh.keys)
-            for k in sh.keys
-            if not k.startswith(TEXT_PREFIX)
-        )
+        bare = (k for sh in shards if sh.n_prefixed < len(sh.keys) for k in sh.keys
+                if not k.startswith(TEXT_PREFIX))
         dup = next((k for k in bare if TEXT_PREFIX + k in where), None)
     if dup is not None:
         raise CheckpointError(f"{path}: tensor name {dup} is stored twice")

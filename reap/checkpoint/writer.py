@@ -60,9 +60,8 @@ def _plan_shards(specs: list[TensorSpec], max_shard_bytes: int, prefix: str) -> 
         used += s.nbytes
     n, shards = len(groups), []
     for i, group in enumerate(groups):
-        header = encode_header(
-            ((stored_key(s, prefix), s.dtype, s.shape, s.nbytes) for s in group), {"format": "pt"}
-        )
+        header = encode_header(((stored_key(s, prefix), s.dtype, s.shape, s.nbytes)
+                                for s in group), {"format": "pt"})
         file = SINGLE_NAME if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
         size = len(header) + sum(s.nbytes for s in group)
         shards.append(_Shard(file, [s.name for s in group], header, size))
@@ -73,19 +72,14 @@ def _as_bytes(spec: TensorSpec, data) -> memoryview:
     """A tensor or raw buffer -> its bytes, checked against the declared spec."""
     if isinstance(data, torch.Tensor):
         if DTYPE_CODES.get(data.dtype) != spec.dtype or tuple(data.shape) != spec.shape:
-            raise WriteError(
-                f"tensor {spec.name}: got {data.dtype} {tuple(data.shape)}, "
-                f"declared {spec.dtype} {spec.shape}",
-                exit_code=EXIT_USAGE,
-            )
+            raise WriteError(f"tensor {spec.name}: got {data.dtype} {tuple(data.shape)}, "
+                             f"declared {spec.dtype} {spec.shape}", exit_code=EXIT_USAGE)
         flat = data.detach().cpu().contiguous().reshape(-1).view(torch.uint8)  # [nbytes]
         return memoryview(flat.numpy())
     view = memoryview(data).cast("B")
     if len(view) != spec.nbytes:
-        raise WriteError(
-            f"tensor {spec.name}: got {len(view)} bytes, declared {spec.nbytes}",
-            exit_code=EXIT_USAGE,
-        )
+        raise WriteError(f"tensor {spec.name}: got {len(view)} bytes, declared {spec.nbytes}",
+                         exit_code=EXIT_USAGE)
     return view
 
 
@@ -108,14 +102,8 @@ class CheckpointWriter:
     `done(name)` is True for their tensors. An existing `out_dir` is replaced only when reap made
     it and `overwrite` (`reap.fileio.claim_out`)."""
 
-    def __init__(
-        self,
-        out_dir: str | os.PathLike,
-        specs: list[TensorSpec],
-        max_shard_bytes: int = 5_000_000_000,
-        prefix: str = "",
-        overwrite: bool = False,
-    ):
+    def __init__(self, out_dir: str | os.PathLike, specs: list[TensorSpec],
+                 max_shard_bytes: int = 5_000_000_000, prefix: str = "", overwrite: bool = False):
         self.out_dir = Path(out_dir)
         self.partial = Path(f"{self.out_dir}.partial")
         self.specs = list(specs)
@@ -143,10 +131,8 @@ class CheckpointWriter:
         plan_path = self.partial / PLAN_FILE
         if self.partial.exists():  # a writer killed before its plan file leaves at most its tmp
             if not plan_path.exists() and set(os.listdir(self.partial)) - {f"{PLAN_FILE}.tmp"}:
-                raise WriteError(
-                    f"{self.partial}: exists but was not made by this writer; remove it",
-                    exit_code=EXIT_USAGE,
-                )
+                raise WriteError(f"{self.partial}: exists but was not made by this writer; "
+                                 "remove it", exit_code=EXIT_USAGE)
             if plan_path.read_text() != self._plan_id():
                 shutil.rmtree(self.partial)  # a stale attempt at a different layout
         self.partial.mkdir(parents=True, exist_ok=True)
@@ -198,16 +184,14 @@ class CheckpointWriter:
             raise WriteError(f"{tmp}: cannot write tensor {name} ({e.strerror})") from None
         self._next += 1
 
-    def close(
-        self, config: dict | None = None, extra_files: dict[str, bytes | str] | None = None
-    ) -> str:
+    def close(self, config: dict | None = None,
+              extra_files: dict[str, bytes | str] | None = None) -> str:
         """Write the index (with metadata total_size), config.json and extra files, then move
         the finished checkpoint to `out_dir`. Returns its path."""
         missing = [s.name for s in self.specs if not self.done(s.name)]
         if missing:
-            raise WriteError(
-                f"{self.out_dir}: {len(missing)} declared tensors not written (first: {missing[0]})"
-            )
+            raise WriteError(f"{self.out_dir}: {len(missing)} declared tensors not written "
+                             f"(first: {missing[0]})")
         files = {"config.json": json.dumps(config, indent=2) if config is not None else None}
         files.update(extra_files or {})
         weight_map = {}
@@ -222,15 +206,9 @@ class CheckpointWriter:
             for fname, content in files.items():
                 if content is None:
                     continue
-                if (
-                    os.path.basename(fname) != fname
-                    or fname == SINGLE_NAME
-                    or fname in weight_map.values()
-                ):
-                    raise WriteError(
-                        f"extra file {fname!r}: must be a plain, unused file name",
-                        exit_code=EXIT_USAGE,
-                    )
+                if os.path.basename(fname) != fname or fname in (SINGLE_NAME, *weight_map.values()):
+                    raise WriteError(f"extra file {fname!r}: must be a plain, unused file name",
+                                     exit_code=EXIT_USAGE)
                 data = content.encode() if isinstance(content, str) else bytes(content)
                 path = self.partial / fname  # a resumed job reuses the temporary name
                 write_atomic(path, data, tmp=f"{path}.tmp", fsync=True)

@@ -1,20 +1,12 @@
 """Calibration and evaluation on a Ray cluster (`reap calibrate --ray`, `reap eval --ray`).
 
-Ray is an optional dependency (`pip install -e ".[distributed]"`); nothing here imports it at
-module level, and `require_ray` turns its absence into one line, exit 2. Two calibration modes:
-
-- `reap.distributed.shards` (token-sharded): the calibration sequences are cut into N contiguous
-  shards (`reap calibrate --shard K/N`), each a Ray task that runs the ordinary streaming
-  calibration with its own `--budget` and device; the driver saves each finished shard atomically
-  under `OUT/.work/shards/` and merges them exactly (`reap.stats.merge`) into the files a
-  single-process run writes.
-- `reap.distributed.layers` (layer-parallel): Ray actors own contiguous layer ranges and keep
-  their weights resident; hidden states of each sequence shard flow stage to stage through Ray's
-  object store, each stage records the statistics of its own MoE layers.
-
-`reap.distributed.eval` runs `reap eval`'s (build x domain) tasks as Ray tasks into the same cache.
-A cluster address of None starts (or joins, via RAY_ADDRESS) a local cluster, which listens on
-127.0.0.1 and dies with the driver; workers on other machines need the same `reap` installed.
+Ray is optional (`pip install -e ".[distributed]"`): nothing here imports it at module level, and
+`require_ray` turns its absence into one line, exit 2. Calibration is token-sharded (`shards.py`:
+each Ray task calibrates a sequence shard, merged exactly into a single run's files) or
+layer-parallel (`layers.py`: actors own layer ranges, hidden states flow between them); `eval.py`
+runs `reap eval`'s (build x domain) tasks. A cluster address of None starts (or joins, via
+RAY_ADDRESS) a local cluster, which listens on 127.0.0.1 and dies with the driver; workers on
+other machines need the same `reap` installed.
 """
 
 from __future__ import annotations

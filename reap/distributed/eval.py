@@ -74,7 +74,6 @@ def ray_runner(address: str | None, workers: int):
                 cache.put(kind, key, fields, payload)
 
         gather(ray, list(range(len(todo))), submit, workers, tracker, total=total_tokens(todo, w),
-               initial=0,
-               on_done=done, progress=progress and bool(todo), desc=f"eval x{workers}")
+               initial=0, on_done=done, progress=progress and bool(todo), desc=f"eval x{workers}")
 
     return run

@@ -22,7 +22,6 @@ from reap.errors import ReapError
 from reap.stats import ExpertSums, sum_fields
 
 
-
 @dataclass
 class Job:
     """Facts every mode needs, resolved once on the driver."""

@@ -122,8 +122,7 @@ def split_layers(per: list[int], workers: int) -> list[tuple[int, int]]:
         need = n - 1 - len(cuts)
         if need and (acc >= total * (len(cuts) + 1) / n or L - (i + 1) == need):
             cuts.append(i + 1)
-    bounds = [0, *cuts, L]
-    return list(itertools.pairwise(bounds))
+    return list(itertools.pairwise([0, *cuts, L]))
 
 
 def _collect(*rows: dict) -> dict:

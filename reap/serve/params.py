@@ -60,14 +60,10 @@ def _text(content: Any, i: int) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        parts = []
-        for p in content:
-            if not isinstance(p, dict) or p.get("type") != "text" or not isinstance(
-                p.get("text"), str
-            ):
-                raise RequestError(f"messages[{i}].content: only text parts are supported")
-            parts.append(p["text"])
-        return "".join(parts)
+        texts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
+        if len(texts) != len(content) or not all(isinstance(t, str) for t in texts):
+            raise RequestError(f"messages[{i}].content: only text parts are supported")
+        return "".join(texts)
     raise RequestError(f"messages[{i}].content must be a string or a list of text parts")
 
 
