@@ -106,11 +106,8 @@ def flip_deltas(t: LayerTokens, alive: torch.Tensor, err: torch.Tensor) -> torch
         sign = 1.0 - 2.0 * af  # +1 adds slot k to S, -1 removes it
         kept = (t.w * af).sum(-1, keepdim=True) + sign * t.w  # [N, K]
         s_in = (g * af).sum(-1, keepdim=True) + sign * g  # [N, K]
-        c = torch.where(
-            kept > 1e-300,
-            t.w.sum(-1, keepdim=True) / kept.clamp(min=1e-300),
-            torch.zeros_like(kept),
-        )
+        c = torch.where(kept > 1e-300, t.w.sum(-1, keepdim=True) / kept.clamp(min=1e-300),
+                        torch.zeros_like(kept))
         new = (g.sum(-1, keepdim=True) - 2 * c * s_in + c * c * s_in) * t.scale[:, None]
         return out.index_add_(0, t.ids.reshape(-1), (new - err[:, None]).reshape(-1))
     flips = a[:, None, :].repeat(1, K, 1) ^ torch.eye(K, dtype=torch.bool)  # [N, K(flip), K]
@@ -194,24 +191,16 @@ def improve(t: LayerTokens, n_experts: int, kept: list[int], protected: set[int]
     return alive.nonzero().squeeze(1).tolist(), MAX_SWEEPS
 
 
-def select_layer(
-    t: LayerTokens, n_experts: int, n: int, protected: set[int], start: list[int]
-) -> tuple[list[int], dict]:
+def select_layer(t: LayerTokens, n_experts: int, n: int, protected: set[int],
+                 start: list[int]) -> tuple[list[int], dict]:
     """The recon kept set (sorted) of one layer and a record of the search: objective values
     of the greedy set, of `start` (the REAP plan's set) and of the result."""
     if math.comb(n_experts - len(protected), n - len(protected)) <= EXACT_LIMIT:
         kept, val = exhaustive(t, n_experts, n, protected)
-        return kept, {
-            "reap": objective(t, list(start), n_experts),
-            "recon": val,
-            "exact": True,
-            "tokens": int(t.ids.shape[0]),
-        }
-    starts = {
-        "greedy": greedy(t, n_experts, n, protected),
-        "forward": forward(t, n_experts, n, protected),
-        "reap": list(start),
-    }
+        return kept, {"reap": objective(t, list(start), n_experts), "recon": val, "exact": True,
+                      "tokens": int(t.ids.shape[0])}
+    starts = {"greedy": greedy(t, n_experts, n, protected),
+              "forward": forward(t, n_experts, n, protected), "reap": list(start)}
     rec = {k: objective(t, v, n_experts) for k, v in starts.items()}
     best, sweeps = None, 0
     for v in starts.values():  # swaps from every start; the best end wins (ties: first)
@@ -219,13 +208,8 @@ def select_layer(
         val, sweeps = objective(t, kept, n_experts), sweeps + sw
         if best is None or val < best[0]:
             best = (val, kept)
-    return sorted(best[1]), {
-        **rec,
-        "recon": best[0],
-        "swap_sweeps": sweeps,
-        "exact": False,
-        "tokens": int(t.ids.shape[0]),
-    }
+    return sorted(best[1]), {**rec, "recon": best[0], "swap_sweeps": sweeps, "exact": False,
+                             "tokens": int(t.ids.shape[0])}
 
 
 def exhaustive(t: LayerTokens, n_experts: int, n: int, protected: set[int]):
@@ -247,7 +231,6 @@ def recon_keep(layers, counts, tokens: dict[int, LayerTokens], n_experts, protec
     for li, layer in enumerate(layers):
         if layer not in tokens:
             raise ReapError(f"recon: the calibration pass recorded no tokens for layer {layer}")
-        kept[layer], record[str(layer)] = select_layer(
-            tokens[layer], n_experts, counts[li], protected[li], start[layer]
-        )
+        kept[layer], record[str(layer)] = select_layer(tokens[layer], n_experts, counts[li],
+                                                       protected[li], start[layer])
     return kept, record
