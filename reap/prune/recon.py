@@ -17,17 +17,18 @@ to its diagonal (w_k^2 ||u_k||^2, contributions taken as orthogonal), and the pl
 block says which was used (`gram`: "full" or "diagonal"). A layer that RMS-normalizes the
 routed sum before the model space (K3's LatentMoE) also reports what the survivors' sum's rms
 needs, and the error uses it (d_k = 1 - c_t rho_t [k in S], rho_t = rms of the full sum / rms of
-the survivors' renormalised sum): the exact change of that layer's output too. Tokens are weighted so each corpus
-counts by its plan weight, relative to its routed output energy (sum_t ||sum_k w_k u_k||^2 =
-sum_t 1^T G_t 1): the layer objective is the weighted mean of the corpora's relative errors.
+the survivors' renormalised sum): the exact change of that layer's output too. Tokens are
+weighted so each corpus counts by its plan weight, relative to its routed output energy
+(sum_t ||sum_k w_k u_k||^2 = sum_t 1^T G_t 1): the layer objective is the weighted mean of the
+corpora's relative errors.
 
 Search: three starts, backward greedy elimination (remove the expert whose removal raises the
 objective least, ties to the lowest id; every expert's single-removal change comes from one
 vectorized O(N K^2) pass), forward greedy selection and the REAP plan's set; from each, swaps
-(one kept for one dropped) while one helps, and the best end wins: each sweep ranks all pairs by the sum of their
-single-flip changes and evaluates the best SWAP_CANDIDATES exactly. A layer with at most
-EXACT_LIMIT candidate sets is enumerated instead (the optimum). Protected experts are
-always kept.
+(one kept for one dropped) while one helps, and the best end wins: each sweep ranks all pairs by
+the sum of their single-flip changes and evaluates the best SWAP_CANDIDATES exactly. A layer
+with at most EXACT_LIMIT candidate sets is enumerated instead (the optimum). Protected experts
+are always kept.
 
 Cost against reap/ean: those read only the statistics' sums (seconds); recon reruns the
 statistics' calibration as one streamed pass (`reap.calibrate.pipeline.calibrate` with an
