@@ -75,11 +75,10 @@ class Engines:
             base = current_rss()
             if self.opts["preset"] is None:
                 b = self.opts["budget"]
-                self.total = (
-                    (parse_bytes(b) if isinstance(b, str) else int(b))
-                    if b is not None
-                    else base + int(0.8 * available_memory()[0])
-                )
+                if b is None:
+                    self.total = base + int(0.8 * available_memory()[0])
+                else:
+                    self.total = parse_bytes(b) if isinstance(b, str) else int(b)
             half = None if self.total is None else base + (self.total - base) // 2
             self.ref = self._open(self.reference.path, half)
         return self.ref

@@ -59,9 +59,8 @@ def read_prompt_file(path: str | Path) -> list[Prompt]:
             raise ReapError(f"{path}:{i}: invalid JSON ({e})") from None
         ok = isinstance(d, dict) and all(isinstance(d.get(k), str) for k in ("id", "domain"))
         if not ok or not isinstance(d.get("prompt"), str) or not d["prompt"]:
-            raise ReapError(
-                f"{path}:{i}: need an object with string 'id', 'domain' and a non-empty 'prompt'"
-            )
+            raise ReapError(f"{path}:{i}: need an object with string 'id', 'domain' and a "
+                            "non-empty 'prompt'")
         out.append(Prompt(d["id"], d["domain"], d["prompt"]))
     if not out:
         raise ReapError(f"{path}: no prompts")
@@ -76,10 +75,8 @@ def load_prompts(path: str | Path | None = None, domains: list[str] | None = Non
         names = domains or list(DOMAINS)
         missing = [d for d in names if not (prompts_dir() / f"{d}.jsonl").is_file()]
         if missing:
-            raise ReapError(
-                f"no shipped prompt set for domain {missing[0]!r} "
-                f"(shipped: {', '.join(DOMAINS)}; or give --prompts FILE.jsonl)"
-            )
+            raise ReapError(f"no shipped prompt set for domain {missing[0]!r} "
+                            f"(shipped: {', '.join(DOMAINS)}; or give --prompts FILE.jsonl)")
         prompts = [p for d in names for p in read_prompt_file(prompts_dir() / f"{d}.jsonl")]
     if domains is not None:
         prompts = [p for d in domains for p in prompts if p.domain == d]

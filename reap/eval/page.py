@@ -40,13 +40,10 @@ def _e(text) -> str:
 
 
 def _summary_table(cols: list[str], rows: list) -> str:
-    head = "".join(
-        f'<th style="color:{COLOURS[j % len(COLOURS)]}">{_e(c)}</th>' for j, c in enumerate(cols)
-    )
-    body = "".join(
-        "<tr><td>" + _e(name) + "</td>" + "".join(f"<td>{_e(v)}</td>" for v in cells) + "</tr>"
-        for name, cells in rows
-    )
+    head = "".join(f'<th style="color:{COLOURS[j % len(COLOURS)]}">{_e(c)}</th>'
+                   for j, c in enumerate(cols))
+    body = "".join("<tr><td>" + _e(name) + "</td>" + "".join(f"<td>{_e(v)}</td>" for v in cells)
+                   + "</tr>" for name, cells in rows)
     return f'<table class="summary"><tr><th></th>{head}</tr>{body}</table>'
 
 
@@ -54,23 +51,17 @@ def _grid(results: dict, rows: list[dict]) -> str:
     cols = results["columns"]
     style = f"grid-template-columns: minmax(160px, 0.8fr) repeat({len(cols)}, minmax(0, 1fr));"
     parts = ['<div class="head" style="background:#b7950b">prompt</div>']
-    parts += [
-        f'<div class="head" style="background:{COLOURS[j % len(COLOURS)]}">{_e(c)}</div>'
-        for j, c in enumerate(cols)
-    ]
+    parts += [f'<div class="head" style="background:{COLOURS[j % len(COLOURS)]}">{_e(c)}</div>'
+              for j, c in enumerate(cols)]
     for r in rows:
-        parts.append(
-            f'<div class="cell prompt"><span class="pid">{_e(r["id"])}</span>\n'
-            f"{_e(r['prompt'])}</div>"
-        )
+        parts.append(f'<div class="cell prompt"><span class="pid">{_e(r["id"])}</span>\n'
+                     f"{_e(r['prompt'])}</div>")
         for c in cols:
             o = r["outputs"][c]
             m = o["metrics"]
             bad = m["looping"] or m["python_valid"] is False
-            parts.append(
-                f'<div class="cell{" flag" if bad else ""}">{_e(o["text"])}'
-                f'<span class="badges">{_e(badges(m))}</span></div>'
-            )
+            parts.append(f'<div class="cell{" flag" if bad else ""}">{_e(o["text"])}'
+                         f'<span class="badges">{_e(badges(m))}</span></div>')
     return f'<div class="grid" style="{style}">' + "".join(parts) + "</div>"
 
 

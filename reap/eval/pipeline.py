@@ -62,11 +62,9 @@ def evaluate(*, builds: list[str], reference: str, corpora: list[str], out: str,
     write_report(results, outdir, plots)
     if engines.failures:
         label, f = next(iter(engines.failures.items()))
-        raise ExpertLoadError(
-            f"{label}: {len(f)} routed expert load(s) failed (first: layer "
-            f"{f[0][0]} expert {f[0][1]}); its results are not trustworthy "
-            f"and were not cached"
-        )
+        raise ExpertLoadError(f"{label}: {len(f)} routed expert load(s) failed (first: layer "
+                              f"{f[0][0]} expert {f[0][1]}); its results are not trustworthy "
+                              f"and were not cached")
     return results
 
 

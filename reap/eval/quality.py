@@ -80,9 +80,8 @@ def select_documents(name: str, tokenizer, max_docs: int | None, max_tokens: int
     return out
 
 
-def chunk_sums(
-    ref_logits: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor
-) -> tuple[float, float, int, float]:
+def chunk_sums(ref_logits: torch.Tensor, logits: torch.Tensor,
+               targets: torch.Tensor) -> tuple[float, float, int, float]:
     """(nll, ref_nll, agree, kl) summed over rows: logits [N, V] of the build and the
     reference at N positions, targets [N] the next token ids."""
     n, v = logits.shape
@@ -101,9 +100,8 @@ def chunk_sums(
     return nll, ref_nll, agree, kl
 
 
-def score_documents(
-    ref, build, docs: list[EvalDoc], batch: int = 4, on_tokens: Callable[[int], None] | None = None
-) -> list[DocScore]:
+def score_documents(ref, build, docs: list[EvalDoc], batch: int = 4,
+                    on_tokens: Callable[[int], None] | None = None) -> list[DocScore]:
     """Score `docs` with engines `build` and `ref` in lockstep, `batch` documents at a time.
     `on_tokens(n)` is called after each chunk with the number of positions it scored."""
     out: list[DocScore] = []

@@ -55,9 +55,8 @@ _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
 
 def visible(text: str) -> str:
     """Control characters as their visible Unicode pictures (tabs and newlines kept)."""
-    return _CONTROL.sub(
-        lambda m: "\u2421" if m.group() == "\x7f" else chr(0x2400 + ord(m.group())), text
-    )
+    return _CONTROL.sub(lambda m: "\u2421" if m.group() == "\x7f"
+                        else chr(0x2400 + ord(m.group())), text)
 
 
 def fmt_value(v, fmt: str) -> str:
@@ -87,15 +86,11 @@ def domain_rows(results: dict, dom: str) -> list[tuple[str, list[str]]]:
         rows += [(name, [fmt_value(q[c][k], f) for c in cols]) for k, name, f in QUALITY_ROWS]
     if g:
         rows.append(("prompts", [str(g[c]["prompts"]) for c in cols]))
-        rows += [
-            (name, [fmt_value(g[c][k], f) for c in cols])
-            for k, name, f in GENERATION_ROWS
-            if any(g[c][k] is not None for c in cols)
-        ]
+        rows += [(name, [fmt_value(g[c][k], f) for c in cols]) for k, name, f in GENERATION_ROWS
+                 if any(g[c][k] is not None for c in cols)]
         if any("kana" in g[c]["extra"] for c in cols):
-            rows.append(
-                ("kana share", [fmt_value(g[c]["extra"].get("kana"), "{:.3f}") for c in cols])
-            )
+            kana = [fmt_value(g[c]["extra"].get("kana"), "{:.3f}") for c in cols]
+            rows.append(("kana share", kana))
     return rows
 
 

@@ -10,12 +10,8 @@ from dataclasses import asdict
 from reap.eval.builds import Build
 from reap.eval.cache import Cache
 from reap.eval.generations import prompts_digest, with_metrics
-from reap.eval.summary import (
-    benchmark_estimate,
-    reference_quality,
-    summarize_generations,
-    summarize_quality,
-)
+from reap.eval.summary import (benchmark_estimate, reference_quality, summarize_generations,
+                               summarize_quality)
 from reap.eval.tasks import FORMAT, Task
 from reap.eval.workload import Workload
 

@@ -131,20 +131,16 @@ def _mean(values) -> float | None:
     return sum(vals) / len(vals) if vals else None
 
 
-def summarize_generations(
-    gens: list[dict], ref_gens: list[dict] | None = None
-) -> GenerationSummary:
+def summarize_generations(gens: list[dict],
+                          ref_gens: list[dict] | None = None) -> GenerationSummary:
     """Means of the per-generation metrics (`gens[i]["metrics"]`); with `ref_gens` (same prompt
     order) the share of identical outputs."""
     ms = [g["metrics"] for g in gens]
     same = None
     if ref_gens is not None:
         same = _mean(g["ids"] == r["ids"] for g, r in zip(gens, ref_gens))
-    extra = {
-        k: _mean(m.get(k) for m in ms)
-        for k in ("kana", "distinct_1", "distinct_3")
-        if any(m.get(k) is not None for m in ms)
-    }
+    extra = {k: _mean(m.get(k) for m in ms) for k in ("kana", "distinct_1", "distinct_3")
+             if any(m.get(k) is not None for m in ms)}
     always = ("tokens", "chars", "distinct_2", "longest_repeat", "looping")
     means = {k: _mean(m[k] for m in ms) or 0.0 for k in always}
     checks = {k: _mean(m[k] for m in ms) for k in ("script", "python_valid")}  # None: unchecked

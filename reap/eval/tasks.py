@@ -66,9 +66,8 @@ def total_tokens(todo: list[Task], w: Workload) -> int:
                else len(w.prompts) * t.fields.get("gen_tokens", 0) for t in todo)
 
 
-def run_with_progress(
-    todo: list[Task], w: Workload, engines: Engines, opts: dict, cache: Cache, progress: bool
-) -> None:
+def run_with_progress(todo: list[Task], w: Workload, engines: Engines, opts: dict, cache: Cache,
+                      progress: bool) -> None:
     """Run the uncached tasks under one progress bar (tokens read or generated, with ETA)."""
     from tqdm import tqdm
 
@@ -80,9 +79,8 @@ def run_with_progress(
             engines.close()
 
 
-def compute_tasks(
-    todo: list[Task], w: Workload, engines: Engines, opts: dict, cache: Cache, bar
-) -> None:
+def compute_tasks(todo: list[Task], w: Workload, engines: Engines, opts: dict, cache: Cache,
+                  bar) -> None:
     """Compute the uncached tasks, one build engine open at a time, caching each result."""
     ref = w.ref
     for t in [t for t in todo if t.build is ref]:

@@ -82,9 +82,8 @@ class Loop:
     repeats: float
 
 
-def find_loop(
-    u: list[str], min_repeats: int = 3, min_span: int = 12, max_period: int = 64
-) -> Loop | None:
+def find_loop(u: list[str], min_repeats: int = 3, min_span: int = 12,
+              max_period: int = 64) -> Loop | None:
     """The shortest-period loop the unit list ends in, or None (see the module docstring)."""
     n = len(u)
     for p in range(1, min(max_period, n // min_repeats) + 1):

@@ -4,10 +4,10 @@
 `reap.sizes.SizeModel`: the largest build that fits). `uniform` scope keeps the same count in
 every layer (with grouped routers, `groups` > 1, rounded down to the largest multiple of the
 group count that fits: grouped top-k routes as before only if every group keeps as many, and
-`rounding_note` says so in the plan); `global` scope shares the budget across layers by the per-layer shares of the
-combined score (`criteria.global_counts`: this keeps the experts of largest share anywhere, which
-minimizes the total share dropped), never below the per-layer minimum (at least top_k, and at
-least the layer's protected experts).
+`rounding_note` says so in the plan); `global` scope shares the budget across layers by the
+per-layer shares of the combined score (`criteria.global_counts`: this keeps the experts of
+largest share anywhere, which minimizes the total share dropped), never below the per-layer
+minimum (at least top_k, and at least the layer's protected experts).
 """
 
 from __future__ import annotations
@@ -24,9 +24,8 @@ def min_keep(min_keep: int | None, top_k: int, E: int) -> int:
     return m
 
 
-def layer_counts(
-    scope, size, shape, combined, prot, floor_, keep, ratio, target_size, groups: int = 1
-) -> list[int]:
+def layer_counts(scope, size, shape, combined, prot, floor_, keep, ratio, target_size,
+                 groups: int = 1) -> list[int]:
     """Experts to keep per layer [L] under exactly one of keep / ratio / target_size.
 
     shape: (MoE layers, n_experts, top_k); combined: [L, E] shares (global scope); prot: the
@@ -94,9 +93,8 @@ def positive_size(text: str, flag: str) -> int:
     try:
         n = parse_bytes(text)
     except ReapError:
-        raise ReapError(
-            f"{flag}: cannot read size {text!r} (use e.g. 350GB, 8GiB, 1.5TB)"
-        ) from None
+        msg = f"{flag}: cannot read size {text!r} (use e.g. 350GB, 8GiB, 1.5TB)"
+        raise ReapError(msg) from None
     except OverflowError:  # int(inf) inside parse_bytes (a digit string beyond float range)
         n = 0
     if n <= 0:
@@ -117,10 +115,8 @@ def _too_small(n, floor_, E, size, target) -> str:
     from reap.units import format_bytes
 
     smallest = size.predict_bytes(floor_)
-    return (
-        f"target size {format_bytes(target)} is below the smallest build, "
-        f"{format_bytes(smallest)} with {floor_} experts per layer"
-    )
+    return (f"target size {format_bytes(target)} is below the smallest build, "
+            f"{format_bytes(smallest)} with {floor_} experts per layer")
 
 
 def rounding_note(size, target_size: str, groups: int, kept: int) -> str | None:
@@ -128,10 +124,8 @@ def rounding_note(size, target_size: str, groups: int, kept: int) -> str | None:
     fits = size.max_uniform_keep(positive_size(target_size, "--target-size"))
     if fits == kept:
         return None
-    return (
-        f"{fits} experts per layer would fit; rounded down to {kept}, the largest multiple "
-        f"of the {groups} routing groups (each group keeps {kept // groups})"
-    )
+    return (f"{fits} experts per layer would fit; rounded down to {kept}, the largest multiple "
+            f"of the {groups} routing groups (each group keeps {kept // groups})")
 
 
 def budget_record(keep, ratio, target_size, floor_) -> dict:

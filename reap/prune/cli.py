@@ -5,10 +5,8 @@
     reap prune MODEL --plan plan.json --out DIR
     reap verify PRUNED --source MODEL          # exit 0 if OK, 2 with the first problem
 
-`PLAN`, `PRUNE` and `VERIFY` are what `reap.cli` registers: each a parser filler and a runner
-around `reap.prune.plan.make_plan`, `reap.prune.write.prune` and `reap.prune.verify.verify`
-(their module docstrings say what the options mean). A plan from statistics alone is planned on
-the checkpoint the statistics were calibrated on, when it is still there unchanged.
+A plan from statistics alone is planned on the checkpoint the statistics were calibrated on,
+when it is still there unchanged.
 """
 
 from __future__ import annotations
@@ -66,80 +64,50 @@ def size_table(plan: Plan) -> str:
     from reap.sizes import fmt_params
     from reap.units import format_bytes
 
-    rows, start = [], 0
-    layers = plan.layers
+    rows, start, layers, E = [], 0, plan.layers, plan.n_experts
     for i in range(1, len(layers) + 1):
         if i == len(layers) or plan.counts[layers[i]] != plan.counts[layers[start]]:
             n = plan.counts[layers[start]]
             span = f"{layers[start]}-{layers[i - 1]}" if i - 1 > start else f"{layers[start]}"
-            rows.append(
-                f"  layers {span:<10} keep {n:>5}/{plan.n_experts} ({n / plan.n_experts:6.1%})"
-            )
+            rows.append(f"  layers {span:<10} keep {n:>5}/{E} ({n / E:6.1%})")
             start = i
     total = sum(plan.counts.values())
     shown = {k: v for k, v in plan.budget.items() if k not in ("target_bytes", "note")}
     budget = ", ".join(f"{k} {v}" for k, v in shown.items())
-    head = (
-        f"plan: {plan.scope} scope, criterion {plan.criterion or '(counts only)'}, budget: {budget}"
-    )
-    kept = (
-        f"  experts kept: {total:,} of {plan.n_experts * len(layers):,} "
-        f"({total / max(plan.n_experts * len(layers), 1):.1%}); "
-        f"protected: {len(plan.protected)}"
-    )
+    criterion = plan.criterion or "(counts only)"
+    head = f"plan: {plan.scope} scope, criterion {criterion}, budget: {budget}"
+    kept = (f"  experts kept: {total:,} of {E * len(layers):,} "
+            f"({total / max(E * len(layers), 1):.1%}); protected: {len(plan.protected)}")
     out = [head, *rows, kept]
     if plan.budget.get("note"):
         out.insert(1, f"  note: {plan.budget['note']}")
     if plan.predicted_bytes is not None:
-        out.append(
-            f"  predicted: {format_bytes(plan.predicted_bytes)} "
-            f"({fmt_params(plan.predicted_params)} params) from "
-            f"{format_bytes(plan.source_bytes)} ({fmt_params(plan.source_params)} params), "
-            f"{plan.predicted_bytes / plan.source_bytes:.1%}"
-        )
+        out.append(f"  predicted: {format_bytes(plan.predicted_bytes)} "
+                   f"({fmt_params(plan.predicted_params)} params) from "
+                   f"{format_bytes(plan.source_bytes)} ({fmt_params(plan.source_params)} params), "
+                   f"{plan.predicted_bytes / plan.source_bytes:.1%}")
     return "\n".join(out)
 
 
 def add_plan_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "stats",
-        nargs="*",
-        metavar="STATS",
-        help="statistics files from `reap calibrate`, one per corpus",
-    )
+    p.add_argument("stats", nargs="*", metavar="STATS",
+                   help="statistics files from `reap calibrate`, one per corpus")
     src = p.add_mutually_exclusive_group()
-    src.add_argument(
-        "--model",
-        help="source checkpoint (config, sizes and fingerprint; default: "
-        "the checkpoint the statistics were calibrated on, if still there)",
-    )
-    src.add_argument(
-        "--config",
-        help="built-in config (k3-tiny, k3-small, k3-full), checkpoint, http(s) URL, or a "
-        "directory holding only config.json (sizes without weights)",
-    )
+    src.add_argument("--model", help="source checkpoint (config, sizes and fingerprint; default: "
+                     "the checkpoint the statistics were calibrated on, if still there)")
+    src.add_argument("--config", help="built-in config (k3-tiny, k3-small, k3-full), checkpoint, "
+                     "http(s) URL, or a directory holding only config.json (sizes without weights)")
     p.add_argument("--layers", type=int, help="with a built-in --config: its first N layers")
     p.add_argument("--out", help="plan JSON to write")
     p.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     p.add_argument("--dry-run", action="store_true", help="print the size table, write nothing")
-    p.add_argument(
-        "--criterion",
-        default="reap",
-        choices=CRITERIA,
-        help="reap/ean/frequency/gate/random rank experts by statistics alone; recon: "
-        + RECON_HELP,
-    )
-    p.add_argument(
-        "--latent",
-        action="store_true",
-        help="reap/ean: expert output norms in the latent space, not model space",
-    )
+    p.add_argument("--criterion", default="reap", choices=CRITERIA, help="reap/ean/frequency/"
+                   "gate/random rank experts by statistics alone; recon: " + RECON_HELP)
+    p.add_argument("--latent", action="store_true",
+                   help="reap/ean: expert output norms in the latent space, not model space")
     p.add_argument("--weights", help="corpus weights, e.g. zh=3,code=1 (default: equal)")
-    p.add_argument(
-        "--quota",
-        action="store_true",
-        help="each corpus keeps its top experts for its weight's share of the budget",
-    )
+    p.add_argument("--quota", action="store_true",
+                   help="each corpus keeps its top experts for its weight's share of the budget")
     b = p.add_mutually_exclusive_group()
     b.add_argument("--keep", type=int, help="experts to keep per layer (on average if global)")
     b.add_argument("--ratio", type=float, help="fraction of experts to keep")
@@ -150,42 +118,20 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of --criterion random")
     p.add_argument("--method", choices=METHODS, help="merge experts instead of dropping them "
                    "(statistics from `reap calibrate --merge-stats`): " + MERGE_HELP)
-    add_predict_arguments(p)
-
-
-def add_predict_arguments(p: argparse.ArgumentParser) -> None:
-    """The options of `reap plan` for predictions, comparisons and the recon pass."""
-    p.add_argument(
-        "--against",
-        nargs="+",
-        default=[],
-        metavar="STATS",
-        help="more corpora (statistics files or calibration directories) to predict "
-        "the plan's losses on; the plan's own corpora are always predicted",
-    )
-    p.add_argument(
-        "--bootstrap",
-        type=int,
-        default=1000,
-        help="bootstrap replicates over sequences of the damage interval",
-    )
-    p.add_argument(
-        "--plot",
-        help="PNG of the prediction: per-layer kept mass per corpus and the damage index",
-    )
-    p.add_argument(
-        "--compare",
-        nargs="+",
-        metavar="PLAN",
-        help="print the predictions of these plan files side by side (markdown; "
-        "--plot for a PNG, --md to save); with STATS/--against, predict on those",
-    )
+    # predictions, comparisons and the recon pass
+    p.add_argument("--against", nargs="+", default=[], metavar="STATS",
+                   help="more corpora (statistics files or calibration directories) to "
+                   "predict the plan's losses on; the plan's own corpora are always predicted")
+    p.add_argument("--bootstrap", type=int, default=1000,
+                   help="bootstrap replicates over sequences of the damage interval")
+    p.add_argument("--plot", help="PNG of the prediction: per-layer kept mass per corpus and "
+                   "the damage index")
+    p.add_argument("--compare", nargs="+", metavar="PLAN",
+                   help="print the predictions of these plan files side by side (markdown; "
+                   "--plot for a PNG, --md to save); with STATS/--against, predict on those")
     p.add_argument("--md", help="--compare: also write the markdown here")
-    p.add_argument(
-        "--budget",
-        default="4GB",
-        help="--criterion recon: RSS budget of its calibration pass (e.g. 4GB)",
-    )
+    p.add_argument("--budget", default="4GB",
+                   help="--criterion recon: RSS budget of its calibration pass (e.g. 4GB)")
 
 
 def run_plan(args: argparse.Namespace) -> int:
@@ -209,9 +155,8 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.method:
         planner = functools.partial(make_merge_plan, method=args.method)
     elif args.criterion == "recon":
-        planner = functools.partial(
-            plan_recon, checkpoint=path, budget=positive_size(args.budget, "--budget")
-        )
+        budget = positive_size(args.budget, "--budget")
+        planner = functools.partial(plan_recon, checkpoint=path, budget=budget)
     plan = planner(stats=args.stats, config=config, model=model, criterion=args.criterion,
                    latent=args.latent, weights=args.weights, quota=args.quota, keep=args.keep,
                    ratio=args.ratio, target_size=args.target_size, scope=args.scope,
@@ -222,10 +167,8 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.dry_run:
         return 0
     if plan.keep is None:
-        raise ReapError(
-            "without statistics a plan has counts only: give statistics files, "
-            "--criterion random, or --dry-run"
-        )
+        raise ReapError("without statistics a plan has counts only: give statistics files, "
+                        "--criterion random, or --dry-run")
     print(plan.save(args.out), file=sys.stderr)
     return 0
 
@@ -296,30 +239,20 @@ def add_prune_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_prune(args: argparse.Namespace) -> int:
+    from reap.prune.write import prune
+    from reap.units import format_bytes
+
     limit = None
     if args.max_shard_size is not None:
         limit = positive_size(args.max_shard_size, "--max-shard-size")
     arguments = {k: v for k, v in vars(args).items() if not k.startswith("_")}
-    from reap.prune.write import prune
-
-    r = prune(
-        model=args.model,
-        plan=args.plan,
-        out=args.out,
-        max_shard_bytes=limit,
-        overwrite=args.overwrite,
-        progress=not args.no_progress,
-        arguments=arguments,
-    )
-    from reap.units import format_bytes
-
+    r = prune(model=args.model, plan=args.plan, out=args.out, max_shard_bytes=limit,
+              overwrite=args.overwrite, progress=not args.no_progress, arguments=arguments)
     pred = f", predicted {format_bytes(r.predicted_bytes)}" if r.predicted_bytes else ""
-    print(
-        f"{r.out}: {r.tensors} tensors, {r.kept_experts} experts kept, "
-        f"{format_bytes(r.file_bytes)} written{pred}, {r.seconds:.1f} s"
-        + (f" ({r.resumed_tensors} tensors resumed)" if r.resumed_tensors else ""),
-        file=sys.stderr,
-    )
+    resumed = f" ({r.resumed_tensors} tensors resumed)" if r.resumed_tensors else ""
+    print(f"{r.out}: {r.tensors} tensors, {r.kept_experts} experts kept, "
+          f"{format_bytes(r.file_bytes)} written{pred}, {r.seconds:.1f} s{resumed}",
+          file=sys.stderr)
     if args.push_to:
         from reap.checkpoint.hub import push
 
@@ -336,11 +269,9 @@ def run_verify(args: argparse.Namespace) -> int:
     from reap.prune.verify import verify
 
     r = verify(pruned=args.pruned, source=args.source)
-    print(
-        f"{args.pruned}: OK, {r.tensors} tensors ({r.bytes_compared:,} bytes) match the source;"
-        f" {r.experts} kept experts bit-identical and matching the manifest",
-        file=sys.stderr,
-    )
+    print(f"{args.pruned}: OK, {r.tensors} tensors ({r.bytes_compared:,} bytes) match the "
+          f"source; {r.experts} kept experts bit-identical and matching the manifest",
+          file=sys.stderr)
     return 0
 
 

@@ -120,9 +120,8 @@ class SuperExpert:
     max_act: float
 
 
-def super_experts(
-    max_act: torch.Tensor, count: torch.Tensor, layers: list[int]
-) -> list[SuperExpert]:
+def super_experts(max_act: torch.Tensor, count: torch.Tensor,
+                  layers: list[int]) -> list[SuperExpert]:
     """Experts whose max activation is a far-out outlier (see PROTECT_RULE).
 
     max_act, count: [L, E] (count = routed tokens; unrouted experts are not in the population).
@@ -137,12 +136,8 @@ def super_experts(
     return [SuperExpert(layers[li], e, float(max_act[li, e])) for li, e in hits]
 
 
-def select_layer(
-    n: int,
-    combined: torch.Tensor,
-    protected: set[int],
-    quota: dict[str, tuple[float, torch.Tensor]] | None = None,
-) -> list[int]:
+def select_layer(n: int, combined: torch.Tensor, protected: set[int],
+                 quota: dict[str, tuple[float, torch.Tensor]] | None = None) -> list[int]:
     """The n expert ids [sorted] to keep in one layer.
 
     Protected experts first; then, with `quota` ({corpus: (weight, scores [E])}), each corpus's
@@ -177,12 +172,8 @@ def _apportion(n: int, weights: list[float]) -> list[int]:
     return parts
 
 
-def global_counts(
-    combined: torch.Tensor,
-    floor: list[int],
-    protected: list[set[int]],
-    admit: Callable[[list[int], int], bool],
-) -> list[int]:
+def global_counts(combined: torch.Tensor, floor: list[int], protected: list[set[int]],
+                  admit: Callable[[list[int], int], bool]) -> list[int]:
     """Per-layer counts [L] when the budget is shared across layers.
 
     Each layer starts with `floor[l]` experts (its protected ones, then its best); the remaining

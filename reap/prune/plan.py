@@ -86,13 +86,11 @@ def load_stats(paths: list[str]) -> list[tuple[str, str, object]]:
         if out:
             a = out[0][2]
             if (s.layers, s.n_experts, s.top_k) != (a.layers, a.n_experts, a.top_k):
-                raise ReapError(
-                    f"{p}: statistics of a different model or layer set than {out[0][1]}"
-                )
+                raise ReapError(f"{p}: statistics of a different model or layer set than "
+                                f"{out[0][1]}")
             if s.meta.get("model") != a.meta.get("model"):
-                raise ReapError(
-                    f"{p}: statistics of a different model fingerprint than {out[0][1]}"
-                )
+                raise ReapError(f"{p}: statistics of a different model fingerprint than "
+                                f"{out[0][1]}")
         out.append((name, p, s))
     return out
 
@@ -105,10 +103,9 @@ def _shape(loaded, size) -> tuple[list[int], int, int]:
         if size and shape != (size.moe_layers, size.n_experts, size.top_k):
             same = shape[0] == list(size.moe_layers)
             layers = "" if same else f"; MoE {first_difference(shape[0], size.moe_layers)}"
-            raise ReapError(
-                f"{loaded[0][1]}: statistics ({s.n_experts} experts, top-{s.top_k}) do not "
-                f"match the model config ({size.n_experts} experts, top-{size.top_k}{layers})"
-            )
+            raise ReapError(f"{loaded[0][1]}: statistics ({s.n_experts} experts, top-{s.top_k}) "
+                            f"do not match the model config ({size.n_experts} experts, "
+                            f"top-{size.top_k}{layers})")
         return shape
     if size is None:
         raise ReapError("nothing to plan from: give statistics files and/or --model/--config")
@@ -159,16 +156,13 @@ def _expert_groups(config: dict | None, counts: list[int], E: int) -> int:
     G = int(family(config).expert_groups(config))
     bad = sorted({n for n in counts if n % G})
     if G > 1 and (E % G or bad):
-        raise ReapError(
-            f"the model routes its {E} experts in {G} groups: keep a multiple of {G} per layer "
-            f"so each group keeps as many (not {bad[0] if bad else E})"
-        )
+        raise ReapError(f"the model routes its {E} experts in {G} groups: keep a multiple of "
+                        f"{G} per layer so each group keeps as many (not {bad[0] if bad else E})")
     return G
 
 
-def _select(
-    layers, counts, combined, prot, quota_scores, wts, groups: int = 1
-) -> dict[int, list[int]] | None:
+def _select(layers, counts, combined, prot, quota_scores, wts,
+            groups: int = 1) -> dict[int, list[int]] | None:
     """Kept ids per layer: protected, then quotas (if any), then the combined score; with
     `groups` > 1, chosen that way within each group of consecutive ids, count / groups each."""
     if combined is None:
@@ -201,12 +195,7 @@ def _stats_model(loaded) -> str | None:
 
 
 def _provenance(loaded, model, arguments) -> dict:
-    return {
-        "stats": [
-            {"corpus": n, "path": os.path.abspath(p), "sha256": sha256_file(p), "meta": s.meta}
-            for n, p, s in loaded
-        ],
-        "model": model,
-        "arguments": arguments or {},
-        "code_version": code_version(PRUNE_CODE),
-    }
+    stats = [{"corpus": n, "path": os.path.abspath(p), "sha256": sha256_file(p), "meta": s.meta}
+             for n, p, s in loaded]
+    return {"stats": stats, "model": model, "arguments": arguments or {},
+            "code_version": code_version(PRUNE_CODE)}

@@ -110,10 +110,8 @@ def check(plan: Plan, where: str = "plan", shape: tuple[list[int], int, int] | N
     for layer in layers:
         n = counts[layer]
         if not is_int(n) or not top_k <= n <= E:
-            raise ReapError(
-                f"{where}: counts: layer {layer} keeps {n!r} experts, not an integer in "
-                f"[top_k {top_k}, n_experts {E}]"
-            )
+            raise ReapError(f"{where}: counts: layer {layer} keeps {n!r} experts, not an integer "
+                            f"in [top_k {top_k}, n_experts {E}]")
     if plan.keep is not None:
         _check_keep(plan, where)
     if plan.merge is not None:
@@ -131,10 +129,8 @@ def _check_model(plan: Plan, where: str, shape: tuple[list[int], int, int]) -> N
     if plan.n_experts != E:
         raise ReapError(f"{where}: n_experts: {plan.n_experts}, the model has {E} per layer")
     if top_k and plan.top_k != top_k:
-        raise ReapError(
-            f"{where}: top_k: {plan.top_k}, the model routes each token to {top_k} experts "
-            "(a plan may not change num_experts_per_token)"
-        )
+        raise ReapError(f"{where}: top_k: {plan.top_k}, the model routes each token to {top_k} "
+                        "experts (a plan may not change num_experts_per_token)")
 
 
 def _check_keep(plan: Plan, where: str) -> None:
@@ -154,8 +150,6 @@ def _check_keep(plan: Plan, where: str) -> None:
             problem = f"{len(ids)} ids, the count is {plan.counts[layer]}"
         if problem:
             raise ReapError(f"{where}: keep: layer {layer}: invalid kept expert list ({problem})")
-
-
 
 
 def _check_merge(plan: Plan, where: str) -> None:

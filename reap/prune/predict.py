@@ -78,9 +78,8 @@ def topk_survival(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return alive.all(-1).double().mean(-1)
 
 
-def bootstrap_damage(
-    seq_count: torch.Tensor, per_token: torch.Tensor, mask: torch.Tensor, reps: int, seed: int
-) -> list[float] | None:
+def bootstrap_damage(seq_count: torch.Tensor, per_token: torch.Tensor, mask: torch.Tensor,
+                     reps: int, seed: int) -> list[float] | None:
     """95 % percentile interval [lo, hi] of the damage index over `reps` resamples of sequences;
     seq_count [S, L, E], per_token [L, E] mean REAP mass per routed token."""
     S = seq_count.shape[0]
@@ -97,15 +96,8 @@ def bootstrap_damage(
     return [lo, hi]
 
 
-def predict_corpus(
-    name: str,
-    path: str,
-    stats,
-    mask: torch.Tensor,
-    ids: torch.Tensor | None,
-    reps: int = 1000,
-    seed: int = 0,
-) -> CorpusPrediction:
+def predict_corpus(name: str, path: str, stats, mask: torch.Tensor, ids: torch.Tensor | None,
+                   reps: int = 1000, seed: int = 0) -> CorpusPrediction:
     """The prediction for one corpus (`stats` an ExpertStats of the plan's layers, ids its
     per-token routing [L, N, K] or None)."""
     gate = kept_share(stats.gate_sum, mask)  # [L]
@@ -115,28 +107,16 @@ def predict_corpus(
     if stats.seq_count is not None:
         ci = bootstrap_damage(stats.seq_count, stats.reap(), mask, reps, seed)
     return CorpusPrediction(
-        corpus=name,
-        source=os.path.abspath(path),
-        tokens=stats.tokens,
+        corpus=name, source=os.path.abspath(path), tokens=stats.tokens,
         sequences=None if stats.seq_count is None else int(stats.seq_count.shape[0]),
-        gate_kept=gate.tolist(),
-        reap_kept=reap.tolist(),
-        topk_kept=None if topk is None else topk.tolist(),
-        gate_overall=float(gate.mean()),
-        reap_overall=float(reap.mean()),
-        topk_overall=None if topk is None else float(topk.mean()),
-        damage=float(1.0 - reap.mean()),
-        damage_ci=ci,
-    )
+        gate_kept=gate.tolist(), reap_kept=reap.tolist(),
+        topk_kept=None if topk is None else topk.tolist(), gate_overall=float(gate.mean()),
+        reap_overall=float(reap.mean()), topk_overall=None if topk is None else float(topk.mean()),
+        damage=float(1.0 - reap.mean()), damage_ci=ci)
 
 
-def predict(
-    plan,
-    stats: list[str],
-    reps: int = 1000,
-    seed: int = 0,
-    token_files: dict[str, str] | None = None,
-) -> dict:
+def predict(plan, stats: list[str], reps: int = 1000, seed: int = 0,
+            token_files: dict[str, str] | None = None) -> dict:
     """Predictions of `plan` (a Plan with kept sets) for every corpus in the statistics files
     or calibration directories `stats`: {"format", "index", "corpora": [CorpusPrediction]}.
     token_files: {corpus: token_experts file}; by default the one beside each statistics file."""
@@ -160,10 +140,8 @@ def predict(
 
 def _check_shape(path: str, s, plan) -> None:
     if (list(s.layers), s.n_experts, s.top_k) != (list(plan.layers), plan.n_experts, plan.top_k):
-        raise ReapError(
-            f"{path}: statistics of layers/experts/top-k {s.layers}/{s.n_experts}/{s.top_k}, "
-            f"the plan has {plan.layers}/{plan.n_experts}/{plan.top_k}"
-        )
+        raise ReapError(f"{path}: statistics of layers/experts/top-k {s.layers}/{s.n_experts}/"
+                        f"{s.top_k}, the plan has {plan.layers}/{plan.n_experts}/{plan.top_k}")
     if plan.model and s.meta.get("model") and s.meta["model"] != plan.model:
         raise ReapError(f"{path}: statistics of model {s.meta['model']}, the plan of {plan.model}")
 

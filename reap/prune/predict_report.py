@@ -26,25 +26,10 @@ def prediction_table(pred: dict, layers: list[int]) -> str:
     """Markdown: per corpus the overall kept shares and the damage index, then per layer the
     kept gate / REAP / whole-top-k shares of every corpus."""
     corpora = pred["corpora"]
-    head = [
-        "corpus",
-        "tokens",
-        "gate mass kept",
-        "REAP mass kept",
-        "whole top-k kept",
-        "damage [95% CI]",
-    ]
-    rows = [
-        [
-            p["corpus"],
-            f"{p['tokens']:,}",
-            _pct(p["gate_overall"]),
-            _pct(p["reap_overall"]),
-            _pct(p["topk_overall"]),
-            _damage(p),
-        ]
-        for p in corpora
-    ]
+    head = ["corpus", "tokens", "gate mass kept", "REAP mass kept", "whole top-k kept",
+            "damage [95% CI]"]
+    rows = [[p["corpus"], f"{p['tokens']:,}", _pct(p["gate_overall"]), _pct(p["reap_overall"]),
+             _pct(p["topk_overall"]), _damage(p)] for p in corpora]
     out = [f"prediction (damage = {pred['index']}; bootstrap over sequences):", *_table(head, rows)]
     per_layer = []
     for li, layer in enumerate(layers):
@@ -77,12 +62,10 @@ def compare_markdown(named: list[tuple[str, object]]) -> str:
         for _, plan in named
     ]
     out = ["# Plan predictions side by side", "", *_table(["", *cols], [["kept", *budget]])]
-    metrics = [
-        ("predicted damage [95% CI]", _damage),
-        ("REAP mass kept", lambda p: _pct(p["reap_overall"])),
-        ("gate mass kept", lambda p: _pct(p["gate_overall"])),
-        ("whole top-k kept", lambda p: _pct(p["topk_overall"])),
-    ]
+    metrics = [("predicted damage [95% CI]", _damage),
+               ("REAP mass kept", lambda p: _pct(p["reap_overall"])),
+               ("gate mass kept", lambda p: _pct(p["gate_overall"])),
+               ("whole top-k kept", lambda p: _pct(p["topk_overall"]))]
     for title, f in metrics:
         rows = [[c, *[f(by[(n, c)]) if (n, c) in by else "-" for n in cols]] for c in corpora]
         out += ["", f"## {title}", "", *_table(["corpus", *cols], rows)]

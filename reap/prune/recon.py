@@ -17,17 +17,18 @@ to its diagonal (w_k^2 ||u_k||^2, contributions taken as orthogonal), and the pl
 block says which was used (`gram`: "full" or "diagonal"). A layer that RMS-normalizes the
 routed sum before the model space (K3's LatentMoE) also reports what the survivors' sum's rms
 needs, and the error uses it (d_k = 1 - c_t rho_t [k in S], rho_t = rms of the full sum / rms of
-the survivors' renormalised sum): the exact change of that layer's output too. Tokens are weighted so each corpus
-counts by its plan weight, relative to its routed output energy (sum_t ||sum_k w_k u_k||^2 =
-sum_t 1^T G_t 1): the layer objective is the weighted mean of the corpora's relative errors.
+the survivors' renormalised sum): the exact change of that layer's output too. Tokens are
+weighted so each corpus counts by its plan weight, relative to its routed output energy
+(sum_t ||sum_k w_k u_k||^2 = sum_t 1^T G_t 1): the layer objective is the weighted mean of the
+corpora's relative errors.
 
 Search: three starts, backward greedy elimination (remove the expert whose removal raises the
 objective least, ties to the lowest id; every expert's single-removal change comes from one
 vectorized O(N K^2) pass), forward greedy selection and the REAP plan's set; from each, swaps
-(one kept for one dropped) while one helps, and the best end wins: each sweep ranks all pairs by the sum of their
-single-flip changes and evaluates the best SWAP_CANDIDATES exactly. A layer with at most
-EXACT_LIMIT candidate sets is enumerated instead (the optimum). Protected experts are
-always kept.
+(one kept for one dropped) while one helps, and the best end wins: each sweep ranks all pairs by
+the sum of their single-flip changes and evaluates the best SWAP_CANDIDATES exactly. A layer
+with at most EXACT_LIMIT candidate sets is enumerated instead (the optimum). Protected experts
+are always kept.
 
 Cost against reap/ean: those read only the statistics' sums (seconds); recon reruns the
 statistics' calibration as one streamed pass (`reap.calibrate.pipeline.calibrate` with an
@@ -106,11 +107,8 @@ def flip_deltas(t: LayerTokens, alive: torch.Tensor, err: torch.Tensor) -> torch
         sign = 1.0 - 2.0 * af  # +1 adds slot k to S, -1 removes it
         kept = (t.w * af).sum(-1, keepdim=True) + sign * t.w  # [N, K]
         s_in = (g * af).sum(-1, keepdim=True) + sign * g  # [N, K]
-        c = torch.where(
-            kept > 1e-300,
-            t.w.sum(-1, keepdim=True) / kept.clamp(min=1e-300),
-            torch.zeros_like(kept),
-        )
+        c = torch.where(kept > 1e-300, t.w.sum(-1, keepdim=True) / kept.clamp(min=1e-300),
+                        torch.zeros_like(kept))
         new = (g.sum(-1, keepdim=True) - 2 * c * s_in + c * c * s_in) * t.scale[:, None]
         return out.index_add_(0, t.ids.reshape(-1), (new - err[:, None]).reshape(-1))
     flips = a[:, None, :].repeat(1, K, 1) ^ torch.eye(K, dtype=torch.bool)  # [N, K(flip), K]
@@ -194,24 +192,16 @@ def improve(t: LayerTokens, n_experts: int, kept: list[int], protected: set[int]
     return alive.nonzero().squeeze(1).tolist(), MAX_SWEEPS
 
 
-def select_layer(
-    t: LayerTokens, n_experts: int, n: int, protected: set[int], start: list[int]
-) -> tuple[list[int], dict]:
+def select_layer(t: LayerTokens, n_experts: int, n: int, protected: set[int],
+                 start: list[int]) -> tuple[list[int], dict]:
     """The recon kept set (sorted) of one layer and a record of the search: objective values
     of the greedy set, of `start` (the REAP plan's set) and of the result."""
     if math.comb(n_experts - len(protected), n - len(protected)) <= EXACT_LIMIT:
         kept, val = exhaustive(t, n_experts, n, protected)
-        return kept, {
-            "reap": objective(t, list(start), n_experts),
-            "recon": val,
-            "exact": True,
-            "tokens": int(t.ids.shape[0]),
-        }
-    starts = {
-        "greedy": greedy(t, n_experts, n, protected),
-        "forward": forward(t, n_experts, n, protected),
-        "reap": list(start),
-    }
+        return kept, {"reap": objective(t, list(start), n_experts), "recon": val, "exact": True,
+                      "tokens": int(t.ids.shape[0])}
+    starts = {"greedy": greedy(t, n_experts, n, protected),
+              "forward": forward(t, n_experts, n, protected), "reap": list(start)}
     rec = {k: objective(t, v, n_experts) for k, v in starts.items()}
     best, sweeps = None, 0
     for v in starts.values():  # swaps from every start; the best end wins (ties: first)
@@ -219,13 +209,8 @@ def select_layer(
         val, sweeps = objective(t, kept, n_experts), sweeps + sw
         if best is None or val < best[0]:
             best = (val, kept)
-    return sorted(best[1]), {
-        **rec,
-        "recon": best[0],
-        "swap_sweeps": sweeps,
-        "exact": False,
-        "tokens": int(t.ids.shape[0]),
-    }
+    return sorted(best[1]), {**rec, "recon": best[0], "swap_sweeps": sweeps, "exact": False,
+                             "tokens": int(t.ids.shape[0])}
 
 
 def exhaustive(t: LayerTokens, n_experts: int, n: int, protected: set[int]):
@@ -247,7 +232,6 @@ def recon_keep(layers, counts, tokens: dict[int, LayerTokens], n_experts, protec
     for li, layer in enumerate(layers):
         if layer not in tokens:
             raise ReapError(f"recon: the calibration pass recorded no tokens for layer {layer}")
-        kept[layer], record[str(layer)] = select_layer(
-            tokens[layer], n_experts, counts[li], protected[li], start[layer]
-        )
+        kept[layer], record[str(layer)] = select_layer(tokens[layer], n_experts, counts[li],
+                                                       protected[li], start[layer])
     return kept, record

@@ -1,8 +1,7 @@
 """The streamed pass of `--criterion recon` and `plan_recon`, which runs it and the search of
-`reap.prune.recon`: rerun the statistics'
-calibration with an observer that keeps, per MoE layer, every wanted token's routing and the
-per-token Gram of its experts' contributions (`MoERecord.gram`; the diagonal from
-`model_norm` when a record has none), as `LayerTokens`.
+`reap.prune.recon`: rerun the statistics' calibration with an observer that keeps, per MoE
+layer, every wanted token's routing and the per-token Gram of its experts' contributions
+(`MoERecord.gram`; the diagonal from `model_norm` when a record has none), as `LayerTokens`.
 
 Dimension letters: N tokens, K top_k.
 """
@@ -53,11 +52,9 @@ class Collector:
         if len({p[2].dim() for p in parts}) > 1:  # some records with a Gram, some without
             parts = [(i, w, _diagonal(g), c, *r) for i, w, g, c, *r in parts]
         ids, w, gram, corpus = (torch.cat(x) for x in list(zip(*parts))[:4])
-        norm, eps = (
-            (None, None)
-            if parts[0][4] is None
-            else (torch.cat([p[k] for p in parts]).double() for k in (4, 5))
-        )
+        norm, eps = None, None
+        if parts[0][4] is not None:
+            norm, eps = (torch.cat([p[k] for p in parts]).double() for k in (4, 5))
         gram = gram.double()
         energy = gram.sum(-1) if gram.dim() == 2 else gram.sum((-2, -1))  # [N] ||routed||^2
         scale = torch.zeros(ids.shape[0], dtype=torch.float64)
@@ -81,20 +78,12 @@ def gram_kind(tokens: dict[int, LayerTokens]) -> str:
 
 def _run_key(meta: dict) -> tuple:
     a = meta.get("arguments") or {}
-    return (
-        a.get("model"),
-        a.get("corpus"),
-        a.get("tokens"),
-        a.get("seq_len"),
-        a.get("seed"),
-        tuple(a.get("shard") or (1, 1)),
-        a.get("dtype"),
-    )
+    return (a.get("model"), a.get("corpus"), a.get("tokens"), a.get("seq_len"), a.get("seed"),
+            tuple(a.get("shard") or (1, 1)), a.get("dtype"))
 
 
-def collect(
-    loaded, weights: dict[str, float], checkpoint: str | None, budget: int, progress: bool = False
-) -> dict[int, LayerTokens]:
+def collect(loaded, weights: dict[str, float], checkpoint: str | None, budget: int,
+            progress: bool = False) -> dict[int, LayerTokens]:
     """Rerun the calibration of the statistics `loaded` ([(name, path, ExpertStats)]) as one
     streamed pass per distinct calibration run, keeping their corpora's routing records;
     returns {layer: LayerTokens}."""
@@ -118,20 +107,10 @@ def collect(
         names = [n for n, _ in parse_spec(spec)]
         sink = Collector({names.index(c): w for c, w in want.items()})
         with tempfile.TemporaryDirectory(prefix="reap-recon-") as tmp:
-            calibrate(
-                corpus=spec,
-                tokens=tokens,
-                seq_len=seq_len,
-                out=os.path.join(tmp, "o"),
-                model=checkpoint or model,
-                budget=budget,
-                seed=seed,
-                shard=shard,
-                dtype=dtype or "float32",
-                seq_counts=False,
-                progress=progress,
-                observe=sink,
-            )
+            calibrate(corpus=spec, tokens=tokens, seq_len=seq_len, out=os.path.join(tmp, "o"),
+                      model=checkpoint or model, budget=budget, seed=seed, shard=shard,
+                      dtype=dtype or "float32", seq_counts=False, progress=progress,
+                      observe=sink)
         for layer in sink.parts:
             merged.setdefault(layer, []).append(sink.layer(layer))
     return {layer: _cat(ts) for layer, ts in merged.items()}
@@ -149,15 +128,8 @@ def _cat(ts: list[LayerTokens]) -> LayerTokens:
     return LayerTokens(*(None if c[0] is None else torch.cat(c) for c in cols))
 
 
-def plan_recon(
-    *,
-    stats: list[str],
-    checkpoint: str | None = None,
-    budget: int = 4_000_000_000,
-    progress: bool = False,
-    tokens: dict[int, LayerTokens] | None = None,
-    **plan_kw,
-):
+def plan_recon(*, stats: list[str], checkpoint: str | None = None, budget: int = 4_000_000_000,
+               progress: bool = False, tokens: dict[int, LayerTokens] | None = None, **plan_kw):
     """A `make_plan` plan (same arguments; its counts, protected experts and REAP scores) whose
     kept sets recon chooses; `checkpoint` is the model to stream (default: the one the
     statistics were calibrated on), `budget` the pass's RSS budget in bytes, `tokens` the
@@ -182,22 +154,15 @@ def plan_recon(
     kept, record = recon.recon_keep(plan.layers, counts, tokens, plan.n_experts, prot, plan.keep)
     plan.keep, plan.criterion = kept, "recon"
     kind = gram_kind(tokens)
-    plan.recon = {
-        "objective": OBJECTIVE + (ORTHOGONAL if kind != "full" else ""),
-        "method": f"{recon.METHOD}; {kind} Gram",
-        "gram": kind,
-        "layers": record,
-        "seconds": time.perf_counter() - t0,
-        "scores": "plan.scores are the REAP shares (counts of a global scope)",
-    }
+    plan.recon = {"objective": OBJECTIVE + (ORTHOGONAL if kind != "full" else ""),
+                  "method": f"{recon.METHOD}; {kind} Gram", "gram": kind, "layers": record,
+                  "seconds": time.perf_counter() - t0,
+                  "scores": "plan.scores are the REAP shares (counts of a global scope)"}
     return plan
 
 
-OBJECTIVE = (
-    "per layer, sum over calibration tokens of ||routed output - output with the "
-    "dropped experts removed and the token's weights renormalised over its surviving "
-    "experts||^2 (each corpus relative to its own output energy, weighted as --weights)"
-)
-ORTHOGONAL = (
-    " (no per-token Gram in the records: expert contributions to one token taken as orthogonal)"
-)
+OBJECTIVE = ("per layer, sum over calibration tokens of ||routed output - output with the "
+             "dropped experts removed and the token's weights renormalised over its surviving "
+             "experts||^2 (each corpus relative to its own output energy, weighted as --weights)")
+ORTHOGONAL = (" (no per-token Gram in the records: expert contributions to one token taken as "
+              "orthogonal)")

@@ -50,8 +50,12 @@ def tensors_sha256(tensors: list[torch.Tensor]) -> str:
     """The sha256 of the tensors' bytes, one after another (the manifest's per-expert hash)."""
     h = hashlib.sha256()
     for t in tensors:
-        h.update(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()))
+        h.update(tensor_bytes(t))
     return h.hexdigest()
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
 
 
 def stream_items(ck, fam, writer, items: list[Item], progress: bool, new_ids: dict[int, list[int]],

@@ -38,9 +38,8 @@ def unused_tensors(fam, config: dict) -> set[str]:
     return {s.name for s in fam.layout(config) if s.component in UNUSED_COMPONENTS}
 
 
-def plan_items(
-    ck, fam, plan: Plan, dropped: set[str] | None = None
-) -> tuple[list[Item], dict[int, list[int]]]:
+def plan_items(ck, fam, plan: Plan,
+               dropped: set[str] | None = None) -> tuple[list[Item], dict[int, list[int]]]:
     """Output tensors in write order and, per MoE layer, the original id of each new id;
     `dropped` (default: `unused_tensors`) are left out."""
     from reap.checkpoint import TensorSpec
@@ -100,9 +99,8 @@ def fused_tensors(fam, cfg, layers) -> dict[str, int]:
     return out
 
 
-def _experts_found(
-    ck, fam, plan: Plan, fused: dict[str, int], dropped: set[str]
-) -> dict[tuple[int, int], set[str]]:
+def _experts_found(ck, fam, plan: Plan, fused: dict[str, int],
+                   dropped: set[str]) -> dict[tuple[int, int], set[str]]:
     """(layer, expert) -> its tensor names (views of fused tensors included); checks the
     experts match the plan's model."""
     from reap.checkpoint import view_name
@@ -122,9 +120,8 @@ def _experts_found(
     for layer in layers:
         n = 1 + max(e for la, e in found if la == layer)
         if n != plan.n_experts:
-            raise ReapError(
-                f"{ck.path}: layer {layer} has {n} routed experts, the plan {plan.n_experts}"
-            )
+            raise ReapError(f"{ck.path}: layer {layer} has {n} routed experts, the plan "
+                            f"{plan.n_experts}")
     return found
 
 

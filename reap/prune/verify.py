@@ -23,7 +23,7 @@ import torch
 
 from reap.checkpoint import INDEX_NAME, split_view
 from reap.errors import CheckpointError, ReapError
-from reap.prune.stream import tensors_sha256
+from reap.prune.stream import tensor_bytes, tensors_sha256
 from reap.prune.write import MANIFEST, MANIFEST_FORMAT
 
 
@@ -113,10 +113,8 @@ def _check_files(pruned: str, man: dict) -> None:
     the bytes whose sha256 the manifest records; there is no other (dot files aside)."""
     root, digests = Path(pruned), man.get("files")
     if not isinstance(digests, dict):
-        raise VerifyError(
-            f"{root / MANIFEST}: records no file digests (an older reap prune): its config and "
-            "tokenizer files cannot be checked; prune again"
-        )
+        raise VerifyError(f"{root / MANIFEST}: records no file digests (an older reap prune): "
+                          "its config and tokenizer files cannot be checked; prune again")
     here = {p.name for p in root.iterdir() if p.is_file() and p.suffix != ".safetensors"}
     here -= {MANIFEST, INDEX_NAME, *(n for n in here if n.startswith("."))}
     for name in sorted(set(digests) | here):
@@ -182,7 +180,8 @@ def _compare(new, old, name: str, src: str, rows) -> int:
     axis, ids = rows
     want = old.read(src).index_select(axis, torch.tensor(ids, dtype=torch.long))
     got = new.read(name)
-    if got.dtype != want.dtype or got.shape != want.shape or not _same_bytes(got, want):
+    same = got.dtype == want.dtype and got.shape == want.shape
+    if not same or tensor_bytes(got) != tensor_bytes(want):
         raise VerifyError(f"router tensor {name} is not the source's rows of the kept experts")
     return a.nbytes
 
@@ -193,13 +192,8 @@ def _check_fused(new, old, name: str, n_kept: int) -> None:
     a, b = new.tensors[name], old.tensors[name]
     want = (n_kept, *b.shape[1:])
     if a.dtype != b.dtype or tuple(a.shape) != want:
-        raise VerifyError(
-            f"fused tensor {name} is {a.dtype} {list(a.shape)}, expected {b.dtype} {list(want)}"
-        )
-
-
-def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return _bytes(a) == _bytes(b)
+        raise VerifyError(f"fused tensor {name} is {a.dtype} {list(a.shape)}, expected "
+                          f"{b.dtype} {list(want)}")
 
 
 def _merger(old, fam, man: dict):
@@ -227,16 +221,11 @@ def _check_expert(new, old, fam, cfg, key: tuple[int, int, int], sha: str, merge
     n = 0
     for a, b in zip(names_new, names_old):
         ta, tb = got[a], want[b]
-        if ta.dtype != tb.dtype or ta.shape != tb.shape or not _same_bytes(ta, tb):
+        if ta.dtype != tb.dtype or ta.shape != tb.shape or tensor_bytes(ta) != tensor_bytes(tb):
             what = "source expert tensor" if merged is None else "recomputed merge of"
             raise VerifyError(f"tensor {a} differs from {what} {b}")
         n += new.tensors[a].nbytes
     if tensors_sha256([got[a] for a in names_new]) != sha:  # the source's bytes are the same
-        raise VerifyError(
-            f"layer {layer} expert {j} (source expert {e}): sha256 differs from the manifest"
-        )
+        raise VerifyError(f"layer {layer} expert {j} (source expert {e}): sha256 differs from "
+                          "the manifest")
     return n
-
-
-def _bytes(t: torch.Tensor) -> memoryview:
-    return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())

@@ -2,17 +2,13 @@
 
 Kept routed experts are copied byte for byte and renumbered densely in ascending original id,
 router tensors sliced to the kept rows, unused components (an MTP layer) left out, every other
-tensor copied verbatim (`tensor_map`: which output tensor comes from where; `stream`: the copy and
-the expert hashes, memory bounded by the largest single tensor); config.json gets the new expert
-count (`with_experts`). Shards are at most as large as the source's largest unless
-`max_shard_bytes` is given. Output is atomic and resumable through `CheckpointWriter`: a rerun
-with the same inputs after a crash or Ctrl-C skips the completed shards; one with other inputs
-(plan, source, shard size) is refused (`resume`). The plan is checked against the source
-(`plan_file.check`), and the output may never be, hold or lie inside the source or the plan
-file (it could be replaced). Next to the weights:
-`reap_manifest.json` (per layer the original id of every new expert id, the sha256 of every kept
-expert's bytes and of every other file written, provenance), `reap_plan.json` (the plan), and
-every non-weight file of the source (tokenizer, ...).
+tensor copied verbatim; config.json gets the new expert count (`with_experts`). Shards are at
+most as large as the source's largest unless `max_shard_bytes` is given. A rerun with the same
+inputs after a crash or Ctrl-C resumes; one with other inputs is refused (`resume`). The output
+may never be, hold or lie inside the source or the plan file (it could be replaced). Beside the
+weights: `reap_manifest.json` (per layer the original id of every new expert id, the sha256 of
+every kept expert and of every other file written, provenance), `reap_plan.json`, and every
+non-weight file of the source (tokenizer, ...).
 """
 
 from __future__ import annotations
@@ -35,15 +31,12 @@ from reap.prune.tensor_map import plan_items, unused_tensors
 MANIFEST = "reap_manifest.json"
 PLAN_COPY = "reap_plan.json"
 MANIFEST_FORMAT = "reap.prune_manifest/1"
-HASH_RULE = (
-    "sha256 over the stored bytes of the expert's tensors, concatenated in the order "
-    "of the family's expert_tensor_names"
-)
+HASH_RULE = ("sha256 over the stored bytes of the expert's tensors, concatenated in the order "
+             "of the family's expert_tensor_names")
 _WEIGHT_FILES = {"config.json", "model.safetensors.index.json", MANIFEST, PLAN_COPY, resume.INPUTS}
-DROPPED_NOTE = (
-    "tensors the family's layout tags as never read by the text model (UNUSED_COMPONENTS, e.g. "
-    "an MTP layer, whose experts were neither calibrated nor pruned) are left out"
-)
+DROPPED_NOTE = ("tensors the family's layout tags as never read by the text model "
+                "(UNUSED_COMPONENTS, e.g. an MTP layer, whose experts were neither calibrated nor "
+                "pruned) are left out")
 
 
 @dataclass
@@ -59,16 +52,9 @@ class PruneResult:
     seconds: float
 
 
-def prune(
-    *,
-    model: str,
-    plan: str | Plan,
-    out: str,
-    max_shard_bytes: int | None = None,
-    overwrite: bool = False,
-    progress: bool = False,
-    arguments: dict | None = None,
-) -> PruneResult:
+def prune(*, model: str, plan: str | Plan, out: str, max_shard_bytes: int | None = None,
+          overwrite: bool = False, progress: bool = False,
+          arguments: dict | None = None) -> PruneResult:
     """Write the pruned checkpoint of `model` under `plan` to `out` (see the module docstring)."""
     from reap.checkpoint import Checkpoint, CheckpointWriter
 
@@ -93,7 +79,8 @@ def prune(
         if plan.merge:
             from reap.prune.merge_write import Merger
 
-            merger = Merger(ck, fam, plan_groups(plan.merge), plan.merge.get("align"))
+            groups = {int(layer): gs for layer, gs in plan.merge["groups"].items()}
+            merger = Merger(ck, fam, groups, plan.merge.get("align"))
         hashes, resumed = stream_items(ck, fam, writer, items, progress, new_ids, merger)
         manifest = _manifest(ck, plan, new_ids, hashes, arguments, merger)
         if dropped:
@@ -122,9 +109,8 @@ def _check_inputs(ck, plan: Plan, where: str):
     _check_model(ck, plan)
     check(plan, where, _model_shape(layout, fam, ck.config))
     if plan.keep is None:
-        raise ReapError(
-            f"{where}: keep: the plan holds counts only (no kept experts): make it from statistics"
-        )
+        raise ReapError(f"{where}: keep: the plan holds counts only (no kept experts): make it "
+                        "from statistics")
     return fam
 
 
@@ -149,10 +135,8 @@ def _check_out(out: str, sources: list[str], overwrite: bool) -> None:
     for path in (out, resume.work_dir(out)):
         hit = overlap(path, sources)
         if hit:
-            raise ReapError(
-                f"{path}: the output {hit[0]} the input {hit[1]}; choose an output directory "
-                "outside the source model and the plan"
-            )
+            raise ReapError(f"{path}: the output {hit[0]} the input {hit[1]}; choose an output "
+                            "directory outside the source model and the plan")
     claim_out(out, overwrite, directory=True)
 
 
@@ -166,9 +150,8 @@ def _pruned_config(fam, config: dict, plan: Plan) -> dict:
 def _check_model(ck, plan: Plan) -> None:
     fp = ck.fingerprint()
     if plan.model and plan.model != fp:
-        raise ReapError(
-            f"the plan was made for model {plan.model[:16]}..., not {ck.path} ({fp[:16]}...)"
-        )
+        raise ReapError(f"the plan was made for model {plan.model[:16]}..., not {ck.path} "
+                        f"({fp[:16]}...)")
 
 
 def _largest_shard(ck) -> int:
@@ -178,18 +161,11 @@ def _largest_shard(ck) -> int:
     return max(per_file.values(), default=1)
 
 
-def plan_groups(merge: dict) -> dict[int, list]:
-    """A plan's (or manifest's) merge groups by int layer."""
-    return {int(layer): gs for layer, gs in merge["groups"].items()}
-
-
 def _manifest(ck, plan: Plan, new_ids, hashes, arguments, merger=None) -> dict:
     experts = {}
     for layer, ids in new_ids.items():
-        experts[str(layer)] = {
-            "original": ids,
-            "sha256": [hashes[(layer, j)] for j in range(len(ids))],
-        }
+        experts[str(layer)] = {"original": ids,
+                               "sha256": [hashes[(layer, j)] for j in range(len(ids))]}
         if merger is not None:  # every output expert's sources, weights and re-encoding error
             gs = merger.groups[layer]
             experts[str(layer)].update(
@@ -207,13 +183,9 @@ def _manifest(ck, plan: Plan, new_ids, hashes, arguments, merger=None) -> dict:
         "n_experts": {"source": plan.n_experts, "kept": sorted(set(plan.counts.values()))},
         "experts": experts,
         **({"merge": merge} if merge else {}),
-        "provenance": {
-            "code_version": code_version(PRUNE_CODE),
-            "arguments": arguments or {},
-            "criterion": plan.criterion,
-            "budget": plan.budget,
-            "plan_provenance": plan.provenance,
-        },
+        "provenance": {"code_version": code_version(PRUNE_CODE), "arguments": arguments or {},
+                       "criterion": plan.criterion, "budget": plan.budget,
+                       "plan_provenance": plan.provenance},
     }
 
 

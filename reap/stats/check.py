@@ -40,15 +40,16 @@ def check_header(path: str, head: dict) -> None:
 
 def check_shapes(path: str, head: dict, tensors: dict[str, torch.Tensor], fields: list) -> None:
     """Each statistics tensor of `fields` (`reap.stats.sum_fields()`) is [L, E] ([L, E, E] for
-    coact and prob_gram, [L, E, Dx] for out_sum, [S, L, E] for seq_count), integer where its declared dtype is, no count negative and
-    no sum NaN or infinite."""
+    coact and prob_gram, [L, E, Dx] for out_sum, [S, L, E] for seq_count), integer where its
+    declared dtype is, no count negative and no sum NaN or infinite."""
     L, E = len(head["layers"]), head["n_experts"]
     for f in fields:
         t = tensors.get(f.name)
         if t is None:
             continue
-        want = {"coact": (L, E, E), "prob_gram": (L, E, E), "out_sum": (L, E, t.shape[-1] if t.dim() else -1),
-                "seq_count": (t.shape[0] if t.dim() else -1, L, E)}
+        first, last = (t.shape[0], t.shape[-1]) if t.dim() else (-1, -1)
+        want = {"coact": (L, E, E), "prob_gram": (L, E, E), "out_sum": (L, E, last),
+                "seq_count": (first, L, E)}
         shape = want.get(f.name, (L, E))
         if tuple(t.shape) != shape:
             raise ReapError(f"{path}: tensor {f.name}: shape {list(t.shape)}, the header "
