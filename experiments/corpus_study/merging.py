@@ -294,6 +294,43 @@ def pruning_study_match(recs: list[dict], study_builds: list[dict]) -> dict:
     return {"builds": n, "kept_equal": bool(same_kept), "ppl_ratio_max_rel_diff": max_rel}
 
 
+def sensitivity(study_builds: list[dict], predictions: dict, budgets: list[str]) -> dict:
+    """Per budget, how much a build's log perplexity ratio moves per unit of REAP mass it drops,
+    from the pruning study's builds: the least-squares slope of log ratio on predicted damage
+    (`reap.prune.predict`) over (build, domain) pairs, both centred within each domain (so
+    domains' different baselines do not count). {budget: {slope, pairs, damage_sd}}."""
+    out = {}
+    for b in budgets:
+        xs, ys = [], []
+        for d in DOMAINS:
+            rs = [r for r in study_builds if r["budget"] == b and r["id"] in predictions]
+            x = np.array([predictions[r["id"]][d]["damage"] for r in rs])
+            y = np.array([math.log(r["quality"][d]["ppl_ratio"]["value"]) for r in rs])
+            if len(x) >= 2:
+                xs.append(x - x.mean())
+                ys.append(y - y.mean())
+        if not xs:
+            continue
+        x, y = np.concatenate(xs), np.concatenate(ys)
+        out[b] = {"slope": float(x @ y / (x @ x)), "pairs": len(x), "damage_sd": float(x.std())}
+    return out
+
+
+def seeds_needed(ci: dict, max_n: int = 1000) -> int | None:
+    """Seeds a Student-t 95 % interval needs to exclude zero at this mean and seed-to-seed
+    spread (None: not within max_n, or no spread to judge)."""
+    from scipy.stats import t
+
+    v = np.asarray(ci["values"], dtype=np.float64)
+    if len(v) < 2 or v.std(ddof=1) == 0 or ci["mean"] == 0:
+        return None
+    ratio = abs(ci["mean"]) / v.std(ddof=1)
+    for n in range(2, max_n + 1):
+        if t.ppf(0.975, n - 1) / math.sqrt(n) < ratio:
+            return n
+    return None
+
+
 def run_merging(s: MergeSettings, work: Path, out_dir: Path, report: Path | None) -> dict:
     """The comparison (see the module docstring); returns the results written to
     out_dir/merging.json."""
@@ -311,18 +348,20 @@ def run_merging(s: MergeSettings, work: Path, out_dir: Path, report: Path | None
     size = SizeModel.from_config(config)
     keeps = {b: st.keep_count(b, size.n_experts, size.top_k) for b in s.budgets}
     recs, spec, calib_s = [], {}, []
-    t0 = time.perf_counter()
     for seed in s.seeds:  # seed by seed: a partial run already compares every method
-        c0 = time.perf_counter()
         stats = calibrate_merge_seed(work, s, seed)
-        calib_s.append(time.perf_counter() - c0)
+        calib_s.append(st._read(work / "calib" / f"seed{seed}" / "run.json")["seconds"])
         spec[str(seed)] = specialisation(stats, s.cal_set, keeps)
         for b in s.budgets:
             for method in s.methods:
                 recs.append(run_method_build(work, s, model, config, stats, method, b, keeps[b],
                                              seed))
                 st._log(f"{recs[-1]['id']}: {recs[-1]['seconds']:.0f} s")
+    study = st._read(out_dir / "results.json") or {}
     study_builds = st._read(out_dir / "builds.json") or []
+    comps = comparisons(recs, s)
+    for c in comps:
+        c["seeds_needed"] = seeds_needed(c["log_diff"])
     results = {
         "format": "reap.corpus_study.merging/1",
         "settings": asdict(s),
@@ -332,14 +371,15 @@ def run_merging(s: MergeSettings, work: Path, out_dir: Path, report: Path | None
         "model": {"path": os.path.relpath(model, ROOT), "fingerprint": fingerprint},
         "code_version": code_version(),
         "builds": build_table(recs),
-        "comparisons": comparisons(recs, s),
+        "comparisons": comps,
         "tasks": task_table(recs),
         "specialisation": spec,
+        "sensitivity": sensitivity(study_builds, study.get("predictions", {}), s.budgets),
         "group_sizes": {r["id"]: r["groups"] for r in recs if r["groups"]},
         "pruning_study_match": pruning_study_match(recs, study_builds),
+        "n_builds": len(recs),
         "build_seconds": float(sum(r["seconds"] for r in recs)),
-        "wall_seconds_this_run": time.perf_counter() - t0,
-        "calibration_seconds_this_run": calib_s,
+        "calibration_seconds": calib_s,
     }
     st._write(out_dir / "merging.json", results)
     st._write(out_dir / "merging-builds.json", recs)
@@ -373,4 +413,4 @@ def _rewrite_report(out_dir: Path, report: Path) -> None:
         write_report(json.loads(study.read_text()), out_dir, report)
     else:
         merged = json.loads((out_dir / "merging.json").read_text())
-        write_atomic(report, "\n".join(merging_section(merged)))
+        write_atomic(report, "\n".join(merging_section(merged)) + "\n")

@@ -448,6 +448,11 @@ def write_report(results: dict, out_dir: Path, report: Path) -> str:
     )
     lines += quality_section(results, plots["quality"]) + generation_section(results)
     lines += criteria_section(results, plots["criteria"])
+    merging = Path(out_dir) / "merging.json"  # the pruning-vs-merging comparison, when run
+    if merging.exists():
+        from experiments.corpus_study.report_merging import merging_section
+
+        lines += merging_section(json.loads(merging.read_text()), results)
     rel = Path(os.path.relpath(Path(out_dir).resolve(), Path(report).parent.resolve())).as_posix()
     scatter = scatter_plot(results, Path(out_dir), rel)
     lines += recon_section(results, _budget) + predictor_section(results, scatter, _budget)
