@@ -337,6 +337,7 @@ def run_merging(s: MergeSettings, work: Path, out_dir: Path, report: Path | None
     from reap.checkpoint import Checkpoint
     from reap.defaults import default_model
     from reap.provenance import code_version
+    from reap.prune.merge_plan import ROUTER_RULE
     from reap.sizes import SizeModel
 
     st = _study()
@@ -370,6 +371,7 @@ def run_merging(s: MergeSettings, work: Path, out_dir: Path, report: Path | None
         "top_k": size.top_k,
         "model": {"path": os.path.relpath(model, ROOT), "fingerprint": fingerprint},
         "code_version": code_version(),
+        "router_rule": ROUTER_RULE,
         "builds": build_table(recs),
         "comparisons": comps,
         "tasks": task_table(recs),

@@ -25,7 +25,13 @@ tokens each). Reproduce: `python -m experiments.corpus_study --merging` (work fi
 `merging-builds.json` (every build's record) and this section. Reduced against the pruning
 study: only the `{cal_set}` calibration set (not the five others), no greedy generations; seeds
 ({seeds}), budgets and domains are the study's. Compute: {build_min:.1f} minutes of build time
-(plan, build, evaluation) and {cal_min:.1f} minutes of calibration for all {n_builds} builds."""
+(plan, build, evaluation) and {cal_min:.1f} minutes of calibration for all {n_builds} builds.
+
+Router of the merged builds (`reap.prune.merge_plan.ROUTER_RULE`): {router}. So a merged build
+has the router of a pruned build that keeps each group's dominant expert, and only that
+expert's weights differ (the group's weighted average); the papers' rule (all router rows kept, pointing at the
+shared merged expert) routes differently, and these numbers compare this toolkit's merging, not
+the papers' exact builds."""
 
 VERDICT_INTRO = """Effect per seed: log(ppl ratio of the REAP build) minus log(ppl ratio of the
 merged build) on the same documents, so exp(effect) = REAP's perplexity / the merged build's;
@@ -62,6 +68,17 @@ def _methods(m: dict) -> list[str]:
 def _row(m: dict, method: str, budget: str) -> dict | None:
     return next((r for r in m["builds"] if r["criterion"] == method and r["budget"] == budget),
                 None)
+
+
+def summary_rows(m: dict, budgets: list[str]) -> list[list[str]]:
+    """Rows of the report's summary table: REAP / merged ppl (mean over domains) per budget."""
+    by = {(c["method"], c["budget"]): c for c in m["comparisons"] if c["domain"] == "mean"}
+    rows = []
+    for x in [x for x in _methods(m) if x != "reap"]:
+        cells = [f"**{by[(x, b)]['verdict']}**: {_ci(by[(x, b)]['log_diff'], '{:.2f}', math.exp)}"
+                 if (x, b) in by else "" for b in budgets]
+        rows.append([f"REAP pruning beats {x} merging (mean ppl ratio over domains)"] + cells)
+    return rows
 
 
 def quality_tables(m: dict, domains: list[str]) -> list[str]:
@@ -272,7 +289,8 @@ def merging_section(m: dict, study: dict | None = None) -> list[str]:
                          cal_set=s["cal_set"], docs=s["max_docs"], toks=s["doc_tokens"],
                          seeds=", ".join(map(str, s["seeds"])),
                          build_min=m["build_seconds"] / 60,
-                         cal_min=sum(m["calibration_seconds"]) / 60, n_builds=m["n_builds"])
+                         cal_min=sum(m["calibration_seconds"]) / 60, n_builds=m["n_builds"],
+                         router=m.get("router_rule", "not recorded"))
     lines = ["## Pruning against merging", "", intro, ""]
     lines += comparison_table(m, domains) + verdict_lines(m)
     lines += quality_tables(m, domains) + task_lines(m)
