@@ -30,7 +30,14 @@ import numpy as np
 from experiments.corpus_study import ROOT
 from experiments.corpus_study.stats import DOMAINS, SETS, build_table, seed_ci, verdict
 
-METHODS = ["reap", "hc-smoe", "m-smoe"]  # reap first: the pruning side of every comparison
+# reap first: the pruning side of every comparison; X-dom = the merge plan of X pruned to its
+# groups' dominant experts, unmerged (the same router rows as X: separates which experts a
+# build keeps from what averaging the others into them costs)
+METHODS = ["reap", "hc-smoe", "m-smoe", "hc-smoe-dom", "m-smoe-dom"]
+MERGES = ["hc-smoe", "m-smoe"]
+# (a, b) compared as log ppl(a) - log ppl(b); "a prevails" holds when a is lower
+PAIRS = [("reap", "hc-smoe"), ("reap", "m-smoe"), ("hc-smoe-dom", "hc-smoe"),
+         ("m-smoe-dom", "m-smoe"), ("reap", "hc-smoe-dom"), ("reap", "m-smoe-dom")]
 TASK = "reap_tiny_mc"
 TASK_DIR = ROOT / "tests" / "fixtures" / "lm_eval"
 
@@ -105,14 +112,17 @@ def calibrate_merge_seed(work: Path, s: MergeSettings, seed: int) -> dict[str, s
 def make_method_plan(stats: dict, config: dict, s: MergeSettings, method: str, keep: int,
                      seed: int):
     """REAP: the study's plan (`study.make_build_plan`); a merge method: its groups planned on
-    the same statistics files with the same expert count per layer."""
+    the same statistics files with the same expert count per layer; X-dom: X's plan without
+    the merge (its dominant experts kept, the others dropped)."""
     if method == "reap":
         return _study().make_build_plan(stats, config, s.cal_set, "reap", keep, seed)
     from reap.prune.merge_plan import make_merge_plan
 
-    return make_merge_plan(
-        method=method, stats=[stats[c] for c in SETS[s.cal_set]], config=config, keep=keep
-    )
+    plan = make_merge_plan(method=method.removesuffix("-dom"),
+                           stats=[stats[c] for c in SETS[s.cal_set]], config=config, keep=keep)
+    if method.endswith("-dom"):
+        plan.merge, plan.criterion = None, method
+    return plan
 
 
 @contextlib.contextmanager
@@ -218,23 +228,52 @@ def specialisation(stats: dict, cal_set: str, keeps: dict[str, int]) -> dict:
     return out
 
 
+def group_cosine(stats: dict, cal_set: str, plan_path: Path) -> dict:
+    """How alike the experts a merge averages are: cosine of each non-dominant member's mean
+    output (HC-SMoE's representation) with its group dominant's, weighted by merge weight and
+    averaged over all members of all groups; and the same for random pairs of experts."""
+    import json
+
+    import torch
+
+    from reap.stats import ExpertStats
+
+    parts = [ExpertStats.load(stats[c]) for c in SETS[cal_set]]
+    reps = sum(p.out_sum.double() for p in parts) / sum(
+        p.out_count.double() for p in parts).clamp(min=1)[..., None]  # [L, E, Dx]
+    unit = torch.nn.functional.normalize(reps, dim=-1)
+    layers = list(parts[0].layers)
+    groups = json.loads(plan_path.read_text())["merge"]["groups"]
+    cos, w = [], []
+    for layer, gs in groups.items():
+        u = unit[layers.index(int(layer))]
+        for g in gs:
+            for e, wt in g[1:]:
+                cos.append(float(u[e] @ u[g[0][0]]))
+                w.append(wt)
+    return {"member_cos": float(np.average(cos, weights=w)) if cos else None,
+            "members": len(cos)}
+
+
 def comparisons(recs: list[dict], s: MergeSettings) -> list[dict]:
-    """REAP against each merge method per budget and domain (and the mean over domains): the
-    per-seed difference of log perplexity ratios (REAP minus merge), its seed interval and the
-    verdict of "pruning prevails" (REAP lower: holds)."""
+    """Each pair of `PAIRS` whose builds were made, per budget and domain (and the mean over
+    domains): the per-seed difference of log perplexity ratios (a minus b), its seed interval
+    and the verdict of "a prevails" (a lower: holds). `method` names the merge method of the
+    pair."""
     rows = []
-    for method in [m for m in s.methods if m != "reap"]:
-        for b in s.budgets:
-            pairs = _pairs(recs, "reap", method, b)
+    for a, b in [p for p in PAIRS if set(p) <= set(s.methods)]:
+        for budget in s.budgets:
+            pairs = _pairs(recs, a, b, budget)
             if not pairs:
                 continue
             for dom in [*DOMAINS, "mean"]:
                 diffs = [_lr(p, dom) - _lr(m, dom) for p, m in pairs]
                 agree = [_agr(p, dom) - _agr(m, dom) for p, m in pairs]
                 ci = seed_ci(diffs)
-                rows.append({"method": method, "budget": b, "domain": dom, "log_diff": ci,
-                             "ratio": _exp(ci), "agreement_diff": seed_ci(agree),
-                             "verdict": verdict(ci, -1), "seeds": [p["seed"] for p, _ in pairs]})
+                rows.append({"a": a, "b": b, "method": b.removesuffix("-dom"), "budget": budget,
+                             "domain": dom, "log_diff": ci, "ratio": _exp(ci),
+                             "agreement_diff": seed_ci(agree), "verdict": verdict(ci, -1),
+                             "seeds": [p["seed"] for p, _ in pairs]})
     return rows
 
 
@@ -348,7 +387,7 @@ def run_merging(s: MergeSettings, work: Path, out_dir: Path, report: Path | None
         config, fingerprint = ck.config, ck.fingerprint()
     size = SizeModel.from_config(config)
     keeps = {b: st.keep_count(b, size.n_experts, size.top_k) for b in s.budgets}
-    recs, spec, calib_s = [], {}, []
+    recs, spec, calib_s, cosines = [], {}, [], {}
     for seed in s.seeds:  # seed by seed: a partial run already compares every method
         stats = calibrate_merge_seed(work, s, seed)
         calib_s.append(st._read(work / "calib" / f"seed{seed}" / "run.json")["seconds"])
@@ -358,6 +397,9 @@ def run_merging(s: MergeSettings, work: Path, out_dir: Path, report: Path | None
                 recs.append(run_method_build(work, s, model, config, stats, method, b, keeps[b],
                                              seed))
                 st._log(f"{recs[-1]['id']}: {recs[-1]['seconds']:.0f} s")
+                if method in MERGES:
+                    plan = work / "builds" / recs[-1]["id"] / "reap_plan.json"
+                    cosines[recs[-1]["id"]] = group_cosine(stats, s.cal_set, plan)
     study = st._read(out_dir / "results.json") or {}
     study_builds = st._read(out_dir / "builds.json") or []
     comps = comparisons(recs, s)
@@ -378,6 +420,7 @@ def run_merging(s: MergeSettings, work: Path, out_dir: Path, report: Path | None
         "specialisation": spec,
         "sensitivity": sensitivity(study_builds, study.get("predictions", {}), s.budgets),
         "group_sizes": {r["id"]: r["groups"] for r in recs if r["groups"]},
+        "group_cosine": cosines,
         "pruning_study_match": pruning_study_match(recs, study_builds),
         "n_builds": len(recs),
         "build_seconds": float(sum(r["seconds"] for r in recs)),
@@ -395,7 +438,8 @@ def _check_work(work: Path, s: MergeSettings) -> None:
 
     st = _study()
     have = st._read(work / "settings.json")
-    if have is not None and have != asdict(s):
+    fixed = lambda d: {k: v for k, v in d.items() if k != "methods"}  # noqa: E731 (one id each)
+    if have is not None and fixed(have) != fixed(asdict(s)):
         raise ReapError(f"{work} holds a merging run with other settings; use another --work")
     if have is None:
         st._write(work / "settings.json", asdict(s))
