@@ -204,6 +204,9 @@ def _fake_merging(tmp_path):
         recs.append(_fake_rec("reap", seed, {"zh": 1.6 * f, "code": 2.5 * f}, acc=1 / 6))
         recs.append(_fake_rec("hc-smoe", seed, {"zh": 2.0, "en": 2.0 * f, "code": 2.5}))
         recs.append(_fake_rec("m-smoe", seed, {"zh": 1.6, "code": 2.0}))
+        # the merge plans pruned to their dominants: as good as REAP except on zh for hc-smoe
+        recs.append(_fake_rec("hc-smoe-dom", seed, {"zh": 1.6 * f, "code": 2.5 * f}))
+        recs.append(_fake_rec("m-smoe-dom", seed, {"zh": 2.0 * f, "code": 2.5 * f}))
     comps = mg.comparisons(recs, s)
     for c in comps:
         c["seeds_needed"] = mg.seeds_needed(c["log_diff"])
@@ -230,7 +233,7 @@ def _fake_merging(tmp_path):
 
 def test_merging_comparisons_and_verdicts(tmp_path):
     m, recs = _fake_merging(tmp_path)
-    by = {(c["method"], c["domain"]): c for c in m["comparisons"]}
+    by = {(c["b"], c["domain"]): c for c in m["comparisons"] if c["a"] == "reap"}
     zh = by[("hc-smoe", "zh")]  # REAP lower: pruning prevails
     assert zh["log_diff"]["values"] == pytest.approx([math.log(0.8) + e for e in (0, 0.01, -0.01)])
     assert zh["ratio"]["mean"] == pytest.approx(0.8, rel=1e-12)
@@ -243,6 +246,15 @@ def test_merging_comparisons_and_verdicts(tmp_path):
         sum(by[("hc-smoe", d)]["log_diff"]["mean"] for d in st.DOMAINS) / len(st.DOMAINS))
     t = m["tasks"]["reap_tiny_mc"]
     assert t["reference"] == 0.0 and t["rows"]["reap|k3"]["mean"] == pytest.approx(1 / 6)
+    # the decomposition: REAP / merged = (REAP / dominants) x (dominants / merged), per seed
+    for x in ("hc-smoe", "m-smoe"):
+        for d in (*st.DOMAINS, "mean"):
+            whole = by[(x, d)]["log_diff"]["values"]
+            sel = next(c for c in m["comparisons"] if (c["a"], c["b"], c["domain"]) ==
+                       ("reap", f"{x}-dom", d))["log_diff"]["values"]
+            avg = next(c for c in m["comparisons"] if (c["a"], c["b"], c["domain"]) ==
+                       (f"{x}-dom", x, d))["log_diff"]["values"]
+            assert whole == pytest.approx([s + a for s, a in zip(sel, avg)], abs=1e-12)
 
 
 def test_seeds_needed_is_the_first_n_whose_t_interval_excludes_zero():
@@ -272,8 +284,12 @@ def test_merging_section_reports_verdicts_and_where_merging_wins(tmp_path):
     lines = text.splitlines()
     cells = lines[lines.index(next(ln for ln in lines if "resolvable ppl factor" in ln)) + 2]
     halves = sorted((c["log_diff"]["hi"] - c["log_diff"]["lo"]) / 2 for c in m["comparisons"]
-                    if c["domain"] != "mean")
+                    if c["domain"] != "mean" and c["a"] == "reap" and "dom" not in c["b"])
     h = (halves[len(halves) // 2 - 1] + halves[len(halves) // 2]) / 2  # 10: an even count
     cells = [c.strip() for c in cells.strip("|").split("|")]
     assert cells[1:] == [f"{math.exp(h):.3f}", "2.00", f"{h / 2:.3f}", f"{0.17 - 0.15625:.3f}"]
     assert "| 0.17 [" in text  # the planted task accuracy of REAP (1/6), over seeds
+    # REAP / hc-smoe-dom is 1 everywhere; hc-smoe-dom / hc-smoe carries the zh win (1 domain)
+    dec = next(ln for ln in text.splitlines() if ln.startswith("| hc-smoe | K3"))
+    assert "| 1.000 [1.000, 1.000] **inconclusive** |" in dec and dec.endswith("| 1 of 5 |")
+    assert "dominants pruned against merged: 1 hold, 2 reversed, 7 inconclusive" in text
