@@ -170,7 +170,7 @@ def _fake_rec(method: str, seed: int, ratios: dict, acc: float = 0.5) -> dict:
         }
         for d in st.DOMAINS
     }
-    acc_est = lambda v: {"value": v, "lo": 0.0, "hi": 1.0}  # noqa: E731
+    acc_est = lambda v: {"value": v, "lo": 0.0, "hi": 1.0}
     return {
         "id": bid,
         "cal_set": "full",
@@ -210,8 +210,13 @@ def _fake_merging(tmp_path):
     comps = mg.comparisons(recs, s)
     for c in comps:
         c["seeds_needed"] = mg.seeds_needed(c["log_diff"])
-    spec = {"freq_cv": 0.1, "reap_kept": {"k3": 0.17}, "uniform": {"k3": 0.15625},
-            "out_cos": 0.2, "router_cos": 0.9}
+    spec = {
+        "freq_cv": 0.1,
+        "reap_kept": {"k3": 0.17},
+        "uniform": {"k3": 0.15625},
+        "out_cos": 0.2,
+        "router_cos": 0.9,
+    }
     m = {
         "settings": {**s.__dict__},
         "keeps": {"k3": 10},
@@ -232,7 +237,7 @@ def _fake_merging(tmp_path):
 
 
 def test_merging_comparisons_and_verdicts(tmp_path):
-    m, recs = _fake_merging(tmp_path)
+    m, _ = _fake_merging(tmp_path)
     by = {(c["b"], c["domain"]): c for c in m["comparisons"] if c["a"] == "reap"}
     zh = by[("hc-smoe", "zh")]  # REAP lower: pruning prevails
     assert zh["log_diff"]["values"] == pytest.approx([math.log(0.8) + e for e in (0, 0.01, -0.01)])
@@ -243,17 +248,22 @@ def test_merging_comparisons_and_verdicts(tmp_path):
     assert by[("hc-smoe", "eu")]["verdict"] == "inconclusive"  # no spread: interval is a point 0
     mean = by[("hc-smoe", "mean")]  # mean over domains of the per-seed log differences
     assert mean["log_diff"]["mean"] == pytest.approx(
-        sum(by[("hc-smoe", d)]["log_diff"]["mean"] for d in st.DOMAINS) / len(st.DOMAINS))
+        sum(by[("hc-smoe", d)]["log_diff"]["mean"] for d in st.DOMAINS) / len(st.DOMAINS)
+    )
     t = m["tasks"]["reap_tiny_mc"]
     assert t["reference"] == 0.0 and t["rows"]["reap|k3"]["mean"] == pytest.approx(1 / 6)
     # the decomposition: REAP / merged = (REAP / dominants) x (dominants / merged), per seed
     for x in ("hc-smoe", "m-smoe"):
         for d in (*st.DOMAINS, "mean"):
             whole = by[(x, d)]["log_diff"]["values"]
-            sel = next(c for c in m["comparisons"] if (c["a"], c["b"], c["domain"]) ==
-                       ("reap", f"{x}-dom", d))["log_diff"]["values"]
-            avg = next(c for c in m["comparisons"] if (c["a"], c["b"], c["domain"]) ==
-                       (f"{x}-dom", x, d))["log_diff"]["values"]
+            sel = next(
+                c
+                for c in m["comparisons"]
+                if (c["a"], c["b"], c["domain"]) == ("reap", f"{x}-dom", d)
+            )["log_diff"]["values"]
+            avg = next(
+                c for c in m["comparisons"] if (c["a"], c["b"], c["domain"]) == (f"{x}-dom", x, d)
+            )["log_diff"]["values"]
             assert whole == pytest.approx([s + a for s, a in zip(sel, avg)], abs=1e-12)
 
 
@@ -280,11 +290,15 @@ def test_merging_section_reports_verdicts_and_where_merging_wins(tmp_path):
     assert "| zh | 0.800 [" in row and "**holds**" in row  # first domain of the k3 block
     assert "merging wins in 1," in text and "pruning prevails in 1," in text
     assert "Merging wins (interval above 1): m-smoe on code" in text
-    # the strength table: median half-width / slope, and REAP's margin over a random set
+    # the strength table: median half-width of the REAP / dominants intervals, / slope, and
+    # REAP's margin over a random set
     lines = text.splitlines()
     cells = lines[lines.index(next(ln for ln in lines if "resolvable ppl factor" in ln)) + 2]
-    halves = sorted((c["log_diff"]["hi"] - c["log_diff"]["lo"]) / 2 for c in m["comparisons"]
-                    if c["domain"] != "mean" and c["a"] == "reap" and "dom" not in c["b"])
+    halves = sorted(
+        (c["log_diff"]["hi"] - c["log_diff"]["lo"]) / 2
+        for c in m["comparisons"]
+        if c["domain"] != "mean" and c["a"] == "reap" and "dom" in c["b"]
+    )
     h = (halves[len(halves) // 2 - 1] + halves[len(halves) // 2]) / 2  # 10: an even count
     cells = [c.strip() for c in cells.strip("|").split("|")]
     assert cells[1:] == [f"{math.exp(h):.3f}", "2.00", f"{h / 2:.3f}", f"{0.17 - 0.15625:.3f}"]

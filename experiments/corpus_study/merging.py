@@ -36,8 +36,14 @@ from experiments.corpus_study.stats import DOMAINS, SETS, build_table, seed_ci, 
 METHODS = ["reap", "hc-smoe", "m-smoe", "hc-smoe-dom", "m-smoe-dom"]
 MERGES = ["hc-smoe", "m-smoe"]
 # (a, b) compared as log ppl(a) - log ppl(b); "a prevails" holds when a is lower
-PAIRS = [("reap", "hc-smoe"), ("reap", "m-smoe"), ("hc-smoe-dom", "hc-smoe"),
-         ("m-smoe-dom", "m-smoe"), ("reap", "hc-smoe-dom"), ("reap", "m-smoe-dom")]
+PAIRS = [
+    ("reap", "hc-smoe"),
+    ("reap", "m-smoe"),
+    ("hc-smoe-dom", "hc-smoe"),
+    ("m-smoe-dom", "m-smoe"),
+    ("reap", "hc-smoe-dom"),
+    ("reap", "m-smoe-dom"),
+]
 TASK = "reap_tiny_mc"
 TASK_DIR = ROOT / "tests" / "fixtures" / "lm_eval"
 
@@ -109,8 +115,9 @@ def calibrate_merge_seed(work: Path, s: MergeSettings, seed: int) -> dict[str, s
     return {**paths, "eu": str(eu)}
 
 
-def make_method_plan(stats: dict, config: dict, s: MergeSettings, method: str, keep: int,
-                     seed: int):
+def make_method_plan(
+    stats: dict, config: dict, s: MergeSettings, method: str, keep: int, seed: int
+):
     """REAP: the study's plan (`study.make_build_plan`); a merge method: its groups planned on
     the same statistics files with the same expert count per layer; X-dom: X's plan without
     the merge (its dominant experts kept, the others dropped)."""
@@ -118,8 +125,12 @@ def make_method_plan(stats: dict, config: dict, s: MergeSettings, method: str, k
         return _study().make_build_plan(stats, config, s.cal_set, "reap", keep, seed)
     from reap.prune.merge_plan import make_merge_plan
 
-    plan = make_merge_plan(method=method.removesuffix("-dom"),
-                           stats=[stats[c] for c in SETS[s.cal_set]], config=config, keep=keep)
+    plan = make_merge_plan(
+        method=method.removesuffix("-dom"),
+        stats=[stats[c] for c in SETS[s.cal_set]],
+        config=config,
+        keep=keep,
+    )
     if method.endswith("-dom"):
         plan.merge, plan.criterion = None, method
     return plan
@@ -136,8 +147,17 @@ def _in_dir(path: Path):
         os.chdir(old)
 
 
-def run_method_build(work: Path, s: MergeSettings, model: str, config: dict, stats: dict,
-                     method: str, budget: str, keep: int, seed: int) -> dict:
+def run_method_build(
+    work: Path,
+    s: MergeSettings,
+    model: str,
+    config: dict,
+    stats: dict,
+    method: str,
+    budget: str,
+    keep: int,
+    seed: int,
+) -> dict:
     """Plan, build and evaluate one build (cached in work/results/ID.json)."""
     from reap.eval.pipeline import evaluate
     from reap.prune.write import prune
@@ -213,12 +233,13 @@ def specialisation(stats: dict, cal_set: str, keeps: dict[str, int]) -> dict:
     cv = (count.std(1) / count.mean(1)).mean()
     srt = mass.sort(1, descending=True).values
     kept = {b: float((srt[:, :k].sum(1) / srt.sum(1)).mean()) for b, k in keeps.items()}
-    out = {"freq_cv": float(cv), "reap_kept": kept,
-           "uniform": {b: k / n for b, k in keeps.items()}}
+    out = {"freq_cv": float(cv), "reap_kept": kept, "uniform": {b: k / n for b, k in keeps.items()}}
     off = ~torch.eye(n, dtype=torch.bool)
     if parts[0].out_sum is not None:
-        reps = sum(p.out_sum.double() for p in parts) / sum(
-            p.out_count.double() for p in parts).clamp(min=1)[..., None]  # [L, E, Dx]
+        reps = (
+            sum(p.out_sum.double() for p in parts)
+            / sum(p.out_count.double() for p in parts).clamp(min=1)[..., None]
+        )  # [L, E, Dx]
         unit = torch.nn.functional.normalize(reps, dim=-1)
         out["out_cos"] = float((unit @ unit.transpose(1, 2))[:, off].mean())
     if parts[0].prob_gram is not None:
@@ -239,8 +260,10 @@ def group_cosine(stats: dict, cal_set: str, plan_path: Path) -> dict:
     from reap.stats import ExpertStats
 
     parts = [ExpertStats.load(stats[c]) for c in SETS[cal_set]]
-    reps = sum(p.out_sum.double() for p in parts) / sum(
-        p.out_count.double() for p in parts).clamp(min=1)[..., None]  # [L, E, Dx]
+    reps = (
+        sum(p.out_sum.double() for p in parts)
+        / sum(p.out_count.double() for p in parts).clamp(min=1)[..., None]
+    )  # [L, E, Dx]
     unit = torch.nn.functional.normalize(reps, dim=-1)
     layers = list(parts[0].layers)
     groups = json.loads(plan_path.read_text())["merge"]["groups"]
@@ -251,8 +274,7 @@ def group_cosine(stats: dict, cal_set: str, plan_path: Path) -> dict:
             for e, wt in g[1:]:
                 cos.append(float(u[e] @ u[g[0][0]]))
                 w.append(wt)
-    return {"member_cos": float(np.average(cos, weights=w)) if cos else None,
-            "members": len(cos)}
+    return {"member_cos": float(np.average(cos, weights=w)) if cos else None, "members": len(cos)}
 
 
 def comparisons(recs: list[dict], s: MergeSettings) -> list[dict]:
@@ -270,17 +292,30 @@ def comparisons(recs: list[dict], s: MergeSettings) -> list[dict]:
                 diffs = [_lr(p, dom) - _lr(m, dom) for p, m in pairs]
                 agree = [_agr(p, dom) - _agr(m, dom) for p, m in pairs]
                 ci = seed_ci(diffs)
-                rows.append({"a": a, "b": b, "method": b.removesuffix("-dom"), "budget": budget,
-                             "domain": dom, "log_diff": ci, "ratio": _exp(ci),
-                             "agreement_diff": seed_ci(agree), "verdict": verdict(ci, -1),
-                             "seeds": [p["seed"] for p, _ in pairs]})
+                rows.append(
+                    {
+                        "a": a,
+                        "b": b,
+                        "method": b.removesuffix("-dom"),
+                        "budget": budget,
+                        "domain": dom,
+                        "log_diff": ci,
+                        "ratio": _exp(ci),
+                        "agreement_diff": seed_ci(agree),
+                        "verdict": verdict(ci, -1),
+                        "seeds": [p["seed"] for p, _ in pairs],
+                    }
+                )
     return rows
 
 
 def _pairs(recs: list[dict], a: str, b: str, budget: str) -> list[tuple[dict, dict]]:
     by = {(r["criterion"], r["budget"], r["seed"]): r for r in recs}
-    return [(r, by[(b, budget, r["seed"])]) for r in recs
-            if r["criterion"] == a and r["budget"] == budget and (b, budget, r["seed"]) in by]
+    return [
+        (r, by[(b, budget, r["seed"])])
+        for r in recs
+        if r["criterion"] == a and r["budget"] == budget and (b, budget, r["seed"]) in by
+    ]
 
 
 def _lr(rec: dict, dom: str) -> float:
@@ -296,7 +331,7 @@ def _agr(rec: dict, dom: str) -> float:
 
 
 def _exp(ci: dict) -> dict:
-    f = lambda x: None if x is None else math.exp(x)  # noqa: E731
+    f = lambda x: None if x is None else math.exp(x)
     return {"mean": f(ci["mean"]), "lo": f(ci["lo"]), "hi": f(ci["hi"])}
 
 
@@ -306,10 +341,12 @@ def task_table(recs: list[dict]) -> dict:
     for r in recs:
         for task, cols in r.get("benchmarks", {}).items():
             ref = next(v for k, v in cols.items() if k != r["id"])
-            t = out.setdefault(task, {"reference": ref["acc"]["value"], "samples": ref["samples"],
-                                      "rows": {}})
+            t = out.setdefault(
+                task, {"reference": ref["acc"]["value"], "samples": ref["samples"], "rows": {}}
+            )
             t["rows"].setdefault(f"{r['criterion']}|{r['budget']}", []).append(
-                cols[r["id"]]["acc"]["value"])
+                cols[r["id"]]["acc"]["value"]
+            )
     for t in out.values():
         t["rows"] = {k: seed_ci(v) for k, v in t["rows"].items()}
     return out
@@ -394,8 +431,9 @@ def run_merging(s: MergeSettings, work: Path, out_dir: Path, report: Path | None
         spec[str(seed)] = specialisation(stats, s.cal_set, keeps)
         for b in s.budgets:
             for method in s.methods:
-                recs.append(run_method_build(work, s, model, config, stats, method, b, keeps[b],
-                                             seed))
+                recs.append(
+                    run_method_build(work, s, model, config, stats, method, b, keeps[b], seed)
+                )
                 st._log(f"{recs[-1]['id']}: {recs[-1]['seconds']:.0f} s")
                 if method in MERGES:
                     plan = work / "builds" / recs[-1]["id"] / "reap_plan.json"
@@ -438,7 +476,7 @@ def _check_work(work: Path, s: MergeSettings) -> None:
 
     st = _study()
     have = st._read(work / "settings.json")
-    fixed = lambda d: {k: v for k, v in d.items() if k != "methods"}  # noqa: E731 (one id each)
+    fixed = lambda d: {k: v for k, v in d.items() if k != "methods"}
     if have is not None and fixed(have) != fixed(asdict(s)):
         raise ReapError(f"{work} holds a merging run with other settings; use another --work")
     if have is None:
