@@ -1,14 +1,15 @@
 """Pruning against expert merging on k3-mini (issue #31 part 3): does "pruning prevails" (REAP
 the Experts, arXiv 2510.13999) reproduce here, per domain, with intervals?
 
-    python -m experiments.corpus_study --merging           # ~30 min on a loaded 2-core machine
+    python -m experiments.corpus_study --merging           # 45 builds, ~15 min on a loaded 2-core machine
     python -m experiments.corpus_study --merging --preset tiny --work /tmp/m-tiny --out-dir /tmp/o
 
 Per calibration seed of the study, one `--merge-stats` calibration of the same tokens as the
 pruning study (all eight corpora, the same sequences, so REAP's counts and sums are those the
 pruning builds used); on the `full` set (zh+en+eu+ja+code) and at the study's budgets, a
 REAP-pruned build (the study's `full.reap` plan), an HC-SMoE-merged and an M-SMoE-merged build
-(`reap.prune.merge_plan`: the same expert count per layer) are built and evaluated like the
+(`reap.prune.merge_plan`: the same expert count per layer) and each merge plan pruned to its
+dominant experts without merging (`X-dom`, a control) are built and evaluated like the
 study's builds (per-domain perplexity ratio, agreement and KL against the full model; no
 generations) plus the shipped lm-eval multiple-choice task (tests/fixtures/lm_eval). Per seed
 it also records how specialised the experts are (`specialisation`). Everything is cached under
