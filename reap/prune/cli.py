@@ -135,6 +135,9 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_plan(args: argparse.Namespace) -> int:
+    for flag, path in (("--plot", args.plot), ("--md", args.md)):
+        if path:
+            claim_out(path, args.overwrite, flag)
     if args.compare:
         return plan_predict.run_compare(args)
     config, model, path = None, None, None
