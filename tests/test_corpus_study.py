@@ -154,3 +154,156 @@ def test_spearman_with_ties_equals_scipy():
     y = x + rng.normal(size=40)
     assert spearman(x, y) == pytest.approx(spearmanr(x, y).statistic, rel=1e-12)
     assert np.isnan(spearman(np.ones(5), np.arange(5.0)))
+
+
+# ---- the pruning-vs-merging comparison (experiments/corpus_study/merging.py) ----
+
+
+def _fake_rec(method: str, seed: int, ratios: dict, acc: float = 0.5) -> dict:
+    """A build record as `merging.run_method_build` writes it, with planted ppl ratios."""
+    bid = f"full.{method}.k10.s{seed}"
+    q = {
+        d: {
+            "ppl_ratio": {"value": ratios.get(d, 2.0), "lo": 1.5, "hi": 2.5},
+            "agreement": {"value": 0.4},
+            "kl": {"value": 0.8},
+        }
+        for d in st.DOMAINS
+    }
+    acc_est = lambda v: {"value": v, "lo": 0.0, "hi": 1.0}
+    return {
+        "id": bid,
+        "cal_set": "full",
+        "criterion": method,
+        "budget": "k3",
+        "keep": 10,
+        "seed": seed,
+        "kept": {"1": list(range(10))},
+        "groups": None if method == "reap" else {"max": 3, "singletons": 5, "mean": 6.4},
+        "quality": q,
+        "benchmarks": {
+            "reap_tiny_mc": {
+                bid: {"samples": 6, "acc": acc_est(acc)},
+                "reference": {"samples": 6, "acc": acc_est(0.0)},
+            }
+        },
+        "seconds": 1.0,
+    }
+
+
+def _fake_merging(tmp_path):
+    """merging.json from planted records: REAP beats hc-smoe on zh by a factor 0.8 (all seeds),
+    m-smoe beats REAP on code by a factor 1.25, everything else equal up to seed noise."""
+    from experiments.corpus_study import merging as mg
+
+    s = mg.MergeSettings(seeds=[0, 1, 2], budgets=["k3"])
+    noise = [0.0, 0.01, -0.01]
+    recs = []
+    for seed, e in zip(s.seeds, noise):
+        f = math.exp(e)
+        recs.append(_fake_rec("reap", seed, {"zh": 1.6 * f, "code": 2.5 * f}, acc=1 / 6))
+        recs.append(_fake_rec("hc-smoe", seed, {"zh": 2.0, "en": 2.0 * f, "code": 2.5}))
+        recs.append(_fake_rec("m-smoe", seed, {"zh": 1.6, "code": 2.0}))
+        # the merge plans pruned to their dominants: as good as REAP except on zh for hc-smoe
+        recs.append(_fake_rec("hc-smoe-dom", seed, {"zh": 1.6 * f, "code": 2.5 * f}))
+        recs.append(_fake_rec("m-smoe-dom", seed, {"zh": 2.0 * f, "code": 2.5 * f}))
+    comps = mg.comparisons(recs, s)
+    for c in comps:
+        c["seeds_needed"] = mg.seeds_needed(c["log_diff"])
+    spec = {
+        "freq_cv": 0.1,
+        "reap_kept": {"k3": 0.17},
+        "uniform": {"k3": 0.15625},
+        "out_cos": 0.2,
+        "router_cos": 0.9,
+    }
+    m = {
+        "settings": {**s.__dict__},
+        "keeps": {"k3": 10},
+        "n_experts": 64,
+        "builds": st.build_table(recs),
+        "comparisons": comps,
+        "tasks": mg.task_table(recs),
+        "specialisation": {str(seed): spec for seed in s.seeds},
+        "sensitivity": {"k3": {"slope": 2.0, "pairs": 30, "damage_sd": 0.01}},
+        "group_sizes": {},
+        "pruning_study_match": {"builds": 3, "kept_equal": True, "ppl_ratio_max_rel_diff": 0.0},
+        "n_builds": len(recs),
+        "build_seconds": 60.0,
+        "calibration_seconds": [30.0, 30.0, 30.0],
+    }
+    (tmp_path / "merging.json").write_text(json.dumps(m))
+    return m, recs
+
+
+def test_merging_comparisons_and_verdicts(tmp_path):
+    m, _ = _fake_merging(tmp_path)
+    by = {(c["b"], c["domain"]): c for c in m["comparisons"] if c["a"] == "reap"}
+    zh = by[("hc-smoe", "zh")]  # REAP lower: pruning prevails
+    assert zh["log_diff"]["values"] == pytest.approx([math.log(0.8) + e for e in (0, 0.01, -0.01)])
+    assert zh["ratio"]["mean"] == pytest.approx(0.8, rel=1e-12)
+    assert zh["verdict"] == "holds"
+    code = by[("m-smoe", "code")]  # merged lower: reversed
+    assert code["ratio"]["mean"] == pytest.approx(1.25, rel=1e-12) and code["verdict"] == "reversed"
+    assert by[("hc-smoe", "eu")]["verdict"] == "inconclusive"  # no spread: interval is a point 0
+    mean = by[("hc-smoe", "mean")]  # mean over domains of the per-seed log differences
+    assert mean["log_diff"]["mean"] == pytest.approx(
+        sum(by[("hc-smoe", d)]["log_diff"]["mean"] for d in st.DOMAINS) / len(st.DOMAINS)
+    )
+    t = m["tasks"]["reap_tiny_mc"]
+    assert t["reference"] == 0.0 and t["rows"]["reap|k3"]["mean"] == pytest.approx(1 / 6)
+    # the decomposition: REAP / merged = (REAP / dominants) x (dominants / merged), per seed
+    for x in ("hc-smoe", "m-smoe"):
+        for d in (*st.DOMAINS, "mean"):
+            whole = by[(x, d)]["log_diff"]["values"]
+            sel = next(
+                c
+                for c in m["comparisons"]
+                if (c["a"], c["b"], c["domain"]) == ("reap", f"{x}-dom", d)
+            )["log_diff"]["values"]
+            avg = next(
+                c for c in m["comparisons"] if (c["a"], c["b"], c["domain"]) == (f"{x}-dom", x, d)
+            )["log_diff"]["values"]
+            assert whole == pytest.approx([s + a for s, a in zip(sel, avg)], abs=1e-12)
+
+
+def test_seeds_needed_is_the_first_n_whose_t_interval_excludes_zero():
+    from scipy.stats import t
+
+    from experiments.corpus_study.merging import seeds_needed
+
+    ci = st.seed_ci([0.1, 0.3, 0.2])  # mean 0.2, sd 0.1: needs t(n-1)/sqrt(n) < 2
+    n = seeds_needed(ci)
+    assert t.ppf(0.975, n - 1) / math.sqrt(n) < 2 <= t.ppf(0.975, n - 2) / math.sqrt(n - 1)
+    assert seeds_needed(st.seed_ci([0.1, 0.1])) is None  # no spread to judge
+
+
+def test_merging_section_reports_verdicts_and_where_merging_wins(tmp_path):
+    from experiments.corpus_study import merging as mg
+
+    m, _ = _fake_merging(tmp_path)
+    mg._rewrite_report(tmp_path, tmp_path / "report.md")  # no results.json: the section alone
+    text = (tmp_path / "report.md").read_text()
+    assert text.startswith("## Pruning against merging")
+    assert "### Pruning vs merging" in text and "### How specialised" in text
+    row = next(ln for ln in text.splitlines() if ln.startswith("| K3 350 GB share"))
+    assert "| zh | 0.800 [" in row and "**holds**" in row  # first domain of the k3 block
+    assert "merging wins in 1," in text and "pruning prevails in 1," in text
+    assert "Merging wins (interval above 1): m-smoe on code" in text
+    # the strength table: median half-width of the REAP / dominants intervals, / slope, and
+    # REAP's margin over a random set
+    lines = text.splitlines()
+    cells = lines[lines.index(next(ln for ln in lines if "resolvable ppl factor" in ln)) + 2]
+    halves = sorted(
+        (c["log_diff"]["hi"] - c["log_diff"]["lo"]) / 2
+        for c in m["comparisons"]
+        if c["domain"] != "mean" and c["a"] == "reap" and "dom" in c["b"]
+    )
+    h = (halves[len(halves) // 2 - 1] + halves[len(halves) // 2]) / 2  # 10: an even count
+    cells = [c.strip() for c in cells.strip("|").split("|")]
+    assert cells[1:] == [f"{math.exp(h):.3f}", "2.00", f"{h / 2:.3f}", f"{0.17 - 0.15625:.3f}"]
+    assert "| 0.17 [" in text  # the planted task accuracy of REAP (1/6), over seeds
+    # REAP / hc-smoe-dom is 1 everywhere; hc-smoe-dom / hc-smoe carries the zh win (1 domain)
+    dec = next(ln for ln in text.splitlines() if ln.startswith("| hc-smoe | K3"))
+    assert "| 1.000 [1.000, 1.000] **inconclusive** |" in dec and dec.endswith("| 1 of 5 |")
+    assert "dominants pruned against merged: 1 hold, 2 reversed, 7 inconclusive" in text

@@ -102,8 +102,9 @@ def _same(x: float) -> float:
     return x
 
 
-def summary_section(r: dict) -> list[str]:
-    """One row per claim of the K3 pruning study: verdict and effect at each budget."""
+def summary_section(r: dict, merging: dict | None = None) -> list[str]:
+    """One row per claim of the K3 pruning study: verdict and effect at each budget (and, with
+    the merging comparison's results, REAP against each merge method)."""
     budgets = [_budget(r, b) for b in r["settings"]["budgets"]]
     rows = [[claim] + _claim_cells(r, where, key, exp) for claim, where, key, exp in CLAIMS]
     for b, blk in r["answers"]["criteria"].items():
@@ -116,6 +117,10 @@ def summary_section(r: dict) -> list[str]:
                 rows.append(
                     [f"REAP beats {name.split()[-1]} (mean ppl ratio over domains)"] + cells
                 )
+    if merging is not None:
+        from experiments.corpus_study.report_merging import summary_rows
+
+        rows += summary_rows(merging, r["settings"]["budgets"])
     return ["## Summary", "", SUMMARY_INTRO, ""] + _table(["claim"] + budgets, rows) + [""]
 
 
@@ -439,15 +444,21 @@ def write_report(results: dict, out_dir: Path, report: Path) -> str:
     from reap.fileio import write_atomic
 
     plots = write_plots(results, Path(out_dir), Path(report).parent)
+    path = Path(out_dir) / "merging.json"  # the pruning-vs-merging comparison, when run
+    merging = json.loads(path.read_text()) if path.exists() else None
     lines = [f"# {TITLE}", "", INTRO, ""]
     lines += (
-        summary_section(results)
+        summary_section(results, merging)
         + reading_section(results)
         + answers_section(results)
         + overlap_section(results, plots["overlap"])
     )
     lines += quality_section(results, plots["quality"]) + generation_section(results)
     lines += criteria_section(results, plots["criteria"])
+    if merging is not None:
+        from experiments.corpus_study.report_merging import merging_section
+
+        lines += merging_section(merging, results)
     rel = Path(os.path.relpath(Path(out_dir).resolve(), Path(report).parent.resolve())).as_posix()
     scatter = scatter_plot(results, Path(out_dir), rel)
     lines += recon_section(results, _budget) + predictor_section(results, scatter, _budget)

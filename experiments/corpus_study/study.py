@@ -460,7 +460,12 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m experiments.corpus_study", description=__doc__.split("\n\n")[0]
     )
     p.add_argument("--preset", choices=sorted(PRESETS), default="full")
-    p.add_argument("--work", default="/tmp/corpus-study", help="work directory (resumable)")
+    p.add_argument(
+        "--work",
+        default=None,
+        help="work directory (resumable; default /tmp/corpus-study, with --merging "
+        "/tmp/corpus-study-merging)",
+    )
     p.add_argument("--out-dir", default=str(ROOT / "reports" / "corpus-study"))
     p.add_argument(
         "--report",
@@ -473,6 +478,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="build in reverse order (a second worker sharing --work; cached builds are skipped)",
     )
+    p.add_argument(
+        "--merging",
+        action="store_true",
+        help="the pruning-vs-merging comparison instead (experiments.corpus_study.merging): "
+        "writes OUT_DIR/merging.json and rewrites the report with its section",
+    )
     a = p.parse_args(argv)
     import torch
 
@@ -481,13 +492,23 @@ def main(argv: list[str] | None = None) -> int:
     from reap.errors import ReapError
 
     try:
-        run_study(
-            PRESETS[a.preset],
-            Path(a.work),
-            Path(a.out_dir),
-            Path(a.report) if a.report else None,
-            a.reverse,
-        )
+        if a.merging:
+            from experiments.corpus_study import merging
+
+            merging.run_merging(
+                merging.PRESETS[a.preset],
+                Path(a.work or "/tmp/corpus-study-merging"),
+                Path(a.out_dir),
+                Path(a.report) if a.report else None,
+            )
+        else:
+            run_study(
+                PRESETS[a.preset],
+                Path(a.work or "/tmp/corpus-study"),
+                Path(a.out_dir),
+                Path(a.report) if a.report else None,
+                a.reverse,
+            )
     except ReapError as e:
         print(f"corpus_study: error: {e}", file=sys.stderr)
         return e.exit_code
