@@ -14,10 +14,12 @@ memory, silent (exit 0 where the input was made invalid).
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import io
 import json
 import os
+import shutil
 import signal
 import struct
 import subprocess
@@ -295,3 +297,36 @@ def count_table(records: list[dict], by: str) -> list[list[str]]:
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--driver"]:
     _driver_main(sys.argv[2], sys.argv[3])
+
+
+def fuzz_args(doc: str, surface: str, example: str, timeout: float) -> argparse.ArgumentParser:
+    """The options of every fuzz script: --only, --timeout, --out (its report), --work."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--only", action="append", help=f"case name prefix, e.g. {example}")
+    ap.add_argument("--timeout", type=float, default=timeout, help="seconds per run (over: hang)")
+    ap.add_argument("--out", default=str(REPO / "reports" / f"reliability-{surface}.json"))
+    ap.add_argument("--work", help="keep the cases here (default: a temporary directory)")
+    return ap
+
+
+def run_cases(args, surface: str, execute, width: int = 9) -> tuple[list[dict], float]:
+    """(records, seconds) of `execute(work, progress)` in --work or a temporary directory
+    (removed after), each record printed as it comes."""
+    work = Path(args.work or tempfile.mkdtemp(prefix=f"reap-fuzz-{surface}-"))
+    start = time.time()
+
+    def progress(rec):
+        print(f"{rec['verdict']:{width}} rc={rec['rc']!s:4} {rec['key']}: {rec['line'][:120]}"
+              + (f" [{rec['note']}]" if rec["note"] else ""), flush=True)
+
+    try:
+        return execute(work, progress), round(time.time() - start, 1)
+    finally:
+        if not args.work:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def write_report(args, report: dict) -> None:
+    """The full run's JSON report at --out (a run narrowed by --only writes none)."""
+    if not args.only:
+        Path(args.out).write_text(json.dumps(report, indent=1) + "\n")

@@ -28,7 +28,6 @@ dlopen (SIGBUS). So no trial forges a record inside a private directory.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
@@ -37,8 +36,6 @@ import shutil
 import stat
 import subprocess
 import sys
-import tempfile
-import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -46,11 +43,13 @@ from pathlib import Path
 
 from experiments.fuzz_common import (
     CLASSES,
-    REPO,
     Run,
     classify,
+    fuzz_args,
     run_batch,
+    run_cases,
     run_isolated,
+    write_report,
     write_table,
 )
 
@@ -432,35 +431,18 @@ def count_rows(records: list[dict]) -> list[list]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--only", action="append", help="trial name prefix, e.g. cc_")
-    ap.add_argument("--timeout", type=float, default=120.0, help="seconds per run (over: hang)")
-    ap.add_argument("--out", default=str(REPO / "reports" / "reliability-kernels.json"))
-    ap.add_argument("--work", help="keep the trials here (default: a temporary directory)")
-    args = ap.parse_args(argv)
+    args = fuzz_args(__doc__, "kernels", "cc_", 120.0).parse_args(argv)
     if shutil.which("cc") is None:
         print("fuzz_kernels: needs a C compiler (cc) for the reference cache", file=sys.stderr)
         return 2
-    work = Path(args.work or tempfile.mkdtemp(prefix="reap-fuzz-kernels-"))
-    start = time.time()
-
-    def progress(rec):
-        print(f"{rec['verdict']:12} rc={rec['rc']!s:4} {rec['key']}: {rec['line'][:110]}"
-              + (f" [{rec['note']}]" if rec["note"] else ""), flush=True)
-
-    try:
-        records = execute(work, args.timeout, args.only, log=sys.stderr, progress=progress)
-    finally:
-        if not args.work:
-            shutil.rmtree(work, ignore_errors=True)
+    records, seconds = run_cases(args, "kernels", lambda work, progress: execute(
+        work, args.timeout, args.only, log=sys.stderr, progress=progress), width=12)
     print()
     write_table(count_rows(records))
-    if not args.only:
-        report = {"runs": len(records), "seconds": round(time.time() - start, 1),
-                  "timeout_s": args.timeout, "root": os.geteuid() == 0,
-                  "command": "OMP_NUM_THREADS=1 nice -n 5 python -m experiments.fuzz_kernels",
-                  "counts": count_rows(records), "results": records}
-        Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    write_report(args, {"runs": len(records), "seconds": seconds, "timeout_s": args.timeout,
+                        "root": os.geteuid() == 0,
+                        "command": "OMP_NUM_THREADS=1 nice -n 5 python -m experiments.fuzz_kernels",
+                        "counts": count_rows(records), "results": records})
     return 0
 
 

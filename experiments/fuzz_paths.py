@@ -24,7 +24,6 @@ Writes reports/reliability-paths.json.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import hashlib
 import json
@@ -35,7 +34,6 @@ import socket
 import stat
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -45,9 +43,12 @@ from experiments.fuzz_common import (
     Run,
     child_env,
     classify,
+    fuzz_args,
     python_m,
     run_batch,
+    run_cases,
     run_isolated,
+    write_report,
     write_table,
 )
 
@@ -369,37 +370,20 @@ def execute(work: Path, timeout: float = 60.0, kills: int = 8, only: list[str] |
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = fuzz_args(__doc__, "paths", "plan/fifo", 60.0)
     ap.add_argument("--kills", type=int, default=8, help="killed-at-start prune trials")
-    ap.add_argument("--only", action="append", help="case key prefix, e.g. plan/fifo")
-    ap.add_argument("--timeout", type=float, default=60.0, help="seconds per run (over: hang)")
-    ap.add_argument("--out", default=str(REPO / "reports" / "reliability-paths.json"))
-    ap.add_argument("--work", help="keep the cases here (default: a temporary directory)")
     args = ap.parse_args(argv)
-    work = Path(args.work or tempfile.mkdtemp(prefix="reap-fuzz-paths-"))
-    start = time.time()
-
-    def progress(rec):
-        print(f"{rec['verdict']:9} rc={rec['rc']!s:4} {rec['key']}: {rec['line'][:130]}"
-              + (f" [{rec['note']}]" if rec["note"] else ""), flush=True)
-
-    try:
-        records = execute(work, args.timeout, args.kills, args.only, log=sys.stderr,
-                          progress=progress)
-    finally:
-        if not args.work:
-            shutil.rmtree(work, ignore_errors=True)
+    records, seconds = run_cases(args, "paths", lambda work, progress: execute(
+        work, args.timeout, args.kills, args.only, log=sys.stderr, progress=progress))
     for by in ("command", "obstacle"):
         print()
         write_table(count_rows(records, by))
-    if not args.only:
-        report = {"runs": len(records), "seconds": round(time.time() - start, 1),
-                  "timeout_s": args.timeout, "root": os.geteuid() == 0,
-                  "command": f"OMP_NUM_THREADS=1 python -m experiments.fuzz_paths --kills "
-                             f"{args.kills}",
-                  "by_command": count_rows(records, "command"),
-                  "by_obstacle": count_rows(records, "obstacle"), "results": records}
-        Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    write_report(args, {"runs": len(records), "seconds": seconds, "timeout_s": args.timeout,
+                        "root": os.geteuid() == 0,
+                        "command": "OMP_NUM_THREADS=1 python -m experiments.fuzz_paths --kills "
+                                   f"{args.kills}",
+                        "by_command": count_rows(records, "command"),
+                        "by_obstacle": count_rows(records, "obstacle"), "results": records})
     return 0
 
 

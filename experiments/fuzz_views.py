@@ -24,14 +24,11 @@ reports/reliability-views.json.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import re
 import shutil
 import sys
-import tempfile
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,7 +37,17 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from experiments.fuzz_common import CLASSES, REPO, Run, classify, run_batch, write_table
+from experiments.fuzz_common import (
+    CLASSES,
+    REPO,
+    Run,
+    classify,
+    fuzz_args,
+    run_batch,
+    run_cases,
+    write_report,
+    write_table,
+)
 
 VERDICTS = (*CLASSES, "vague")
 COMMANDS = ("info", "run", "calibrate", "prune", "verify")
@@ -401,34 +408,16 @@ def execute(work: Path, timeout: float = 60.0, only: list[str] | None = None, lo
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--only", action="append", help="case name prefix, e.g. int4/scale")
-    ap.add_argument("--timeout", type=float, default=60.0, help="seconds per run (over: hang)")
-    ap.add_argument("--out", default=str(REPO / "reports" / "reliability-views.json"))
-    ap.add_argument("--work", help="keep the cases here (default: a temporary directory)")
-    args = ap.parse_args(argv)
-    work = Path(args.work or tempfile.mkdtemp(prefix="reap-fuzz-views-"))
-    start = time.time()
-
-    def progress(rec):
-        print(f"{rec['verdict']:9} rc={rec['rc']!s:4} {rec['key']}: {rec['line'][:120]}"
-              + (f" [{rec['note']}]" if rec["note"] else ""), flush=True)
-
-    try:
-        records = execute(work, args.timeout, args.only, log=sys.stderr, progress=progress)
-    finally:
-        if not args.work:
-            shutil.rmtree(work, ignore_errors=True)
+    args = fuzz_args(__doc__, "views", "int4/scale", 60.0).parse_args(argv)
+    records, seconds = run_cases(args, "views", lambda work, progress: execute(
+        work, args.timeout, args.only, log=sys.stderr, progress=progress))
     for by in ("model", "command"):
         print()
         write_table(count_rows(records, by))
-    if not args.only:
-        report = {"runs": len(records), "seconds": round(time.time() - start, 1),
-                  "timeout_s": args.timeout,
-                  "command": "OMP_NUM_THREADS=1 nice -n 5 python -m experiments.fuzz_views",
-                  "by_model": count_rows(records, "model"),
-                  "by_command": count_rows(records, "command"), "results": records}
-        Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    write_report(args, {"runs": len(records), "seconds": seconds, "timeout_s": args.timeout,
+                        "command": "OMP_NUM_THREADS=1 nice -n 5 python -m experiments.fuzz_views",
+                        "by_model": count_rows(records, "model"),
+                        "by_command": count_rows(records, "command"), "results": records})
     return 0
 
 

@@ -103,6 +103,8 @@ def check_out_dir(path: str | os.PathLike, flag: str = "--out") -> str:
 OVERWRITE_HELP = "replace an existing output that reap made (anything else is refused)"
 _TAGGED = ("model.safetensors.index.json", "reap_manifest.json")  # a reap checkpoint's tags
 _MAX_TAG = 64 << 20  # a tagged JSON is far smaller
+MD_TAG = "<!-- reap.report -->\n"  # first line of the markdown reap writes beside a print-out
+PNG_TAG = {"Software": "reap.report"}  # a text chunk of the PNGs it writes (matplotlib metadata)
 
 
 def _kind(path: str) -> str:
@@ -115,7 +117,8 @@ def _kind(path: str) -> str:
 def made_by_reap(path: str | os.PathLike) -> bool:
     """Whether `path` carries the tag of a reap artifact: a regular JSON file whose "format" (or
     "metadata.format", an index's) starts with "reap.", a safetensors file whose header metadata
-    does (statistics), or a directory holding such an index or a prune manifest."""
+    does (statistics), markdown or a PNG carrying `MD_TAG` or `PNG_TAG`, or a directory holding
+    such an index or a prune manifest."""
     path = os.fspath(path)
     try:
         if _kind(path) == "directory":
@@ -123,8 +126,11 @@ def made_by_reap(path: str | os.PathLike) -> bool:
         if _kind(path) != "file":  # opening a FIFO would block
             return False
         with open(path, "rb") as f:
-            text = f.read(_MAX_TAG) if f.read(1) == b"{" else None
-        if text is None:  # not JSON: a safetensors file, whatever its name
+            first = f.read(1)
+            text = f.read(_MAX_TAG if first == b"{" else 4096)
+        if (first + text).startswith(MD_TAG.encode()) or b"Software\0reap.report" in text:
+            return True
+        if first != b"{":  # not JSON: a safetensors file, whatever its name
             from safetensors import safe_open
 
             with safe_open(path, framework="np") as f:

@@ -145,7 +145,13 @@ def build(qwen, method: str, name: str):
     assert main(["plan", str(stats), "--model", path, "--method", method, "--keep", str(KEEP),
                  "--out", str(plan)]) == 0
     assert main(["prune", path, "--plan", str(plan), "--out", str(out), "--no-progress"]) == 0
+    from reap.prune.verify import verify
+
     assert main(["verify", str(out), "--source", path]) == 0
+    man = json.loads((out / "reap_manifest.json").read_text())
+    groups = [g for v in man["experts"].values() for g in v["sources"]]
+    r = verify(pruned=str(out), source=path)  # merged experts are counted apart from kept ones
+    assert r.experts == len(groups) and r.merged == sum(len(g) > 1 for g in groups) > 0
     return json.loads(plan.read_text()), out
 
 

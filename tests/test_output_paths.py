@@ -193,10 +193,16 @@ def test_calibrate_keeps_a_work_directory_it_did_not_make(env, tmp_path, capsys)
     (out / ".work" / "notes.txt").write_text("mine")
     corpus = tmp_path / "c.jsonl"
     corpus.write_text("".join(json.dumps({"id": f"d{i}", "text": "ab " * 40}) + "\n"
-                              for i in range(4)))
+                              for i in range(40)))
     argv = ["calibrate", env["src"], "--corpus", corpus, "--tokens", "32", "--seq-len", "16",
             "--no-progress", "--out", out]
     refused(capsys, argv, "notes.txt", "did not write")
+    assert (out / ".work" / "notes.txt").read_text() == "mine"
+    from reap.calibrate.pipeline import calibrate  # the library call keeps it too
+
+    with pytest.raises(ReapError, match="notes.txt, which calibration did not write"):
+        calibrate(model=env["src"], corpus=str(corpus), tokens=32, seq_len=16, out=str(out),
+                  progress=False)
     assert (out / ".work" / "notes.txt").read_text() == "mine"
 
 

@@ -180,6 +180,28 @@ def test_a_corpus_whose_experts_all_go_predicts_the_maximum(tmp_path):
     assert p["gate_overall"] == p["reap_overall"] == 0.0 and p["topk_kept"] is None
 
 
+def test_plot_and_md_replace_only_what_reap_wrote(run, tmp_path, capsys):
+    """`plan --plot/--md` follow the output-path rule: a user's file there is refused with or
+    without --overwrite and kept; reap's own (tagged) needs --overwrite."""
+    a = tmp_path / "a.json"
+    zh = str(run["root"] / "run" / "zh.safetensors")
+    assert main(["plan", zh, "--keep", "6", "--bootstrap", "0", "--out", str(a)]) == 0
+    png, md = tmp_path / "c.png", tmp_path / "c.md"
+    cmd = ["plan", "--compare", str(a), "--bootstrap", "0", "--plot", str(png), "--md", str(md)]
+    for path in (png, md):
+        path.write_text("mine")
+        for extra in ([], ["--overwrite"]):
+            capsys.readouterr()
+            assert main(cmd + extra) == 2
+            err = capsys.readouterr().err.strip()
+            assert str(path) in err and "not made by reap" in err and len(err.splitlines()) == 1
+        assert path.read_text() == "mine"
+        path.unlink()
+    assert main(cmd) == 0
+    assert main(cmd) == 2 and "--overwrite" in capsys.readouterr().err
+    assert main(cmd + ["--overwrite"]) == 0 and png.read_bytes().startswith(b"\x89PNG")
+
+
 def test_plan_cli_stores_prints_plots_and_compares(run, tmp_path, capsys):
     d = run["root"] / "run"
     zh, code = str(d / "zh.safetensors"), str(d / "code.safetensors")

@@ -27,6 +27,10 @@ from reap.stats import ExpertStats, ExpertSums, merge
 from reap.stats.check import nonfinite
 
 SPLIT = "calibration"  # the corpus split calibration samples
+# what calibration keeps in OUT/.work (here, spill.py, distributed/job.py), which it deletes when
+# starting afresh and when done: a .work holding anything else is not its own
+_WORK_NAMES = re.compile(r"(progress|job)\.json|rows\.\d+\.safetensors|tokexp\.\d+\.i16|"
+                         r"[^/]+\.bin|shards|scratch|[^/]+\.tmp(\.\d+)?")
 # the code that determines calibration results: its source digest is the code version
 RESULT_CODE = ("calibrate", "models", "checkpoint", "corpora", "quant/mxfp4.py", "stats",
                "tokenizer.py")
@@ -177,3 +181,15 @@ def stats_metas(identity: dict, seq_len: int, names: list[str], counts: list[int
             "spec_sha256": identity["corpus_sha256"], "sequences": k, "tokens": k * T}
            for n, k in zip(names, counts)]
     return per, {**common, "corpus": spec, "tokens": sum(counts) * T}
+
+
+def check_work(out: str) -> None:
+    """Refuse an OUT/.work that calibration did not make: it deletes its own when done."""
+    work = os.path.join(out, ".work")
+    if not os.path.lexists(work):
+        return
+    names = os.listdir(work) if os.path.isdir(work) and not os.path.islink(work) else [".work"]
+    foreign = [n for n in names if not _WORK_NAMES.fullmatch(n)]
+    if foreign:
+        raise ReapError(f"--out {out}: {work} holds {foreign[0]}, which calibration did not "
+                        "write and would delete; choose another --out")

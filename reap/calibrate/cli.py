@@ -6,18 +6,11 @@
 from __future__ import annotations
 
 import argparse
-import os
-import re
 import sys
 
 from reap.errors import ReapError
 
 MAX_SHARDS = 1 << 20  # more parts than any corpus has sequences
-# what calibration keeps in OUT/.work (artifacts.py, spill.py, distributed/job.py), which it
-# deletes when starting afresh and when done: a .work holding anything else is not its own
-_WORK_NAMES = re.compile(r"(progress|job)\.json|rows\.\d+\.safetensors|tokexp\.\d+\.i16|"
-                         r"[^/]+\.bin|shards|scratch|[^/]+\.tmp(\.\d+)?")
-
 EPILOG_MEMORY = """memory: --budget bounds peak RSS: the interpreter and torch (measured at start),
 one layer's weights (the largest; one routed expert at a time), one attention batch and one MLP
 pass. Hidden states of all sequences live in a disk-backed spill under OUT/.work, never in RAM.
@@ -71,21 +64,10 @@ def _shard(text: str) -> tuple[int, int]:
     return k, n
 
 
-def _check_work(out: str) -> None:
-    """Refuse an OUT/.work that calibration did not make: it deletes its own when done."""
-    work = os.path.join(out, ".work")
-    if not os.path.lexists(work):
-        return
-    names = os.listdir(work) if os.path.isdir(work) and not os.path.islink(work) else [".work"]
-    foreign = [n for n in names if not _WORK_NAMES.fullmatch(n)]
-    if foreign:
-        raise ReapError(f"--out {out}: {work} holds {foreign[0]}, which calibration did not "
-                        "write and would delete; choose another --out")
-
-
 def calibrate_kwargs(args: argparse.Namespace) -> dict:
     """`calibrate`'s keyword arguments but the shard (`reap calibrate --ray` passes them on to
     Ray's); bad input raises ReapError (exit 2) before any work."""
+    from reap.calibrate.artifacts import check_work
     from reap.fileio import check_out_dir
     from reap.units import parse_bytes
 
@@ -96,7 +78,7 @@ def calibrate_kwargs(args: argparse.Namespace) -> dict:
     if args.tokens < 1:
         raise ReapError(f"--tokens must be positive, got {args.tokens}")
     check_out_dir(args.out)
-    _check_work(args.out)
+    check_work(args.out)
     return dict(model=args.model, corpus=args.corpus, tokens=args.tokens, seq_len=args.seq_len,
                 out=args.out, budget=parse_bytes(args.budget), device=args.device,
                 dtype=args.dtype, seed=args.seed, batch=args.batch,

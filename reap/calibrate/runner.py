@@ -306,5 +306,6 @@ def identity_diff(old: dict, new: dict) -> str:
 
 
 def cleanup_work(work: str) -> None:
-    """Delete a run's work directory."""
+    """Delete a run's work directory (`work` is OUT/.work), never one it did not make."""
+    art.check_work(os.path.dirname(work))
     shutil.rmtree(work, ignore_errors=True)

@@ -135,6 +135,9 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_plan(args: argparse.Namespace) -> int:
+    for flag, path in (("--plot", args.plot), ("--md", args.md)):
+        if path:
+            claim_out(path, args.overwrite, flag)
     if args.compare:
         return plan_predict.run_compare(args)
     config, model, path = None, None, None
@@ -269,9 +272,10 @@ def run_verify(args: argparse.Namespace) -> int:
     from reap.prune.verify import verify
 
     r = verify(pruned=args.pruned, source=args.source)
+    merged = f", {r.merged} merged ones equal to their recomputed merge," if r.merged else ""
     print(f"{args.pruned}: OK, {r.tensors} tensors ({r.bytes_compared:,} bytes) match the "
-          f"source; {r.experts} kept experts bit-identical and matching the manifest",
-          file=sys.stderr)
+          f"source; {r.experts - r.merged} kept experts bit-identical{merged} and matching the "
+          "manifest", file=sys.stderr)
     return 0
 
 

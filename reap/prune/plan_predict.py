@@ -50,9 +50,9 @@ def run_compare(args) -> int:
     text = compare_markdown(named)
     print(text, end="")
     if args.md:
-        from reap.fileio import write_atomic
+        from reap.fileio import MD_TAG, write_atomic
 
-        print(write_atomic(args.md, text), file=sys.stderr)
+        print(write_atomic(args.md, MD_TAG + text), file=sys.stderr)
     if args.plot:
         print(write_plot(named, args.plot), file=sys.stderr)
     return 0

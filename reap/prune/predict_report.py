@@ -4,7 +4,7 @@ per corpus (one panel per plan, plus the damage index with its interval)."""
 
 from __future__ import annotations
 
-import os
+from reap.fileio import PNG_TAG, atomic_path
 
 
 def _pct(x: float | None) -> str:
@@ -97,8 +97,8 @@ def write_plot(named: list[tuple[str, object]], path: str) -> str:
     axes[0][0].legend(fontsize=7)
     _damage_panel(axes[0][n], named, corpora)
     fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=110)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=110, metadata=PNG_TAG)
     plt.close(fig)
     return path
 

@@ -33,11 +33,13 @@ class VerifyError(ReapError):
 
 @dataclass
 class VerifyResult:
-    """What was checked: tensors and bytes compared, kept experts verified."""
+    """What was checked: tensors and bytes compared, output experts verified (`merged` of them
+    against a recomputation of their group, the rest bit for bit against their source)."""
 
     tensors: int
     bytes_compared: int
     experts: int
+    merged: int = 0
 
 
 def verify(*, pruned: str, source: str) -> VerifyResult:
@@ -64,14 +66,15 @@ def verify(*, pruned: str, source: str) -> VerifyResult:
                 _check_fused(new, old, name, len(rows[1]))
             elif kind != "expert":
                 nbytes += _compare(new, old, name, src, rows)
-        merger = _merger(old, fam, man)
+        merger, merged = _merger(old, fam, man), 0
         for layer, ids in original.items():
             shas = man["experts"][str(layer)]["sha256"]  # indexed, not zipped: none may be skipped
             for j, e in enumerate(ids):
                 want = merger.tensors(layer, j) if merger and merger.members(layer, j) else None
+                merged += want is not None
                 nbytes += _check_expert(new, old, fam, cfg, (layer, j, e), shas[j], want)
     n_stored = sum(1 for n in expected if split_view(n)[1] is None)  # views are not tensors
-    return VerifyResult(n_stored, nbytes, sum(len(v) for v in original.values()))
+    return VerifyResult(n_stored, nbytes, sum(len(v) for v in original.values()), merged)
 
 
 def _check_index(new, pruned: str) -> None:
