@@ -39,15 +39,9 @@ class ExpertCache:
     are checked by their codecs) raises nothing: it is recorded in `failed` and the expert is
     served as None so the engine can finish and report exit code 4."""
 
-    def __init__(
-        self,
-        reader: BufferReader,
-        capacity_bytes: int,
-        names_of,
-        matrices_of: Callable[[dict[str, torch.Tensor]], dict] | None = None,
-        half_life: int = 4096,
-        device: str = "cpu",
-    ):
+    def __init__(self, reader: BufferReader, capacity_bytes: int, names_of,
+                 matrices_of: Callable[[dict[str, torch.Tensor]], dict] | None = None,
+                 half_life: int = 4096, device: str = "cpu"):  # fmt: skip
         self.reader, self.names_of, self.matrices_of = reader, names_of, matrices_of
         self.device = device
         self.half_life = half_life

@@ -32,16 +32,9 @@ class TrunkStore:
     previously fetched streamed unit (its tensors must no longer be used). `stall`: seconds the
     compute thread waited for the ring."""
 
-    def __init__(
-        self,
-        reader: BufferReader,
-        units: list[list[str]],
-        pinned: Sequence[int],
-        slots: int = 2,
-        slot_bytes: int = 0,
-        device: str = "cpu",
-        check: Callable[[dict[str, torch.Tensor]], None] | None = None,
-    ):
+    def __init__(self, reader: BufferReader, units: list[list[str]], pinned: Sequence[int],
+                 slots: int = 2, slot_bytes: int = 0, device: str = "cpu",
+                 check: Callable[[dict[str, torch.Tensor]], None] | None = None):  # fmt: skip
         self.reader, self.units, self.device = reader, units, device
         self.check = check or (lambda tensors: None)  # e.g. Binding.guard.check_all
         self.stall = 0.0
@@ -136,9 +129,8 @@ class TrunkStore:
         self.slots, self.pinned = [], {}
 
 
-def embedding_table(
-    reader: BufferReader, name: str, pin: bool, trunk: TrunkStore
-) -> torch.Tensor | None:
+def embedding_table(reader: BufferReader, name: str, pin: bool,
+                    trunk: TrunkStore) -> torch.Tensor | None:  # fmt: skip
     """The embedding table when it is resident: part of a pinned unit (a table tied to the
     head) or, when the plan pins it (`pin`), read now onto huge pages; None: each step reads
     the rows of its tokens."""
