@@ -39,7 +39,7 @@ class NativeDecoder:
             return
         self.lib = step_kernel.library()
         self.rnd = _ROUNDS[engine.dtype]
-        self._static: list = [None] * n_layers  # (units dict, int64 args) per layer
+        self._static: list = [None] * len(self.specs)  # (units dict, int64 args) per layer
         self._scratch = torch.empty(0)
         self.floats = (ctypes.c_double * 2)()
         k = max(1, *(s.top_k for s in self.specs))
