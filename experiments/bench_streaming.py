@@ -141,13 +141,16 @@ import llama_cpp, numpy as np
 llm = llama_cpp.Llama(model_path=a["gguf"], n_ctx=a["ctx"], n_threads=a["threads"],
                       n_threads_batch=a["threads"], n_batch=a["ctx"], verbose=False,
                       type_k=0, type_v=0)
+V = llm.n_vocab()
+def last():  # the batch's one logits row (only the last position asks for logits)
+    return int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(V,))))
 mark()
 llm.eval(a["prompt"])
-ids = [int(np.argmax(llm.scores[llm.n_tokens - 1]))]
+ids = [last()]
 mark()
 for _ in range(a["decode"]):
     llm.eval([ids[-1]])
-    ids.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+    ids.append(last())
 mark()
 done(ids)
 """
