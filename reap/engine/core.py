@@ -323,7 +323,7 @@ def _stores(ckpt, fam, cfg, b: Binding, plan: memory.MemoryPlan, direct: bool, d
     if preload and experts.preload(keys):  # when the cache holds every expert, read them all now
         return reader, trunk, experts
     if resident:
-        size = lambda k: sum(reader.info(n).nbytes for n in names(*k))  # noqa: E731
+        size = lambda k: sum(reader.info(n).nbytes for n in names(*k))
         stored = {k: c for k, c in resident[0].items() if experts.stored(k)}
         experts.pin(resident_keys(stored, size, experts.n_slots - resident[1]))
     return reader, trunk, experts

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -177,8 +177,6 @@ class ExpertCache:
 
         if background:
             if self._pool is None:
-                from concurrent.futures import ThreadPoolExecutor
-
                 self._pool = ThreadPoolExecutor(4, thread_name_prefix="reap-experts")
             slot = fut.slot
             fut = self._pool.submit(work)
@@ -269,7 +267,7 @@ class ExpertCache:
 def resident_keys(counts: dict[tuple[int, int], int], nbytes, slots: int) -> list[tuple[int, int]]:
     """The experts to pin: the most routed tokens per stored byte (`nbytes(key)`) first, ties in
     (layer, expert) order, at most `slots`, none that no token was routed to."""
-    ranked = sorted((k for k, c in counts.items() if c > 0), key=lambda k: (-counts[k] / nbytes(k), k))
+    ranked = sorted((k for k in counts if counts[k] > 0), key=lambda k: (-counts[k] / nbytes(k), k))
     return ranked[: max(0, slots)]
 
 
@@ -289,4 +287,4 @@ def routed_counts(path: str, layers: list[int], n_experts: int) -> dict[tuple[in
             raise ReapError(f"{f}: statistics of another model ({len(s.layers)} MoE layers x "
                             f"{s.n_experts} experts; this one {len(layers)} x {n_experts})")
         total = total + s.count
-    return {(layer, e): int(total[i, e]) for i, layer in enumerate(layers) for e in range(n_experts)}
+    return {(lay, e): int(total[i, e]) for i, lay in enumerate(layers) for e in range(n_experts)}

@@ -13,6 +13,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -59,8 +60,6 @@ class TrunkStore:
         self._current: int | None = None
         self._pool = None
         if len(self.slots) > 1:
-            from concurrent.futures import ThreadPoolExecutor
-
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="reap-ring")
 
     def get(self, i: int, wrap: bool = True) -> dict[str, torch.Tensor]:
@@ -85,9 +84,8 @@ class TrunkStore:
         return result
 
     def _next_streamed(self, i: int) -> int | None:
-        later = [j for j in self.streamed if j > i] or self.streamed
-        nxt = later[0] if later else None
-        return None if nxt is None or nxt == i else nxt
+        nxt = ([j for j in self.streamed if j > i] or self.streamed or [None])[0]
+        return None if nxt == i else nxt
 
     def _prefetch_after(self, i: int, wrap: bool) -> None:
         nxt = self._next_streamed(i)
