@@ -223,7 +223,7 @@ def step_breakdown(ckpt: Path, budget: str, threads: int, steps: int = 3) -> dic
     blocks.linear = linear
     try:
         with Engine.open(ckpt, budget=budget, context=256, direct=True) as eng:
-            inner_expert = eng._expert
+            inner_expert = eng.expert
 
             def expert(layer, e):
                 t0 = time.perf_counter()
@@ -231,7 +231,7 @@ def step_breakdown(ckpt: Path, budget: str, threads: int, steps: int = 3) -> dic
                 acc["expert_wait_s"] += time.perf_counter() - t0
                 return out
 
-            eng._expert = expert
+            eng.expert = expert
             seq = eng.new_sequence()
             tok = int(eng.step([seq], [[int(t) for t in PROMPT.split(",")]])[0].argmax())
             acc.update(dict.fromkeys(acc, 0.0))

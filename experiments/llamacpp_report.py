@@ -42,6 +42,9 @@ def report(res: dict) -> str:
         ),
         "",
         *summary(res),
+        "",
+        (f"A cell is **invalid** (left out of the summary, marked in its table) when a 1-minute "
+         f"load recorded around any of its runs exceeded the threads it used + {LOAD_SLACK}."),
     ]
     for name, m in res["models"].items():
         took = ", ".join(f"{k} {v:.1f}" for k, v in m.get("section_minutes", {}).items())
@@ -56,20 +59,37 @@ def report(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+LOAD_SLACK = 0.3  # load above a cell's threads tolerated (kernel threads, the bench itself)
+
+
+def valid(row: dict) -> bool:
+    """Whether every load recorded around the cell's runs stayed within the threads it used
+    (+ LOAD_SLACK): above it, other processes took CPU the engines' threads wanted, and a
+    spinning engine (llama.cpp's threads) loses far more than one that sleeps: a ratio measured
+    so reports contention as speed."""
+    return all(float(x) <= row["threads"] + LOAD_SLACK for r in row["runs"] for x in r["load"])
+
+
 def summary(res: dict) -> list[str]:
-    """Lowest and highest ratio per model, dtype and measure (prefill, decode, perplexity)."""
-    out = ["## Summary (lowest - highest ratio reap / llama.cpp over threads and prompts)", "",
-           "| model | dtype | prefill | decode | perplexity pass |", "|---|---|---|---|---|"]  # fmt: skip
+    """Lowest and highest ratio per model, dtype and measure (prefill, decode, perplexity), over
+    the valid cells only (`valid`)."""
+    out = ["## Summary (lowest - highest ratio reap / llama.cpp over threads and prompts; "
+           "valid cells only)", "",
+           "| model | dtype | prefill | decode | perplexity pass | cells left out (load) |",
+           "|---|---|---|---|---|---|"]  # fmt: skip
     for name, m in res["models"].items():
         dtypes = {r["dtype"] for r in m.get("speed", [])}
         dtypes |= {r["dtype"] for r in m.get("perplexity", {}).get("rows", [])}
         for dtype in sorted(dtypes, reverse=True):
             speed = [r for r in m.get("speed", []) if r["dtype"] == dtype]
             perp = [r for r in m.get("perplexity", {}).get("rows", []) if r["dtype"] == dtype]
+            left = sum(not valid(r) for r in speed + perp)
+            speed, perp = [r for r in speed if valid(r)], [r for r in perp if valid(r)]
             cells = [
                 _span([r["prefill"]["ratio"] for r in speed]),
                 _span([r["decode"]["ratio"] for r in speed]),
                 _span([r["ratio"] for r in perp]),
+                f"{left} of {left + len(speed) + len(perp)}",
             ]
             out.append(f"| {name} | {dtype} | " + " | ".join(cells) + " |")
     return out
@@ -136,7 +156,7 @@ def speed_table(rows: list[dict]) -> list[str]:
             f"| {r['dtype']} | {r['threads']} | {r['prompt']} | {p['reap']:.1f} | "
             f"{p['llama.cpp']:.1f} | **{p['ratio']:.2f}** | {d['reap']:.1f} | "
             f"{d['llama.cpp']:.1f} | **{d['ratio']:.2f}** | {_gbps(r)} | {r['hit']:.2f} | "
-            f"{_loads(r['runs'])} |"
+            f"{_loads(r['runs'])}{'' if valid(r) else ' **invalid**'} |"
         )
     if any("token_bytes" in r for r in rows):
         out += ["", GBPS_NOTE]
@@ -183,6 +203,6 @@ def perplexity_table(p: dict) -> list[str]:
         out.append(
             f"| {r['dtype']} | {r['threads']} | {a['ppl']:.4f} | {b['ppl']:.4f} | "
             f"{r['ppl_rel_diff']:.1e} | {a['tokens_per_s']:.1f} | {b['tokens_per_s']:.1f} | "
-            f"**{r['ratio']:.2f}** | {_loads(r['runs'])} |"
+            f"**{r['ratio']:.2f}** | {_loads(r['runs'])}{'' if valid(r) else ' **invalid**'} |"
         )
     return [*out, ""]

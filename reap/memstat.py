@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 
 from reap.errors import ReapError
 
@@ -83,8 +84,18 @@ def _cgroup_headroom() -> int | None:
             continue
         if raw == "max" or int(raw) >= 2**60:
             return None
-        return max(0, int(raw) - usage)
+        return max(0, int(raw) - usage + _inactive_file(os.path.dirname(usage_f)))
     return None
+
+
+def _inactive_file(cgroup_dir: str) -> int:
+    """Page cache the cgroup reclaims first (a finished run's): free, as MemAvailable counts it."""
+    try:
+        with open(os.path.join(cgroup_dir, "memory.stat")) as f:
+            stat = dict(line.split()[:2] for line in f if line.strip())
+    except (OSError, ValueError):
+        return 0
+    return int(stat.get("total_inactive_file", stat.get("inactive_file", 0)))
 
 
 def _cgroup_files() -> list[tuple[str, str]]:

@@ -22,6 +22,9 @@ from reap.engine.memory import PRESET_HELP, PRESETS
 from reap.errors import EXIT_EXPERT_LOAD, ReapError, is_int
 from reap.fileio import OVERWRITE_HELP, claim_out, write_atomic
 
+RESIDENT_HELP = ("calibration statistics (a file or a `reap calibrate` output directory): the "
+                 "experts they route most tokens to stay in the expert cache, never evicted; "
+                 "the rest are read on demand. Output is unchanged")
 MAX_THREADS = 4096  # torch takes a C int; more threads than this is a typo
 
 EXIT_CODES = """exit codes:
@@ -76,6 +79,7 @@ def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="torch CPU threads (default: torch's choice; 1 on a shared machine)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="compute dtype (auto: float32 for float32 checkpoints, else bfloat16)")
+    p.add_argument("--resident-from", metavar="STATS", help=RESIDENT_HELP)
     p.add_argument("--direct", action="store_true",
                    help="read with O_DIRECT (bypass the page cache) where the filesystem allows")
     p.add_argument("--plan-only", action="store_true",
@@ -161,6 +165,7 @@ def run(args: argparse.Namespace) -> int:
     engine = Engine.open(args.model, budget=args.budget, preset=args.preset, context=args.context,
                          device=args.device, dtype=args.dtype, batch=batch,
                          prefill_chunk=args.prefill_chunk, direct=args.direct,
+                         resident_from=args.resident_from,
                          max_prompt=args.max_prompt, max_generation=args.max_generation)
     with engine:
         if not args.quiet:

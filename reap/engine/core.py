@@ -23,7 +23,7 @@ from reap.checkpoint import BufferReader, open_checkpoint
 from reap.defaults import default_model
 from reap.engine import memory, native_prefill
 from reap.engine.binding import Binding, plan_checkpoint
-from reap.engine.experts import ExpertCache
+from reap.engine.experts import ExpertCache, resident_keys, routed_counts
 from reap.engine.native import NativeDecoder
 from reap.engine.run_metrics import RunMetrics
 from reap.engine.store import IO_KINDS, TrunkStore, embedding_table
@@ -94,12 +94,13 @@ class Engine:
              dtype: str | None = None, batch: int = 1, prefill_chunk: int | None = None,
              direct: bool = False, max_prompt: int = 32768, max_generation: int = 4096,
              available: int | None = None, baseline: int | None = None,
-             preload: bool = True) -> Engine:
+             preload: bool = True, resident_from: str | None = None) -> Engine:
         """Bind `model` (a checkpoint directory or URL; None = the bundled default), plan memory
         for `batch` sequences of `context` positions under `budget` (bytes or "8GB") or `preset`,
         refuse a plan above 95 % of available memory (exit 2), then read the pinned trunk (and
         every routed expert when the expert cache holds them all, as at `--preset max`, unless
-        `preload` is False: then each is read on first use).
+        `preload` is False: then each is read on first use). `resident_from`: statistics (a
+        file or `reap calibrate` output) whose most routed experts are read now and never evicted.
 
         The budget covers the whole process: `baseline` (default: this process's RSS now, so a
         second engine in the same process sees the first one's memory as already used) plus
@@ -111,7 +112,9 @@ class Engine:
             ckpt.config, ckpt.tensors, str(model), dtype, budget, preset, context, batch,
             prefill_chunk, available, baseline)
         memory.check_available(plan, available)
-        reader, trunk, experts = _stores(ckpt, fam, cfg, b, plan, direct, device, preload)
+        counts = resident_from and routed_counts(resident_from, b.expert_layers, b.n_experts)
+        reader, trunk, experts = _stores(ckpt, fam, cfg, b, plan, direct, device, preload,
+                                         counts and (counts, mb.top_k))
         eng = cls(
             plan_bytes=mb, path=str(model), config=ckpt.config, fam=fam, cfg=cfg, binding=b,
             plan=plan, reader=reader, trunk=trunk, experts=experts, device=device,
@@ -203,7 +206,7 @@ class Engine:
         get = _getter({self.binding.embed: rows}, "embedding")
         return [self.model.embed(get, torch.tensor([[where[t] for t in c]])) for c in chunks]
 
-    def _expert(self, layer: int, expert: int) -> dict[str, torch.Tensor]:
+    def expert(self, layer: int, expert: int) -> dict[str, torch.Tensor]:
         """ExpertSource: cached or freshly read tensors as the family's typed weights, MXFP4
         matrices multiplied by the engine's kernels (in bf16, few rows run fused without
         decoding; see `reap.quant.mxfp4_matmul.MXFP4Kernels`); an expert that failed to load is
@@ -286,7 +289,7 @@ class _ExpertSource:
         self.engine = engine
 
     def __call__(self, layer: int, expert: int) -> dict[str, torch.Tensor]:
-        return self.engine._expert(layer, expert)
+        return self.engine.expert(layer, expert)
 
     def prefetch(self, layer: int, experts) -> None:
         self.engine.experts.prefetch(layer, [int(e) for e in experts])
@@ -302,8 +305,10 @@ def _open_checkpoint(model):
 
 
 def _stores(ckpt, fam, cfg, b: Binding, plan: memory.MemoryPlan, direct: bool, device: str,
-            preload: bool):
-    """The reader, the trunk store (pinned units read now) and the expert cache (slab held)."""
+            preload: bool, resident=None):
+    """The reader, the trunk store (pinned units read now) and the expert cache (slab held; with
+    `resident` = ((layer, expert) -> routed tokens, top_k), the most routed experts pinned and
+    one layer's top_k slots left to the rest)."""
     reader = BufferReader(ckpt, direct=direct, kinds=IO_KINDS)
     try:
         trunk = TrunkStore(reader, b.units, plan.pinned, plan.ring_slots, plan.slot_bytes,
@@ -315,8 +320,12 @@ def _stores(ckpt, fam, cfg, b: Binding, plan: memory.MemoryPlan, direct: bool, d
     experts = ExpertCache(reader, plan.expert_cache, names, fam.expert_matrices, device=device)
     keys = [(layer, e) for layer in b.expert_layers for e in range(b.n_experts)]
     experts.reserve(keys)
-    if preload:
-        experts.preload(keys)  # when the cache holds every expert, read them all now
+    if preload and experts.preload(keys):  # when the cache holds every expert, read them all now
+        return reader, trunk, experts
+    if resident:
+        size = lambda k: sum(reader.info(n).nbytes for n in names(*k))
+        stored = {k: c for k, c in resident[0].items() if experts.stored(k)}
+        experts.pin(resident_keys(stored, size, experts.n_slots - resident[1]))
     return reader, trunk, experts
 
 

@@ -3,6 +3,7 @@
     names = functools.partial(fam.expert_tensor_names, cfg)  # (layer, expert) -> stored names
     cache = ExpertCache(reader, capacity_bytes, names, fam.expert_matrices)
     cache.preload(keys)                # optional: read them all now if they all fit
+    cache.pin(resident_keys(counts, nbytes, slots))  # optional: never evict these
     cache.prefetch(layer, ids)         # optional: start all reads now
     tensors = cache.get(layer, expert)  # short name -> tensor, or None if it failed to load
     cache.release()                     # the layer is done: its experts may be evicted
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -38,15 +39,9 @@ class ExpertCache:
     are checked by their codecs) raises nothing: it is recorded in `failed` and the expert is
     served as None so the engine can finish and report exit code 4."""
 
-    def __init__(
-        self,
-        reader: BufferReader,
-        capacity_bytes: int,
-        names_of,
-        matrices_of: Callable[[dict[str, torch.Tensor]], dict] | None = None,
-        half_life: int = 4096,
-        device: str = "cpu",
-    ):
+    def __init__(self, reader: BufferReader, capacity_bytes: int, names_of,
+                 matrices_of: Callable[[dict[str, torch.Tensor]], dict] | None = None,
+                 half_life: int = 4096, device: str = "cpu"):  # fmt: skip
         self.reader, self.names_of, self.matrices_of = reader, names_of, matrices_of
         self.device = device
         self.half_life = half_life
@@ -63,6 +58,7 @@ class ExpertCache:
         self.clock = 0
         self.hits = self.misses = 0
         self.failed: list[tuple[int, int, str]] = []
+        self.pinned: frozenset[tuple[int, int]] = frozenset()  # read once, never evicted
         self._pending: dict[tuple[int, int], Future] = {}
         self._pool = None
 
@@ -85,7 +81,7 @@ class ExpertCache:
         a slot, re-read on every use."""
         span = raw = 0
         for key in keys:
-            if not self._stored(key):
+            if not self.stored(key):
                 continue  # a layer with fewer experts (pruned per layer)
             infos = [self.reader.info(n) for n in self.names_of(*key)]
             span = max(span, self.reader.span(infos))
@@ -96,9 +92,18 @@ class ExpertCache:
         """Read every listed (layer, expert) now, in background threads, if the cache holds
         them all (nothing is ever evicted then); else nothing. One that fails to read is left
         for `get` to retry and report. Returns the number read."""
-        keys = [k for k in keys if k not in self.tensors and self._stored(k)]
+        keys = [k for k in keys if k not in self.tensors and self.stored(k)]
         if not keys or len(keys) + len(self.tensors) > self.n_slots:
             return 0
+        return self._read_now(keys)
+
+    def pin(self, keys: Iterable[tuple[int, int]]) -> int:
+        """Read these (layer, expert) keys now (as `preload`) into slots never evicted; the
+        other experts share the slots left by the usual policy. Returns the number read."""
+        self.pinned = frozenset(keys)
+        return self._read_now([k for k in self.pinned if k not in self.tensors and self.stored(k)])
+
+    def _read_now(self, keys: list[tuple[int, int]]) -> int:
         started = [(k, self._start(k, background=True)) for k in keys]
         done = 0
         for key, fut in started:
@@ -112,7 +117,8 @@ class ExpertCache:
             done += 1
         return done
 
-    def _stored(self, key: tuple[int, int]) -> bool:
+    def stored(self, key: tuple[int, int]) -> bool:
+        """Whether the checkpoint holds the expert (a layer pruned per layer has fewer)."""
         return all(n in self.reader.tensors for n in self.names_of(*key))
 
     def prefetch(self, layer: int, experts: Sequence[int]) -> None:
@@ -171,8 +177,6 @@ class ExpertCache:
 
         if background:
             if self._pool is None:
-                from concurrent.futures import ThreadPoolExecutor
-
                 self._pool = ThreadPoolExecutor(4, thread_name_prefix="reap-experts")
             slot = fut.slot
             fut = self._pool.submit(work)
@@ -199,7 +203,7 @@ class ExpertCache:
         out = _to({s: raw[n] for s, n in zip(short, names)}, self.device)
         if fut.slot is not None:
             self.where[key], self.tensors[key] = fut.slot, out
-            if count:
+            if count or key in self.pinned:
                 self._bump(key)
             else:  # prefetched but never asked for: first in line for eviction
                 self.score[key] = 0.0
@@ -207,6 +211,8 @@ class ExpertCache:
         return out
 
     def _bump(self, key: tuple[int, int]) -> None:
+        if key in self.pinned:  # never a candidate for eviction: kept off the heap
+            return
         self.score[key] = self.score.get(key, 0.0) + 2.0 ** (self.clock / self.half_life)
         heapq.heappush(self._heap, (self.score[key], key))
         if self.clock > 64 * self.half_life:  # renormalize before the weights overflow
@@ -256,3 +262,29 @@ class ExpertCache:
         self.tensors.clear()
         self.where.clear()
         self.slab = None
+
+
+def resident_keys(counts: dict[tuple[int, int], int], nbytes, slots: int) -> list[tuple[int, int]]:
+    """The experts to pin: the most routed tokens per stored byte (`nbytes(key)`) first, ties in
+    (layer, expert) order, at most `slots`, none that no token was routed to."""
+    ranked = sorted((k for k in counts if counts[k] > 0), key=lambda k: (-counts[k] / nbytes(k), k))
+    return ranked[: max(0, slots)]
+
+
+def routed_counts(path: str, layers: list[int], n_experts: int) -> dict[tuple[int, int], int]:
+    """(layer, expert) -> tokens routed to it by the statistics at `path` (a file, or a `reap
+    calibrate` output directory: its corpora summed); ReapError (exit 2) if they are not of a
+    model with these MoE layers and experts."""
+    from reap.stats import ExpertStats, expand_paths
+
+    files = expand_paths([path])[0]
+    if not files:
+        raise ReapError(f"{path}: no statistics files in this directory")
+    total = 0
+    for f in files:
+        s = ExpertStats.load(f)
+        if (s.layers, s.n_experts) != (list(layers), n_experts):
+            raise ReapError(f"{f}: statistics of another model ({len(s.layers)} MoE layers x "
+                            f"{s.n_experts} experts; this one {len(layers)} x {n_experts})")
+        total = total + s.count
+    return {(lay, e): int(total[i, e]) for i, lay in enumerate(layers) for e in range(n_experts)}

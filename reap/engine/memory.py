@@ -241,23 +241,9 @@ def plan_memory(
     left = free - slots * slot - sum(mb.units[i] for i in pinned)
     cache = max(0, min(left, mb.experts_total))
     table = mb.embed_table if cache == mb.experts_total and left - cache >= mb.embed_table else 0
-    return MemoryPlan(
-        budget,
-        baseline,
-        mb.resident,
-        state,
-        scratch,
-        sorted(pinned),
-        slots,
-        slot,
-        cache,
-        context,
-        batch,
-        prefill_chunk,
-        list(mb.unit_names),
-        list(mb.units),
-        table,
-    )
+    return MemoryPlan(budget, baseline, mb.resident, state, scratch, sorted(pinned), slots, slot,
+                      cache, context, batch, prefill_chunk, list(mb.unit_names), list(mb.units),
+                      table)  # fmt: skip
 
 
 def _pin(units: list[int], free: int) -> set[int]:

@@ -31,17 +31,15 @@ class NativeDecoder:
     def __init__(self, engine):
         self.eng = engine
         self.lib = None
-        model, n_layers = engine.model, len(engine.binding.units) - 1
+        self.specs, self.head_names = _hooks(engine.model, len(engine.binding.units) - 1)
         if engine.device != "cpu" or engine.dtype not in _ROUNDS:
             return
-        self.specs = [model.native_layer(i) for i in range(n_layers)]  # the family's hooks
-        self.head_names = model.native_head()
         if (self.head_names is None or None in self.specs or not self._dtypes_ok()
                 or any(s.top_k > step_kernel.MAX_TOP_K for s in self.specs)):  # fmt: skip
             return
         self.lib = step_kernel.library()
         self.rnd = _ROUNDS[engine.dtype]
-        self._static: list = [None] * n_layers  # (units dict, int64 args) per layer
+        self._static: list = [None] * len(self.specs)  # (units dict, int64 args) per layer
         self._scratch = torch.empty(0)
         self.floats = (ctypes.c_double * 2)()
         k = max(1, *(s.top_k for s in self.specs))
@@ -301,3 +299,20 @@ class NativeDecoder:
 
 
 _ROUNDS = {torch.float32: False, torch.bfloat16: True}  # compute dtype -> round to bf16
+
+
+def _hooks(model, n_layers: int) -> tuple[list, tuple | None]:
+    """The family's compiled-decode hooks (`LayerModel.native_layer`, `native_head`), checked
+    once at open: a wrong return type is a family bug, reported as one line (exit 1)."""
+    from reap.errors import EXIT_FAILURE, ReapError
+
+    specs, head = [model.native_layer(i) for i in range(n_layers)], model.native_head()
+    bad = [f"native_layer({i}) returned {type(s).__name__}, not a NativeLayer or None"
+           for i, s in enumerate(specs) if not isinstance(s, (blocks.NativeLayer, type(None)))]
+    types = [type(v) for v in head or ()]
+    if head is not None and not (isinstance(head, tuple) and types[:2] == [str, str]
+                                 and len(types) == 3 and types[2] in (int, float)):  # fmt: skip
+        bad.append(f"native_head() returned {head!r:.60}, not (norm, head, eps) or None")
+    if bad:
+        raise ReapError(f"model family {type(model).__module__}: {bad[0]}", EXIT_FAILURE)
+    return specs, head

@@ -68,17 +68,12 @@ class PhaseMetrics:
             setattr(self, name, getattr(self, name) + counts[name])
 
     def as_dict(self) -> dict:
-        d = asdict(self)
-        d.update(
-            tokens_per_s=self.tokens_per_s,
-            bytes_per_token=self.bytes_per_token(),
-            trunk_bytes_per_token=self.bytes_per_token("trunk"),
-            expert_bytes_per_token=self.bytes_per_token("experts"),
-            expert_hit_rate=self.hit_rate,
-            read_gbps=self.read_gbps,
-            io_share=self.io_share,
-        )
-        return d
+        return {**asdict(self), "tokens_per_s": self.tokens_per_s,
+                "bytes_per_token": self.bytes_per_token(),
+                "trunk_bytes_per_token": self.bytes_per_token("trunk"),
+                "expert_bytes_per_token": self.bytes_per_token("experts"),
+                "expert_hit_rate": self.hit_rate, "read_gbps": self.read_gbps,
+                "io_share": self.io_share}  # fmt: skip
 
 
 @dataclass
@@ -118,19 +113,13 @@ class RunMetrics:
     def describe(self) -> str:
         """A few human-readable lines."""
         p, d = self.prefill, self.decode
-        return "\n".join(
-            [
-                f"prefill: {p.tokens} tokens in {p.seconds:.3f} s ({p.tokens_per_s:.2f} tok/s)",
-                (
-                    f"decode:  {d.tokens} tokens in {d.seconds:.3f} s ({d.tokens_per_s:.2f} tok/s, "
-                    f"{d.seconds / d.tokens if d.tokens else 0:.3f} s/token)"
-                ),
-                (
-                    f"read per decoded token: trunk {d.bytes_per_token('trunk') / 1e6:.2f} MB, experts "
-                    f"{d.bytes_per_token('experts') / 1e6:.2f} MB; expert hit rate "
-                    f"{100 * d.hit_rate:.1f}%; {d.read_gbps:.2f} GB/s while reading; I/O wait "
-                    f"{100 * d.io_share:.0f}% of decode time"
-                ),
-                f"peak RSS {self.peak_rss / 1e9:.3f} GB; expert load failures {self.expert_failures}",
-            ]
+        return (
+            f"prefill: {p.tokens} tokens in {p.seconds:.3f} s ({p.tokens_per_s:.2f} tok/s)\n"
+            f"decode:  {d.tokens} tokens in {d.seconds:.3f} s ({d.tokens_per_s:.2f} tok/s, "
+            f"{d.seconds / d.tokens if d.tokens else 0:.3f} s/token)\n"
+            f"read per decoded token: trunk {d.bytes_per_token('trunk') / 1e6:.2f} MB, experts "
+            f"{d.bytes_per_token('experts') / 1e6:.2f} MB; expert hit rate "
+            f"{100 * d.hit_rate:.1f}%; {d.read_gbps:.2f} GB/s while reading; I/O wait "
+            f"{100 * d.io_share:.0f}% of decode time\n"
+            f"peak RSS {self.peak_rss / 1e9:.3f} GB; expert load failures {self.expert_failures}"
         )

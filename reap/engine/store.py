@@ -13,6 +13,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -32,16 +33,9 @@ class TrunkStore:
     previously fetched streamed unit (its tensors must no longer be used). `stall`: seconds the
     compute thread waited for the ring."""
 
-    def __init__(
-        self,
-        reader: BufferReader,
-        units: list[list[str]],
-        pinned: Sequence[int],
-        slots: int = 2,
-        slot_bytes: int = 0,
-        device: str = "cpu",
-        check: Callable[[dict[str, torch.Tensor]], None] | None = None,
-    ):
+    def __init__(self, reader: BufferReader, units: list[list[str]], pinned: Sequence[int],
+                 slots: int = 2, slot_bytes: int = 0, device: str = "cpu",
+                 check: Callable[[dict[str, torch.Tensor]], None] | None = None):  # fmt: skip
         self.reader, self.units, self.device = reader, units, device
         self.check = check or (lambda tensors: None)  # e.g. Binding.guard.check_all
         self.stall = 0.0
@@ -66,8 +60,6 @@ class TrunkStore:
         self._current: int | None = None
         self._pool = None
         if len(self.slots) > 1:
-            from concurrent.futures import ThreadPoolExecutor
-
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="reap-ring")
 
     def get(self, i: int, wrap: bool = True) -> dict[str, torch.Tensor]:
@@ -92,9 +84,8 @@ class TrunkStore:
         return result
 
     def _next_streamed(self, i: int) -> int | None:
-        later = [j for j in self.streamed if j > i] or self.streamed
-        nxt = later[0] if later else None
-        return None if nxt is None or nxt == i else nxt
+        nxt = ([j for j in self.streamed if j > i] or self.streamed or [None])[0]
+        return None if nxt == i else nxt
 
     def _prefetch_after(self, i: int, wrap: bool) -> None:
         nxt = self._next_streamed(i)
@@ -136,9 +127,8 @@ class TrunkStore:
         self.slots, self.pinned = [], {}
 
 
-def embedding_table(
-    reader: BufferReader, name: str, pin: bool, trunk: TrunkStore
-) -> torch.Tensor | None:
+def embedding_table(reader: BufferReader, name: str, pin: bool,
+                    trunk: TrunkStore) -> torch.Tensor | None:  # fmt: skip
     """The embedding table when it is resident: part of a pinned unit (a table tied to the
     head) or, when the plan pins it (`pin`), read now onto huge pages; None: each step reads
     the rows of its tokens."""

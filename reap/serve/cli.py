@@ -21,6 +21,7 @@ STOP = ("Ctrl-C (SIGINT) or SIGTERM stops it whatever the clients are doing: it 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Arguments of `reap serve`."""
+    from reap.engine.cli import RESIDENT_HELP
     from reap.engine.memory import PRESET_HELP, PRESETS
 
     p.description += "\n\n" + STOP
@@ -39,6 +40,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context", type=int, default=4096, help="prompt + generated tokens (4096)")
     p.add_argument("--max-tokens-limit", type=int, default=4096, help="largest max_tokens (4096)")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    p.add_argument("--resident-from", metavar="STATS", help=RESIDENT_HELP)
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--verbose", action="store_true", help="log every HTTP request")
@@ -96,7 +98,8 @@ def run(args: argparse.Namespace) -> int:
     set_threads(args.threads)
     backend = open_backend(args.model, args.served_name, budget=args.budget,
                            preset=args.preset, context=args.context, device=args.device,
-                           dtype=args.dtype, max_generation=args.max_tokens_limit)
+                           dtype=args.dtype, max_generation=args.max_tokens_limit,
+                           resident_from=args.resident_from)
     print(backend.engine.plan.describe(), file=sys.stderr)
     try:
         server = Server(backend, args.host, args.port, args.queue, args.max_tokens_limit,
