@@ -280,18 +280,18 @@ def markdown_table(rows: list[list]) -> str:
     return "\n".join(lines)
 
 
-def count_table(records: list[dict], by: str) -> list[list[str]]:
-    """Rows `by | tried | clean | internal | hang | memory | silent` over result records."""
+def count_table(records: list[dict], by: str, classes=CLASSES) -> list[list[str]]:
+    """Rows `by | tried | <each class>` over result records, and a total row."""
     groups: dict[str, dict[str, int]] = {}
     for rec in records:
-        g = groups.setdefault(rec[by], dict.fromkeys(CLASSES, 0))
+        g = groups.setdefault(rec[by], dict.fromkeys(classes, 0))
         g[rec["verdict"]] += 1
-    rows = [[by, "tried", *CLASSES]]
+    rows = [[by, "tried", *classes]]
     for name in sorted(groups):
         g = groups[name]
-        rows.append([name, sum(g.values()), *(g[c] for c in CLASSES)])
-    total = {c: sum(g[c] for g in groups.values()) for c in CLASSES}
-    rows.append(["total", sum(total.values()), *(total[c] for c in CLASSES)])
+        rows.append([name, sum(g.values()), *(g[c] for c in classes)])
+    total = {c: sum(g[c] for g in groups.values()) for c in classes}
+    rows.append(["total", sum(total.values()), *(total[c] for c in classes)])
     return rows
 
 

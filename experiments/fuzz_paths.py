@@ -43,6 +43,7 @@ from experiments.fuzz_common import (
     Run,
     child_env,
     classify,
+    count_table,
     fuzz_args,
     python_m,
     run_batch,
@@ -319,16 +320,6 @@ def kill_trial(b: Path, d: Path, delay: float, timeout: float) -> dict:
 
 # --- driver ----------------------------------------------------------------------------------
 
-def count_rows(records: list[dict], by: str) -> list[list]:
-    groups: dict[str, dict[str, int]] = {}
-    for rec in records:
-        groups.setdefault(rec[by], dict.fromkeys(VERDICTS, 0))[rec["verdict"]] += 1
-    rows = [[by, "tried", *VERDICTS]]
-    rows += [[k, sum(g.values()), *g.values()] for k, g in sorted(groups.items())]
-    total = [sum(g[v] for g in groups.values()) for v in VERDICTS]
-    return rows + [["total", sum(total), *total]]
-
-
 def execute(work: Path, timeout: float = 60.0, kills: int = 8, only: list[str] | None = None,
             log=None, progress=None) -> list[dict]:
     """Build the base inputs, run every case (those whose key starts with one of `only`) and
@@ -377,13 +368,14 @@ def main(argv: list[str] | None = None) -> int:
         work, args.timeout, args.kills, args.only, log=sys.stderr, progress=progress))
     for by in ("command", "obstacle"):
         print()
-        write_table(count_rows(records, by))
+        write_table(count_table(records, by, VERDICTS))
     write_report(args, {"runs": len(records), "seconds": seconds, "timeout_s": args.timeout,
                         "root": os.geteuid() == 0,
                         "command": "OMP_NUM_THREADS=1 python -m experiments.fuzz_paths --kills "
                                    f"{args.kills}",
-                        "by_command": count_rows(records, "command"),
-                        "by_obstacle": count_rows(records, "obstacle"), "results": records})
+                        "by_command": count_table(records, "command", VERDICTS),
+                        "by_obstacle": count_table(records, "obstacle", VERDICTS),
+                        "results": records})
     return 0
 
 

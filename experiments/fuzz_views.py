@@ -42,6 +42,7 @@ from experiments.fuzz_common import (
     REPO,
     Run,
     classify,
+    count_table,
     fuzz_args,
     run_batch,
     run_cases,
@@ -364,16 +365,6 @@ def verdict(run: Run, result, case: Case) -> tuple[str, str]:
     return "clean", ""
 
 
-def count_rows(records: list[dict], by: str) -> list[list]:
-    groups: dict[str, dict[str, int]] = {}
-    for rec in records:
-        groups.setdefault(rec[by], dict.fromkeys(VERDICTS, 0))[rec["verdict"]] += 1
-    rows = [[by, "tried", *VERDICTS]]
-    rows += [[k, sum(g.values()), *g.values()] for k, g in sorted(groups.items())]
-    total = [sum(g[v] for g in groups.values()) for v in VERDICTS]
-    return rows + [["total", sum(total), *total]]
-
-
 def execute(work: Path, timeout: float = 60.0, only: list[str] | None = None, log=None,
             progress=None) -> list[dict]:
     """Build the three models, their plans and pruned builds, then run every case (those whose
@@ -413,11 +404,12 @@ def main(argv: list[str] | None = None) -> int:
         work, args.timeout, args.only, log=sys.stderr, progress=progress))
     for by in ("model", "command"):
         print()
-        write_table(count_rows(records, by))
+        write_table(count_table(records, by, VERDICTS))
     write_report(args, {"runs": len(records), "seconds": seconds, "timeout_s": args.timeout,
                         "command": "OMP_NUM_THREADS=1 nice -n 5 python -m experiments.fuzz_views",
-                        "by_model": count_rows(records, "model"),
-                        "by_command": count_rows(records, "command"), "results": records})
+                        "by_model": count_table(records, "model", VERDICTS),
+                        "by_command": count_table(records, "command", VERDICTS),
+                        "results": records})
     return 0
 
 
