@@ -8,8 +8,8 @@ the results: reports/merging-cerebras.md):
                         calibration ids [S, T]; ours: `reap calibrate --merge-stats N` for
                         N in MERGE_STATS, `reap plan --method`, `reap prune`, `reap verify`
   theirs WORK --src SRC --method hc-smoe|m-smoe
-                        (run with a python whose transformers is 4.55, their pin, and without
-                        our tree on PYTHONPATH: both packages are named `reap`) their
+                        (run with a python whose transformers is 4.55, their pin, and with
+                        PYTHONPATH=SRC, not our tree: both packages are named `reap`) their
                         src/reap/main.py with the flags of experiments/hc_smoe.sh or m_smoe.sh,
                         fed our ids instead of a Hub data set
   compare WORK --theirs-hc DIR --theirs-m DIR [--json OUT]
@@ -61,17 +61,15 @@ def _cli(*args: str) -> None:
 
 def prepare(work: Path) -> None:
     """The model, ids and our builds under `work` (run from the repository root, PYTHONPATH=.)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    import family_runner as R
-    from test_merge import QWEN, SEQ, TOKENS
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     from reap.corpora import calibration_sequences
     from reap.tokenizer import load_tokenizer
+    from tests.family_runner import MERGE_QWEN, MERGE_SEQ, MERGE_TOKENS, save_hf_tiny, write_corpora
 
-    path, _ = R.save_hf_tiny(Qwen3MoeForCausalLM, Qwen3MoeConfig, QWEN, work / "m", seed=3)
-    spec = R.write_corpora(work / "corpora")
-    seqs = calibration_sequences(spec, load_tokenizer(path), TOKENS, SEQ, 0)
+    path, _ = save_hf_tiny(Qwen3MoeForCausalLM, Qwen3MoeConfig, MERGE_QWEN, work / "m", seed=3)
+    spec = write_corpora(work / "corpora")
+    seqs = calibration_sequences(spec, load_tokenizer(path), MERGE_TOKENS, MERGE_SEQ, 0)
     (work / "ids.json").write_text(json.dumps([s.ids for s in seqs]))
     # transformers 4.55 (their pin) reads num_experts and rope_theta, 5.x writes the new names
     old = work / "m455"
@@ -91,9 +89,9 @@ def prepare(work: Path) -> None:
             "--corpus",
             spec,
             "--tokens",
-            str(TOKENS),
+            str(MERGE_TOKENS),
             "--seq-len",
-            str(SEQ),
+            str(MERGE_SEQ),
             "--out",
             str(stats),
             "--merge-stats",
@@ -130,14 +128,14 @@ def theirs(work: Path, src: Path, method: str) -> None:
         for a in attrs:
             setattr(mod, a, type(a, (), {}))
         sys.modules[name] = mod
-    sys.path.insert(0, str(src))
     import reap
 
-    assert Path(reap.__file__).resolve().is_relative_to(src.resolve()), reap.__file__
+    if not Path(reap.__file__).resolve().is_relative_to(src.resolve()):
+        raise SystemExit(f"theirs: `reap` is {reap.__file__}: run with PYTHONPATH={src}")
     stub = types.ModuleType("reap.eval")
     stub.run_evaluate = lambda *a, **k: None
     sys.modules["reap.eval"] = stub
-    import reap.main as M
+    import reap.main as their_main
 
     ids = torch.tensor(json.loads((work / "ids.json").read_text()))  # [S, T]
     bs = 8  # their ObserverArgs.batch_size default
@@ -145,11 +143,11 @@ def theirs(work: Path, src: Path, method: str) -> None:
         {"input_ids": ids[i : i + bs], "attention_mask": torch.ones_like(ids[i : i + bs])}
         for i in range(0, ids.shape[0], bs)
     ]
-    M.load_category_batches = lambda **kw: {"all": batches}
+    their_main.load_category_batches = lambda **kw: {"all": batches}
     # their main() calls dump_args_to_yaml(dir, *dataclasses) but it takes (dir, **dataclasses):
     # a TypeError after the model and clusters are saved; pass them by class name instead
-    dump = M.dump_args_to_yaml
-    M.dump_args_to_yaml = lambda d, *args: dump(d, **{type(x).__name__: x for x in args})
+    dump = their_main.dump_args_to_yaml
+    their_main.dump_args_to_yaml = lambda d, *args: dump(d, **{type(x).__name__: x for x in args})
     E = json.loads((work / "m455" / "config.json").read_text())["num_experts"]
     ratio = 1 - KEEP / E
     tag = method.replace("-", "_")
@@ -180,7 +178,7 @@ def theirs(work: Path, src: Path, method: str) -> None:
 
     os.chdir(run)
     print("argv:", " ".join(sys.argv), flush=True)
-    M.main()
+    their_main.main()
 
 
 # ---- comparison (our reap, transformers 5) ----

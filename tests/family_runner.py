@@ -27,6 +27,14 @@ import numpy as np
 import torch
 
 ATOL = 1e-4  # float32 logits of magnitude ~1-5: measured differences are ~1e-6
+# the tiny Qwen3-MoE and calibration of tests/test_merge.py (also experiments/cerebras_merge_check)
+MERGE_QWEN = {
+    "vocab_size": 320, "hidden_size": 48, "intermediate_size": 96, "moe_intermediate_size": 32,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+    "num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": True,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+}  # fmt: skip
+MERGE_TOKENS, MERGE_SEQ = 256, 32
 
 
 # -- building tiny models ----------------------------------------------------------------------

@@ -13,13 +13,8 @@ import torch
 
 from reap.cli import main
 
-QWEN = {
-    "vocab_size": 320, "hidden_size": 48, "intermediate_size": 96, "moe_intermediate_size": 32,
-    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-    "num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": True,
-    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
-}  # fmt: skip
-TOKENS, SEQ, SAMPLE, KEEP = 256, 32, 32, 5
+QWEN, TOKENS, SEQ = R.MERGE_QWEN, R.MERGE_TOKENS, R.MERGE_SEQ
+SAMPLE, KEEP = 32, 5
 
 
 @pytest.fixture(scope="module")
