@@ -44,7 +44,7 @@ def make_merge_plan(*, method: str, stats: list[str] | None = None, **kw) -> Pla
     if any(getattr(s, need) is None for s in parts):
         raise ReapError(f"{loaded[0][1]}: no {need}: calibrate with --merge-stats for {method}")
     kw.update(criterion="frequency", protect=False)
-    plan = make_plan(stats=stats, **kw)
+    plan = make_plan(stats=stats, loaded=loaded, **kw)  # read once: merge stats are large
     count = sum(s.count.double() for s in parts)  # [L, E]
     groups = {}
     for li, layer in enumerate(plan.layers):

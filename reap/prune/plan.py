@@ -27,13 +27,14 @@ def make_plan(*, stats: list[str] | None = None, config: dict | None = None,
               weights: str | None = None, quota: bool = False, keep: int | None = None,
               ratio: float | None = None, target_size: str | None = None, scope: str = "uniform",
               min_keep: int | None = None, protect: bool = True, seed: int = 0,
-              arguments: dict | None = None) -> Plan:
+              arguments: dict | None = None, loaded: list | None = None) -> Plan:
     """Build a plan from statistics files and/or a config.json dict (see the module docstring).
 
     Without statistics, only `criterion="random"` chooses experts; otherwise the plan holds
-    counts only (`keep` None), enough for a size table.
+    counts only (`keep` None), enough for a size table. `loaded`: `load_stats(stats)` already
+    read by the caller.
     """
-    loaded = load_stats(stats or [])
+    loaded = load_stats(stats or []) if loaded is None else loaded
     size = _size_model(config)
     shape = _shape(loaded, size)
     layers, E, top_k = shape
