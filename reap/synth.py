@@ -129,11 +129,10 @@ def _mxfp4(packed: TensorSpec, scale: TensorSpec, g: torch.Generator) -> list[to
 
 
 def _fp8(weight: TensorSpec, scale: TensorSpec, g: torch.Generator) -> list[torch.Tensor]:
-    """F8_E4M3 [O, I] ~N(0, 1/I) and its F32 block scales, quantized with a block that gives the
-    declared scale grid (the release's wherever its blocks divide the widths)."""
-    (rows, cols), grid = weight.shape, scale.shape
+    """F8_E4M3 [O, I] ~N(0, 1/I) and its F32 scales, quantized with the layout's block."""
+    rows, cols = weight.shape
     w = torch.randn(rows, cols, generator=g) / math.sqrt(cols)
-    return list(fp8.quantize(w, (-(-rows // grid[0]), -(-cols // grid[1]))))
+    return list(fp8.quantize(w, weight.block))
 
 
 def _int4(packed: TensorSpec, scale: TensorSpec, _shape: TensorSpec, g: torch.Generator):

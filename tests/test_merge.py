@@ -257,3 +257,41 @@ def test_k3_layout_mxfp4_experts_are_merged_in_float32_and_reencoded(k3, method)
                        for e, w in zip(rec["sources"][j], rec["weights"][j]))
             assert torch.equal(got, mxfp4.qdq(want))
     assert main(["run", str(out), "--prompt-ids", "1,2,3", "--max-tokens", "4"]) == 0
+
+
+@pytest.mark.parametrize("block", [[128, 128], [24, 24]])
+def test_fp8_experts_are_merged_with_the_configs_block_and_reencoded(tmp_path, block):
+    """A DeepSeek-V3 release config (FP8 experts; its 128 x 128 blocks, and 24 x 24 ones that
+    split the 32 x 64 expert matrices unevenly), shrunk and synthesized: the merged expert is the
+    FP8 encoding, at the config's block, of the weighted average of the decoded sources; the
+    build verifies and the engine runs it."""
+    from test_synth_releases import RELEASES, _synth, shrink
+
+    from reap.calibrate.pipeline import calibrate
+    from reap.checkpoint import Checkpoint
+    from reap.quant import fp8
+
+    config = shrink(json.loads((RELEASES / "deepseek-v3" / "config.json").read_text()))
+    config["quantization_config"]["weight_block_size"] = block
+    block = tuple(block)
+    src = _synth(config, tmp_path)
+    calibrate(model=src, corpus="code", tokens=128, seq_len=32, out=str(tmp_path / "s"),
+              merge_stats=16, progress=False)
+    plan, out = tmp_path / "hc.json", tmp_path / "hc"
+    assert main(["plan", str(tmp_path / "s"), "--model", src, "--method", "hc-smoe", "--keep",
+                 "8", "--out", str(plan)]) == 0
+    assert main(["prune", src, "--plan", str(plan), "--out", str(out), "--no-progress"]) == 0
+    assert main(["verify", str(out), "--source", src]) == 0
+    man = json.loads((out / "reap_manifest.json").read_text())
+    layer, rec = next(iter(man["experts"].items()))
+    j = next(j for j, s in enumerate(rec["sources"]) if len(s) > 1)
+    assert 0 < rec["reencode_error"][j] < 0.2
+    name = lambda e: f"model.layers.{layer}.mlp.experts.{e}.gate_proj.weight"
+    with Checkpoint.open(src) as a, Checkpoint.open(str(out)) as b:
+        got = b.read(name(j)), b.read(name(j) + "_scale_inv")
+        want = sum(w * fp8.dequantize(a.read(name(e)), a.read(name(e) + "_scale_inv"), block)
+                   for e, w in zip(rec["sources"][j], rec["weights"][j]))
+        q, s = fp8.quantize(want, block)
+        assert torch.equal(got[0].view(torch.uint8), q.to(got[0].dtype).view(torch.uint8))
+        assert torch.equal(got[1], s.to(got[1].dtype))
+    assert main(["run", str(out), "--prompt-ids", "1,2,3", "--max-tokens", "4"]) == 0

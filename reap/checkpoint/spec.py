@@ -106,6 +106,7 @@ class TensorSpec:
     layer: int | None = None
     expert: int | None = None
     role: str = "weight"
+    block: tuple[int, int] | None = None  # an "fp8.weight"'s scale block (rows, cols)
 
     @property
     def weights(self) -> int:

@@ -27,7 +27,9 @@ class Merger:
     def __init__(self, ck, fam, groups: dict[int, list], align: str | None):
         self.ck, self.fam, self.groups, self.align = ck, fam, groups, align
         self.cfg = fam.Config.from_dict(ck.config)
-        self.roles = {s.name: s.role for s in fam.layout(ck.config) if s.expert is not None}
+        specs = [s for s in fam.layout(ck.config) if s.expert is not None]
+        self.roles = {s.name: s.role for s in specs}
+        self.blocks = {s.name: s.block for s in specs if s.block}  # FP8 weights' scale blocks
         self.errors: dict[tuple[int, int], float] = {}
 
     def members(self, layer: int, new: int) -> list | None:
@@ -41,11 +43,12 @@ class Merger:
         names0 = self.fam.expert_tensor_names(self.cfg, layer, group[0][0])
         layout = _matrices(names0, [self.roles.get(n, "weight") for n in names0])
         short = [expert_short_names(names0)[part[0][0]] for part in layout]
+        blocks = [self.blocks.get(names0[part[0][0]]) for part in layout]
         for e, w in group:
             names = self.fam.expert_tensor_names(self.cfg, layer, e)
             got = self.ck.read_many(names)
             stored = [[(r, got[names[i]]) for i, r in part] for part in layout]
-            mats = [_decode(part) for part in stored]
+            mats = [_decode(part, block) for part, block in zip(stored, blocks)]
             if total is None:
                 first, dom, total = stored, mats, [m * w for m in mats]
                 continue
@@ -53,9 +56,9 @@ class Merger:
                 mats = _aligned(mats, dom, short, names[0])
             total = [t + m * w for t, m in zip(total, mats)]
         out, err, ref = [], 0.0, 0.0
-        for like, merged in zip(first, total):
-            parts = _encode(merged, like)
-            back = _decode([(r, t) for (r, _), t in zip(like, parts)])
+        for like, merged, block in zip(first, total, blocks):
+            parts = _encode(merged, like, block)
+            back = _decode([(r, t) for (r, _), t in zip(like, parts)], block)
             err += float((back - merged).double().pow(2).sum())
             ref += float(merged.double().pow(2).sum())
             out += parts
@@ -77,8 +80,9 @@ def _matrices(names: list[str], roles: list[str]) -> list[list[tuple[int, str]]]
     return out
 
 
-def _decode(parts: list[tuple[str, torch.Tensor]]) -> torch.Tensor:
-    """One matrix's stored parts [(role, tensor)] -> its weights in float32."""
+def _decode(parts: list[tuple[str, torch.Tensor]], block=None) -> torch.Tensor:
+    """One matrix's stored parts [(role, tensor)] -> its weights in float32 (`block`: an FP8
+    weight's scale block, from the layout)."""
     from reap.quant import fp8, int4, mxfp4
 
     role, t = parts[0]
@@ -86,13 +90,14 @@ def _decode(parts: list[tuple[str, torch.Tensor]]) -> torch.Tensor:
         scales = parts[1][1]
         return mxfp4.dequantize(t.reshape(*scales.shape[:-1], -1), scales)
     if role == "fp8.weight":
-        return fp8.dequantize(t, parts[1][1], _fp8_block(t.shape, parts[1][1].shape))
+        return fp8.dequantize(t, parts[1][1], block)
     if role == "int4.packed":
         return int4.INT4Matrix.from_stored(t, parts[1][1], parts[2][1]).dense()
     return t.float()
 
 
-def _encode(w: torch.Tensor, like: list[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
+def _encode(w: torch.Tensor, like: list[tuple[str, torch.Tensor]],
+            block=None) -> list[torch.Tensor]:
     """Weights w (float32) stored as the parts `like` are: same dtypes and shapes."""
     from reap.quant import fp8, int4, mxfp4
 
@@ -101,19 +106,13 @@ def _encode(w: torch.Tensor, like: list[tuple[str, torch.Tensor]]) -> list[torch
         packed, scales = mxfp4.quantize(w)
         return [packed.reshape(t.shape), scales.reshape(like[1][1].shape)]
     if role == "fp8.weight":
-        q, scale = fp8.quantize(w, _fp8_block(t.shape, like[1][1].shape))
+        q, scale = fp8.quantize(w, block)
         return [q.to(t.dtype), scale.to(like[1][1].dtype)]
     if role == "int4.packed":
         m = int4.INT4Matrix.from_stored(t, like[1][1], like[2][1])
         packed, scales = int4.quantize(w, m.group, like[1][1].dtype)
         return [packed.to(t.dtype), scales, like[2][1].clone()]
     return [w.to(t.dtype)]
-
-
-def _fp8_block(shape, scale_shape) -> tuple[int, int]:
-    """The FP8 block size: 128 x 128 (the releases') when the scales fit it, else the even split."""
-    fits = all(-(-n // 128) == s for n, s in zip(shape, scale_shape))
-    return (128, 128) if fits else tuple(-(-n // s) for n, s in zip(shape, scale_shape))
 
 
 def _aligned(mats: list[torch.Tensor], dom: list[torch.Tensor], short: list[str],

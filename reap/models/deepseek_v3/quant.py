@@ -113,7 +113,7 @@ class Quant:
             (O, I), (b0, b1) = s.shape, self.fp8_block
             scale = replace(s, name=s.name + "_scale_inv", dtype="F32", role="fp8.scales",
                             shape=(-(-O // b0), -(-I // b1)))  # fmt: skip
-            return [replace(s, dtype="F8_E4M3", role="fp8.weight"), scale]
+            return [replace(s, dtype="F8_E4M3", role="fp8.weight", block=self.fp8_block), scale]
         if not self.is_int4(s.name):
             return [s]
         (O, I), group = s.shape, self.int4.group
