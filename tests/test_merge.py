@@ -147,6 +147,10 @@ def build(qwen, method: str, name: str):
     groups = [g for v in man["experts"].values() for g in v["sources"]]
     r = verify(pruned=str(out), source=path)  # merged experts are counted apart from kept ones
     assert r.experts == len(groups) and r.merged == sum(len(g) > 1 for g in groups) > 0
+    from reap.checkpoint.hub import model_card
+
+    card = model_card(str(out))  # what --push-to uploads says what was merged
+    assert f"Experts merged ({method})" in card and "tags: [reap, moe, merged]" in card
     return json.loads(plan.read_text()), out
 
 

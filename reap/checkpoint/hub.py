@@ -219,8 +219,11 @@ def model_card(build: str) -> str:
     hub = ((prov.get("arguments") or {}).get("hub_sources") or {}).get("model")
     source = f"{hub['model']} (commit {hub['commit']})" if hub else m["source"]["path"]
     corpora = [s.get("corpus") for s in (prov.get("plan_provenance") or {}).get("stats", [])]
-    lines = ["---", "tags: [reap, moe, pruned]", "---", f"# {Path(build).name}", "",
-             f"Pruned with reap from {source}, kept experts bit-identical.", "",
+    merge = (m.get("merge") or {}).get("method")  # a merged build's experts are averages
+    lines = ["---", f"tags: [reap, moe, {'merged' if merge else 'pruned'}]", "---",
+             f"# {Path(build).name}", "",
+             (f"Experts merged ({merge}) with reap from {source}; those not merged bit-identical."
+              if merge else f"Pruned with reap from {source}, kept experts bit-identical."), "",
              (f"- plan: `reap_plan.json` (sha256 {m['plan_sha256']}), experts per MoE layer: "
               f"{m['n_experts']['kept']} of {m['n_experts']['source']}"),
              f"- criterion: {prov.get('criterion')}; budget: {json.dumps(prov.get('budget'))}",
