@@ -128,6 +128,23 @@ def direct_bandwidth(path: Path, limit: int = 1 << 30, block: int = 4 << 20) -> 
         os.close(fd)
 
 
+def random_bandwidth(path: Path, piece: int, n: int = 48, seed: int = 0) -> float:
+    """GB/s of O_DIRECT reads of `piece` bytes (one expert, rounded up to 4096) at random 4096-
+    aligned offsets of `path`, one at a time: what reap's misses ask of the disk."""
+    import mmap
+    import random
+
+    piece = -(-piece // 4096) * 4096
+    buf, rng = mmap.mmap(-1, piece), random.Random(seed)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    try:
+        last, t0 = os.fstat(fd).st_size - piece, time.perf_counter()
+        got = sum(os.preadv(fd, [buf], rng.randrange(0, last) // 4096 * 4096) for _ in range(n))
+        return got / (time.perf_counter() - t0) / 1e9
+    finally:
+        os.close(fd)
+
+
 # -- the runners (each a fresh interpreter in its cgroup, one JSON line out) -----------------
 COMMON = """
 import json, os, resource, sys, time
@@ -167,9 +184,11 @@ import torch
 from reap.engine import Engine
 from reap.engine.experts import ExpertCache
 torch.set_num_threads(a["threads"])
+from reap.engine import core
+core.RESIDENT_SHARE = a.get("share", core.RESIDENT_SHARE)
 eng = Engine.open(a["model"], budget=a["budget"], context=a["ctx"], dtype=a["dtype"],
                   direct=a["direct"], resident_from=a.get("resident_from"))
-if a["policy"] == "lru":
+if a["policy"].endswith("lru"):
     eng.experts.half_life = 1  # each use outweighs all earlier ones
 elif a["policy"] == "none":
     old = eng.experts
@@ -191,7 +210,8 @@ mark()
 d = a["decode"] if "seqs" not in a else sum(len(x) for x in a["seqs"])
 h, m = eng.experts.hits - h0, eng.experts.misses - m0
 done(ids, reap_read_per_token=(sum(eng.reader.io.bytes.values()) - c0) / d,
-     hit_rate=h / max(1, h + m), pinned=len(eng.experts.pinned), plan=eng.plan.to_dict())
+     hit_rate=h / max(1, h + m), pinned=len(eng.experts.pinned), plan=eng.plan.to_dict(),
+     expert_bytes=max(eng.plan_bytes.expert_bytes or [0]))
 """
 
 
@@ -246,6 +266,8 @@ def cell_runs(model: Model, dtype: str, cap: int, args, rep: int) -> dict:
         out[who]["warm"] = run(who, code, a, cg, args.threads, Path(args.tools))
     files = sorted(ck.glob("*.safetensors"), key=lambda f: f.stat().st_size)
     out["direct_gbps"] = direct_bandwidth(files[-1])
+    piece = max((out["reap"][s].get("expert_bytes", 0) for s in ("cold", "warm")), default=0)
+    out["random_gbps"] = random_bandwidth(files[-1], piece, seed=rep) if piece else None
     return out
 
 
@@ -253,9 +275,9 @@ def valid(run: dict, threads: int) -> bool:
     return "error" not in run and run["machine_cpu"] <= threads + LOAD_SLACK
 
 
-def summarize(runs: list[dict], threads: int) -> list[dict]:
+def summarize(runs: list[dict], threads: int, compute_s: float | None = None) -> list[dict]:
     """Per (state, engine) the medians over repetitions; a cell (state) is valid when every run
-    of both engines in it is."""
+    of both engines in it is. `compute_s`: reap's decode s/token with every weight in RAM."""
     rows = []
     for state in ("cold", "warm"):
         row: dict = {"state": state, "valid": all(valid(r[w][state], threads)
@@ -281,23 +303,40 @@ def summarize(runs: list[dict], threads: int) -> list[dict]:
             for k in ("prefill", "decode"):
                 row[k + "_ratio"] = row["reap"][k] / row["llama.cpp"][k]
         gbps = statistics.median(r["direct_gbps"] for r in runs)
+        rand = [r["random_gbps"] for r in runs if r.get("random_gbps")]
+        row["random_gbps"] = statistics.median(rand) if rand else None
         if "reap_read_per_token" in row["reap"]:
-            floor = row["reap"]["reap_read_per_token"] / (gbps * 1e9)
-            row["floor_s"] = floor
-            row["floor_ratio"] = (1 / row["reap"]["decode"]) / floor if floor else None
+            io = row["reap"]["reap_read_per_token"] / (gbps * 1e9)
+            floor = max(io, compute_s or 0.0)  # reads can at best hide behind compute
+            row.update(io_floor_s=io, compute_s=compute_s, floor_s=floor,
+                       floor_ratio=(1 / row["reap"]["decode"]) / floor if floor else None)
         row["direct_gbps"] = gbps
         rows.append(row)
     return rows
+
+
+def in_ram(model: Model, dtype: str, args) -> float | None:
+    """reap's decode s/token with the whole model in RAM (no cap; median of --reps runs, valid
+    ones): the compute term of the floor. None if no run was valid."""
+    size = ckpt_bytes(model.ckpts[dtype])
+    a = {"prompt": PROMPT, "decode": args.decode, "threads": args.threads, "model":
+         str(model.ckpts[dtype]), "ctx": len(PROMPT) + args.decode + 8, "budget": 2 * size
+         + (2 << 30), "dtype": dtype, "direct": not args.buffered, "policy": "lfu"}  # fmt: skip
+    runs = [run("reap", REAP, a, None, args.threads, Path(args.tools)) for _ in range(args.reps)]
+    ok = [1 / r["decode"] for r in runs if valid(r, args.threads)]
+    print(model.name, dtype, "in RAM s/token", ok, flush=True)
+    return statistics.median(ok) if ok else None
 
 
 def caps_section(model: Model, args) -> list[dict]:
     out = []
     for dtype in [d for d in args.dtypes.split(",") if d in model.ckpts]:
         size = ckpt_bytes(model.ckpts[dtype])
+        compute_s = in_ram(model, dtype, args)
         for frac in map(float, args.caps.split(",")):
             cap = int(frac * size)
             runs = [cell_runs(model, dtype, cap, args, r) for r in range(args.reps)]
-            for row in summarize(runs, args.threads):
+            for row in summarize(runs, args.threads, compute_s):
                 row.update(dtype=dtype, cap_fraction=frac, cap=cap, ckpt_bytes=size)
                 out.append({**row, "runs": runs if row["state"] == "cold" else None})
                 print(model.name, json.dumps({k: v for k, v in row.items() if k not in
@@ -335,6 +374,7 @@ def resident_section(model: Model, args, work: Path) -> dict:
             "model": str(model.ckpts[dtype]), "budget": int(BUDGET_FRACTION * cap),
             "dtype": dtype, "direct": not args.buffered}  # fmt: skip
     policies = {"resident-from": {"policy": "lfu", "resident_from": str(stats)},
+                "resident-from+lru": {"policy": "resident+lru", "resident_from": str(stats)},
                 "lfu": {"policy": "lfu"}, "lru": {"policy": "lru"}, "none": {"policy": "none"}}
     rows = []
     for corpus in ("code", "zh"):

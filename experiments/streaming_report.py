@@ -62,28 +62,32 @@ def caps_table(rows: list[dict]) -> list[str]:
 
 
 def floor_table(rows: list[dict]) -> list[str]:
-    out = ["| dtype | cap | state | reap reads per token (MB, its cache policy) | O_DIRECT GB/s | "
-           "I/O floor s/token | reap s/token | reap / floor | expert hit rate |",
-           "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    out = ["| dtype | cap | state | reap reads per token (MB, its cache policy) | O_DIRECT GB/s "
+           "sequential / random expert reads | I/O s/token (sequential GB/s) | compute s/token (in "
+           "RAM) | floor = max | reap s/token | reap / floor | expert hit rate |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
         a = r["reap"]
         if "error" in a:
             continue
         out.append(f"| {r['dtype']} | {r['cap_fraction']:.0%} | {r['state']} | "
-                   f"{a['reap_read_per_token'] / MB:.0f} | {r['direct_gbps']:.2f} | "
+                   f"{a['reap_read_per_token'] / MB:.0f} | {r['direct_gbps']:.2f} / "
+                   f"{_f(r.get('random_gbps'))} | {_f(r.get('io_floor_s'), '.3f')} | "
+                   f"{_f(r.get('compute_s'), '.3f')} | "
                    f"{_f(r.get('floor_s'), '.3f')} | {1 / a['decode']:.3f} | "
                    f"{_f(r.get('floor_ratio'))} | {a['hit_rate']:.2f} |")  # fmt: skip
     return out
 
 
 def resident_table(sec: dict) -> list[str]:
-    pols = ("resident-from", "lfu", "lru", "none")
+    pols = [p for p in ("resident-from", "resident-from+lru", "lfu", "lru", "none")
+            if any(p in r for r in sec["rows"])]  # fmt: skip
     out = [f"Statistics: `reap calibrate` on `code` ({sec['stats']}); one-token steps over "
            f"held-out sequences; dtype {sec['dtype']}.", "",
            "| corpus | stats from it | cap | " + " | ".join(f"{p} tok/s (hit, MB/token)"
                                                        for p in pols)
            + " | resident-from / lru | tokens equal | valid |",
-           "|" + "---|" * 9]  # fmt: skip
+           "|" + "---|" * (len(pols) + 6)]  # fmt: skip
     for r in sec["rows"]:
         cells = []
         for p in pols:

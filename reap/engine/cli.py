@@ -23,8 +23,8 @@ from reap.errors import EXIT_EXPERT_LOAD, ReapError, is_int
 from reap.fileio import OVERWRITE_HELP, claim_out, write_atomic
 
 RESIDENT_HELP = ("calibration statistics (a file or a `reap calibrate` output directory): the "
-                 "experts they route most tokens to stay in the expert cache, never evicted; "
-                 "the rest are read on demand. Output is unchanged")
+                 "experts they route most tokens to fill up to half the expert cache, never "
+                 "evicted; the other slots follow the cache's policy. Output is unchanged")
 MAX_THREADS = 4096  # torch takes a C int; more threads than this is a typo
 
 EXIT_CODES = """exit codes:

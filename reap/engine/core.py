@@ -33,6 +33,10 @@ from reap.quant import ckernel, dense_kernel
 from reap.quant.mxfp4_decode import BufferPool
 from reap.quant.mxfp4_matmul import MXFP4Kernels, fused_available
 
+# --resident-from pins at most this share of the expert cache's slots; the rest follow the
+# cache's policy (recency and frequency catch what the statistics' corpus did not)
+RESIDENT_SHARE = 0.5
+
 
 @dataclass
 class SequenceState:
@@ -307,8 +311,8 @@ def _open_checkpoint(model):
 def _stores(ckpt, fam, cfg, b: Binding, plan: memory.MemoryPlan, direct: bool, device: str,
             preload: bool, resident=None):
     """The reader, the trunk store (pinned units read now) and the expert cache (slab held; with
-    `resident` = ((layer, expert) -> routed tokens, top_k), the most routed experts pinned and
-    one layer's top_k slots left to the rest)."""
+    `resident` = ((layer, expert) -> routed tokens, top_k), the most routed experts pinned in
+    RESIDENT_SHARE of the slots, at least one layer's top_k slots left to the rest)."""
     reader = BufferReader(ckpt, direct=direct, kinds=IO_KINDS)
     try:
         trunk = TrunkStore(reader, b.units, plan.pinned, plan.ring_slots, plan.slot_bytes,
@@ -325,7 +329,8 @@ def _stores(ckpt, fam, cfg, b: Binding, plan: memory.MemoryPlan, direct: bool, d
     if resident:
         size = lambda k: sum(reader.info(n).nbytes for n in names(*k))
         stored = {k: c for k, c in resident[0].items() if experts.stored(k)}
-        experts.pin(resident_keys(stored, size, experts.n_slots - resident[1]))
+        room = min(int(RESIDENT_SHARE * experts.n_slots), experts.n_slots - resident[1])
+        experts.pin(resident_keys(stored, size, room))
     return reader, trunk, experts
 
 

@@ -21,6 +21,7 @@ from reap.models.shared import blocks
 from reap.quant import ckernel, step_kernel
 
 ENABLED = True  # False: every step through the torch path (the reference), for the tests
+OVERLAP = True  # False: a decode step's experts wait for every read, then run in one call
 _A, _M = step_kernel.ATTN, step_kernel.MOE
 
 
@@ -49,6 +50,7 @@ class NativeDecoder:
         self.mlp_args = (ctypes.c_int64 * len(_M))()
         self._ptrs = [(ctypes.c_int64 * k)() for _ in range(3)]  # gate, up, down pointers
         self._w = (ctypes.c_float * k)()
+        self._skip = (ctypes.c_uint8 * k)()  # per routed slot: 0 run now, 1 done, 2 absent
         self.token = WholeToken(self)  # the one-call token, once every expert is resident
         self.n_experts = sum(engine.reader.info(s.prefix + s.router).shape[0]
                              for s in self.specs if s.router is not None)  # fmt: skip
@@ -256,29 +258,44 @@ class NativeDecoder:
 
     def _mlp(self, i: int, spec, a, units: dict, h: torch.Tensor) -> None:
         """The MLP half for one sequence: h += the routed experts' weighted sum (or the dense
-        MLP's output)."""
+        MLP's output). Experts already resident are computed while the others are read (with
+        OVERLAP; the sum runs once, over every expert in routing order: the same bits)."""
         if spec.router is None:
-            triples, weights = [tuple(units[spec.prefix + n] for n in spec.mlp)], [1.0]
-        else:
-            ids = self._ids[: spec.top_k].tolist()
-            self.eng.experts.prefetch(i, ids)
-            triples, weights = [], []
-            for e, w in zip(ids, self._wts[: spec.top_k].tolist()):
-                t = self.eng.stored_expert(i, e)
-                if t is not None:  # failed to load: contributes nothing (recorded, exit 4)
-                    triples.append(tuple(t[n] for n in spec.mlp))
-                    weights.append(w)
-        if not triples:
+            ts, ws = [tuple(units[spec.prefix + n] for n in spec.mlp)], [1.0]
+            return self._experts(h, ts, ws, [[0]])
+        ids, cache = self._ids[: spec.top_k].tolist(), self.eng.experts
+        cache.prefetch(i, ids)
+        here = [(i, e) in cache.tensors for e in ids]
+        phases = [[k for k, r in enumerate(here) if r == first] for first in (True, False)]
+        if not OVERLAP or not all(phases):
+            phases = [list(range(len(ids)))]
+        ts = [None] * len(ids)
+        for k in (k for phase in phases for k in phase):
+            t = self.eng.stored_expert(i, ids[k])  # phase 0's are resident: no wait
+            ts[k] = tuple(t[n] for n in spec.mlp) if t is not None else ()  # () failed (exit 4)
+            if len(phases) > 1 and k == phases[0][-1]:
+                self._experts(h, ts, self._wts[: len(ids)].tolist(), phases[:1], nosum=True)
+        self._experts(h, ts, self._wts[: len(ids)].tolist(), phases[-1:], done=phases[:-1])
+
+    def _experts(self, h, ts, ws, run, nosum=False, done=()) -> None:
+        """One library call: experts ts[k] (gate, up, down; () = absent) for k in run[0] into
+        their scratch rows, those in `done` computed by an earlier call; then (unless nosum)
+        h += the weighted sum over every present expert in order."""
+        K, F, D = len(ts), next(t for t in ts if t)[0].shape[0] if any(ts) else 0, h.shape[0]
+        skip = self._skip
+        for k, t in enumerate(ts):
+            skip[k] = 0 if k in run[0] and t else 1 if t and any(k in d for d in done) else 2
+            if k in run[0] and t:
+                self._ptrs[0][k], self._ptrs[1][k], self._ptrs[2][k] = (x.data_ptr() for x in t)
+            self._w[k] = ws[k]
+        if not F:
             return
-        F, D = triples[0][0].shape
-        scratch = self.scratch_of(len(triples) * (F + D))
-        for k, (g, u, d) in enumerate(triples):
-            self._ptrs[0][k], self._ptrs[1][k] = g.data_ptr(), u.data_ptr()
-            self._ptrs[2][k], self._w[k] = d.data_ptr(), weights[k]
-        self.point_mlp(h, scratch)
+        self.point_mlp(h, self.scratch_of(K * (F + D)))
         ptrs = {k: ctypes.addressof(p) for k, p in zip(("gate", "up", "down"), self._ptrs)}
-        ptrs["weights"] = ctypes.addressof(self._w)
-        self.lib.reap_moe_step(step_kernel.put(self.mlp_args, _M, k=len(triples), f=F, **ptrs))
+        ptrs.update(weights=ctypes.addressof(self._w), skip=ctypes.addressof(skip))
+        self.lib.reap_moe_step(step_kernel.put(self.mlp_args, _M, k=K, f=F, nosum=int(nosum),
+                                               **ptrs))  # fmt: skip
+        step_kernel.put(self.mlp_args, _M, skip=0, nosum=0)  # the whole-token call shares it
 
     def point_mlp(self, h: torch.Tensor, scratch: torch.Tensor) -> None:
         """The MLP argument block's fields for one sequence: its input (_x2), the residual h,

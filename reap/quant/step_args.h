@@ -12,7 +12,7 @@
     arg(K) arg(RENORM) arg(WBF16) arg(RND) arg(IDS) arg(WEIGHTS)
 #define REAP_MOE_ARGS(arg) /* reap_moe_step */                                                \
     arg(X2) arg(H) arg(SCRATCH) arg(K) arg(F) arg(D) arg(WBF16) arg(RND) arg(WEIGHTS)        \
-    arg(GATE) arg(UP) arg(DOWN)
+    arg(GATE) arg(UP) arg(DOWN) arg(SKIP) arg(NOSUM)
 #define REAP_TOKEN_ARGS(arg) /* reap_token_step */                                            \
     arg(LAYERS) arg(ATTN) arg(TABLES) arg(DENSE) arg(F) arg(MOE) arg(TIMES) arg(NORM)        \
     arg(HEAD) arg(V) arg(X) arg(LOGITS) arg(POS) arg(EMB) arg(EMB_BF16)

@@ -333,7 +333,10 @@ void reap_residual(float *h, const float *y, int64_t n, int64_t rnd) {
 
 /* The MLP half for one token: h += sum over k (in the given order, fp32) of weight_k *
    down_k(silu(gate_k x2) * up_k x2), each expert output rounded to the activation dtype, the
-   sum rounded before the residual add (a dense MLP is one expert of weight 1). */
+   sum rounded before the residual add (a dense MLP is one expert of weight 1). Expert k's
+   output goes to scratch row K * F + k * D whatever else runs, so a token's experts may be
+   computed over several calls: SKIP (a uint8 [K] or 0) marks those not computed in this call
+   (1: computed by an earlier call, summed; 2: absent, neither), NOSUM leaves h untouched. */
 void reap_moe_step(const int64_t *a) {
     const float *x2 = (const float *)a[M_X2], *wt = (const float *)a[M_WEIGHTS];
     float *h = (float *)a[M_H], *hid = (float *)a[M_SCRATCH];
@@ -341,23 +344,29 @@ void reap_moe_step(const int64_t *a) {
     int wb = (int)a[M_WBF16], rnd = (int)a[M_RND];
     const int64_t *gp = (const int64_t *)a[M_GATE], *up = (const int64_t *)a[M_UP];
     const int64_t *dp = (const int64_t *)a[M_DOWN];
+    const uint8_t *skip = (const uint8_t *)a[M_SKIP];
     float *out = hid + K * F;
     for (int64_t k0 = 0; k0 < K; k0 += MAX_SEG) {
-        int64_t n = K - k0 < MAX_SEG ? K - k0 : MAX_SEG;
+        int64_t end = K - k0 < MAX_SEG ? K : k0 + MAX_SEG, n = 0, run[MAX_SEG];
+        for (int64_t k = k0; k < end; k++)
+            if (!skip || !skip[k]) run[n++] = k;
+        if (!n) continue;
         gemv_t g = {.nseg = (int)n, .wbf16 = wb, .rnd = rnd, .cols = D};
-        for (int64_t k = 0; k < n; k++) {
-            g.s[k] = seg((const void *)gp[k0 + k], x2, hid + (k0 + k) * F, F);
-            g.s[k].w2 = (const void *)up[k0 + k];
+        for (int64_t j = 0; j < n; j++) {
+            g.s[j] = seg((const void *)gp[run[j]], x2, hid + run[j] * F, F);
+            g.s[j].w2 = (const void *)up[run[j]];
         }
         run_gemv(&g);
         gemv_t d = {.nseg = (int)n, .wbf16 = wb, .rnd = rnd, .cols = F};
-        for (int64_t k = 0; k < n; k++)
-            d.s[k] = seg((const void *)dp[k0 + k], hid + (k0 + k) * F, out + (k0 + k) * D, D);
+        for (int64_t j = 0; j < n; j++)
+            d.s[j] = seg((const void *)dp[run[j]], hid + run[j] * F, out + run[j] * D, D);
         run_gemv(&d);
     }
+    if (a[M_NOSUM]) return;
     for (int64_t i = 0; i < D; i++) {
         float y = 0.0f;
-        for (int64_t k = 0; k < K; k++) y += out[k * D + i] * wt[k];
+        for (int64_t k = 0; k < K; k++)
+            if (!skip || skip[k] != 2) y += out[k * D + i] * wt[k];
         h[i] = rb(h[i] + rb(y, rnd), rnd);
     }
 }
