@@ -258,34 +258,36 @@ class NativeDecoder:
 
     def _mlp(self, i: int, spec, a, units: dict, h: torch.Tensor) -> None:
         """The MLP half for one sequence: h += the routed experts' weighted sum (or the dense
-        MLP's output). Experts already resident are computed while the others are read (with
-        OVERLAP; the sum runs once, over every expert in routing order: the same bits)."""
+        MLP's output). With OVERLAP, the resident experts are computed first, then each other
+        one as soon as its read is done, while the later ones are still read (the sum runs once,
+        over every expert in routing order: the same bits as one call)."""
         if spec.router is None:
             ts, ws = [tuple(units[spec.prefix + n] for n in spec.mlp)], [1.0]
-            return self._experts(h, ts, ws, [[0]])
-        ids, cache = self._ids[: spec.top_k].tolist(), self.eng.experts
+            return self._experts(h, ts, ws, [0], set())
+        ids, ws, cache = self._ids[: spec.top_k].tolist(), self._wts[: spec.top_k].tolist(), \
+            self.eng.experts  # fmt: skip
         cache.prefetch(i, ids)
-        here = [(i, e) in cache.tensors for e in ids]
-        phases = [[k for k, r in enumerate(here) if r == first] for first in (True, False)]
-        if not OVERLAP or not all(phases):
+        here = [k for k, e in enumerate(ids) if (i, e) in cache.tensors]
+        phases = [ph for ph in [here, *([k] for k in range(len(ids)) if k not in here)] if ph]
+        if not OVERLAP or len(phases) == 1:
             phases = [list(range(len(ids)))]
-        ts = [None] * len(ids)
-        for k in (k for phase in phases for k in phase):
-            t = self.eng.stored_expert(i, ids[k])  # phase 0's are resident: no wait
-            ts[k] = tuple(t[n] for n in spec.mlp) if t is not None else ()  # () failed (exit 4)
-            if len(phases) > 1 and k == phases[0][-1]:
-                self._experts(h, ts, self._wts[: len(ids)].tolist(), phases[:1], nosum=True)
-        self._experts(h, ts, self._wts[: len(ids)].tolist(), phases[-1:], done=phases[:-1])
+        ts, done = [None] * len(ids), set()
+        for p, phase in enumerate(phases):  # the get order is fixed: so are the cache's counts
+            for k in phase:
+                t = self.eng.stored_expert(i, ids[k])  # waits for this one's read only
+                ts[k] = tuple(t[n] for n in spec.mlp) if t is not None else ()  # () failed (exit 4)
+            self._experts(h, ts, ws, phase, done, nosum=p < len(phases) - 1)
+            done.update(phase)
 
-    def _experts(self, h, ts, ws, run, nosum=False, done=()) -> None:
-        """One library call: experts ts[k] (gate, up, down; () = absent) for k in run[0] into
+    def _experts(self, h, ts, ws, run, done: set, nosum=False) -> None:
+        """One library call: experts ts[k] (gate, up, down; () = absent) for k in `run` into
         their scratch rows, those in `done` computed by an earlier call; then (unless nosum)
         h += the weighted sum over every present expert in order."""
         K, F, D = len(ts), next(t for t in ts if t)[0].shape[0] if any(ts) else 0, h.shape[0]
         skip = self._skip
         for k, t in enumerate(ts):
-            skip[k] = 0 if k in run[0] and t else 1 if t and any(k in d for d in done) else 2
-            if k in run[0] and t:
+            skip[k] = 2 if not t else 0 if k in run else 1 if k in done else 2
+            if k in run and t:
                 self._ptrs[0][k], self._ptrs[1][k], self._ptrs[2][k] = (x.data_ptr() for x in t)
             self._w[k] = ws[k]
         if not F:
