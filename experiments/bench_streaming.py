@@ -188,9 +188,8 @@ from reap.engine import core
 core.RESIDENT_SHARE = a.get("share", core.RESIDENT_SHARE)
 eng = Engine.open(a["model"], budget=a["budget"], context=a["ctx"], dtype=a["dtype"],
                   direct=a["direct"], resident_from=a.get("resident_from"))
-if "half_life" in a:  # "token": one decode token's expert uses (MoE layers x top-k)
-    token = len(eng.binding.expert_layers) * eng.plan_bytes.top_k
-    eng.experts.half_life = token if a["half_life"] == "token" else a["half_life"]
+if "half_life" in a:  # the engine's: one decode token's expert uses (MoE layers x top-k)
+    eng.experts.half_life = a["half_life"]
 if a["policy"].endswith("lru"):
     eng.experts.half_life = 1  # each use outweighs all earlier ones
 elif a["policy"] == "none":
@@ -378,7 +377,7 @@ def resident_section(model: Model, args, work: Path) -> dict:
             "dtype": dtype, "direct": not args.buffered}  # fmt: skip
     policies = {"resident-from": {"policy": "lfu", "resident_from": str(stats)},
                 "resident-from+lru": {"policy": "resident+lru", "resident_from": str(stats)},
-                "lfu": {"policy": "lfu"}, "lfu-token": {"policy": "lfu", "half_life": "token"},
+                "lfu": {"policy": "lfu"}, "lfu-4096": {"policy": "lfu", "half_life": 4096},
                 "lru": {"policy": "lru"}, "none": {"policy": "none"}}
     rows = []
     for corpus in ("code", "zh"):

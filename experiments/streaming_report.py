@@ -80,7 +80,7 @@ def floor_table(rows: list[dict]) -> list[str]:
 
 
 def resident_table(sec: dict) -> list[str]:
-    pols = [p for p in ("resident-from", "resident-from+lru", "lfu", "lfu-token", "lru", "none")
+    pols = [p for p in ("resident-from", "resident-from+lru", "lfu", "lfu-4096", "lru", "none")
             if any(p in r for r in sec["rows"])]  # fmt: skip
     out = [f"Statistics: `reap calibrate` on `code` ({sec['stats']}); one-token steps over "
            f"held-out sequences; dtype {sec['dtype']}.", "",

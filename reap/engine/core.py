@@ -118,7 +118,7 @@ class Engine:
         memory.check_available(plan, available)
         counts = resident_from and routed_counts(resident_from, b.expert_layers, b.n_experts)
         reader, trunk, experts = _stores(ckpt, fam, cfg, b, plan, direct, device, preload,
-                                         counts and (counts, mb.top_k))
+                                         mb.top_k, counts)
         eng = cls(
             plan_bytes=mb, path=str(model), config=ckpt.config, fam=fam, cfg=cfg, binding=b,
             plan=plan, reader=reader, trunk=trunk, experts=experts, device=device,
@@ -309,10 +309,11 @@ def _open_checkpoint(model):
 
 
 def _stores(ckpt, fam, cfg, b: Binding, plan: memory.MemoryPlan, direct: bool, device: str,
-            preload: bool, resident=None):
-    """The reader, the trunk store (pinned units read now) and the expert cache (slab held; with
-    `resident` = ((layer, expert) -> routed tokens, top_k), the most routed experts pinned in
-    RESIDENT_SHARE of the slots, at least one layer's top_k slots left to the rest)."""
+            preload: bool, top_k: int, resident=None):
+    """The reader, the trunk store (pinned units read now) and the expert cache (slab held, a
+    half-life of one decode token's expert uses; with `resident` = (layer, expert) -> routed
+    tokens, the most routed experts pinned in RESIDENT_SHARE of the slots, at least one layer's
+    top_k slots left to the rest)."""
     reader = BufferReader(ckpt, direct=direct, kinds=IO_KINDS)
     try:
         trunk = TrunkStore(reader, b.units, plan.pinned, plan.ring_slots, plan.slot_bytes,
@@ -321,15 +322,16 @@ def _stores(ckpt, fam, cfg, b: Binding, plan: memory.MemoryPlan, direct: bool, d
         reader.close()
         raise
     names = functools.partial(fam.expert_tensor_names, cfg)  # (layer, expert) -> stored names
-    experts = ExpertCache(reader, plan.expert_cache, names, fam.expert_matrices, device=device)
+    experts = ExpertCache(reader, plan.expert_cache, names, fam.expert_matrices,
+                          half_life=max(1, len(b.expert_layers) * top_k), device=device)
     keys = [(layer, e) for layer in b.expert_layers for e in range(b.n_experts)]
     experts.reserve(keys)
     if preload and experts.preload(keys):  # when the cache holds every expert, read them all now
         return reader, trunk, experts
     if resident:
         size = lambda k: sum(reader.info(n).nbytes for n in names(*k))
-        stored = {k: c for k, c in resident[0].items() if experts.stored(k)}
-        room = min(int(RESIDENT_SHARE * experts.n_slots), experts.n_slots - resident[1])
+        stored = {k: c for k, c in resident.items() if experts.stored(k)}
+        room = min(int(RESIDENT_SHARE * experts.n_slots), experts.n_slots - top_k)
         experts.pin(resident_keys(stored, size, room))
     return reader, trunk, experts
 
