@@ -346,9 +346,18 @@ def run_model(name: str, work: Path, tools: Path, tree: Path, args) -> dict:
     return res
 
 
+def save_report(out: Path, res: dict, render) -> None:
+    """`out`.json (the results) and `out`.md (`render(res)`), each written atomically; the
+    markdown printed."""
+    from reap.fileio import write_atomic
+
+    write_atomic(out.with_suffix(".json"), json.dumps(res, indent=1).encode())
+    write_atomic(out.with_suffix(".md"), render(res).encode())
+    print(render(res))
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    from reap.fileio import write_atomic
     from reap.provenance import code_version
 
     t0, l0 = time.time(), load()
@@ -363,10 +372,7 @@ def main(argv: list[str] | None = None) -> None:
         "draft": args.draft, "cpu": cpu(),
         "models": models,
     }  # fmt: skip
-    out = ROOT / args.out
-    write_atomic(out.with_suffix(".json"), json.dumps(res, indent=1).encode())
-    write_atomic(out.with_suffix(".md"), report(res).encode())
-    print(report(res))
+    save_report(ROOT / args.out, res, report)
 
 
 if __name__ == "__main__":

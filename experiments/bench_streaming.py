@@ -53,7 +53,7 @@ import sys
 import time
 from pathlib import Path
 
-from experiments.bench_llamacpp import cpu, ensure_llamacpp
+from experiments.bench_llamacpp import cpu, ensure_llamacpp, save_report
 from experiments.llamacpp_models import (
     QWEN_1B,
     Model,
@@ -112,34 +112,28 @@ def probes() -> dict:
 
 def direct_bandwidth(path: Path, limit: int = 1 << 30, block: int = 4 << 20) -> float:
     """GB/s of 4 MB aligned O_DIRECT reads of `path` (at most `limit` bytes), page cache bypassed."""
-    import mmap
-
-    buf = mmap.mmap(-1, block)  # page-aligned, as O_DIRECT wants
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-    try:
-        n, t0 = 0, time.perf_counter()
-        while n < limit:
-            got = os.preadv(fd, [buf], n)
-            if got <= 0:
-                break
-            n += got
-        return n / (time.perf_counter() - t0) / 1e9
-    finally:
-        os.close(fd)
+    return _direct_gbps(path, block, lambda size: range(0, min(limit, size), block))
 
 
 def random_bandwidth(path: Path, piece: int, n: int = 48, seed: int = 0) -> float:
     """GB/s of O_DIRECT reads of `piece` bytes (one expert, rounded up to 4096) at random 4096-
     aligned offsets of `path`, one at a time: what reap's misses ask of the disk."""
-    import mmap
     import random
 
-    piece = -(-piece // 4096) * 4096
-    buf, rng = mmap.mmap(-1, piece), random.Random(seed)
+    piece, rng = -(-piece // 4096) * 4096, random.Random(seed)
+    return _direct_gbps(path, piece, lambda size: [rng.randrange(0, size - piece) // 4096 * 4096
+                                                   for _ in range(n)])  # fmt: skip
+
+
+def _direct_gbps(path: Path, block: int, offsets) -> float:
+    """GB/s of O_DIRECT reads of `block` bytes at `offsets(file size)`, one after another."""
+    import mmap
+
+    buf = mmap.mmap(-1, block)  # page-aligned, as O_DIRECT wants
     fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
     try:
-        last, t0 = os.fstat(fd).st_size - piece, time.perf_counter()
-        got = sum(os.preadv(fd, [buf], rng.randrange(0, last) // 4096 * 4096) for _ in range(n))
+        where, t0 = offsets(os.fstat(fd).st_size), time.perf_counter()
+        got = sum(os.preadv(fd, [buf], at) for at in where)
         return got / (time.perf_counter() - t0) / 1e9
     finally:
         os.close(fd)
@@ -184,15 +178,11 @@ import torch
 from reap.engine import Engine
 from reap.engine.experts import ExpertCache
 torch.set_num_threads(a["threads"])
-from reap.engine import core
-core.RESIDENT_SHARE = a.get("share", core.RESIDENT_SHARE)
 eng = Engine.open(a["model"], budget=a["budget"], context=a["ctx"], dtype=a["dtype"],
                   direct=a["direct"], resident_from=a.get("resident_from"))
-if "half_life" in a:  # the engine's: one decode token's expert uses (MoE layers x top-k)
-    eng.experts.half_life = a["half_life"]
-if a["policy"].endswith("lru"):
-    eng.experts.half_life = 1  # each use outweighs all earlier ones
-elif a["policy"] == "none":
+if "half_life" in a:  # else the engine's: one decode token's expert uses
+    eng.experts.half_life = a["half_life"]  # 1: each use outweighs all earlier ones (LRU)
+if a["policy"] == "none":
     old = eng.experts
     eng.experts = ExpertCache(eng.reader, 0, old.names_of, old.matrices_of)
     old.close()
@@ -251,13 +241,9 @@ def cell_runs(model: Model, dtype: str, cap: int, args, rep: int) -> dict:
     """One repetition of a cap: per engine (order by repetition) a cold run in a fresh cgroup
     after dropping the page cache, then a warm run in the same cgroup."""
     ck, gguf = model.ckpts[dtype], model.ggufs[dtype]
-    ctx = len(PROMPT) + args.decode + 8
-    arg = {"prompt": PROMPT, "decode": args.decode, "threads": args.threads, "ctx": ctx}
-    eng = {
-        "reap": (REAP, {**arg, "model": str(ck), "budget": int(BUDGET_FRACTION * cap),
-                        "dtype": dtype, "direct": not args.buffered, "policy": "lfu"}),
-        "llama.cpp": (LLAMA, {**arg, "gguf": str(gguf)}),
-    }  # fmt: skip
+    arg = decode_args(args)
+    eng = {"reap": (REAP, reap_args(model, dtype, args, int(BUDGET_FRACTION * cap))),
+           "llama.cpp": (LLAMA, {**arg, "gguf": str(gguf)})}  # fmt: skip
     order = list(eng) if rep % 2 == 0 else list(eng)[::-1]
     out: dict = {}
     for who in order:
@@ -271,6 +257,18 @@ def cell_runs(model: Model, dtype: str, cap: int, args, rep: int) -> dict:
     piece = max((out["reap"][s].get("expert_bytes", 0) for s in ("cold", "warm")), default=0)
     out["random_gbps"] = random_bandwidth(files[-1], piece, seed=rep) if piece else None
     return out
+
+
+def decode_args(args) -> dict:
+    """What both runners of a cell take: the prompt, decode tokens, threads, context."""
+    return {"prompt": PROMPT, "decode": args.decode, "threads": args.threads,
+            "ctx": len(PROMPT) + args.decode + 8}  # fmt: skip
+
+
+def reap_args(model: Model, dtype: str, args, budget: int) -> dict:
+    """The reap runner's arguments for a cell under `budget` bytes (the engine's cache policy)."""
+    return {**decode_args(args), "model": str(model.ckpts[dtype]), "budget": budget,
+            "dtype": dtype, "direct": not args.buffered, "policy": "lfu"}  # fmt: skip
 
 
 def valid(run: dict, threads: int) -> bool:
@@ -320,10 +318,7 @@ def summarize(runs: list[dict], threads: int, compute_s: float | None = None) ->
 def in_ram(model: Model, dtype: str, args) -> float | None:
     """reap's decode s/token with the whole model in RAM (no cap; median of --reps runs, valid
     ones): the compute term of the floor. None if no run was valid."""
-    size = ckpt_bytes(model.ckpts[dtype])
-    a = {"prompt": PROMPT, "decode": args.decode, "threads": args.threads, "model":
-         str(model.ckpts[dtype]), "ctx": len(PROMPT) + args.decode + 8, "budget": 2 * size
-         + (2 << 30), "dtype": dtype, "direct": not args.buffered, "policy": "lfu"}  # fmt: skip
+    a = reap_args(model, dtype, args, 2 * ckpt_bytes(model.ckpts[dtype]) + (2 << 30))
     runs = [run("reap", REAP, a, None, args.threads, Path(args.tools)) for _ in range(args.reps)]
     ok = [1 / r["decode"] for r in runs if valid(r, args.threads)]
     print(model.name, dtype, "in RAM s/token", ok, flush=True)
@@ -376,9 +371,9 @@ def resident_section(model: Model, args, work: Path) -> dict:
             "model": str(model.ckpts[dtype]), "budget": int(BUDGET_FRACTION * cap),
             "dtype": dtype, "direct": not args.buffered}  # fmt: skip
     policies = {"resident-from": {"policy": "lfu", "resident_from": str(stats)},
-                "resident-from+lru": {"policy": "resident+lru", "resident_from": str(stats)},
+                "resident-from+lru": {"policy": "lru", "half_life": 1, "resident_from": str(stats)},
                 "lfu": {"policy": "lfu"}, "lfu-4096": {"policy": "lfu", "half_life": 4096},
-                "lru": {"policy": "lru"}, "none": {"policy": "none"}}
+                "lru": {"policy": "lru", "half_life": 1}, "none": {"policy": "none"}}
     rows = []
     for corpus in ("code", "zh"):
         seqs = held_out(model, dtype, corpus, args.policy_seqs, args.policy_len)
@@ -456,7 +451,6 @@ def main(argv=None) -> None:
         print(f"# llama.cpp runner\n{LLAMA}\n# reap runner\n{REAP}")
         return
     from experiments.streaming_report import report
-    from reap.fileio import write_atomic
     from reap.provenance import code_version
 
     t0, p0 = time.time(), probes()
@@ -479,10 +473,7 @@ def main(argv=None) -> None:
         res["models"][name] = m
     res.update(minutes=(time.time() - t0) / 60, probes=[p0, probes()],
                self_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
-    out = ROOT / args.out
-    write_atomic(out.with_suffix(".json"), json.dumps(res, indent=1).encode())
-    write_atomic(out.with_suffix(".md"), report(res).encode())
-    print(report(res))
+    save_report(ROOT / args.out, res, report)
 
 
 if __name__ == "__main__":

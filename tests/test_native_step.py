@@ -146,8 +146,8 @@ def test_native_decode_is_thread_batch_and_budget_invariant(models, dtype, monke
         budget = eng.plan.total - 3 * max(eng.plan_bytes.expert_bytes)
     gathered, resident, split = [], [], []
     experts = native.NativeDecoder._experts  # a decode step's resident experts run first
-    monkeypatch.setattr(native.NativeDecoder, "_experts",
-                        lambda self, *a, **k: split.append(k.get("nosum")) or experts(self, *a, **k))
+    monkeypatch.setattr(native.NativeDecoder, "_experts", lambda self, *a, **k:
+                        split.append(k.get("nosum")) or experts(self, *a, **k))
     assert torch.equal(_logits(path, dtype, monkeypatch, budget=budget, tables=gathered), one)
     assert True in split  # ... while the others were read: the same bits
     assert torch.equal(_logits(path, dtype, monkeypatch, tables=resident), one)

@@ -31,12 +31,14 @@ class ExpertCache:
     Why LFU with aging and not LRU: a decode step visits every MoE layer in order, so the
     experts it touches form a cyclic scan much larger than most caches; LRU evicts each expert
     just before the next token wants it again, while LFU keeps the experts the router keeps
-    choosing. Aging (each hit weighs 2^(t/half_life) for access counter t) lets the resident set
-    follow a change of topic; the engine sets the half-life to one decode token's expert uses
-    (MoE layers x top-k): with 4096 uses (43 tokens of a 12-layer top-8 model) the first
-    tokens' experts held the cache and it hit 0.43 of teacher-forced text where LRU hit 0.89,
-    with one token's 0.89 (`reports/streaming-policy.md`). Experts fetched in the current layer are never evicted until
-    `release()`: the model may still hold views of them.
+    choosing. Among experts used equally often aging ranks by recency, so a cache smaller than
+    one token's expert uses still cycles (`reports/streaming.md` at a 25 % cap: no hits).
+    Aging (each hit weighs 2^(t/half_life) for access counter t) lets the resident set follow
+    a change of topic; the engine sets the half-life to one decode token's expert uses (MoE
+    layers x top-k): with 4096 uses (43 tokens of a 12-layer top-8 model) the first tokens'
+    experts held the cache and it hit 0.43 of teacher-forced text where LRU hit 0.89, with one
+    token's 0.89 (`reports/streaming-policy.md`). Experts fetched in the current layer are
+    never evicted until `release()`: the model may still hold views of them.
 
     A failed read (corrupt bytes included: with `matrices_of`, each read's quantized matrices
     are checked by their codecs) raises nothing: it is recorded in `failed` and the expert is
