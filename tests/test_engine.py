@@ -215,27 +215,44 @@ def test_ring_streams_every_unit_with_prefetch_and_pinned_units_stay(tiny):
 
 
 class NaiveLFU:
-    """Brute-force reference of ExpertCache's policy: score += 2^(t/half_life) per access,
-    evict the lowest (score, key) not used in the current layer."""
+    """Brute-force reference of ExpertCache's policy: every use adds 2^(t/half_life) to the
+    expert's count; a miss takes a free slot, else evicts the oldest staged expert not used in
+    the current layer, else the lowest (count, key) admitted one. Once no slot is free, an
+    expert (new or staged) is (re)staged as the newest instead of admitted if the lowest
+    admitted count is at least one use's weight a half-life ago and not below this expert's
+    count before this use."""
 
     def __init__(self, slots, half_life):
         self.slots, self.half_life, self.t = slots, half_life, 0
-        self.score, self.resident, self.in_use = {}, set(), set()
+        self.seen, self.admitted, self.staged, self.in_use = {}, set(), [], set()
+
+    @property
+    def resident(self):
+        return self.admitted | set(self.staged)
 
     def access(self, key):
         self.t += 1
         self.in_use.add(key)
         hit = key in self.resident
-        if not hit:
-            if len(self.resident) >= self.slots:
-                victims = [(self.score[k], k) for k in self.resident if k not in self.in_use]
-                if not victims:
-                    return hit
-                victim = min(victims)[1]
-                self.resident.discard(victim)
-                del self.score[victim]
-            self.resident.add(key)
-        self.score[key] = self.score.get(key, 0.0) + 2.0 ** (self.t / self.half_life)
+        if not hit and len(self.resident) >= self.slots:
+            staged = [k for k in self.staged if k not in self.in_use]
+            admitted = [(self.seen[k], k) for k in self.admitted if k not in self.in_use]
+            if staged:
+                self.staged.remove(staged[0])
+            elif admitted:
+                self.admitted.discard(min(admitted)[1])
+            else:
+                return hit  # read into a transient buffer, not counted
+        w, before = 2.0 ** (self.t / self.half_life), self.seen.get(key, 0.0)
+        self.seen[key] = before + w
+        if key not in self.admitted:
+            self.staged = [k for k in self.staged if k != key]
+            full = len(self.resident | {key}) >= self.slots
+            low = min((self.seen[k] for k in self.admitted), default=float("-inf"))
+            if full and low >= w / 2 and before <= low:
+                self.staged.append(key)
+            else:
+                self.admitted.add(key)
         return hit
 
 
@@ -249,6 +266,7 @@ def test_expert_cache_matches_a_brute_force_lfu_with_aging(tiny):
     naive = NaiveLFU(6, 16)
     g = torch.Generator().manual_seed(0)
     popular = torch.tensor([0, 1, 2, 3] * 3 + list(range(16)))
+    staged = 0
     for step in range(300):
         layer = 1 + step % 3
         for e in sorted(set(popular[torch.randint(0, len(popular), (3,), generator=g)].tolist())):
@@ -258,8 +276,28 @@ def test_expert_cache_matches_a_brute_force_lfu_with_aging(tiny):
             assert torch.equal(t["w2.weight_packed"], ck.read(expert_names(layer, e)[2]))
         cache.release()
         naive.in_use.clear()
-        assert set(cache.tensors) == naive.resident
-    assert 0 < cache.hits < 900 and r.io.reads == cache.misses
+        assert set(cache.tensors) == naive.resident and list(cache._staged) == naive.staged
+        staged += bool(naive.staged)
+    assert 0 < cache.hits < 900 and r.io.reads == cache.misses and staged > 0
+
+
+def test_expert_cache_smaller_than_a_token_keeps_the_experts_it_admitted(tiny):
+    """A cyclic scan of 12 experts a token through 8 slots: LRU (as LFU without admission)
+    evicts each expert just before its next use and hits nothing; with admission the slots
+    beside one layer's 4 misses keep their experts, which hit on every token."""
+    ck = Checkpoint.open(tiny)
+    fam = family(ck.config)
+    expert_names = functools.partial(fam.expert_tensor_names, fam.Config.from_dict(ck.config))
+    one = sum(ck.tensors[n].nbytes for n in expert_names(1, 0))
+    for half_life in (12, 1):  # one token's uses; LRU
+        cache = ExpertCache(BufferReader(ck), 8 * one, expert_names, half_life=half_life)
+        for token in range(20):
+            hits = cache.hits
+            for layer in (1, 2, 3):
+                cache.prefetch(layer, range(4))
+                [cache.get(layer, e) for e in range(4)]
+                cache.release()
+        assert cache.hits - hits == (8 - 4 if half_life == 12 else 0)  # the last token's
 
 
 # -- the engine against the reference forward ---------------------------------------------------

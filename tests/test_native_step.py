@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from reap.engine import Engine, native, native_token
+from reap.engine.experts import ExpertCache
 from reap.quant import step_kernel
 
 pytestmark = pytest.mark.skipif(step_kernel.library() is None, reason="no C compiler")
@@ -144,12 +145,16 @@ def test_native_decode_is_thread_batch_and_budget_invariant(models, dtype, monke
     # room is a few experts short of the whole model's), or from the resident table
     with Engine.open(path, preset="max", context=64, dtype=dtype, batch=2, baseline=0) as eng:
         budget = eng.plan.total - 3 * max(eng.plan_bytes.expert_bytes)
-    gathered, resident, split = [], [], []
+    gathered, resident, split, runs = [], [], [], []
     experts = native.NativeDecoder._experts  # a decode step's resident experts run first
     monkeypatch.setattr(native.NativeDecoder, "_experts", lambda self, *a, **k:
                         split.append(k.get("nosum")) or experts(self, *a, **k))
+    moe = native.NativeDecoder.moe_call  # a prefill's experts in runs as their reads are done
+    monkeypatch.setattr(native.NativeDecoder, "moe_call", lambda self, *a:
+                        runs.append(len(a) == 6 and a[5] is not None) or moe(self, *a))
+    monkeypatch.setattr(ExpertCache, "ready", lambda self, layer, e: e % 3 != 0)  # runs of 3
     assert torch.equal(_logits(path, dtype, monkeypatch, budget=budget, tables=gathered), one)
-    assert True in split  # ... while the others were read: the same bits
+    assert True in split and True in runs  # ... while the others were read: the same bits
     assert torch.equal(_logits(path, dtype, monkeypatch, tables=resident), one)
     assert False in gathered and resident and all(resident)
 

@@ -31,14 +31,17 @@ class ExpertCache:
     Why LFU with aging and not LRU: a decode step visits every MoE layer in order, so the
     experts it touches form a cyclic scan much larger than most caches; LRU evicts each expert
     just before the next token wants it again, while LFU keeps the experts the router keeps
-    choosing. Among experts used equally often aging ranks by recency, so a cache smaller than
-    one token's expert uses still cycles (`reports/streaming.md` at a 25 % cap: no hits).
-    Aging (each hit weighs 2^(t/half_life) for access counter t) lets the resident set follow
-    a change of topic; the engine sets the half-life to one decode token's expert uses (MoE
-    layers x top-k): with 4096 uses (43 tokens of a 12-layer top-8 model) the first tokens'
-    experts held the cache and it hit 0.43 of teacher-forced text where LRU hit 0.89, with one
-    token's 0.89 (`reports/streaming-policy.md`). Experts fetched in the current layer are
-    never evicted until `release()`: the model may still hold views of them.
+    choosing. Aging (each use weighs 2^(t/half_life) for access counter t) lets the resident set
+    follow a change of topic; the engine sets the half-life to one decode token's expert uses
+    (MoE layers x top-k): with 4096 uses the first tokens' experts held the cache and it hit
+    0.43 of teacher-forced text where LRU hit 0.89 (`reports/streaming-policy.md`).
+
+    Admission: every expert's aged use count is kept (`seen`), resident or not. Once no slot is
+    free, an expert read in is admitted to the ranked set only if its count beats the lowest
+    admitted one; else it is staged: staged experts are evicted first, oldest first. Without
+    it a cache smaller than one token's expert uses evicted each expert just before its next
+    use and hit nothing (`reports/streaming.md`, 25 % cap). Experts fetched in the current
+    layer are never evicted until `release()`: the model may still hold views of them.
 
     A failed read (corrupt bytes included: with `matrices_of`, each read's quantized matrices
     are checked by their codecs) raises nothing: it is recorded in `failed` and the expert is
@@ -56,7 +59,9 @@ class ExpertCache:
         self.n_slots = 0
         self.where: dict[tuple[int, int], int] = {}  # key -> slot
         self.tensors: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
-        self.score: dict[tuple[int, int], float] = {}
+        self.score: dict[tuple[int, int], float] = {}  # the admitted residents' counts
+        self.seen: dict[tuple[int, int], float] = {}  # every expert's aged use count
+        self._staged: dict[tuple[int, int], None] = {}  # residents not admitted, oldest first
         self._heap: list[tuple[float, tuple[int, int]]] = []
         self._free: list[int] = []
         self._in_use: set[tuple[int, int]] = set()
@@ -147,6 +152,11 @@ class ExpertCache:
         self.misses += 1
         return self._install(key, self._pending.pop(key, None) or self._start(key, False))
 
+    def ready(self, layer: int, expert: int) -> bool:
+        """Whether `get` would return at once: resident, or its background read is done."""
+        fut = self._pending.get((layer, expert))
+        return (layer, expert) in self.tensors or fut is not None and fut.done()
+
     def count_hits(self, n: int) -> None:
         """n uses of resident experts served without `get` (a compiled token step, only while
         every expert is resident: nothing can be evicted then, so scores no longer matter)."""
@@ -211,21 +221,34 @@ class ExpertCache:
             if count or key in self.pinned:
                 self._bump(key)
             else:  # prefetched but never asked for: first in line for eviction
-                self.score[key] = 0.0
-                heapq.heappush(self._heap, (0.0, key))
+                self._staged[key] = None
         return out
 
     def _bump(self, key: tuple[int, int]) -> None:
-        if key in self.pinned:  # never a candidate for eviction: kept off the heap
-            return
-        self.score[key] = self.score.get(key, 0.0) + 2.0 ** (self.clock / self.half_life)
-        heapq.heappush(self._heap, (self.score[key], key))
         if self.clock > 64 * self.half_life:  # renormalize before the weights overflow
             self._rescale()
+        w, before = 2.0 ** (self.clock / self.half_life), self.seen.get(key, 0.0)
+        self.seen[key] = before + w
+        if key in self.pinned:  # never a candidate for eviction: kept off the heap
+            return
+        self._staged.pop(key, None)
+        low = self._lowest() if key not in self.score and not self._free else float("-inf")
+        if low >= w / 2 and before <= low:  # the cache cycles and this one is no more used
+            self._staged[key] = None  # (re)staged as the newest
+            return
+        self.score[key] = self.seen[key]
+        heapq.heappush(self._heap, (self.score[key], key))
+
+    def _lowest(self) -> float:
+        """The lowest admitted count (stale heap entries dropped); -inf if none is admitted."""
+        while self._heap and self.score.get(self._heap[0][1]) != self._heap[0][0]:
+            heapq.heappop(self._heap)
+        return self._heap[0][0] if self._heap else float("-inf")
 
     def _rescale(self) -> None:
         f = 2.0 ** (-self.clock / self.half_life)
         self.score = {k: s * f for k, s in self.score.items() if k in self.tensors}
+        self.seen = {k: s * f for k, s in self.seen.items()}
         self.clock = 0
         self._heap = [(s, k) for k, s in self.score.items()]
         heapq.heapify(self._heap)
@@ -234,6 +257,10 @@ class ExpertCache:
         """A free slot, evicting the least-valued resident expert not in use; None if all are."""
         if self._free:
             return self._free.pop()
+        victim = next((k for k in self._staged if k not in self._in_use), None)
+        if victim is not None:
+            del self._staged[victim], self.tensors[victim]
+            return self.where.pop(victim)
         skipped = []
         slot = None
         while self._heap:

@@ -173,26 +173,31 @@ class NativeDecoder:
 
     def routed(self, i: int, spec, flat, ids, weights, E: int) -> torch.Tensor | None:
         """Layer i's routed experts of the tokens flat [N, D] routed to ids, weights [N, K]
-        (E experts) -> [N, D] fp32: one library call, or one per expert (ascending, each adding
-        to the sums: the same bits) when the used experts are more than the cache holds at
-        once. None in bf16 above PAIR_ROWS tokens an expert (see `moe`)."""
+        (E experts) -> [N, D] fp32, in calls over ascending runs of experts, each adding to the
+        sums (the same bits as one call): a run is the next expert (waiting for its read) and
+        those after it already read, so the products overlap the later reads; one expert a call
+        when the used experts are more than the cache holds at once. None in bf16 above
+        PAIR_ROWS tokens an expert (see `moe`)."""
         used = sorted(set(ids.reshape(-1).tolist()))
         if self.rnd and ids.numel() > step_kernel.PAIR_ROWS * len(used):
             return None  # torch's bf16 matmul (dot-product instructions) is faster here
         if self.token.ready():  # the whole-token path's tables (the call reads the used rows)
             self.eng.experts.count_hits(len(used))
             return self.moe_call(flat, ids, weights, *self.token.expert_table(i))
-        self.eng.experts.prefetch(i, used)  # as the torch path's MoE: reads start at once
-        one = len(used) <= self.eng.experts.n_slots
-        y = None if one else torch.zeros(flat.shape, dtype=torch.float32)
-        for group in [used] if one else [[e] for e in used]:
+        cache, y, k = self.eng.experts, None, 0
+        cache.prefetch(i, used)  # as the torch path's MoE: reads start at once
+        one = len(used) <= cache.n_slots
+        while k < len(used):
+            n = 1
+            while one and k + n < len(used) and cache.ready(i, used[k + n]):
+                n += 1
             table, F = torch.zeros(E, 3, dtype=torch.int64), 0  # [E, 3] gate/up/down pointers
-            held = [(e, self.eng.stored_expert(i, e)) for e in group]  # until the call returns
+            held = [(e, self.eng.stored_expert(i, e)) for e in used[k : k + n]]  # until the call
             for e, t in held:
                 if t is not None:  # failed to load: contributes nothing (recorded, exit 4)
-                    table[e] = torch.tensor([t[n].data_ptr() for n in spec.mlp])
+                    table[e] = torch.tensor([t[m].data_ptr() for m in spec.mlp])
                     F = t[spec.mlp[0]].shape[0]
-            y = self.moe_call(flat, ids, weights, table, F, y)
+            y, k = self.moe_call(flat, ids, weights, table, F, y), k + n
         return y
 
     def moe_call(self, flat, ids, weights, table, F: int, y=None) -> torch.Tensor:
