@@ -23,7 +23,8 @@ Measured here at 1-2 cores only; the split below is what a larger machine change
 - **Serial**: the layer order (layer i+1 needs layer i's output), and within a layer attention ->
   routing -> expert reads. Once the routing is known, the experts already resident are computed
   while the misses are read, and each miss is computed as soon as its read is done
-  (`NativeDecoder._mlp`), so a layer costs about attention + max(its misses' reads, its expert
+  (`NativeDecoder._mlp`; in prefill, `NativeDecoder.routed` computes ascending runs of experts as
+  their reads complete), so a layer costs about attention + max(its misses' reads, its expert
   products); but a layer's reads cannot start before its routing. Reading the next layer's
   likely experts early (its router on the current residual stream) was tried: on these random
   models only 28 % of the guessed experts were then routed to and bytes read per token doubled,
