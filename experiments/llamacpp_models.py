@@ -14,6 +14,8 @@ directory, and their GGUF conversions by llama.cpp's own `convert_hf_to_gguf.py`
   and layout (`reap.quant.mxfp4.quantize`), so the converter keeps them MXFP4 and reap runs
   its MXFP4 kernels. One checkpoint serves both compute dtypes; the GGUFs differ only in the
   trunk (F32 or BF16), the experts stay MXFP4.
+- `gptoss-big`: the same layout with hidden 2048, 64 experts top-4 of width 2048, 32/8 heads
+  of 64 (under `--work`-big): 9.9 B parameters, 797 M active, 5.6 GB with MXFP4 experts.
 
 Weights are random at a trained model's scale (normal / sqrt(fan-in); norms 1 + 0.1 normal;
 biases and attention sinks 0.1 normal), not transformers' initializer. Every checkpoint carries
@@ -50,6 +52,8 @@ GPTOSS = {
     },
     "tie_word_embeddings": False,
 }  # fmt: skip
+GPTOSS_BIG = {**GPTOSS, "hidden_size": 2048, "intermediate_size": 2048, "num_local_experts": 64,
+              "num_attention_heads": 32, "num_key_value_heads": 8}  # fmt: skip
 LLAMA_CPP_PYTHON = "0.3.36"  # the source package llama.cpp and its Python bindings come from
 EXPERTS = ("gate_up_proj", "down_proj")  # GPT-OSS's fused expert matrices, [E, in, out]
 
@@ -249,9 +253,11 @@ def _upcast(src: Path, out: Path) -> None:
     _ = torch  # the upcast above is torch's
 
 
-def gptoss(work: Path) -> Path:
-    """The GPT-OSS checkpoint: bfloat16 trunk, MXFP4 experts in the release's layout."""
-    out = work / "gptoss-mxfp4"
+def gptoss(work: Path, cfg: dict = GPTOSS, name: str = "gptoss-mxfp4") -> Path:
+    """The GPT-OSS checkpoint: bfloat16 trunk, MXFP4 experts in the release's layout, made one
+    layer at a time (a one-layer model of that layer's attention type, saved as its own shard:
+    a layer's float32 experts are the most ever in memory)."""
+    out = work / name
     if (out / "config.json").is_file():
         return out
     import torch
@@ -262,51 +268,67 @@ def gptoss(work: Path) -> Path:
     from reap.quant import mxfp4
 
     transformers.logging.set_verbosity_error()
-    torch.manual_seed(0)
-    model = GptOssForCausalLM(GptOssConfig(**GPTOSS)).eval()
-    _randomize(model, fan_in_axis=-2)
-    tensors = {}
-    for name, p in model.state_dict().items():
-        if name.split(".")[-1] not in EXPERTS:
-            tensors[name] = p.to(torch.bfloat16).contiguous()
-            continue
-        packed, scales = mxfp4.quantize(
-            p.transpose(1, 2).contiguous()
-        )  # [E, out, in/2], [E, out, in/32]
-        tensors[name + "_blocks"] = packed.reshape(*scales.shape, 16).contiguous()
-        tensors[name + "_scales"] = scales.contiguous()
-    out.mkdir(parents=True, exist_ok=True)
-    model.config.save_pretrained(out)
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    rope = dict(GPTOSS["rope_parameters"])
+    tmp, weight_map = work / f"{name}.part", {}
+    tmp.mkdir(parents=True, exist_ok=True)
+    for i, kind in enumerate(cfg["layer_types"]):
+        print(f"making {name} layer {i + 1}/{len(cfg['layer_types'])}", flush=True)
+        torch.manual_seed(i)
+        one = {**cfg, "num_hidden_layers": 1, "layer_types": [kind]}
+        model = GptOssForCausalLM(GptOssConfig(**one)).eval()
+        _randomize(model, fan_in_axis=-2)
+        tensors = {}
+        for key, p in model.state_dict().items():
+            key = key.replace("model.layers.0.", f"model.layers.{i}.")
+            if i and not key.startswith("model.layers."):
+                continue  # embedding, final norm and head: layer 0's shard
+            if key.split(".")[-1] not in EXPERTS:
+                tensors[key] = p.to(torch.bfloat16).contiguous()
+                continue
+            q = [mxfp4.quantize(w.T.contiguous()) for w in p]  # an expert at a time: [out, in/2]
+            scales = torch.stack([sc for _, sc in q])
+            tensors[key + "_blocks"] = torch.stack([b for b, _ in q]).reshape(*scales.shape, 16)
+            tensors[key + "_scales"] = scales
+        shard = f"model-{i + 1:05d}-of-{len(cfg['layer_types']):05d}.safetensors"
+        save_file(tensors, str(tmp / shard), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, shard))
+        del model, tensors
+    GptOssConfig(**cfg).save_pretrained(tmp)
+    index = {"metadata": {}, "weight_map": weight_map}
+    (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    rope = dict(cfg["rope_parameters"])
     theta = rope.pop("rope_theta")
     quant = {"quant_method": "mxfp4", "modules_to_not_convert": ["router", "self_attn", "lm_head",
                                                                   "embed_tokens"]}  # fmt: skip
-    _finish(out, {"architectures": ["GptOssForCausalLM"], "dtype": "bfloat16", "quantization_config": quant, "rope_theta": theta,
+    _finish(tmp, {"architectures": ["GptOssForCausalLM"], "dtype": "bfloat16", "quantization_config": quant, "rope_theta": theta,
                   "rope_scaling": rope})  # fmt: skip
+    os.replace(tmp, out)
     return out
 
 
 def prepare(name: str, work: Path, tree: Path) -> Model:
-    """Model `name` (1b, big, gptoss): its checkpoints made and converted when absent."""
+    """Model `name` (1b, big, gptoss, gptoss-big): its checkpoints made and converted when absent."""
     gdir = work
     if name == "1b":
         ck, stem, cfg = qwen_1b(work), "qwen3moe", QWEN_1B
     elif name == "big":
         gdir = work.parent / f"{work.name}-big"
         ck, stem, cfg = qwen_big(gdir), "qwen3moe-big", QWEN_BIG
+    elif name == "gptoss-big":
+        gdir = work.parent / f"{work.name}-big"
+        one = gptoss(gdir, GPTOSS_BIG)
+        ck, stem, cfg = {"float32": one, "bfloat16": one}, "gptoss-big-mxfp4", GPTOSS_BIG
     elif name == "gptoss":
         one = gptoss(work)
         ck, stem, cfg = {"float32": one, "bfloat16": one}, "gptoss-mxfp4", GPTOSS
         dense = dense_copy(one, work / "gptoss-dense")
         dense_gguf = convert(tree, dense, work / "gptoss-dense-f32.gguf", "f32")
     else:
-        raise SystemExit(f"unknown model {name!r} (1b, big, gptoss)")
+        raise SystemExit(f"unknown model {name!r} (1b, big, gptoss, gptoss-big)")
     ggufs = {
         dtype: convert(tree, ck[dtype], gdir / f"{stem}-{short}.gguf", short)
         for dtype, short in (("float32", "f32"), ("bfloat16", "bf16"))
     }
     extra = (dense, dense_gguf) if name == "gptoss" else None
     active = param_counts(cfg)[1]
-    widths = {} if name == "gptoss" else {"float32": 4, "bfloat16": 2}
+    widths = {} if name.startswith("gptoss") else {"float32": 4, "bfloat16": 2}
     return Model(name, ck, ggufs, describe(cfg), extra, {k: active * w for k, w in widths.items()})
