@@ -20,7 +20,8 @@ repetition), median of `--reps`:
 - cold: `echo 3 > /proc/sys/vm/drop_caches` and a fresh cgroup; warm: the same cgroup right after
   (what the cap let stay in the page cache stays).
 - llama.cpp: its Python bindings over the library built in `--tools` (mmap, the default), token
-  ids in, argmax out (F32 KV cache); reap: `Engine.open(budget=0.85 x cap)` (what `reap run
+  ids in, argmax out (F32 KV cache; MXFP4 experts with its --no-repack: repacked, they are copied
+  out of the mapping into anonymous memory and the cgroup kills it); reap: `Engine.open(budget=0.85 x cap)` (what `reap run
   --budget` opens; `--direct` reads by default, see --buffered) stepping the same ids.
 - prefill and decode tok/s; bytes read from disk per token (`/proc/self/io` read_bytes around each
   phase); peak RSS (`ru_maxrss`) and the cgroup's peak; greedy tokens equal (reap vs llama.cpp, and
@@ -157,6 +158,13 @@ def done(ids, **extra):
 """
 LLAMA = COMMON + """
 import llama_cpp, numpy as np
+if a["no_repack"]:  # its --no-repack: MXFP4 weights stay in the mapping (else copied out of it)
+    default = llama_cpp.llama_model_default_params
+    def no_repack():
+        p = default()
+        p.use_extra_bufts = False
+        return p
+    llama_cpp.llama_model_default_params = no_repack
 llm = llama_cpp.Llama(model_path=a["gguf"], n_ctx=a["ctx"], n_threads=a["threads"],
                       n_threads_batch=a["threads"], n_batch=a["ctx"], verbose=False,
                       type_k=0, type_v=0)
@@ -243,7 +251,7 @@ def cell_runs(model: Model, dtype: str, cap: int, args, rep: int) -> dict:
     ck, gguf = model.ckpts[dtype], model.ggufs[dtype]
     arg = decode_args(args)
     eng = {"reap": (REAP, reap_args(model, dtype, args, int(BUDGET_FRACTION * cap))),
-           "llama.cpp": (LLAMA, {**arg, "gguf": str(gguf)})}  # fmt: skip
+           "llama.cpp": (LLAMA, {**arg, "gguf": str(gguf), "no_repack": model.name.startswith("gptoss")})}
     order = list(eng) if rep % 2 == 0 else list(eng)[::-1]
     out: dict = {}
     for who in order:

@@ -140,7 +140,9 @@ def report(res: dict) -> str:
         f"CPU: {res['cpu']}, {res['cores']} cores; cgroup {res['cgroup']}; {res['threads']} "
         f"thread(s); {res['reps']} repetition(s), engines interleaved; {res['decode']} decode "
         f"tokens after a 32-token prompt. reap: `Engine.open(budget={res['budget_fraction']} x "
-        f"cap)` reading with {res['reap_reads']}; llama.cpp: its bindings, default mmap, F32 KV. "
+        f"cap)` reading with {res['reap_reads']}; llama.cpp: its bindings, default mmap (MXFP4 "
+        "experts: also its --no-repack, else it copies them out of the mapping into anonymous "
+        "memory, past the cap), F32 KV. "
         "Machine probes before/after (1-min load, CPU pressure some avg10): "
         + ", ".join(f"{p['load']} / {p['psi_some_avg10']}" for p in res["probes"]) + ".",
         "",
