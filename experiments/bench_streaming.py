@@ -159,12 +159,12 @@ def done(ids, **extra):
 LLAMA = COMMON + """
 import llama_cpp, numpy as np
 if a["no_repack"]:  # its --no-repack: MXFP4 weights stay in the mapping (else copied out of it)
-    default = llama_cpp.llama_model_default_params
+    default = llama_cpp.llama_cpp.llama_model_default_params
     def no_repack():
         p = default()
         p.use_extra_bufts = False
         return p
-    llama_cpp.llama_model_default_params = no_repack
+    llama_cpp.llama_cpp.llama_model_default_params = no_repack
 llm = llama_cpp.Llama(model_path=a["gguf"], n_ctx=a["ctx"], n_threads=a["threads"],
                       n_threads_batch=a["threads"], n_batch=a["ctx"], verbose=False,
                       type_k=0, type_v=0)
