@@ -71,11 +71,18 @@ def test_one_token_dispatch_equals_the_sorting_reference_bit_for_bit(dtype):
         ids = torch.randperm(6, generator=g)[:3][None]  # [1, K]
         weights = torch.rand(1, 3, generator=g)
         fast, none = blocks.dispatch(x, ids, weights, run)
-        src = lambda layer, e: {"w": torch.tensor([float(e)])}
-        via_source, _ = blocks.routed_experts(
-            x, ids, weights, 0, src, lambda xs, t: run(int(t["w"]), xs)
-        )
+        calls = []  # on one thread each expert runs once fetched (the later reads go on)
+        src = lambda layer, e: calls.append(("get", e)) or {"w": torch.tensor([float(e)])}
+        saved = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            via_source, _ = blocks.routed_experts(
+                x, ids, weights, 0, src, lambda xs, t: calls.append(("run", int(t["w"])))
+                or run(int(t["w"]), xs))  # fmt: skip
+        finally:
+            torch.set_num_threads(saved)
         assert torch.equal(via_source, fast)
+        assert calls == [(op, e) for e in sorted(ids[0].tolist()) for op in ("get", "run")]
         ref, _ = blocks.dispatch_reference(x, ids, weights, run)
         assert none is None and torch.equal(fast, ref)
 

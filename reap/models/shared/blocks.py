@@ -161,15 +161,17 @@ def _accumulate(xl: Tensor, weights: Tensor, order, outs) -> Tensor:
 
 def _one_token(x: Tensor, ids: Tensor, weights: Tensor, layer: int, experts, run) -> Tensor:
     """`dispatch` of one token through an ExpertSource: the experts are fetched in ascending
-    order on this thread (the source's bookkeeping is not thread-safe), then, with dense
+    order on this thread (the source's bookkeeping is not thread-safe); on one thread each is
+    run as soon as it is fetched (a streaming source's later reads go on meanwhile); with dense
     weights and several torch threads, their outputs computed on the kernels' pool (the
     compiled GEMVs release the GIL) and summed here in ascending order: the same numbers as
     one thread."""
     order = sorted(zip(ids[0].tolist(), range(ids.shape[1])))  # (expert, slot) ascending
-    tensors = [experts(layer, e) for e, _ in order]
     n = min(torch.get_num_threads(), len(order))
-    dense = all(isinstance(t, Tensor) for ts in tensors for t in ts.values())
-    if n < 2 or not dense or x.device.type != "cpu":
+    if n < 2 or x.device.type != "cpu":  # each run once fetched: overlaps the later reads
+        return _accumulate(x, weights, order, [run(x, experts(layer, e)) for e, _ in order])
+    tensors = [experts(layer, e) for e, _ in order]
+    if not all(isinstance(t, Tensor) for ts in tensors for t in ts.values()):
         return _accumulate(x, weights, order, [run(x, t) for t in tensors])
     outs, grad = [None] * len(tensors), torch.is_grad_enabled()
 
