@@ -21,8 +21,9 @@ repetition), median of `--reps`:
   (what the cap let stay in the page cache stays).
 - llama.cpp: its Python bindings over the library built in `--tools` (mmap, the default), token
   ids in, argmax out (F32 KV cache; MXFP4 experts with its --no-repack: repacked, they are copied
-  out of the mapping into anonymous memory and the cgroup kills it); reap: `Engine.open(budget=0.85 x cap)` (what `reap run
-  --budget` opens; `--direct` reads by default, see --buffered) stepping the same ids.
+  out of the mapping into anonymous memory and the cgroup kills it); reap: `Engine.open(budget=
+  0.85 x cap)` (what `reap run --budget` opens; `--direct` reads by default, see --buffered)
+  stepping the same ids.
 - prefill and decode tok/s; bytes read from disk per token (`/proc/self/io` read_bytes around each
   phase); peak RSS (`ru_maxrss`) and the cgroup's peak; greedy tokens equal (reap vs llama.cpp, and
   reap's tokens across every cap: the determinism claim).
@@ -250,8 +251,9 @@ def cell_runs(model: Model, dtype: str, cap: int, args, rep: int) -> dict:
     after dropping the page cache, then a warm run in the same cgroup."""
     ck, gguf = model.ckpts[dtype], model.ggufs[dtype]
     arg = decode_args(args)
+    mxfp4 = model.name.startswith("gptoss")  # MXFP4 experts: llama.cpp's --no-repack
     eng = {"reap": (REAP, reap_args(model, dtype, args, int(BUDGET_FRACTION * cap))),
-           "llama.cpp": (LLAMA, {**arg, "gguf": str(gguf), "no_repack": model.name.startswith("gptoss")})}
+           "llama.cpp": (LLAMA, {**arg, "gguf": str(gguf), "no_repack": mxfp4})}
     order = list(eng) if rep % 2 == 0 else list(eng)[::-1]
     out: dict = {}
     for who in order:

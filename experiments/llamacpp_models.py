@@ -306,7 +306,8 @@ def gptoss(work: Path, cfg: dict = GPTOSS, name: str = "gptoss-mxfp4") -> Path:
 
 
 def prepare(name: str, work: Path, tree: Path) -> Model:
-    """Model `name` (1b, big, gptoss, gptoss-big): its checkpoints made and converted when absent."""
+    """Model `name` (1b, big, gptoss, gptoss-big): its checkpoints made and converted when
+    absent."""
     gdir = work
     if name == "1b":
         ck, stem, cfg = qwen_1b(work), "qwen3moe", QWEN_1B

@@ -37,11 +37,12 @@ class ExpertCache:
     0.43 of teacher-forced text where LRU hit 0.89 (`reports/streaming-policy.md`).
 
     Admission: every expert's aged use count is kept (`seen`), resident or not. Once no slot is
-    free, an expert read in is admitted to the ranked set only if its count beats the lowest
-    admitted one; else it is staged: staged experts are evicted first, oldest first. Without
-    it a cache smaller than one token's expert uses evicted each expert just before its next
-    use and hit nothing (`reports/streaming.md`, 25 % cap). Experts fetched in the current
-    layer are never evicted until `release()`: the model may still hold views of them.
+    free and the cache cycles (its lowest admitted count is at least one use's weight a
+    half-life ago), an expert read in is admitted to the ranked set only if its count before
+    this use beats that lowest one; else it is staged: staged experts are evicted first, oldest
+    first. Without it a cache smaller than one token's expert uses evicted each expert just
+    before its next use and hit nothing (`reports/streaming.md`, 25 % cap). Experts fetched in
+    the current layer are never evicted until `release()`: the model may still hold views of them.
 
     A failed read (corrupt bytes included: with `matrices_of`, each read's quantized matrices
     are checked by their codecs) raises nothing: it is recorded in `failed` and the expert is
